@@ -1,0 +1,134 @@
+// Collectives over the ranks of a World.
+//
+// Contracts shared by every op (the CPU backend and the CUDA backend alike):
+//  - Order: on each stream, every rank issues the same collectives in the same order
+//    with matching sizes and dtypes. Ops on different streams are independent and may
+//    run concurrently. A rank that issues a different op is detected (the first
+//    message of every step carries the op, its sequence number and its byte count)
+//    and every rank gets CommError{Mismatch}.
+//  - Asynchrony: every op returns at once with a Work. The tensors belong to the op
+//    until Work::wait() returns (or its event completes): do not read the outputs or
+//    write the inputs before then.
+//  - Tensors: contiguous, on the communicator's device, same dtype for input and
+//    output. Sizes are derived from the tensors; nothing else is passed.
+//  - Slots: a flat buffer of N elements is split between ranks by shard_range(N,
+//    world_size, rank) (shard.h), so sizes need not divide by the world size.
+//  - Deadlines: every op has one (CommunicatorOptions::timeout, or the op's own).
+//    A dead, stuck or missing peer makes the op fail with CommError on every
+//    surviving rank within the deadline; after the first failure the communicator
+//    is aborted and every later op fails at once (CommError{Aborted}).
+//  - Sequence numbers: ops are numbered 1, 2, ... per communicator in the order the
+//    host issues them; errors and logs name them ("all_gather #12").
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "flatshard/stream.h"
+#include "flatshard/world.h"
+
+namespace flatshard {
+
+enum class ReduceOp { Sum, Avg };
+
+// The streams a communicator owns. Each has its own connections, so ops on two
+// streams run concurrently. By default an op runs on the stream named after it
+// (broadcast and barrier on AllReduce).
+enum class StreamRole { AllGather, ReduceScatter, AllReduce };
+constexpr int kNumStreamRoles = 3;
+const char* to_string(StreamRole role);
+
+struct CommunicatorOptions {
+  // Default deadline of every collective.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  // Store key prefix, so that several communicators can be made over one World.
+  std::string name = "default";
+};
+
+struct CollectiveOptions {
+  std::optional<StreamRole> stream;            // default: the op's own stream
+  std::optional<std::chrono::milliseconds> timeout;
+  std::vector<Event> wait_for;                 // the op starts after these complete
+};
+
+// The handle of one issued collective.
+class Work {
+ public:
+  Work(Event event, std::uint64_t seq) : event_(std::move(event)), seq_(seq) {}
+  // Blocks the host until the op completes; rethrows its CommError.
+  void wait() const { event_.synchronize(); }
+  bool is_completed() const { return event_.query(); }
+  // For another stream to wait on (CollectiveOptions::wait_for).
+  const Event& event() const { return event_; }
+  std::uint64_t seq() const { return seq_; }
+
+ private:
+  Event event_;
+  std::uint64_t seq_;
+};
+
+namespace comm {
+class Backend;
+struct Collective;
+}  // namespace comm
+
+class Communicator {
+ public:
+  // Connects to the other ranks of `world` (a collective call: every rank makes the
+  // same communicator, in the same order). Throws RendezvousError on failure.
+  static std::unique_ptr<Communicator> create(const World& world,
+                                              const CommunicatorOptions& options = {});
+  ~Communicator();
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  Stream& stream(StreamRole role);
+
+  // all_gather: output.numel() == N; input is this rank's slot of it
+  // (input.numel() == shard_range(N, world_size, rank).numel). In place when `input`
+  // is exactly that slot of `output` (same storage and offset): no copy is made.
+  // After the op every rank holds every rank's slot in `output`.
+  Work all_gather(const at::Tensor& output, const at::Tensor& input,
+                  const CollectiveOptions& options = {});
+
+  // reduce_scatter: input.numel() == N; output.numel() == this rank's slot size.
+  // output = reduction over ranks of input's slot of this rank (Avg divides by the
+  // world size; floating dtypes only). `input` is not modified. `output` may be this
+  // rank's slot of `input`. Moves (N - slot) elements per rank: a reduce-scatter's
+  // bytes, not an all-reduce's.
+  Work reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                      const CollectiveOptions& options = {});
+
+  // all_reduce: in place on `tensor` (reduce-scatter then all-gather over a ring).
+  Work all_reduce(const at::Tensor& tensor, ReduceOp op, const CollectiveOptions& options = {});
+
+  // broadcast: in place; `root`'s `tensor` is copied to every rank's `tensor`.
+  Work broadcast(const at::Tensor& tensor, int root, const CollectiveOptions& options = {});
+
+  // barrier: completes on a rank once every rank has issued it.
+  Work barrier(const CollectiveOptions& options = {});
+
+  // Number of collectives issued so far (the last sequence number).
+  std::uint64_t issued() const { return next_seq_ - 1; }
+
+ private:
+  Communicator(int rank, int world_size, CommunicatorOptions options,
+               std::unique_ptr<comm::Backend> backend);
+  Work enqueue(comm::Collective collective, StreamRole default_role,
+               const CollectiveOptions& options);
+
+  int rank_;
+  int world_size_;
+  CommunicatorOptions options_;
+  std::unique_ptr<comm::Backend> backend_;
+  std::unique_ptr<Stream> streams_[kNumStreamRoles];
+  std::uint64_t next_seq_ = 1;  // host-side only: ops are issued from one thread
+};
+
+}  // namespace flatshard

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs everything FlatShard's build, tests, benchmarks and examples need on a
+# fresh Debian machine, and is quick when everything is already there.
+#
+#   scripts/setup.sh            # Debian packages + the pinned torch venv
+#   . scripts/env.sh            # (sourced by the other scripts) sets FLATSHARD_* paths
+#
+# Heavy installs live outside the checkout, in $FLATSHARD_CACHE
+# (default ~/.cache/flatshard), so a fresh clone on the same machine reuses them.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=env.sh
+. "$here/env.sh"
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# --- Debian packages -------------------------------------------------------------
+debs=(cmake ninja-build g++ pkg-config libfmt-dev libgtest-dev libgmock-dev
+      libbenchmark-dev libthrust-dev python3-venv)
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  log "installing Debian packages: ${missing[*]}"
+  sudo_cmd=""
+  [[ $(id -u) -ne 0 ]] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  log "Debian packages present"
+fi
+
+# --- pinned torch in a venv --------------------------------------------------------
+stamp="$FLATSHARD_VENV/.flatshard-torch-$FLATSHARD_TORCH_VERSION"
+if [[ -f "$stamp" ]]; then
+  log "torch $FLATSHARD_TORCH_VERSION present in $FLATSHARD_VENV"
+else
+  log "creating $FLATSHARD_VENV with torch==$FLATSHARD_TORCH_VERSION (a large download, once)"
+  mkdir -p "$FLATSHARD_CACHE"
+  "${FLATSHARD_PYTHON:-python3}" -m venv "$FLATSHARD_VENV"
+  "$FLATSHARD_VENV/bin/pip" install -q --upgrade pip
+  "$FLATSHARD_VENV/bin/pip" install -q --cache-dir "$FLATSHARD_CACHE/pip" \
+      "torch==$FLATSHARD_TORCH_VERSION" numpy matplotlib
+  "$FLATSHARD_VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'
+  touch "$stamp"
+fi
+log "Torch cmake prefix: $("$FLATSHARD_VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"

@@ -1,0 +1,58 @@
+// The seam between the Communicator (one path for every op: validation, numbering,
+// logging, errors) and a transport that moves the bytes (TCP rings on the CPU; NCCL
+// on CUDA).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "flatshard/communicator.h"
+#include "flatshard/errors.h"
+
+namespace flatshard::comm {
+
+enum class OpKind : std::uint8_t { AllGather = 1, ReduceScatter, AllReduce, Broadcast, Barrier };
+const char* to_string(OpKind kind);
+
+// One validated collective, as the transport sees it.
+struct Collective {
+  OpKind kind = OpKind::Barrier;
+  std::uint64_t seq = 0;  // the communicator's number for this op (for messages)
+  at::Tensor input;       // all_gather: this rank's slot; reduce_scatter: the full buffer
+  at::Tensor output;      // all_gather: the full buffer; reduce_scatter: this rank's slot;
+                          // all_reduce and broadcast: the tensor (input is the same)
+  ReduceOp reduce = ReduceOp::Sum;
+  int root = 0;
+  std::chrono::steady_clock::time_point deadline;
+};
+
+// What a transport throws when an op fails after it started; the Communicator turns
+// it into a CommError that names the op.
+struct TransportFailure : std::runtime_error {
+  TransportFailure(CommError::Kind kind, int peer, const std::string& detail)
+      : std::runtime_error(detail), kind(kind), peer(peer) {}
+  CommError::Kind kind;
+  int peer;  // the rank whose connection failed or was waited for; -1 if unknown
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  // Runs `op` to completion on the calling thread (a stream's worker) over the
+  // connections of `channel` (one per stream). Throws TransportFailure.
+  virtual void run(const Collective& op, int channel) = 0;
+  // Makes every op in progress on any channel, and every later op, fail at once.
+  // Safe to call from any thread.
+  virtual void abort() = 0;
+};
+
+// The CPU transport: `num_channels` independent rings of TCP connections.
+std::unique_ptr<Backend> make_tcp_ring_backend(const World& world, const CommunicatorOptions& options,
+                                               int num_channels);
+
+}  // namespace flatshard::comm

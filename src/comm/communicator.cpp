@@ -1,0 +1,194 @@
+// The one path every collective takes: validate, number, log, run on its stream,
+// time, and turn transport failures into CommErrors that name rank, op and number.
+#include "flatshard/communicator.h"
+
+#include <chrono>
+
+#include <fmt/format.h>
+
+#include "flatshard/errors.h"
+#include "flatshard/shard.h"
+#include "src/comm/backend.h"
+#include "src/logging.h"
+
+namespace flatshard {
+namespace {
+
+using comm::Collective;
+using comm::OpKind;
+
+std::string describe(const at::Tensor& t) {
+  return fmt::format("{}[{}] on {}", c10::toString(t.scalar_type()), t.numel(), t.device().str());
+}
+
+std::string advice(CommError::Kind kind) {
+  switch (kind) {
+    case CommError::Kind::PeerLost:
+      return "That rank exited or was killed: read its log for the first error. This communicator is "
+             "aborted; restart the job (from the last checkpoint).";
+    case CommError::Kind::Timeout:
+      return "A rank is stuck, slow, or never issued this collective. Check that every rank runs the "
+             "same code path, or raise CommunicatorOptions::timeout for long steps.";
+    case CommError::Kind::Mismatch:
+      return "The ranks issued different collectives (or sizes) at this point: every rank must issue "
+             "the same ops in the same order on each stream.";
+    case CommError::Kind::Aborted:
+      return "An earlier collective failed; see the first error. Restart the job.";
+  }
+  return "";
+}
+
+}  // namespace
+
+const char* to_string(StreamRole role) {
+  switch (role) {
+    case StreamRole::AllGather: return "all_gather";
+    case StreamRole::ReduceScatter: return "reduce_scatter";
+    case StreamRole::AllReduce: return "all_reduce";
+  }
+  return "unknown";
+}
+
+std::unique_ptr<Communicator> Communicator::create(const World& world, const CommunicatorOptions& options) {
+  if (options.timeout.count() <= 0) {
+    throw InvalidArgument(fmt::format("flatshard::Communicator::create (rank {}/{}): "
+                                      "CommunicatorOptions::timeout must be positive",
+                                      world.rank(), world.world_size()));
+  }
+  auto backend = comm::make_tcp_ring_backend(world, options, kNumStreamRoles);
+  return std::unique_ptr<Communicator>(
+      new Communicator(world.rank(), world.world_size(), options, std::move(backend)));
+}
+
+Communicator::Communicator(int rank, int world_size, CommunicatorOptions options,
+                           std::unique_ptr<comm::Backend> backend)
+    : rank_(rank), world_size_(world_size), options_(std::move(options)), backend_(std::move(backend)) {
+  for (int i = 0; i < kNumStreamRoles; ++i) {
+    streams_[i] = std::make_unique<Stream>(to_string(static_cast<StreamRole>(i)));
+  }
+}
+
+Communicator::~Communicator() {
+  // Let issued work finish (a failed peer makes it fail within its deadline) before
+  // the transport goes away under it.
+  for (auto& s : streams_) s.reset();
+}
+
+Stream& Communicator::stream(StreamRole role) { return *streams_[static_cast<int>(role)]; }
+
+Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input,
+                              const CollectiveOptions& options) {
+  Collective c;
+  c.kind = OpKind::AllGather;
+  c.input = input;
+  c.output = output;
+  return enqueue(std::move(c), StreamRole::AllGather, options);
+}
+
+Work Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                                  const CollectiveOptions& options) {
+  Collective c;
+  c.kind = OpKind::ReduceScatter;
+  c.input = input;
+  c.output = output;
+  c.reduce = op;
+  return enqueue(std::move(c), StreamRole::ReduceScatter, options);
+}
+
+Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op, const CollectiveOptions& options) {
+  Collective c;
+  c.kind = OpKind::AllReduce;
+  c.input = tensor;
+  c.output = tensor;
+  c.reduce = op;
+  return enqueue(std::move(c), StreamRole::AllReduce, options);
+}
+
+Work Communicator::broadcast(const at::Tensor& tensor, int root, const CollectiveOptions& options) {
+  Collective c;
+  c.kind = OpKind::Broadcast;
+  c.input = tensor;
+  c.output = tensor;
+  c.root = root;
+  return enqueue(std::move(c), StreamRole::AllReduce, options);
+}
+
+Work Communicator::barrier(const CollectiveOptions& options) {
+  Collective c;
+  c.kind = OpKind::Barrier;
+  return enqueue(std::move(c), StreamRole::AllReduce, options);
+}
+
+Work Communicator::enqueue(Collective c, StreamRole default_role, const CollectiveOptions& options) {
+  const std::uint64_t seq = next_seq_;
+  const char* name = comm::to_string(c.kind);
+  auto invalid = [&](const std::string& what) {
+    return InvalidArgument(fmt::format("flatshard: {} #{} on rank {}/{}: {}", name, seq, rank_, world_size_, what));
+  };
+
+  // --- validation: nothing is sent for a call that breaks the contract ----------
+  if (c.kind != OpKind::Barrier) {
+    for (const at::Tensor* t : {&c.input, &c.output}) {
+      if (!t->defined()) throw invalid("tensor is undefined");
+      if (!t->is_contiguous()) throw invalid(fmt::format("tensor {} is not contiguous; pass .contiguous()", describe(*t)));
+      if (!t->device().is_cpu()) {
+        throw invalid(fmt::format("tensor {} is not on the CPU; this communicator moves CPU tensors", describe(*t)));
+      }
+    }
+    if (c.input.scalar_type() != c.output.scalar_type()) {
+      throw invalid(fmt::format("input {} and output {} differ in dtype", describe(c.input), describe(c.output)));
+    }
+  }
+  const ShardRange mine = shard_range(c.kind == OpKind::AllGather ? c.output.numel()
+                                      : c.kind == OpKind::Barrier ? 0 : c.input.numel(),
+                                      world_size_, rank_);
+  if (c.kind == OpKind::AllGather && c.input.numel() != mine.numel) {
+    throw invalid(fmt::format("input has {} elements but this rank's slot of an output of {} elements "
+                              "has {} (shard_range)", c.input.numel(), c.output.numel(), mine.numel));
+  }
+  if (c.kind == OpKind::ReduceScatter && c.output.numel() != mine.numel) {
+    throw invalid(fmt::format("output has {} elements but this rank's slot of an input of {} elements "
+                              "has {} (shard_range)", c.output.numel(), c.input.numel(), mine.numel));
+  }
+  if ((c.kind == OpKind::ReduceScatter || c.kind == OpKind::AllReduce) && c.reduce == ReduceOp::Avg &&
+      !at::isFloatingType(c.input.scalar_type())) {
+    throw invalid(fmt::format("ReduceOp::Avg needs a floating dtype, got {}; use Sum and divide yourself",
+                              c10::toString(c.input.scalar_type())));
+  }
+  if (c.kind == OpKind::Broadcast && (c.root < 0 || c.root >= world_size_)) {
+    throw invalid(fmt::format("root {} is outside [0, {})", c.root, world_size_));
+  }
+  const auto timeout = options.timeout.value_or(options_.timeout);
+  if (timeout.count() <= 0) throw invalid("timeout must be positive");
+
+  // --- numbering and submission -----------------------------------------------
+  next_seq_ += 1;
+  c.seq = seq;
+  const StreamRole role = options.stream.value_or(default_role);
+  Stream& stream = *streams_[static_cast<int>(role)];
+  for (const Event& e : options.wait_for) stream.wait_event(e);
+  const std::size_t bytes = c.kind == OpKind::Barrier ? 0 : std::max(c.input.nbytes(), c.output.nbytes());
+  const int rank = rank_;
+  const int world_size = world_size_;
+  comm::Backend* backend = backend_.get();
+  Event done = stream.submit([c = std::move(c), role, timeout, bytes, rank, world_size, backend, name]() mutable {
+    const auto start = std::chrono::steady_clock::now();
+    c.deadline = start + timeout;
+    try {
+      backend->run(c, static_cast<int>(role));
+    } catch (const comm::TransportFailure& f) {
+      backend->abort();  // the other streams' ops fail at once instead of at their deadlines
+      const std::string peer = f.peer >= 0 ? fmt::format(" (peer rank {})", f.peer) : "";
+      CommError error(f.kind, rank, world_size, name, c.seq, f.peer,
+                      fmt::format("flatshard: {} #{} failed on rank {}/{}: {}{}: {}. {}", name, c.seq, rank,
+                                  world_size, to_string(f.kind), peer, f.what(), advice(f.kind)));
+      log::at(log::Level::Error, "{}", error.what());
+      throw error;
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    log::at(log::Level::Debug, "{} #{} {} B on stream {}: {:.3f} ms", name, c.seq, bytes, to_string(role), ms);
+  });
+  return Work(std::move(done), seq);
+}
+
+}  // namespace flatshard

@@ -1,0 +1,92 @@
+#include "flatshard/stream.h"
+
+namespace flatshard {
+
+struct Event::State {
+  mutable std::mutex mutex;
+  mutable std::condition_variable cv;
+  bool done = false;             // guarded by mutex
+  std::exception_ptr error;      // guarded by mutex; set when the work threw
+
+  void complete(std::exception_ptr e) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      done = true;
+      error = std::move(e);
+    }
+    cv.notify_all();
+  }
+  void wait() const {
+    std::unique_lock<std::mutex> lock(mutex);
+    cv.wait(lock, [&] { return done; });
+  }
+};
+
+Event::Event() : state_(std::make_shared<State>()) {}
+
+bool Event::query() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->done;
+}
+
+void Event::synchronize() const {
+  state_->wait();
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+Stream::Stream(std::string name) : name_(std::move(name)), worker_([this] { run(); }) {}
+
+Stream::~Stream() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();
+}
+
+Event Stream::submit(std::function<void()> fn) {
+  Event event;
+  auto state = event.state_;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back([fn = std::move(fn), state] {
+      try {
+        fn();
+        state->complete(nullptr);
+      } catch (...) {
+        state->complete(std::current_exception());
+      }
+    });
+  }
+  cv_.notify_one();
+  return event;
+}
+
+void Stream::wait_event(const Event& event) {
+  // Waiting does not fail this stream's work: the producer's error belongs to the
+  // producer's Work, which its owner checks.
+  auto state = event.state_;
+  submit([state] { state->wait(); });
+}
+
+Event Stream::record() { return submit([] {}); }
+
+void Stream::synchronize() { record().state_->wait(); }
+
+void Stream::run() {
+  for (;;) {
+    std::function<void()> item;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping and drained
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    item();
+  }
+}
+
+}  // namespace flatshard

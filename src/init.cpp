@@ -1,0 +1,98 @@
+// flatshard::init(): resolve the world, then meet the other ranks through a LibTorch
+// store (TCPStore served by rank 0, or FileStore on a shared file system).
+#include <chrono>
+#include <thread>
+
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "flatshard/errors.h"
+#include "flatshard/world.h"
+#include "src/logging.h"
+
+namespace flatshard {
+namespace {
+
+c10::intrusive_ptr<c10d::Store> make_tcp_store(const WorldSpec& spec, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(spec.master_port);
+  opts.isServer = spec.rank == 0;
+  opts.numWorkers = spec.world_size;
+  opts.waitWorkers = false;  // the join count below waits, with a message that names who is missing
+  opts.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(spec.master_addr, opts);
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    what = what.substr(0, what.find('\n'));
+    if (spec.rank == 0) {
+      throw RendezvousError(fmt::format(
+          "flatshard::init (rank 0/{}): cannot serve the rendezvous store on {}:{}: {}. If the "
+          "port is in use, set MASTER_PORT to a free port (flatshard-run picks one when "
+          "--master-port is omitted); if the address is not this host's, fix MASTER_ADDR.",
+          spec.world_size, spec.master_addr, spec.master_port, what));
+    }
+    throw RendezvousError(fmt::format(
+        "flatshard::init (rank {}/{}): cannot reach the rendezvous store of rank 0 at {}:{} "
+        "within {} ms: {}. Check MASTER_ADDR and MASTER_PORT, that rank 0 was started, and that "
+        "no firewall blocks the port.",
+        spec.rank, spec.world_size, spec.master_addr, spec.master_port, timeout.count(), what));
+  }
+}
+
+// Every rank adds itself to a counter and waits until all have: a missing rank is
+// reported by count instead of surfacing later as a collective's timeout.
+void wait_for_everyone(c10d::Store& store, const WorldSpec& spec, std::chrono::milliseconds timeout) {
+  const std::string key = "flatshard/init/joined";
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  try {
+    std::int64_t joined = store.add(key, 1);
+    auto pause = std::chrono::milliseconds(1);
+    while (joined < spec.world_size) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw RendezvousError(fmt::format(
+            "flatshard::init (rank {}/{}): only {} of {} ranks joined the rendezvous within {} ms. "
+            "Start every rank with the same WORLD_SIZE and master, or raise InitOptions::timeout.",
+            spec.rank, spec.world_size, joined, spec.world_size, timeout.count()));
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(50));
+      joined = store.add(key, 0);
+    }
+  } catch (const RendezvousError&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    throw RendezvousError(fmt::format("flatshard::init (rank {}/{}): the rendezvous store failed: {}",
+                                      spec.rank, spec.world_size, what.substr(0, what.find('\n'))));
+  }
+}
+
+}  // namespace
+
+World init(const InitOptions& options) {
+  World world;
+  world.spec = resolve_world(options, process_env());
+  const WorldSpec& spec = world.spec;
+  log::set_rank(spec.rank, spec.world_size);
+  if (spec.world_size == 1) return world;
+  if (spec.store_kind == "file") {
+    try {
+      world.store = c10::make_intrusive<c10d::FileStore>(spec.file_path, spec.world_size);
+    } catch (const std::exception& e) {
+      throw RendezvousError(fmt::format("flatshard::init (rank {}/{}): cannot open the file store {}: {}. "
+                                        "Use a path on a file system every rank shares, in a directory "
+                                        "that exists.", spec.rank, spec.world_size, spec.file_path, e.what()));
+    }
+    world.store->setTimeout(options.timeout);
+  } else {
+    world.store = make_tcp_store(spec, options.timeout);
+  }
+  wait_for_everyone(*world.store, spec, options.timeout);
+  log::at(log::Level::Info, "joined the world through {} ({})", to_string(spec.source),
+          spec.store_kind == "file" ? spec.file_path : fmt::format("{}:{}", spec.master_addr, spec.master_port));
+  return world;
+}
+
+}  // namespace flatshard

@@ -1,0 +1,289 @@
+#include "src/launcher/launcher.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+namespace flatshard::launcher {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int sig) {
+  const unsigned char byte = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &byte, 1);
+}
+
+int parse_int(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  const long v = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0') throw std::invalid_argument(fmt::format("{} needs an integer, got '{}'", flag, text));
+  return static_cast<int>(v);
+}
+
+double parse_double(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0') throw std::invalid_argument(fmt::format("{} needs a number, got '{}'", flag, text));
+  return v;
+}
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    throw std::runtime_error(fmt::format("cannot find a free port: {}", std::strerror(errno)));
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// A child process and the pipes its output comes through.
+struct Rank {
+  int index = 0;
+  pid_t pid = -1;
+  int out_fd = -1;  // its stdout
+  int err_fd = -1;  // its stderr
+  std::string out_partial, err_partial;
+  bool exited = false;
+  int code = 0;
+};
+
+void emit(int rank, std::string& partial, const char* data, std::size_t n, FILE* to) {
+  partial.append(data, n);
+  std::size_t start = 0;
+  for (std::size_t nl; (nl = partial.find('\n', start)) != std::string::npos; start = nl + 1) {
+    fmt::print(to, "[rank {}] {}\n", rank, std::string_view(partial).substr(start, nl - start));
+  }
+  partial.erase(0, start);
+  std::fflush(to);
+}
+
+void flush_partial(int rank, std::string& partial, FILE* to) {
+  if (!partial.empty()) fmt::print(to, "[rank {}] {}\n", rank, partial);
+  partial.clear();
+  std::fflush(to);
+}
+
+pid_t spawn(const LaunchOptions& o, int local, int port, int out_fd[2], int err_fd[2]) {
+  const pid_t pid = ::fork();
+  if (pid != 0) return pid;
+  // Child: its own process group (the launcher forwards signals), killed if the
+  // launcher dies.
+  ::setpgid(0, 0);
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  ::dup2(out_fd[1], STDOUT_FILENO);
+  ::dup2(err_fd[1], STDERR_FILENO);
+  ::close(out_fd[0]);
+  ::close(err_fd[0]);
+  const int world = o.nnodes * o.nproc_per_node;
+  const int rank = o.node_rank * o.nproc_per_node + local;
+  ::setenv("RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node).c_str(), 1);
+  ::setenv("GROUP_RANK", std::to_string(o.node_rank).c_str(), 1);
+  ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  ::setenv("OMP_NUM_THREADS", "1", 0);  // ranks share the cores; keep what the user set
+  std::vector<char*> argv;
+  for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  ::execvp(argv[0], argv.data());
+  std::fprintf(stderr, "flatshard-run: cannot start %s: %s\n", argv[0], std::strerror(errno));
+  ::_exit(127);
+}
+
+}  // namespace
+
+std::string usage() {
+  return "usage: flatshard-run -n N [--nnodes M --node-rank R --master-addr A --master-port P]\n"
+         "                     [--grace-s S] [--deadline-s S] PROGRAM [ARGS...]\n"
+         "  -n, --nproc-per-node N  ranks to start on this node\n"
+         "  --nnodes M              nodes in the job (default 1)\n"
+         "  --node-rank R           this node's index (default 0)\n"
+         "  --master-addr A         host of global rank 0 (default 127.0.0.1)\n"
+         "  --master-port P         its rendezvous port (default: a free port; required if M > 1)\n"
+         "  --grace-s S             after a rank fails, seconds the others get to exit (default 5)\n"
+         "  --deadline-s S          stop the job and fail after S seconds (default: none)\n";
+}
+
+LaunchOptions parse_args(int argc, char** argv) {
+  LaunchOptions o;
+  int i = 1;
+  auto value = [&](const std::string& flag) -> std::string {
+    if (i + 1 >= argc) throw std::invalid_argument(fmt::format("{} needs a value", flag));
+    return argv[++i];
+  };
+  for (; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-n" || a == "--nproc-per-node" || a == "--nproc_per_node") o.nproc_per_node = parse_int(a, value(a));
+    else if (a == "--nnodes") o.nnodes = parse_int(a, value(a));
+    else if (a == "--node-rank" || a == "--node_rank") o.node_rank = parse_int(a, value(a));
+    else if (a == "--master-addr" || a == "--master_addr") o.master_addr = value(a);
+    else if (a == "--master-port" || a == "--master_port") o.master_port = parse_int(a, value(a));
+    else if (a == "--grace-s") o.grace_s = parse_double(a, value(a));
+    else if (a == "--deadline-s") o.deadline_s = parse_double(a, value(a));
+    else if (a == "-h" || a == "--help") throw std::invalid_argument("help requested");
+    else if (a == "--") { ++i; break; }
+    else if (!a.empty() && a[0] == '-') throw std::invalid_argument(fmt::format("unknown option {}", a));
+    else break;
+  }
+  for (; i < argc; ++i) o.command.emplace_back(argv[i]);
+  if (o.command.empty()) throw std::invalid_argument("no PROGRAM given");
+  if (o.nproc_per_node < 1) throw std::invalid_argument("-n must be at least 1");
+  if (o.nnodes < 1) throw std::invalid_argument("--nnodes must be at least 1");
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes) throw std::invalid_argument("--node-rank must be in [0, --nnodes)");
+  if (o.master_port < 0 || o.master_port > 65535) throw std::invalid_argument("--master-port must be in 1..65535");
+  if (o.nnodes > 1 && o.master_port == 0) throw std::invalid_argument("--master-port is required when --nnodes > 1");
+  return o;
+}
+
+int run(const LaunchOptions& o) {
+  if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    std::fprintf(stderr, "flatshard-run: pipe: %s\n", std::strerror(errno));
+    return 1;
+  }
+  struct sigaction sa{};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  const int port = o.master_port != 0 ? o.master_port : free_port();
+  std::vector<Rank> ranks(o.nproc_per_node);
+  for (int i = 0; i < o.nproc_per_node; ++i) {
+    int out_fd[2], err_fd[2];
+    if (::pipe2(out_fd, O_CLOEXEC) != 0 || ::pipe2(err_fd, O_CLOEXEC) != 0) {
+      std::fprintf(stderr, "flatshard-run: pipe: %s\n", std::strerror(errno));
+      return 1;
+    }
+    ranks[i].index = o.node_rank * o.nproc_per_node + i;
+    ranks[i].pid = spawn(o, i, port, out_fd, err_fd);
+    ::close(out_fd[1]);
+    ::close(err_fd[1]);
+    ranks[i].out_fd = out_fd[0];
+    ranks[i].err_fd = err_fd[0];
+    ::fcntl(out_fd[0], F_SETFL, O_NONBLOCK);
+    ::fcntl(err_fd[0], F_SETFL, O_NONBLOCK);
+  }
+
+  const auto start = Clock::now();
+  int first_failure = -1;       // index into ranks
+  Clock::time_point failed_at;  // when the first failure was seen
+  int stop_signal = 0;          // what we last sent the survivors
+  Clock::time_point stop_sent_at;
+  int result_override = -1;     // set by a signal to the launcher or the deadline
+
+  auto signal_all = [&](int sig) {
+    for (auto& r : ranks) {
+      if (!r.exited) ::kill(r.pid, sig);
+    }
+  };
+
+  for (;;) {
+    std::vector<pollfd> fds;
+    fds.push_back({g_signal_pipe[0], POLLIN, 0});
+    for (auto& r : ranks) {
+      if (r.out_fd >= 0) fds.push_back({r.out_fd, POLLIN, 0});
+      if (r.err_fd >= 0) fds.push_back({r.err_fd, POLLIN, 0});
+    }
+    ::poll(fds.data(), fds.size(), 100);
+
+    unsigned char sig = 0;
+    while (::read(g_signal_pipe[0], &sig, 1) == 1) {
+      fmt::print(stderr, "flatshard-run: got signal {}, forwarding it to every rank\n", sig);
+      signal_all(sig);
+      if (result_override < 0) result_override = 128 + sig;
+      if (stop_signal == 0) {
+        stop_signal = sig;
+        stop_sent_at = Clock::now();
+      }
+    }
+    char buf[65536];
+    for (auto& r : ranks) {
+      for (int* fd : {&r.out_fd, &r.err_fd}) {
+        if (*fd < 0) continue;
+        const ssize_t n = ::read(*fd, buf, sizeof(buf));
+        FILE* to = fd == &r.out_fd ? stdout : stderr;
+        std::string& partial = fd == &r.out_fd ? r.out_partial : r.err_partial;
+        if (n > 0) {
+          emit(r.index, partial, buf, static_cast<std::size_t>(n), to);
+        } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+          flush_partial(r.index, partial, to);
+          ::close(*fd);
+          *fd = -1;
+        }
+      }
+    }
+    for (auto& r : ranks) {
+      if (r.exited) continue;
+      int status = 0;
+      if (::waitpid(r.pid, &status, WNOHANG) != r.pid) continue;
+      r.exited = true;
+      r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (r.code != 0 && first_failure < 0 && stop_signal == 0) {
+        first_failure = static_cast<int>(&r - ranks.data());
+        failed_at = Clock::now();
+        fmt::print(stderr, "flatshard-run: rank {} {} {}; the other ranks get {:.1f} s to exit\n", r.index,
+                   WIFEXITED(status) ? "exited with code" : "was killed by signal",
+                   WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), o.grace_s);
+        std::fflush(stderr);
+      }
+    }
+    bool all_done = true;
+    for (auto& r : ranks) all_done = all_done && r.exited && r.out_fd < 0 && r.err_fd < 0;
+    if (all_done) break;
+
+    const auto now = Clock::now();
+    const bool alive = std::any_of(ranks.begin(), ranks.end(), [](const Rank& r) { return !r.exited; });
+    if (alive && o.deadline_s > 0 && stop_signal == 0 &&
+        now - start > std::chrono::duration<double>(o.deadline_s)) {
+      fmt::print(stderr, "flatshard-run: the job passed its deadline of {:.1f} s; stopping every rank\n", o.deadline_s);
+      result_override = 124;
+      stop_signal = SIGTERM;
+      stop_sent_at = now;
+      signal_all(SIGTERM);
+    }
+    if (alive && first_failure >= 0 && stop_signal == 0 &&
+        now - failed_at > std::chrono::duration<double>(o.grace_s)) {
+      fmt::print(stderr, "flatshard-run: stopping the remaining ranks\n");
+      stop_signal = SIGTERM;
+      stop_sent_at = now;
+      signal_all(SIGTERM);
+    }
+    if (alive && stop_signal != 0 && stop_signal != SIGKILL && now - stop_sent_at > std::chrono::seconds(5)) {
+      stop_signal = SIGKILL;
+      signal_all(SIGKILL);
+    }
+  }
+  if (result_override >= 0) return result_override;
+  if (first_failure >= 0) return ranks[first_failure].code;
+  for (auto& r : ranks) {
+    if (r.code != 0) return r.code;
+  }
+  return 0;
+}
+
+}  // namespace flatshard::launcher

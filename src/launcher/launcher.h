@@ -1,0 +1,28 @@
+// flatshard-run: starts the local ranks of a job with the torchrun-style environment.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace flatshard::launcher {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;   // 0: pick a free port (one node only)
+  double grace_s = 5.0;  // after a rank fails: how long the others get to exit by themselves
+  double deadline_s = 0; // > 0: stop every rank after this long and fail
+  std::vector<std::string> command;  // PROGRAM ARGS...
+};
+
+// Parses argv; throws std::invalid_argument with a usage message.
+LaunchOptions parse_args(int argc, char** argv);
+std::string usage();
+
+// Runs the ranks and returns the exit code of the job: 0 if every rank succeeded,
+// otherwise the first failing rank's code (128 + signal for a signal).
+int run(const LaunchOptions& options);
+
+}  // namespace flatshard::launcher

@@ -1,0 +1,329 @@
+// The CPU transport: for each stream, a ring of TCP connections (this rank sends to
+// rank+1 and receives from rank-1). Ring algorithms move the minimum bytes per rank:
+//   all_gather      (N-1)/N of the buffer
+//   reduce_scatter  (N-1)/N of the buffer (never an all-reduce in disguise)
+//   all_reduce      2(N-1)/N: reduce-scatter then all-gather
+//   broadcast       the buffer once per rank, pipelined in slices
+// Every message starts with a StepHead naming the op, its per-channel number and the
+// body size; the receiver checks it before reading the body, so ranks that disagree
+// on the next collective fail with Mismatch instead of corrupting each other.
+#include <ATen/Dispatch.h>
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "flatshard/shard.h"
+#include "src/comm/backend.h"
+#include "src/errors.h"
+#include "src/tcp/socket.h"
+
+namespace flatshard::comm {
+namespace {
+
+using tcp::Clock;
+using tcp::IoError;
+using tcp::Socket;
+
+constexpr std::uint32_t kStepMagic = 0x46534852;   // "FSHR"
+constexpr std::uint32_t kHelloMagic = 0x46534845;  // "FSHE"
+constexpr std::size_t kBroadcastSliceBytes = std::size_t{1} << 20;
+
+struct StepHead {
+  std::uint32_t magic;
+  std::uint8_t op;
+  std::uint8_t reserved[3];
+  std::uint64_t channel_seq;  // 1, 2, ... per channel
+  std::uint64_t body_bytes;
+};
+static_assert(sizeof(StepHead) == 24, "StepHead is sent as raw bytes");
+
+struct Hello {
+  std::uint32_t magic;
+  std::int32_t rank;
+  std::int32_t world_size;
+  std::int32_t channel;
+};
+
+// The connections of one stream.
+struct Channel {
+  Socket to_next;
+  Socket from_prev;
+  std::uint64_t seq = 0;  // ops run on this channel so far; touched by its stream only
+};
+
+std::size_t bytes_of(const at::Tensor& t, const ShardRange& r) {
+  return static_cast<std::size_t>(r.numel) * t.element_size();
+}
+
+char* ptr_of(const at::Tensor& t, const ShardRange& r) {
+  return static_cast<char*>(t.data_ptr()) + r.offset * t.element_size();
+}
+
+// dst[i] = a[i] + b[i]
+void add(at::ScalarType dtype, void* dst, const void* a, const void* b, std::int64_t numel) {
+  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "flatshard_ring_add", [&] {
+    auto* d = static_cast<scalar_t*>(dst);
+    const auto* x = static_cast<const scalar_t*>(a);
+    const auto* y = static_cast<const scalar_t*>(b);
+    for (std::int64_t i = 0; i < numel; ++i) d[i] = x[i] + y[i];
+  });
+}
+
+class TcpRingBackend final : public Backend {
+ public:
+  TcpRingBackend(int rank, int world_size, std::vector<Channel> channels)
+      : rank_(rank), world_size_(world_size), channels_(std::move(channels)) {}
+
+  void run(const Collective& op, int channel) override {
+    FLATSHARD_ASSERT((channel >= 0 && channel < static_cast<int>(channels_.size())) || world_size_ == 1,
+                     "channel out of range");
+    if (aborted_.load()) {
+      throw TransportFailure(CommError::Kind::Aborted, -1, "the communicator was aborted by an earlier failure");
+    }
+    if (world_size_ == 1) {
+      run_single(op);
+      return;
+    }
+    Channel& ch = channels_[channel];
+    ch.seq += 1;
+    try {
+      switch (op.kind) {
+        case OpKind::AllGather: all_gather(ch, op, op.output); break;
+        case OpKind::ReduceScatter: reduce_scatter(ch, op, op.input, op.output); break;
+        case OpKind::AllReduce: all_reduce(ch, op); break;
+        case OpKind::Broadcast: broadcast(ch, op); break;
+        case OpKind::Barrier: barrier(ch, op); break;
+      }
+    } catch (const IoError& e) {
+      // A failure on our own side (abort() shut the sockets) is not the peer's fault.
+      if (aborted_.load()) {
+        throw TransportFailure(CommError::Kind::Aborted, e.peer,
+                               fmt::format("the communicator was aborted while this op ran ({})", e.detail));
+      }
+      throw TransportFailure(e.kind == IoError::Kind::Timeout ? CommError::Kind::Timeout
+                                                              : CommError::Kind::PeerLost,
+                             e.peer, e.detail);
+    }
+  }
+
+  void abort() override {
+    std::lock_guard<std::mutex> lock(abort_mutex_);
+    if (aborted_.exchange(true)) return;
+    // Shutting the sockets wakes every blocked op here and, through closed
+    // connections, our neighbours: the failure travels round the ring at once
+    // instead of each rank waiting out its deadline.
+    for (Channel& ch : channels_) {
+      ch.to_next.shutdown();
+      ch.from_prev.shutdown();
+    }
+  }
+
+ private:
+  int next() const { return (rank_ + 1) % world_size_; }
+  int prev() const { return (rank_ + world_size_ - 1) % world_size_; }
+  int mod(int i) const { return ((i % world_size_) + world_size_) % world_size_; }
+
+  void run_single(const Collective& op) {
+    switch (op.kind) {
+      case OpKind::AllGather:
+        if (op.output.data_ptr() != op.input.data_ptr()) op.output.copy_(op.input);
+        break;
+      case OpKind::ReduceScatter:
+        if (op.output.data_ptr() != op.input.data_ptr()) op.output.copy_(op.input);
+        break;
+      default:
+        break;  // all_reduce, broadcast and barrier are identities for one rank
+    }
+  }
+
+  // One ring step: send `send_bytes` to the next rank while receiving `recv_bytes`
+  // from the previous one, each message led by a StepHead that the receiver checks.
+  void step(Channel& ch, const Collective& op, const void* send, std::size_t send_bytes, bool do_send,
+            void* recv, std::size_t recv_bytes, bool do_recv) {
+    StepHead out{kStepMagic, static_cast<std::uint8_t>(op.kind), {0, 0, 0}, ch.seq, send_bytes};
+    StepHead in{};
+    tcp::exchange(
+        do_send ? &ch.to_next : nullptr, tcp::Parts{&out, sizeof(out), send, send_bytes},
+        do_recv ? &ch.from_prev : nullptr, tcp::MutableParts{&in, sizeof(in), recv, recv_bytes},
+        op.deadline, [&] {
+          if (in.magic != kStepMagic || in.op != static_cast<std::uint8_t>(op.kind) ||
+              in.channel_seq != ch.seq || in.body_bytes != recv_bytes) {
+            const char* their_op = in.magic == kStepMagic ? to_string(static_cast<OpKind>(in.op)) : "garbage";
+            throw TransportFailure(
+                CommError::Kind::Mismatch, prev(),
+                fmt::format("rank {} sent {} (op {} on this stream, {} bytes) where this rank expected "
+                            "{} (op {} on this stream, {} bytes): the ranks issued different "
+                            "collectives or sizes",
+                            prev(), their_op, in.channel_seq, in.body_bytes, to_string(op.kind), ch.seq,
+                            recv_bytes));
+          }
+        });
+  }
+
+  // Ring all-gather over `buffer` (segments by shard_range); this rank's segment is
+  // already in place.
+  void all_gather(Channel& ch, const Collective& op, const at::Tensor& buffer) {
+    const std::int64_t numel = buffer.numel();
+    if (op.kind == OpKind::AllGather) {
+      const ShardRange mine = shard_range(numel, world_size_, rank_);
+      char* slot = ptr_of(buffer, mine);
+      if (slot != op.input.data_ptr() && mine.numel > 0) {
+        std::memcpy(slot, op.input.data_ptr(), bytes_of(buffer, mine));
+      }
+    }
+    for (int s = 0; s < world_size_ - 1; ++s) {
+      const ShardRange out = shard_range(numel, world_size_, mod(rank_ - s));
+      const ShardRange in = shard_range(numel, world_size_, mod(rank_ - s - 1));
+      step(ch, op, ptr_of(buffer, out), bytes_of(buffer, out), true, ptr_of(buffer, in), bytes_of(buffer, in),
+           true);
+    }
+  }
+
+  // Ring reduce-scatter: at step s this rank sends the partial sum of segment
+  // (rank-s-1) and receives the partial sum of segment (rank-s-2); after N-1 steps
+  // it holds the full sum of its own segment. `input` is only read, each segment
+  // once, and only this rank's segment of `output` is written, so output may alias
+  // input (all_reduce runs it in place).
+  void reduce_scatter(Channel& ch, const Collective& op, const at::Tensor& input, const at::Tensor& output) {
+    const std::int64_t numel = input.numel();
+    const auto dtype = input.scalar_type();
+    const std::size_t elem = input.element_size();
+    const std::size_t max_bytes = static_cast<std::size_t>(shard_range(numel, world_size_, 0).numel) * elem;
+    std::vector<char> send_buf(max_bytes), recv_buf(max_bytes);
+    for (int s = 0; s < world_size_ - 1; ++s) {
+      const ShardRange out = shard_range(numel, world_size_, mod(rank_ - s - 1));
+      const ShardRange in = shard_range(numel, world_size_, mod(rank_ - s - 2));
+      const char* send = ptr_of(input, out);
+      if (s > 0) {  // what arrived last step is the partial sum of `out`: add ours
+        add(dtype, send_buf.data(), recv_buf.data(), send, out.numel);
+        send = send_buf.data();
+      }
+      step(ch, op, send, bytes_of(input, out), true, recv_buf.data(), bytes_of(input, in), true);
+    }
+    const ShardRange mine = shard_range(numel, world_size_, rank_);
+    add(dtype, output.data_ptr(), recv_buf.data(), ptr_of(input, mine), mine.numel);
+    if (op.reduce == ReduceOp::Avg) output.div_(world_size_);
+  }
+
+  void all_reduce(Channel& ch, const Collective& op) {
+    const at::Tensor& t = op.output;
+    const ShardRange mine = shard_range(t.numel(), world_size_, rank_);
+    reduce_scatter(ch, op, t, t.narrow(0, mine.offset, mine.numel));
+    all_gather(ch, op, t);
+  }
+
+  // Pipelined chain from the root round the ring: each rank forwards slice k while
+  // receiving slice k+1.
+  void broadcast(Channel& ch, const Collective& op) {
+    char* data = static_cast<char*>(op.output.data_ptr());
+    const std::size_t bytes = op.output.nbytes();
+    const std::size_t slices = std::max<std::size_t>(1, (bytes + kBroadcastSliceBytes - 1) / kBroadcastSliceBytes);
+    auto slice = [&](std::size_t k) { return std::min(kBroadcastSliceBytes, bytes - std::min(bytes, k * kBroadcastSliceBytes)); };
+    const int position = mod(rank_ - op.root);
+    const bool sends = position != world_size_ - 1;
+    const bool receives = position != 0;
+    // Step k sends slice k-1 (slice k at the root) and receives slice k.
+    for (std::size_t k = 0; k <= slices; ++k) {
+      const bool send_now = sends && (receives ? k >= 1 : k < slices);
+      const bool recv_now = receives && k < slices;
+      if (!send_now && !recv_now) continue;
+      const std::size_t send_index = receives ? k - 1 : k;
+      step(ch, op, data + send_index * kBroadcastSliceBytes, send_now ? slice(send_index) : 0, send_now,
+           data + k * kBroadcastSliceBytes, recv_now ? slice(k) : 0, recv_now);
+    }
+  }
+
+  // N-1 empty steps: the message received at step N-2 was sent after its sender
+  // heard from everyone further back, so every rank has entered the barrier.
+  void barrier(Channel& ch, const Collective& op) {
+    for (int s = 0; s < world_size_ - 1; ++s) step(ch, op, nullptr, 0, true, nullptr, 0, true);
+  }
+
+  int rank_;
+  int world_size_;
+  std::vector<Channel> channels_;
+  std::atomic<bool> aborted_{false};
+  std::mutex abort_mutex_;
+};
+
+std::vector<std::uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+}  // namespace
+
+const char* to_string(OpKind kind) {
+  switch (kind) {
+    case OpKind::AllGather: return "all_gather";
+    case OpKind::ReduceScatter: return "reduce_scatter";
+    case OpKind::AllReduce: return "all_reduce";
+    case OpKind::Broadcast: return "broadcast";
+    case OpKind::Barrier: return "barrier";
+  }
+  return "unknown op";
+}
+
+std::unique_ptr<Backend> make_tcp_ring_backend(const World& world, const CommunicatorOptions& options,
+                                               int num_channels) {
+  const int rank = world.rank();
+  const int world_size = world.world_size();
+  std::vector<Channel> channels;
+  if (world_size == 1) return std::make_unique<TcpRingBackend>(rank, world_size, std::move(channels));
+  FLATSHARD_ASSERT(world.store, "a multi-rank world has a store");
+  const auto deadline = Clock::now() + options.timeout;
+  const std::string prefix = fmt::format("flatshard/comm/{}/", options.name);
+  const auto fail = [&](const std::string& what) -> RendezvousError {
+    return RendezvousError(fmt::format("flatshard::Communicator::create (rank {}/{}, communicator '{}'): {}",
+                                       rank, world_size, options.name, what));
+  };
+
+  tcp::Listener listener;
+  std::string host = world.spec.store_kind == "tcp"
+                         ? tcp::local_address_toward(world.spec.master_addr, world.spec.master_port)
+                         : "127.0.0.1";
+  if (const char* forced = std::getenv("FLATSHARD_SOCKET_ADDR")) host = forced;
+  try {
+    world.store->set(prefix + std::to_string(rank), to_bytes(fmt::format("{}:{}", host, listener.port())));
+    const std::string key = prefix + std::to_string((rank + 1) % world_size);
+    world.store->wait({key}, options.timeout);
+    const auto value = world.store->get(key);
+    const std::string address(value.begin(), value.end());
+    const auto colon = address.rfind(':');
+    const std::string next_host = address.substr(0, colon);
+    const int next_port = std::stoi(address.substr(colon + 1));
+    channels.resize(num_channels);
+    for (int c = 0; c < num_channels; ++c) {
+      channels[c].to_next = Socket::connect(next_host, next_port, (rank + 1) % world_size, deadline);
+      Hello hello{kHelloMagic, rank, world_size, c};
+      channels[c].to_next.send_all(&hello, sizeof(hello), deadline);
+    }
+    const int prev = (rank + world_size - 1) % world_size;
+    for (int accepted = 0; accepted < num_channels; ++accepted) {
+      Socket s = listener.accept(deadline);
+      Hello hello{};
+      s.recv_all(&hello, sizeof(hello), deadline);
+      if (hello.magic != kHelloMagic || hello.world_size != world_size || hello.rank != prev ||
+          hello.channel < 0 || hello.channel >= num_channels || channels[hello.channel].from_prev.valid()) {
+        throw fail(fmt::format("unexpected connection (magic {:#x}, rank {}, world size {}, channel {}) "
+                               "while waiting for rank {}: are two jobs using the same master address "
+                               "and port?", hello.magic, hello.rank, hello.world_size, hello.channel, prev));
+      }
+      s.set_peer(prev);
+      channels[hello.channel].from_prev = std::move(s);
+    }
+  } catch (const IoError& e) {
+    throw fail(fmt::format("{}; check that every rank is running and can reach the others", e.detail));
+  } catch (const RendezvousError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw fail(e.what());
+  }
+  return std::make_unique<TcpRingBackend>(rank, world_size, std::move(channels));
+}
+
+}  // namespace flatshard::comm

@@ -1,0 +1,106 @@
+// Non-blocking TCP sockets with deadlines, for the ring transport.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+namespace flatshard::tcp {
+
+using Clock = std::chrono::steady_clock;
+
+// Why a socket operation failed. `peer` is the rank at the other end.
+struct IoError {
+  enum class Kind { Closed, Timeout, Aborted };
+  Kind kind;
+  int peer;
+  std::string detail;
+};
+
+class Socket {
+ public:
+  Socket() = default;
+  Socket(int fd, int peer);
+  ~Socket();
+  Socket(Socket&& other) noexcept;
+  Socket& operator=(Socket&& other) noexcept;
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+
+  int fd() const { return fd_; }
+  int peer() const { return peer_; }
+  void set_peer(int peer) { peer_ = peer; }
+  bool valid() const { return fd_ >= 0; }
+
+  // Connects to host:port, retrying refused connections until `deadline`.
+  static Socket connect(const std::string& host, int port, int peer, Clock::time_point deadline);
+
+  // Blocking-with-deadline whole-buffer transfers (used for handshakes).
+  void send_all(const void* data, std::size_t bytes, Clock::time_point deadline);
+  void recv_all(void* data, std::size_t bytes, Clock::time_point deadline);
+
+  // Wakes every thread blocked on this socket; they fail with Closed. Thread-safe.
+  void shutdown();
+
+ private:
+  int fd_ = -1;
+  int peer_ = -1;
+};
+
+class Listener {
+ public:
+  Listener();  // binds every interface on a free port
+  ~Listener();
+  Listener(const Listener&) = delete;
+  Listener& operator=(const Listener&) = delete;
+  int port() const { return port_; }
+  Socket accept(Clock::time_point deadline);
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+// The local address this host uses to reach `host` (no packet is sent).
+std::string local_address_toward(const std::string& host, int port);
+
+// A message in two parts: a fixed-size head, then a body.
+struct Parts {
+  const void* head = nullptr;
+  std::size_t head_bytes = 0;
+  const void* body = nullptr;
+  std::size_t body_bytes = 0;
+};
+struct MutableParts {
+  void* head = nullptr;
+  std::size_t head_bytes = 0;
+  void* body = nullptr;
+  std::size_t body_bytes = 0;
+};
+
+// One step of a ring: sends `send` on `out` while receiving into `recv` from `in`,
+// both at once, so that a ring in which every rank sends first cannot deadlock.
+// `check_head` runs once the received head is complete and before any body byte is
+// read (it throws to refuse a message that does not match). Either socket may be
+// null. Throws IoError, or what `check_head` throws.
+template <typename CheckHead>
+void exchange(Socket* out, const Parts& send, Socket* in, const MutableParts& recv,
+              Clock::time_point deadline, CheckHead&& check_head);
+
+namespace detail {
+// Type-erased core of exchange().
+void exchange(Socket* out, const Parts& send, Socket* in, const MutableParts& recv,
+              Clock::time_point deadline, void (*check)(void*), void* check_arg);
+}  // namespace detail
+
+template <typename CheckHead>
+void exchange(Socket* out, const Parts& send, Socket* in, const MutableParts& recv,
+              Clock::time_point deadline, CheckHead&& check_head) {
+  detail::exchange(
+      out, send, in, recv, deadline,
+      [](void* arg) { (*static_cast<std::remove_reference_t<CheckHead>*>(arg))(); }, &check_head);
+}
+
+}  // namespace flatshard::tcp
