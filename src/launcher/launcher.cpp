@@ -196,11 +196,14 @@ int run(const LaunchOptions& o) {
   Clock::time_point stop_sent_at;
   int result_override = -1;     // set by a signal to the launcher or the deadline
 
+  // Each rank leads its own process group: signal the group, so that programs the
+  // rank started (a shell's children) stop with it.
   auto signal_all = [&](int sig) {
     for (auto& r : ranks) {
-      if (!r.exited) ::kill(r.pid, sig);
+      if (!r.exited) ::kill(-r.pid, sig);
     }
   };
+  Clock::time_point all_exited_at{};
 
   for (;;) {
     std::vector<pollfd> fds;
@@ -252,9 +255,23 @@ int run(const LaunchOptions& o) {
         std::fflush(stderr);
       }
     }
-    bool all_done = true;
-    for (auto& r : ranks) all_done = all_done && r.exited && r.out_fd < 0 && r.err_fd < 0;
+    bool all_exited = true, all_done = true;
+    for (auto& r : ranks) {
+      all_exited = all_exited && r.exited;
+      all_done = all_done && r.exited && r.out_fd < 0 && r.err_fd < 0;
+    }
     if (all_done) break;
+    // A rank's leftover children may hold its pipes open: stop reading after a while.
+    if (all_exited && all_exited_at == Clock::time_point{}) all_exited_at = Clock::now();
+    if (all_exited && Clock::now() - all_exited_at > std::chrono::seconds(2)) {
+      for (auto& r : ranks) {
+        for (int* fd : {&r.out_fd, &r.err_fd}) {
+          if (*fd >= 0) ::close(*fd);
+          *fd = -1;
+        }
+      }
+      break;
+    }
 
     const auto now = Clock::now();
     const bool alive = std::any_of(ranks.begin(), ranks.end(), [](const Rank& r) { return !r.exited; });

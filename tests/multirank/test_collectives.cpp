@@ -1,0 +1,242 @@
+// Every collective over real ranks (1 to 4 processes through flatshard-run): sizes 0,
+// 1, primes and sizes not divisible by the world size; Sum and Avg; several dtypes;
+// in place and out of place; concurrent streams; contract violations.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "flatshard/flatshard.h"
+#include "tests/support/multirank.h"
+
+namespace {
+
+using flatshard::Communicator;
+using flatshard::ReduceOp;
+using flatshard::shard_range;
+
+const std::vector<std::int64_t> kSizes = {0, 1, 2, 3, 5, 7, 12, 13, 97, 1009, 65537, 300007};
+const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kLong, at::kInt, at::kBFloat16};
+
+struct Rank {
+  flatshard::World world;
+  std::unique_ptr<Communicator> comm;
+  int rank() const { return world.rank(); }
+  int size() const { return world.world_size(); }
+};
+
+Rank join(std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  Rank r;
+  r.world = flatshard::init();
+  flatshard::CommunicatorOptions options;
+  options.timeout = timeout;
+  r.comm = Communicator::create(r.world, options);
+  return r;
+}
+
+// A value every rank can compute for (rank, index), exact in every tested dtype.
+at::Tensor pattern(std::int64_t numel, int rank, at::ScalarType dtype) {
+  const std::int64_t modulus = dtype == at::kBFloat16 ? 7 : 997;
+  auto base = at::arange(numel, at::kLong).remainder(modulus);
+  return (base + rank * (dtype == at::kBFloat16 ? 8 : 1000)).to(dtype);
+}
+
+at::Tensor pattern_sum(std::int64_t numel, int world, at::ScalarType dtype) {
+  auto sum = at::zeros({numel}, at::kDouble);
+  for (int r = 0; r < world; ++r) sum += pattern(numel, r, at::kDouble).to(at::kDouble);
+  if (dtype == at::kBFloat16) {  // the ring adds in bf16: small integers stay exact
+    sum = at::zeros({numel}, at::kDouble);
+    for (int r = 0; r < world; ++r) sum += pattern(numel, r, dtype).to(at::kDouble);
+  }
+  return sum;
+}
+
+TEST(Collectives, AllGatherEverySizeAndDtype) {
+  FLATSHARD_RUN_RANKS({1, 2, 3, 4});
+  Rank r = join();
+  for (auto dtype : kDtypes) {
+    for (std::int64_t numel : kSizes) {
+      SCOPED_TRACE(::testing::Message() << "numel " << numel << " dtype " << dtype);
+      const auto slot = shard_range(numel, r.size(), r.rank());
+      auto expected = at::empty({numel}, dtype);
+      for (int q = 0; q < r.size(); ++q) {
+        const auto s = shard_range(numel, r.size(), q);
+        expected.narrow(0, s.offset, s.numel).copy_(pattern(numel, q, dtype).narrow(0, s.offset, s.numel));
+      }
+      // Out of place.
+      auto output = at::full({numel}, -1, dtype);
+      auto input = pattern(numel, r.rank(), dtype).narrow(0, slot.offset, slot.numel).clone();
+      r.comm->all_gather(output, input).wait();
+      EXPECT_TRUE(at::equal(output, expected));
+      // In place: the input is this rank's slot of the output.
+      auto inplace = at::full({numel}, -1, dtype);
+      auto my_slot = inplace.narrow(0, slot.offset, slot.numel);
+      my_slot.copy_(input);
+      r.comm->all_gather(inplace, my_slot).wait();
+      EXPECT_TRUE(at::equal(inplace, expected));
+    }
+  }
+}
+
+TEST(Collectives, ReduceScatterSumAndAvgEverySize) {
+  FLATSHARD_RUN_RANKS({1, 2, 3, 4});
+  Rank r = join();
+  for (auto dtype : kDtypes) {
+    for (std::int64_t numel : kSizes) {
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+        if (op == ReduceOp::Avg && !at::isFloatingType(dtype)) continue;
+        SCOPED_TRACE(::testing::Message() << "numel " << numel << " dtype " << dtype << " avg "
+                                          << (op == ReduceOp::Avg));
+        const auto slot = shard_range(numel, r.size(), r.rank());
+        auto input = pattern(numel, r.rank(), dtype);
+        const auto input_before = input.clone();
+        auto expected = pattern_sum(numel, r.size(), dtype).narrow(0, slot.offset, slot.numel);
+        if (op == ReduceOp::Avg) expected = expected / r.size();
+        auto output = at::empty({slot.numel}, dtype);
+        r.comm->reduce_scatter(output, input, op).wait();
+        const double tol = dtype == at::kBFloat16 ? 1e-2 : 1e-12;
+        EXPECT_TRUE(at::allclose(output.to(at::kDouble), expected, tol, tol));
+        EXPECT_TRUE(at::equal(input, input_before)) << "reduce_scatter modified its input";
+        // Output aliasing this rank's slot of the input.
+        auto aliased = input.narrow(0, slot.offset, slot.numel);
+        r.comm->reduce_scatter(aliased, input, op).wait();
+        EXPECT_TRUE(at::allclose(aliased.to(at::kDouble), expected, tol, tol));
+      }
+    }
+  }
+}
+
+TEST(Collectives, AllReduceSumAndAvgEverySize) {
+  FLATSHARD_RUN_RANKS({1, 2, 3, 4});
+  Rank r = join();
+  for (auto dtype : kDtypes) {
+    for (std::int64_t numel : kSizes) {
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+        if (op == ReduceOp::Avg && !at::isFloatingType(dtype)) continue;
+        SCOPED_TRACE(::testing::Message() << "numel " << numel << " dtype " << dtype);
+        auto t = pattern(numel, r.rank(), dtype);
+        auto expected = pattern_sum(numel, r.size(), dtype);
+        if (op == ReduceOp::Avg) expected = expected / r.size();
+        r.comm->all_reduce(t, op).wait();
+        const double tol = dtype == at::kBFloat16 ? 1e-2 : 1e-12;
+        EXPECT_TRUE(at::allclose(t.to(at::kDouble), expected, tol, tol));
+      }
+    }
+  }
+}
+
+TEST(Collectives, BroadcastFromEveryRoot) {
+  FLATSHARD_RUN_RANKS({1, 2, 3, 4});
+  Rank r = join();
+  for (int root = 0; root < r.size(); ++root) {
+    for (std::int64_t numel : kSizes) {
+      SCOPED_TRACE(::testing::Message() << "root " << root << " numel " << numel);
+      auto t = r.rank() == root ? pattern(numel, root, at::kFloat) : at::full({numel}, -1.0f);
+      r.comm->broadcast(t, root).wait();
+      EXPECT_TRUE(at::equal(t, pattern(numel, root, at::kFloat)));
+    }
+  }
+}
+
+TEST(Collectives, BarrierWaitsForTheLastRank) {
+  FLATSHARD_RUN_RANKS({1, 2, 3, 4});
+  Rank r = join();
+  using Clock = std::chrono::system_clock;  // one machine: comparable across processes
+  std::this_thread::sleep_for(std::chrono::milliseconds(150 * r.rank()));
+  const double entered = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+  r.comm->barrier().wait();
+  const double left = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+  auto times = at::zeros({r.size()}, at::kDouble);
+  auto mine = times.narrow(0, r.rank(), 1);
+  mine.fill_(entered);
+  r.comm->all_gather(times, mine).wait();
+  EXPECT_GE(left, times.max().item<double>()) << "left the barrier before the last rank entered it";
+}
+
+// Ops on different streams are independent: an all_gather completes while an
+// all_reduce issued before it is still waiting for a late rank.
+TEST(Collectives, StreamsRunConcurrently) {
+  FLATSHARD_RUN_RANKS({2, 3});
+  Rank r = join();
+  const std::int64_t numel = 1 << 16;
+  auto reduced = at::ones({numel});
+  auto gathered = at::empty({numel});
+  const auto slot = shard_range(numel, r.size(), r.rank());
+  auto my_slot = gathered.narrow(0, slot.offset, slot.numel).fill_(static_cast<float>(r.rank()));
+  if (r.rank() == 0) {
+    auto ar = r.comm->all_reduce(reduced, ReduceOp::Sum);
+    auto ag = r.comm->all_gather(gathered, my_slot);
+    ag.wait();
+    EXPECT_FALSE(ar.is_completed()) << "the all_gather waited for the all_reduce on another stream";
+    ar.wait();
+  } else {
+    r.comm->all_gather(gathered, my_slot).wait();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    r.comm->all_reduce(reduced, ReduceOp::Sum).wait();
+  }
+  EXPECT_TRUE(at::equal(reduced, at::full({numel}, static_cast<float>(r.size()))));
+  for (int q = 0; q < r.size(); ++q) {
+    const auto s = shard_range(numel, r.size(), q);
+    EXPECT_TRUE(at::all(gathered.narrow(0, s.offset, s.numel) == static_cast<float>(q)).item<bool>());
+  }
+  // A hand-off between streams: the reduce_scatter waits on the all_gather's event.
+  auto source = at::empty({numel});
+  auto source_slot = source.narrow(0, slot.offset, slot.numel).fill_(1.0f);
+  auto gather = r.comm->all_gather(source, source_slot);
+  auto out = at::empty({slot.numel});
+  flatshard::CollectiveOptions after;
+  after.wait_for = {gather.event()};
+  r.comm->reduce_scatter(out, source, ReduceOp::Sum, after).wait();
+  EXPECT_TRUE(at::equal(out, at::full({slot.numel}, static_cast<float>(r.size()))));
+}
+
+TEST(Collectives, ContractViolationsThrowAndSendNothing) {
+  FLATSHARD_RUN_RANKS({2});
+  Rank r = join();
+  auto bad_input = at::zeros({5});
+  auto output = at::zeros({12});
+  EXPECT_THROW(r.comm->all_gather(output, bad_input), flatshard::InvalidArgument);
+  EXPECT_THROW(r.comm->reduce_scatter(at::zeros({5}), output, ReduceOp::Sum), flatshard::InvalidArgument);
+  EXPECT_THROW(r.comm->all_reduce(at::zeros({4}, at::kLong), ReduceOp::Avg), flatshard::InvalidArgument);
+  EXPECT_THROW(r.comm->broadcast(output, 7), flatshard::InvalidArgument);
+  EXPECT_THROW(r.comm->all_reduce(at::zeros({4, 4}).t(), ReduceOp::Sum), flatshard::InvalidArgument);
+  EXPECT_THROW(r.comm->all_gather(output, at::zeros({6}, at::kDouble)), flatshard::InvalidArgument);
+  try {
+    r.comm->broadcast(output, -1);
+    FAIL() << "no error";
+  } catch (const flatshard::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("broadcast #1 on rank"), std::string::npos) << e.what();
+  }
+  // Nothing was sent: the communicator still works and numbering went on from 1.
+  auto t = at::ones({12});
+  auto w = r.comm->all_reduce(t, ReduceOp::Sum);
+  w.wait();
+  EXPECT_EQ(w.seq(), 1u);
+  EXPECT_TRUE(at::equal(t, at::full({12}, 2.0f)));
+}
+
+TEST(Collectives, DifferentCollectivesAcrossRanksAreDetected) {
+  FLATSHARD_RUN_RANKS({2, 3});
+  Rank r = join(std::chrono::seconds(20));
+  // Rank 0 all-reduces 10 elements, the others 12: a user bug.
+  auto t = at::ones({r.rank() == 0 ? 10 : 12});
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    r.comm->all_reduce(t, ReduceOp::Sum).wait();
+    FAIL() << "mismatched all_reduce completed";
+  } catch (const flatshard::CommError& e) {
+    EXPECT_EQ(e.op(), "all_reduce");
+    EXPECT_EQ(e.seq(), 1u);
+    EXPECT_EQ(e.rank(), r.rank());
+    EXPECT_NE(e.kind(), flatshard::CommError::Kind::Timeout) << e.what();
+    if (e.kind() == flatshard::CommError::Kind::Mismatch) {
+      EXPECT_NE(std::string(e.what()).find("issued different collectives"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  // The communicator is aborted: later ops fail at once.
+  EXPECT_THROW(r.comm->barrier().wait(), flatshard::CommError);
+}
+
+}  // namespace

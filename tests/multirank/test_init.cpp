@@ -1,0 +1,149 @@
+// init() for real: every rendezvous method across processes, and the ways a
+// rendezvous fails (port in use, unreachable master, a rank that never comes).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+
+#include "flatshard/flatshard.h"
+#include "tests/support/multirank.h"
+
+namespace {
+
+using flatshard::testing::launch_current_test;
+using flatshard::testing::LaunchSpec;
+
+// A socket listening on a free port; the port stays taken while it lives.
+struct HeldPort {
+  int fd = -1;
+  int port = 0;
+  explicit HeldPort(bool listen_on_it) {
+    fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    if (listen_on_it) ::listen(fd, 1);
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+  }
+  ~HeldPort() { ::close(fd); }
+};
+
+void expect_working_world(const flatshard::World& world) {
+  auto comm = flatshard::Communicator::create(world);
+  auto t = at::full({17}, static_cast<float>(world.rank() + 1));
+  comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
+  const int n = world.world_size();
+  EXPECT_TRUE(at::equal(t, at::full({17}, n * (n + 1) / 2.0f)));
+}
+
+TEST(InitMethods, TcpUrl) {
+  if (!flatshard::testing::in_rank_mode()) {
+    for (int n : {2, 3}) {
+      int port;
+      { port = HeldPort(false).port; }  // a port free a moment ago
+      LaunchSpec spec;
+      spec.ranks = n;
+      spec.env["FLATSHARD_INIT_METHOD"] = "tcp://127.0.0.1:" + std::to_string(port);
+      const auto r = launch_current_test(spec);
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+    }
+    return;
+  }
+  auto world = flatshard::init();
+  EXPECT_EQ(world.spec.store_kind, "tcp");
+  EXPECT_NE(std::getenv("MASTER_PORT"), nullptr);
+  EXPECT_NE(std::to_string(world.spec.master_port), std::getenv("MASTER_PORT"))
+      << "tcp:// must take precedence over MASTER_PORT";
+  expect_working_world(world);
+}
+
+TEST(InitMethods, FileUrl) {
+  if (!flatshard::testing::in_rank_mode()) {
+    for (int n : {2, 3}) {
+      const auto dir = std::filesystem::temp_directory_path() /
+                       ("flatshard_file_init_" + std::to_string(::getpid()) + "_" + std::to_string(n));
+      std::filesystem::remove_all(dir);
+      std::filesystem::create_directories(dir);
+      LaunchSpec spec;
+      spec.ranks = n;
+      spec.env["FLATSHARD_INIT_METHOD"] = "file://" + (dir / "store").string();
+      const auto r = launch_current_test(spec);
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+      std::filesystem::remove_all(dir);
+    }
+    return;
+  }
+  auto world = flatshard::init();
+  EXPECT_EQ(world.spec.store_kind, "file");
+  expect_working_world(world);
+}
+
+TEST(InitMethods, TorchrunEnvironmentFromTheLauncher) {
+  FLATSHARD_RUN_RANKS({1, 2, 4});
+  auto world = flatshard::init();
+  EXPECT_EQ(world.rank(), std::atoi(std::getenv("RANK")));
+  EXPECT_EQ(world.world_size(), std::atoi(std::getenv("WORLD_SIZE")));
+  EXPECT_EQ(world.local_rank(), world.rank());
+  EXPECT_EQ(world.local_world_size(), world.world_size());
+  expect_working_world(world);
+}
+
+TEST(Rendezvous, PortInUseIsATypedErrorOnRankZero) {
+  HeldPort taken(true);
+  flatshard::InitOptions options;
+  options.init_method = "tcp://127.0.0.1:" + std::to_string(taken.port);
+  options.rank = 0;
+  options.world_size = 2;
+  options.timeout = std::chrono::seconds(2);
+  try {
+    flatshard::init(options);
+    FAIL() << "init succeeded on a port that is in use";
+  } catch (const flatshard::RendezvousError& e) {
+    EXPECT_NE(std::string(e.what()).find("MASTER_PORT"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 0/2"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Rendezvous, UnreachableMasterFailsWithinTheTimeout) {
+  int port;
+  { port = HeldPort(false).port; }  // nobody listens there
+  flatshard::InitOptions options;
+  options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+  options.rank = 1;
+  options.world_size = 2;
+  options.timeout = std::chrono::seconds(2);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    flatshard::init(options);
+    FAIL() << "init reached a master that does not exist";
+  } catch (const flatshard::RendezvousError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot reach the rendezvous store"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+}
+
+TEST(Rendezvous, MissingRankIsReportedByCount) {
+  int port;
+  { port = HeldPort(false).port; }
+  flatshard::InitOptions options;
+  options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+  options.rank = 0;
+  options.world_size = 3;
+  options.timeout = std::chrono::milliseconds(1500);
+  try {
+    flatshard::init(options);
+    FAIL() << "init completed without ranks 1 and 2";
+  } catch (const flatshard::RendezvousError& e) {
+    EXPECT_NE(std::string(e.what()).find("only 1 of 3 ranks joined"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace

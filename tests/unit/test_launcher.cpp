@@ -1,0 +1,89 @@
+// flatshard-run on plain shell programs: environment, output prefixes, exit codes,
+// stopping the others when one rank fails, and signal forwarding.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include "tests/support/multirank.h"
+#include "tests/support/subprocess.h"
+
+namespace {
+
+using flatshard::testing::launcher_path;
+using flatshard::testing::run_command;
+using flatshard::testing::RunOptions;
+
+std::vector<std::string> launch(std::vector<std::string> launcher_args, const std::string& script) {
+  std::vector<std::string> argv{launcher_path()};
+  argv.insert(argv.end(), launcher_args.begin(), launcher_args.end());
+  argv.insert(argv.end(), {"sh", "-c", script});
+  return argv;
+}
+
+TEST(Launcher, SetsTheTorchrunEnvironmentAndPrefixesOutput) {
+  const auto r = run_command(launch({"-n", "3", "--master-port", "23456"},
+                                    "echo \"env $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR "
+                                    "$MASTER_PORT $OMP_NUM_THREADS\"; echo err-$RANK >&2"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_NE(r.output.find("[rank " + std::to_string(i) + "] env " + std::to_string(i) + " 3 " +
+                            std::to_string(i) + " 3 127.0.0.1 23456 1"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("[rank " + std::to_string(i) + "] err-" + std::to_string(i)), std::string::npos)
+        << r.output;
+  }
+}
+
+TEST(Launcher, MultiNodeRanksAndAFreePortWhenNoneIsGiven) {
+  auto r = run_command(launch({"-n", "2", "--nnodes", "3", "--node-rank", "2", "--master-port", "999",
+                               "--master-addr", "head"},
+                              "echo \"env $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_ADDR\""));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 4] env 4 6 0 head"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 5] env 5 6 1 head"), std::string::npos) << r.output;
+  r = run_command(launch({"-n", "1"}, "test \"$MASTER_PORT\" -gt 0"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+TEST(Launcher, FailedRankStopsTheOthersAndItsCodeIsTheJobs) {
+  const auto r = run_command(launch({"-n", "3", "--grace-s", "0.5"},
+                                    "if [ \"$RANK\" = 1 ]; then sleep 0.2; exit 3; fi; sleep 60"));
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_LT(r.seconds, 20.0) << "the sleeping ranks were not stopped";
+  EXPECT_NE(r.output.find("rank 1 exited with code 3"), std::string::npos) << r.output;
+}
+
+TEST(Launcher, ForwardsSigtermToEveryRank) {
+  RunOptions options;
+  options.signal = SIGTERM;
+  options.signal_after = std::chrono::milliseconds(1500);
+  const auto r = run_command(launch({"-n", "2"}, "trap 'echo got-term-$RANK; exit 7' TERM; "
+                                                 "sleep 30 & wait"),
+                             options);
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] got-term-0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] got-term-1"), std::string::npos) << r.output;
+}
+
+TEST(Launcher, DeadlineStopsAHungJob) {
+  const auto r = run_command(launch({"-n", "2", "--deadline-s", "1"}, "sleep 60"));
+  EXPECT_EQ(r.exit_code, 124) << r.output;
+  EXPECT_LT(r.seconds, 15.0);
+}
+
+TEST(Launcher, BadArgumentsPrintUsage) {
+  for (auto args : std::vector<std::vector<std::string>>{
+           {launcher_path()}, {launcher_path(), "-n", "0", "true"}, {launcher_path(), "--nnodes", "2", "-n", "1", "true"},
+           {launcher_path(), "--bogus", "true"}}) {
+    const auto r = run_command(args);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("usage: flatshard-run"), std::string::npos) << r.output;
+  }
+}
+
+TEST(Launcher, MissingProgramIsExitCode127) {
+  const auto r = run_command({launcher_path(), "-n", "1", "/nonexistent/program"});
+  EXPECT_EQ(r.exit_code, 127) << r.output;
+}
+
+}  // namespace
