@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -34,6 +35,7 @@ using tcp::Socket;
 constexpr std::uint32_t kStepMagic = 0x46534852;   // "FSHR"
 constexpr std::uint32_t kHelloMagic = 0x46534845;  // "FSHE"
 constexpr std::size_t kBroadcastSliceBytes = std::size_t{1} << 20;
+constexpr std::int64_t kReducePieceBytes = std::int64_t{512} << 10;
 
 struct StepHead {
   std::uint32_t magic;
@@ -51,11 +53,24 @@ struct Hello {
   std::int32_t channel;
 };
 
-// The connections of one stream.
+// The connections of one stream, and its scratch memory. Touched only by that
+// stream's worker, one op at a time.
 struct Channel {
   Socket to_next;
   Socket from_prev;
-  std::uint64_t seq = 0;  // ops run on this channel so far; touched by its stream only
+  std::uint64_t seq = 0;  // ops run on this channel so far
+  // Reduction scratch, kept between ops so that steady-state steps allocate (and
+  // fault in) nothing; it grows to the largest segment seen.
+  std::unique_ptr<char[]> scratch_[3];
+  std::size_t scratch_bytes_[3] = {0, 0, 0};
+
+  char* scratch(int index, std::size_t bytes) {
+    if (scratch_bytes_[index] < bytes) {
+      scratch_[index].reset(new char[bytes]);  // uninitialized: every byte is written before it is read
+      scratch_bytes_[index] = bytes;
+    }
+    return scratch_[index].get();
+  }
 };
 
 std::size_t bytes_of(const at::Tensor& t, const ShardRange& r) {
@@ -191,24 +206,41 @@ class TcpRingBackend final : public Backend {
   // it holds the full sum of its own segment. `input` is only read, each segment
   // once, and only this rank's segment of `output` is written, so output may alias
   // input (all_reduce runs it in place).
+  //
+  // Each step moves its segment in pieces: the piece to send is summed just before
+  // it goes, so the additions overlap the kernel's sending of earlier pieces.
+  // Received partial sums ping-pong between two scratch buffers owned by the channel.
   void reduce_scatter(Channel& ch, const Collective& op, const at::Tensor& input, const at::Tensor& output) {
     const std::int64_t numel = input.numel();
     const auto dtype = input.scalar_type();
-    const std::size_t elem = input.element_size();
-    const std::size_t max_bytes = static_cast<std::size_t>(shard_range(numel, world_size_, 0).numel) * elem;
-    std::vector<char> send_buf(max_bytes), recv_buf(max_bytes);
+    const std::int64_t elem = input.element_size();
+    const std::int64_t piece_numel = std::max<std::int64_t>(1, kReducePieceBytes / elem);
+    const std::size_t max_bytes = static_cast<std::size_t>(shard_range(numel, world_size_, 0).numel * elem);
+    char* got_prev = ch.scratch(0, max_bytes);  // partial sums received at the previous step
+    char* got_now = ch.scratch(1, max_bytes);   // partial sums arriving at this step
+    char* piece_buf = ch.scratch(2, static_cast<std::size_t>(piece_numel * elem));
     for (int s = 0; s < world_size_ - 1; ++s) {
       const ShardRange out = shard_range(numel, world_size_, mod(rank_ - s - 1));
       const ShardRange in = shard_range(numel, world_size_, mod(rank_ - s - 2));
-      const char* send = ptr_of(input, out);
-      if (s > 0) {  // what arrived last step is the partial sum of `out`: add ours
-        add(dtype, send_buf.data(), recv_buf.data(), send, out.numel);
-        send = send_buf.data();
+      const std::int64_t pieces = std::max<std::int64_t>(
+          1, (std::max(out.numel, in.numel) + piece_numel - 1) / piece_numel);
+      for (std::int64_t p = 0; p < pieces; ++p) {
+        const std::int64_t out_begin = std::min(out.numel, p * piece_numel);
+        const std::int64_t out_count = std::min(out.numel - out_begin, piece_numel);
+        const std::int64_t in_begin = std::min(in.numel, p * piece_numel);
+        const std::int64_t in_count = std::min(in.numel - in_begin, piece_numel);
+        const char* send = ptr_of(input, out) + out_begin * elem;
+        if (s > 0 && out_count > 0) {  // what arrived last step is the partial sum of `out`: add ours
+          add(dtype, piece_buf, got_prev + out_begin * elem, send, out_count);
+          send = piece_buf;
+        }
+        step(ch, op, send, static_cast<std::size_t>(out_count * elem), true, got_now + in_begin * elem,
+             static_cast<std::size_t>(in_count * elem), true);
       }
-      step(ch, op, send, bytes_of(input, out), true, recv_buf.data(), bytes_of(input, in), true);
+      std::swap(got_prev, got_now);
     }
     const ShardRange mine = shard_range(numel, world_size_, rank_);
-    add(dtype, output.data_ptr(), recv_buf.data(), ptr_of(input, mine), mine.numel);
+    add(dtype, output.data_ptr(), got_prev, ptr_of(input, mine), mine.numel);
     if (op.reduce == ReduceOp::Avg) output.div_(world_size_);
   }
 

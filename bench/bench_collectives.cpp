@@ -1,0 +1,113 @@
+// Collective bandwidth over real ranks (start with flatshard-run -n 2). Every rank runs
+// the same benchmarks with fixed iteration counts (the ranks must issue the same
+// collectives), and rank 0 reports. Two families:
+//   Communicator/<op>/<bytes>  the public API: validation, numbering, stream hand-off
+//   Transport/<op>/<bytes>     the TCP ring transport called directly on this thread
+// Bytes/s is the buffer size (the full flat buffer) over the time per op.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+
+#include "flatshard/flatshard.h"
+#include "src/comm/backend.h"
+
+namespace {
+
+using flatshard::ReduceOp;
+using flatshard::comm::OpKind;
+
+flatshard::World* g_world = nullptr;
+flatshard::Communicator* g_comm = nullptr;
+flatshard::comm::Backend* g_transport = nullptr;
+
+struct Buffers {
+  at::Tensor full, slot;
+};
+
+Buffers make_buffers(std::int64_t bytes) {
+  const std::int64_t numel = bytes / 4;
+  const auto range = flatshard::shard_range(numel, g_world->world_size(), g_world->rank());
+  return {at::ones({numel}), at::ones({range.numel})};
+}
+
+void run_communicator(OpKind op, const Buffers& b) {
+  switch (op) {
+    case OpKind::AllGather: g_comm->all_gather(b.full, b.slot).wait(); break;
+    case OpKind::ReduceScatter: g_comm->reduce_scatter(b.slot, b.full, ReduceOp::Sum).wait(); break;
+    case OpKind::AllReduce: g_comm->all_reduce(b.full, ReduceOp::Sum).wait(); break;
+    default: break;
+  }
+}
+
+void run_transport(OpKind op, const Buffers& b) {
+  flatshard::comm::Collective c;
+  c.kind = op;
+  c.deadline = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+  c.input = op == OpKind::AllGather ? b.slot : b.full;
+  c.output = op == OpKind::ReduceScatter ? b.slot : b.full;
+  g_transport->run(c, 0);
+}
+
+void BM_Communicator(benchmark::State& state, OpKind op) {
+  const auto b = make_buffers(state.range(0));
+  g_comm->barrier().wait();
+  for (auto _ : state) run_communicator(op, b);
+  state.SetBytesProcessed(state.iterations() * state.range(0));
+}
+
+void BM_Transport(benchmark::State& state, OpKind op) {
+  const auto b = make_buffers(state.range(0));
+  g_comm->barrier().wait();
+  for (auto _ : state) run_transport(op, b);
+  state.SetBytesProcessed(state.iterations() * state.range(0));
+}
+
+// Fixed iterations: every rank must run the same number of collectives.
+void sizes(benchmark::internal::Benchmark* b) {
+  for (std::int64_t bytes : {std::int64_t{64} << 10, std::int64_t{1} << 20, std::int64_t{16} << 20,
+                             std::int64_t{64} << 20}) {
+    const int iterations = bytes <= (1 << 20) ? 200 : bytes <= (16 << 20) ? 20 : 6;
+    b->Arg(bytes)->Iterations(iterations);
+  }
+  b->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
+class SilentReporter : public benchmark::BenchmarkReporter {
+ public:
+  bool ReportContext(const Context&) override { return true; }
+  void ReportRuns(const std::vector<Run>&) override {}
+};
+
+}  // namespace
+
+BENCHMARK_CAPTURE(BM_Communicator, all_gather, OpKind::AllGather)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Transport, all_gather, OpKind::AllGather)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Communicator, reduce_scatter, OpKind::ReduceScatter)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Transport, reduce_scatter, OpKind::ReduceScatter)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Communicator, all_reduce, OpKind::AllReduce)->Apply(sizes);
+BENCHMARK_CAPTURE(BM_Transport, all_reduce, OpKind::AllReduce)->Apply(sizes);
+
+int main(int argc, char** argv) {
+  at::set_num_threads(1);
+  flatshard::World world = flatshard::init();
+  auto comm = flatshard::Communicator::create(world);
+  // The transport benchmarks get connections of their own, separate from comm's.
+  flatshard::CommunicatorOptions transport_options;
+  transport_options.name = "bench-transport";
+  auto transport = flatshard::comm::make_tcp_ring_backend(world, transport_options, 1);
+  g_world = &world;
+  g_comm = comm.get();
+  g_transport = transport.get();
+  benchmark::Initialize(&argc, argv);
+  if (world.rank() == 0) {
+    benchmark::RunSpecifiedBenchmarks();
+  } else {
+    SilentReporter silent;
+    benchmark::RunSpecifiedBenchmarks(&silent);
+  }
+  comm->barrier().wait();
+  benchmark::Shutdown();
+  return 0;
+}
