@@ -9,6 +9,9 @@
 #include <benchmark/benchmark.h>
 
 #include <chrono>
+#include <string>
+
+#include <fmt/format.h>
 
 #include "flatshard/flatshard.h"
 #include "src/comm/backend.h"
@@ -50,28 +53,34 @@ void run_transport(OpKind op, const Buffers& b) {
   g_transport->run(c, 0);
 }
 
-void BM_Communicator(benchmark::State& state, OpKind op) {
-  const auto b = make_buffers(state.range(0));
+void BM_Communicator(benchmark::State& state, OpKind op, std::int64_t bytes) {
+  const auto b = make_buffers(bytes);
   g_comm->barrier().wait();
   for (auto _ : state) run_communicator(op, b);
-  state.SetBytesProcessed(state.iterations() * state.range(0));
+  state.SetBytesProcessed(state.iterations() * bytes);
 }
 
-void BM_Transport(benchmark::State& state, OpKind op) {
-  const auto b = make_buffers(state.range(0));
+void BM_Transport(benchmark::State& state, OpKind op, std::int64_t bytes) {
+  const auto b = make_buffers(bytes);
   g_comm->barrier().wait();
   for (auto _ : state) run_transport(op, b);
-  state.SetBytesProcessed(state.iterations() * state.range(0));
+  state.SetBytesProcessed(state.iterations() * bytes);
 }
 
-// Fixed iterations: every rank must run the same number of collectives.
-void sizes(benchmark::internal::Benchmark* b) {
-  for (std::int64_t bytes : {std::int64_t{64} << 10, std::int64_t{1} << 20, std::int64_t{16} << 20,
-                             std::int64_t{64} << 20}) {
-    const int iterations = bytes <= (1 << 20) ? 200 : bytes <= (16 << 20) ? 20 : 6;
-    b->Arg(bytes)->Iterations(iterations);
+// Fixed iteration counts (every rank must run the same number of collectives), about
+// 0.2-0.5 s of work per benchmark; one warm-up op before timing.
+void register_all() {
+  for (OpKind op : {OpKind::AllGather, OpKind::ReduceScatter, OpKind::AllReduce}) {
+    for (std::int64_t bytes : {std::int64_t{64} << 10, std::int64_t{1} << 20, std::int64_t{16} << 20,
+                               std::int64_t{64} << 20}) {
+      const int iterations = bytes <= (64 << 10) ? 1000 : bytes <= (1 << 20) ? 200 : bytes <= (16 << 20) ? 20 : 8;
+      const std::string suffix = fmt::format("{}/{}", flatshard::comm::to_string(op), bytes);
+      benchmark::RegisterBenchmark(("Communicator/" + suffix).c_str(), BM_Communicator, op, bytes)
+          ->Iterations(iterations)->Unit(benchmark::kMillisecond)->UseRealTime();
+      benchmark::RegisterBenchmark(("Transport/" + suffix).c_str(), BM_Transport, op, bytes)
+          ->Iterations(iterations)->Unit(benchmark::kMillisecond)->UseRealTime();
+    }
   }
-  b->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 
 class SilentReporter : public benchmark::BenchmarkReporter {
@@ -82,12 +91,6 @@ class SilentReporter : public benchmark::BenchmarkReporter {
 
 }  // namespace
 
-BENCHMARK_CAPTURE(BM_Communicator, all_gather, OpKind::AllGather)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Transport, all_gather, OpKind::AllGather)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Communicator, reduce_scatter, OpKind::ReduceScatter)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Transport, reduce_scatter, OpKind::ReduceScatter)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Communicator, all_reduce, OpKind::AllReduce)->Apply(sizes);
-BENCHMARK_CAPTURE(BM_Transport, all_reduce, OpKind::AllReduce)->Apply(sizes);
 
 int main(int argc, char** argv) {
   at::set_num_threads(1);
@@ -100,6 +103,7 @@ int main(int argc, char** argv) {
   g_world = &world;
   g_comm = comm.get();
   g_transport = transport.get();
+  register_all();
   benchmark::Initialize(&argc, argv);
   if (world.rank() == 0) {
     benchmark::RunSpecifiedBenchmarks();

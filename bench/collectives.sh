@@ -19,8 +19,8 @@ import csv, sys
 ours, peer, ranks = sys.argv[1], sys.argv[2], sys.argv[3]
 mbps = {}
 for row in csv.DictReader(line for line in open(ours) if line.count(",") > 3):
-    family, op, size = row["name"].split("/")[:3]
-    mbps[(family.replace("BM_", ""), op, int(size))] = float(row["bytes_per_second"]) / 1e6
+    family, op, size = row["name"].strip('"').split("/")[:3]
+    mbps[(family, op, int(size))] = float(row["bytes_per_second"]) / 1e6
 for line in open(peer):
     _, op, size, _, rate = line.split()
     mbps[("c10d_gloo", op, int(size))] = float(rate)

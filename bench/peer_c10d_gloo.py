@@ -13,7 +13,7 @@ SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
 
 def iterations(nbytes):
-    return 200 if nbytes <= 1 << 20 else 20 if nbytes <= 16 << 20 else 6
+    return 1000 if nbytes <= 64 << 10 else 200 if nbytes <= 1 << 20 else 20 if nbytes <= 16 << 20 else 8
 
 
 def main():
