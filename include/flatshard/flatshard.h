@@ -3,6 +3,10 @@
 
 #include "flatshard/communicator.h"
 #include "flatshard/errors.h"
+#include "flatshard/fully_shard.h"
+#include "flatshard/optim.h"
+#include "flatshard/sequential_units.h"
 #include "flatshard/shard.h"
 #include "flatshard/stream.h"
+#include "flatshard/unit.h"
 #include "flatshard/world.h"

@@ -1,0 +1,156 @@
+// Fully sharded data parallel: the root wrapper.
+//
+//   auto world = flatshard::init();
+//   GPT model(cfg);                                  // blocks declared as flatshard::Unit<Block>
+//   flatshard::FullyShard fsdp(model, world, {.strategy = flatshard::Strategy::FullShard});
+//   flatshard::optim::AdamW opt(fsdp.shards(), {.lr = 3e-4});
+//   auto loss = criterion(fsdp.forward(x), y);
+//   loss.backward();                                 // gathers, reduce-scatters
+//   fsdp.clip_grad_norm(1.0);
+//   opt.step(); opt.zero_grad();
+//
+// Each unit's parameters are flattened into one buffer, padded to a multiple of the
+// world size and of 16 bytes per shard, and sharded: this rank keeps an fp32 master
+// shard (what the optimizer updates) and its gradient. The module keeps its own
+// parameter objects: between gathers they are empty; while a unit is gathered they are
+// views into its flat buffer. Parameters outside every unit form the root unit.
+// See docs/fully-shard.md.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+
+#include "flatshard/communicator.h"
+#include "flatshard/unit.h"
+#include "flatshard/world.h"
+
+namespace flatshard {
+
+enum class Strategy {
+  FullShard,    // parameters resharded after forward and gathered again for backward
+  ShardGradOp,  // parameters gathered once per step, kept until backward ends (ZeRO-2)
+};
+
+struct MixedPrecision {
+  // dtype of gathered parameters, activations' weights and gradients (default: as the
+  // model's). Master shards and optimizer states stay fp32.
+  std::optional<at::ScalarType> param;
+  // dtype gradients are reduce-scattered in (default: the param dtype).
+  std::optional<at::ScalarType> reduce;
+};
+
+struct FullyShardOptions {
+  Strategy strategy = Strategy::FullShard;
+  // Default: true for FullShard, false for ShardGradOp.
+  std::optional<bool> reshard_after_forward;
+  // Units gathered ahead of the one running (forward: the next; backward: the
+  // previous). At most prefetch + 1 units besides the root are gathered at once.
+  int prefetch = 1;
+  MixedPrecision mixed_precision;
+  CommunicatorOptions comm{std::chrono::minutes(5), "fully_shard"};
+};
+
+// Byte counts of one rank (see memory accounting in docs/fully-shard.md).
+struct ShardMemory {
+  std::int64_t param_shard_bytes = 0;       // fp32 master shards
+  std::int64_t grad_shard_bytes = 0;        // fp32 shard gradients
+  std::int64_t unsharded_param_bytes = 0;   // gathered flat buffers now
+  std::int64_t unsharded_grad_bytes = 0;    // unsharded flat gradients now
+  std::int64_t peak_unsharded_param_bytes = 0;
+  std::int64_t peak_unsharded_grad_bytes = 0;
+};
+
+namespace sharding {
+class Engine;
+}
+
+// The engine, independent of the model's type. FullyShard<M> adds a typed forward.
+class FullyShardBase {
+ public:
+  FullyShardBase(std::shared_ptr<torch::nn::Module> model, const World& world, const FullyShardOptions& options);
+  ~FullyShardBase();
+  FullyShardBase(const FullyShardBase&) = delete;
+  FullyShardBase& operator=(const FullyShardBase&) = delete;
+
+  // The fp32 master shards, one per unit (root unit first): the optimizer's parameters.
+  // After backward each has its shard of the averaged gradient in .grad().
+  std::vector<at::Tensor> shards() const;
+
+  // Scales every shard gradient so that the global norm over all ranks is at most
+  // max_norm; returns the norm before clipping. A collective: every rank calls it.
+  double clip_grad_norm(double max_norm);
+
+  // While the guard lives, backward accumulates unsharded gradients locally and
+  // communicates nothing; the first backward after it ends reduces the sum.
+  class NoSync {
+   public:
+    explicit NoSync(FullyShardBase& owner);
+    ~NoSync();
+
+   private:
+    FullyShardBase& owner_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  // Zeroes (drops) the shard gradients.
+  void zero_grad();
+
+  // While the guard lives, every unit is gathered: the module's parameters hold the
+  // full current weights (for evaluation or comparison). A collective.
+  class FullParams {
+   public:
+    explicit FullParams(FullyShardBase& owner);
+    ~FullParams();
+
+   private:
+    FullyShardBase& owner_;
+  };
+  FullParams summon_full_params() { return FullParams(*this); }
+
+  ShardMemory memory() const;
+  std::string memory_report() const;
+  // The most units (besides the root) gathered at once since the last reset.
+  int peak_gathered_units() const;
+  void reset_peaks();
+
+  int num_units() const;  // including the root unit
+  Communicator& comm();
+  const World& world() const { return world_; }
+
+ protected:
+  void root_pre_forward();
+  std::vector<at::Tensor> root_post_forward(std::vector<at::Tensor> outputs);
+
+ private:
+  World world_;
+  std::unique_ptr<sharding::Engine> engine_;
+};
+
+template <typename ModelHolder>
+class FullyShard : public FullyShardBase {
+ public:
+  FullyShard(ModelHolder model, const World& world, const FullyShardOptions& options = {})
+      : FullyShardBase(model.ptr(), world, options), model_(std::move(model)) {}
+
+  // The model's forward, with the root unit gathered around it.
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    root_pre_forward();
+    auto out = model_->forward(std::forward<Args>(args)...);
+    auto wrapped = root_post_forward(detail::tensors_of(out));
+    return detail::rebuild(out, wrapped);
+  }
+
+  ModelHolder& module() { return model_; }
+
+ private:
+  ModelHolder model_;
+};
+
+}  // namespace flatshard

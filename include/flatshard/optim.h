@@ -1,0 +1,90 @@
+// Optimizers over flat fp32 shards (FullyShard::shards()). Each step runs the Thrust
+// step kernels (optim/step_kernels.h) on every shard that has a gradient; results
+// equal torch::optim's on unsharded training.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace flatshard::optim {
+
+struct SGDOptions {
+  double lr = 0.01;
+  double momentum = 0;
+  double dampening = 0;
+  double weight_decay = 0;
+  bool nesterov = false;
+};
+
+struct AdamOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0;  // L2, added to the gradient (torch::optim::Adam)
+};
+
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;  // decoupled (torch::optim::AdamW)
+};
+
+// What every optimizer over shards shares: the shards and zeroing.
+class ShardOptimizer {
+ public:
+  explicit ShardOptimizer(std::vector<at::Tensor> shards);
+  virtual ~ShardOptimizer() = default;
+  virtual void step() = 0;
+  void zero_grad();
+  // Bytes of optimizer state held by this rank.
+  virtual std::int64_t state_bytes() const = 0;
+  const std::vector<at::Tensor>& shards() const { return shards_; }
+
+ protected:
+  std::vector<at::Tensor> shards_;
+};
+
+class SGD final : public ShardOptimizer {
+ public:
+  SGD(std::vector<at::Tensor> shards, const SGDOptions& options);
+  void step() override;
+  std::int64_t state_bytes() const override;
+
+ private:
+  SGDOptions options_;
+  std::vector<at::Tensor> momentum_;  // per shard; undefined until its first step
+};
+
+class Adam final : public ShardOptimizer {
+ public:
+  Adam(std::vector<at::Tensor> shards, const AdamOptions& options);
+  Adam(std::vector<at::Tensor> shards, const AdamWOptions& options);
+  void step() override;
+  std::int64_t state_bytes() const override;
+
+ private:
+  AdamOptions options_;
+  bool decoupled_;
+  std::vector<at::Tensor> exp_avg_, exp_avg_sq_;
+  std::vector<std::int64_t> steps_;
+};
+
+// AdamW is Adam with decoupled weight decay.
+class AdamW final {
+ public:
+  AdamW(std::vector<at::Tensor> shards, const AdamWOptions& options) : impl_(std::move(shards), options) {}
+  void step() { impl_.step(); }
+  void zero_grad() { impl_.zero_grad(); }
+  std::int64_t state_bytes() const { return impl_.state_bytes(); }
+  Adam& base() { return impl_; }
+
+ private:
+  Adam impl_;
+};
+
+}  // namespace flatshard::optim

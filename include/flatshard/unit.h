@@ -1,0 +1,125 @@
+// Unit boundaries, declared in the model's type.
+//
+// LibTorch modules have no forward hooks, so a model says where its sharding units are
+// by declaring members as flatshard::Unit<M> instead of M:
+//
+//   struct GPTImpl : torch::nn::Module {
+//     std::vector<flatshard::Unit<Block>> blocks;   // Block is a TORCH_MODULE holder
+//     ...
+//       blocks.emplace_back(cfg);
+//       register_module("h" + std::to_string(i), blocks.back());
+//   };
+//
+// A Unit<M> *is* an M (its module type derives from M's), so parameter names,
+// parameters() and state-dict keys are exactly those of the plain model. Calling it
+// runs M's forward; when an engine is attached it also runs the unit's pre-forward
+// (gather) and post-forward (reshard, backward hooks) steps. With no engine it is a
+// plain pass-through. For a torch::nn::Sequential, see SequentialUnits
+// (sequential_units.h), which needs no edits to the model.
+#pragma once
+
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+namespace flatshard {
+
+// What an engine does around a unit's forward. Implemented by the engines.
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  virtual void pre_forward() = 0;
+  // Called with every tensor the unit's forward returned; returns them (possibly
+  // wrapped for the backward hooks) in the same order.
+  virtual std::vector<at::Tensor> post_forward(std::vector<at::Tensor> outputs) = 0;
+};
+
+// A sharding unit: the parameters of `unit_modules()` (recursively, minus those of any
+// nested unit) are flattened, sharded and gathered together.
+class UnitBase {
+ public:
+  virtual ~UnitBase() = default;
+  virtual std::vector<torch::nn::Module*> unit_modules() = 0;
+  void attach(UnitHooks* hooks) { hooks_ = hooks; }
+  UnitHooks* hooks() const { return hooks_; }
+
+ private:
+  UnitHooks* hooks_ = nullptr;  // the engine's, while one is attached
+};
+
+// Modules that declare units (Unit<M> declares itself; SequentialUnits its groups).
+class UnitProvider {
+ public:
+  virtual ~UnitProvider() = default;
+  virtual std::vector<UnitBase*> provided_units() = 0;
+};
+
+namespace detail {
+
+inline std::vector<at::Tensor> tensors_of(const at::Tensor& t) { return {t}; }
+inline std::vector<at::Tensor> tensors_of(const std::vector<at::Tensor>& v) { return v; }
+template <typename... T>
+std::vector<at::Tensor> tensors_of(const std::tuple<T...>& t) {
+  std::vector<at::Tensor> out;
+  std::apply([&](const auto&... x) { (out.push_back(x), ...); }, t);
+  return out;
+}
+
+inline at::Tensor rebuild(const at::Tensor&, std::vector<at::Tensor>& v) { return v[0]; }
+inline std::vector<at::Tensor> rebuild(const std::vector<at::Tensor>&, std::vector<at::Tensor>& v) { return v; }
+template <typename... T>
+std::tuple<T...> rebuild(const std::tuple<T...>&, std::vector<at::Tensor>& v) {
+  std::size_t i = 0;
+  return std::tuple<T...>{(static_cast<void>(sizeof(T)), v[i++])...};
+}
+
+template <typename M, typename = void>
+struct ImplOf {
+  using type = M;  // already a module type
+};
+template <typename M>
+struct ImplOf<M, std::void_t<typename M::ContainedType>> {
+  using type = typename M::ContainedType;  // a TORCH_MODULE holder
+};
+
+}  // namespace detail
+
+template <typename Impl>
+class UnitImpl : public Impl, public UnitBase, public UnitProvider {
+ public:
+  using Impl::Impl;
+
+  std::vector<torch::nn::Module*> unit_modules() override { return {this}; }
+  std::vector<UnitBase*> provided_units() override { return {this}; }
+
+  // Outputs may be a Tensor, a std::vector<Tensor> or a std::tuple of Tensors.
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    UnitHooks* h = hooks();
+    if (h == nullptr) return Impl::forward(std::forward<Args>(args)...);
+    h->pre_forward();
+    auto out = Impl::forward(std::forward<Args>(args)...);
+    auto wrapped = h->post_forward(detail::tensors_of(out));
+    return detail::rebuild(out, wrapped);
+  }
+};
+
+template <typename M>
+class Unit : public torch::nn::ModuleHolder<UnitImpl<typename detail::ImplOf<M>::type>> {
+ public:
+  using Holder = torch::nn::ModuleHolder<UnitImpl<typename detail::ImplOf<M>::type>>;
+  using Holder::Holder;
+
+  // ModuleHolder's operator() deduces the return type from a non-template forward;
+  // the unit's forward is a template.
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    return this->get()->forward(std::forward<Args>(args)...);
+  }
+};
+
+}  // namespace flatshard

@@ -1,0 +1,94 @@
+#include <ATen/ATen.h>
+
+#include "flatshard/errors.h"
+#include "flatshard/optim.h"
+#include "optim/step_kernels.h"
+
+namespace flatshard::optim {
+namespace {
+
+void check_shards(const std::vector<at::Tensor>& shards) {
+  for (const auto& s : shards) {
+    if (!s.defined() || s.scalar_type() != at::kFloat || !s.is_contiguous() || !s.device().is_cpu()) {
+      throw InvalidArgument("flatshard::optim: shards must be contiguous fp32 CPU tensors (FullyShard::shards())");
+    }
+  }
+}
+
+}  // namespace
+
+ShardOptimizer::ShardOptimizer(std::vector<at::Tensor> shards) : shards_(std::move(shards)) { check_shards(shards_); }
+
+void ShardOptimizer::zero_grad() {
+  for (auto& s : shards_) s.mutable_grad().reset();
+}
+
+SGD::SGD(std::vector<at::Tensor> shards, const SGDOptions& options)
+    : ShardOptimizer(std::move(shards)), options_(options), momentum_(shards_.size()) {
+  if (options_.nesterov && (options_.momentum <= 0 || options_.dampening != 0)) {
+    throw InvalidArgument("flatshard::optim::SGD: nesterov needs momentum > 0 and dampening == 0");
+  }
+}
+
+void SGD::step() {
+  for (std::size_t i = 0; i < shards_.size(); ++i) {
+    const at::Tensor& grad = shards_[i].grad();
+    if (!grad.defined()) continue;
+    kernels::SgdHyper h;
+    h.lr = static_cast<float>(options_.lr);
+    h.momentum = static_cast<float>(options_.momentum);
+    h.dampening = static_cast<float>(options_.dampening);
+    h.weight_decay = static_cast<float>(options_.weight_decay);
+    h.nesterov = options_.nesterov;
+    h.first_step = !momentum_[i].defined();
+    if (options_.momentum != 0 && h.first_step) momentum_[i] = at::empty_like(shards_[i]);
+    kernels::sgd_step(shards_[i].data_ptr<float>(), grad.contiguous().data_ptr<float>(),
+                      momentum_[i].defined() ? momentum_[i].data_ptr<float>() : nullptr, shards_[i].numel(), h);
+  }
+}
+
+std::int64_t SGD::state_bytes() const {
+  std::int64_t b = 0;
+  for (const auto& m : momentum_) b += m.defined() ? static_cast<std::int64_t>(m.nbytes()) : 0;
+  return b;
+}
+
+Adam::Adam(std::vector<at::Tensor> shards, const AdamOptions& options)
+    : ShardOptimizer(std::move(shards)), options_(options), decoupled_(false), exp_avg_(shards_.size()),
+      exp_avg_sq_(shards_.size()), steps_(shards_.size(), 0) {}
+
+Adam::Adam(std::vector<at::Tensor> shards, const AdamWOptions& options)
+    : Adam(std::move(shards), AdamOptions{options.lr, options.beta1, options.beta2, options.eps, options.weight_decay}) {
+  decoupled_ = true;
+}
+
+void Adam::step() {
+  for (std::size_t i = 0; i < shards_.size(); ++i) {
+    const at::Tensor& grad = shards_[i].grad();
+    if (!grad.defined()) continue;
+    if (!exp_avg_[i].defined()) {
+      exp_avg_[i] = at::zeros_like(shards_[i]);
+      exp_avg_sq_[i] = at::zeros_like(shards_[i]);
+    }
+    kernels::AdamHyper h;
+    h.lr = static_cast<float>(options_.lr);
+    h.beta1 = static_cast<float>(options_.beta1);
+    h.beta2 = static_cast<float>(options_.beta2);
+    h.eps = static_cast<float>(options_.eps);
+    h.weight_decay = static_cast<float>(options_.weight_decay);
+    h.decoupled_weight_decay = decoupled_;
+    h.step = ++steps_[i];
+    kernels::adam_step(shards_[i].data_ptr<float>(), grad.contiguous().data_ptr<float>(),
+                       exp_avg_[i].data_ptr<float>(), exp_avg_sq_[i].data_ptr<float>(), shards_[i].numel(), h);
+  }
+}
+
+std::int64_t Adam::state_bytes() const {
+  std::int64_t b = 0;
+  for (std::size_t i = 0; i < shards_.size(); ++i) {
+    if (exp_avg_[i].defined()) b += static_cast<std::int64_t>(exp_avg_[i].nbytes() + exp_avg_sq_[i].nbytes());
+  }
+  return b;
+}
+
+}  // namespace flatshard::optim

@@ -1,0 +1,41 @@
+// Optimizer step kernels over flat fp32 shards, written once with Thrust: the CPU build
+// runs them on Thrust's C++ back end, the CUDA build on the device. Formulas and
+// operation order follow torch::optim's, so sharded training matches unsharded
+// training to rounding.
+#pragma once
+
+#include <cstdint>
+
+namespace flatshard::optim::kernels {
+
+struct SgdHyper {
+  float lr = 0;
+  float momentum = 0;
+  float dampening = 0;
+  float weight_decay = 0;
+  bool nesterov = false;
+  bool first_step = true;  // the momentum buffer starts as a copy of the first update
+};
+
+// param -= lr * update, where update follows torch::optim::SGD.
+// `momentum_buf` may be null when momentum == 0.
+void sgd_step(float* param, const float* grad, float* momentum_buf, std::int64_t numel, const SgdHyper& h);
+
+struct AdamHyper {
+  float lr = 0;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0;
+  bool decoupled_weight_decay = false;  // AdamW
+  std::int64_t step = 1;                // 1 on the first step
+};
+
+// torch::optim::Adam (L2 weight decay) or AdamW (decoupled), without amsgrad.
+void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, std::int64_t numel,
+               const AdamHyper& h);
+
+// Sum of squares of `numel` values of x, accumulated in double.
+double sum_of_squares(const float* x, std::int64_t numel);
+
+}  // namespace flatshard::optim::kernels

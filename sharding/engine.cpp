@@ -1,0 +1,446 @@
+#include "sharding/engine.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include <cmath>
+#include <map>
+#include <set>
+#include <unordered_map>
+
+#include <fmt/format.h>
+
+#include "flatshard/errors.h"
+#include "optim/step_kernels.h"
+#include "src/errors.h"
+#include "src/logging.h"
+
+namespace flatshard::sharding {
+
+// Per-unit schedule state. Touched only from the thread that runs forward and
+// backward (on the CPU, autograd runs hooks on the caller's thread).
+struct Engine::Unit {
+  std::string name;
+  std::unique_ptr<FlatParamGroup> group;  // null for a unit without parameters
+  UnitBase* declared = nullptr;           // null for the root unit
+  std::unique_ptr<UnitHooks> driver;
+  std::optional<Work> gather;             // an all-gather issued and not yet waited for
+  bool gathered = false;                  // parameters are views of the flat buffer
+  bool pre_backward_done = false;
+  bool post_backward_done = false;
+  int pending_grads = 0;                  // parameters whose gradient has not been accumulated yet
+  int forward_position = -1;              // index in forward_order_
+};
+
+struct Engine::PendingReduce {
+  int unit;
+  std::optional<Work> work;
+  at::Tensor input;   // what is being reduce-scattered (owned until the work completes)
+  at::Tensor output;  // this rank's reduced shard, in the reduce dtype
+  bool input_is_full_grad;
+};
+
+namespace {
+
+class Driver final : public UnitHooks {
+ public:
+  Driver(Engine* engine, int unit) : engine_(engine), unit_(unit) {}
+  void pre_forward() override { engine_->pre_forward(unit_); }
+  std::vector<at::Tensor> post_forward(std::vector<at::Tensor> outputs) override {
+    return engine_->post_forward(unit_, std::move(outputs));
+  }
+
+ private:
+  Engine* engine_;
+  int unit_;
+};
+
+// Runs after AccumulateGrad has added a parameter's gradient into its flat view.
+class AccumulatedHook final : public torch::autograd::FunctionPostHook {
+ public:
+  AccumulatedHook(Engine* engine, int unit) : engine_(engine), unit_(unit) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    engine_->on_grad_accumulated(unit_);
+    return outputs;
+  }
+
+ private:
+  Engine* engine_;
+  int unit_;
+};
+
+void collect_params(torch::nn::Module& m, std::set<const c10::TensorImpl*>& out) {
+  for (const auto& p : m.parameters(/*recurse=*/true)) out.insert(p.unsafeGetTensorImpl());
+}
+
+}  // namespace
+
+Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, const FullyShardOptions& options)
+    : model_(std::move(model)), rank_(world.rank()), world_size_(world.world_size()), options_(options),
+      reshard_after_forward_(options.reshard_after_forward.value_or(options.strategy == Strategy::FullShard)) {
+  if (options_.prefetch < 0) {
+    throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): prefetch must be >= 0, got {}", rank_,
+                                      world_size_, options_.prefetch));
+  }
+  comm_ = Communicator::create(world, options_.comm);
+
+  // Units in declaration (pre-order) order; a parameter belongs to the innermost unit
+  // that contains it, and to the root unit when none does.
+  std::vector<UnitBase*> declared;
+  for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
+    if (auto* provider = dynamic_cast<UnitProvider*>(item.value().get())) {
+      for (UnitBase* u : provider->provided_units()) declared.push_back(u);
+    }
+  }
+  std::vector<std::set<const c10::TensorImpl*>> members(declared.size());
+  for (std::size_t i = 0; i < declared.size(); ++i) {
+    for (torch::nn::Module* m : declared[i]->unit_modules()) collect_params(*m, members[i]);
+  }
+  std::unordered_map<const c10::TensorImpl*, int> owner;  // parameter -> 1 + index in declared
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+    const auto* impl = item.value().unsafeGetTensorImpl();
+    int best = 0;
+    for (std::size_t i = 0; i < declared.size(); ++i) {
+      if (members[i].count(impl) && (best == 0 || members[i].size() < members[best - 1].size())) {
+        best = static_cast<int>(i) + 1;
+      }
+    }
+    owner[impl] = best;
+  }
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> params(declared.size() + 1);
+  std::set<const c10::TensorImpl*> seen;
+  at::ScalarType model_dtype = at::kFloat;
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+    const auto* impl = item.value().unsafeGetTensorImpl();
+    if (!seen.insert(impl).second) continue;  // registered twice (tied): once is enough
+    if (!item.value().device().is_cpu()) {
+      throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): parameter '{}' is on {}; the CPU "
+                                        "engine shards CPU parameters", rank_, world_size_, item.key(),
+                                        item.value().device().str()));
+    }
+    if (!at::isFloatingType(item.value().scalar_type())) {
+      throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): parameter '{}' has dtype {}; only "
+                                        "floating parameters can be sharded", rank_, world_size_, item.key(),
+                                        c10::toString(item.value().scalar_type())));
+    }
+    model_dtype = item.value().scalar_type();
+    params[owner[impl]].emplace_back(item.key(), item.value());
+  }
+  const at::ScalarType compute = options_.mixed_precision.param.value_or(model_dtype);
+
+  for (std::size_t i = 0; i <= declared.size(); ++i) {
+    auto unit = std::make_unique<Unit>();
+    const int index = static_cast<int>(units_.size());
+    unit->name = i == 0 ? "root" : fmt::format("unit{}", i);
+    if (!params[i].empty()) {
+      unit->name = i == 0 ? "root" : params[i].front().first.substr(0, params[i].front().first.rfind('.'));
+      unit->group = std::make_unique<FlatParamGroup>(unit->name, std::move(params[i]), world_size_, rank_, compute);
+      for (auto& slot : unit->group->slots()) {
+        if (slot.accumulator) slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, index));
+      }
+    }
+    if (i > 0) {
+      unit->declared = declared[i - 1];
+      unit->driver = std::make_unique<Driver>(this, index);
+      unit->declared->attach(unit->driver.get());
+    }
+    units_.push_back(std::move(unit));
+  }
+  for (int u = 0; u < num_units(); ++u) {
+    if (units_[u]->group) units_[u]->gathered = true;  // the group starts with views of its buffer
+    reshard(u);
+  }
+  for (auto& u : units_) {
+    if (u->group) memory_.param_shard_bytes += u->group->shard_numel() * 4;
+  }
+  log::at(log::Level::Info, "FullyShard: {} units, {} parameters", units_.size(), owner.size());
+}
+
+Engine::~Engine() {
+  try {
+    finish_pending_reduce();
+    for (auto& u : units_) {
+      if (u->gather) u->gather->wait();
+    }
+  } catch (const std::exception& e) {
+    log::at(log::Level::Warn, "FullyShard: a collective failed during teardown: {}", e.what());
+  }
+  for (auto& u : units_) {
+    if (u->declared) u->declared->attach(nullptr);
+  }
+}
+
+std::vector<at::Tensor> Engine::shards() const {
+  std::vector<at::Tensor> out;
+  for (const auto& u : units_) {
+    if (u->group) out.push_back(u->group->master());
+  }
+  return out;
+}
+
+// --- gathers --------------------------------------------------------------------
+
+void Engine::issue_gather(int index) {
+  Unit& u = *units_[index];
+  FlatParamGroup& g = *u.group;
+  g.allocate_full();
+  {
+    at::NoGradGuard no_grad;
+    g.full_slot().copy_(g.master());  // the local shard goes into its slot: the gather is in place
+  }
+  CollectiveOptions opts;
+  opts.stream = StreamRole::AllGather;
+  u.gather = comm_->all_gather(g.full(), g.full_slot(), opts);
+  account();
+}
+
+void Engine::unshard(int index) {
+  Unit& u = *units_[index];
+  if (!u.group || u.gathered) return;
+  if (!u.gather) issue_gather(index);
+  u.gather->wait();
+  u.gather.reset();
+  u.group->use_full_views();
+  u.gathered = true;
+}
+
+void Engine::reshard(int index) {
+  Unit& u = *units_[index];
+  if (!u.group) return;
+  if (u.gather) {  // a prefetch nobody used: let it land before freeing its buffer
+    u.gather->wait();
+    u.gather.reset();
+  }
+  if (u.gathered) u.group->use_empty_views();
+  u.group->free_full();
+  u.gathered = false;
+}
+
+int Engine::gathered_non_root_units() const {
+  int n = 0;
+  for (std::size_t i = 1; i < units_.size(); ++i) {
+    if (units_[i]->group && units_[i]->group->full_allocated()) ++n;
+  }
+  return n;
+}
+
+// Note [Prefetch bound]
+// A prefetch is issued only while fewer than prefetch + 1 non-root units are gathered,
+// so with resharding after forward at most prefetch + 1 units besides the root hold
+// gathered buffers at any time. A gather the schedule needs now is never skipped.
+void Engine::prefetch(int index) {
+  Unit& u = *units_[index];
+  if (!u.group || u.gathered || u.gather) return;
+  if (reshard_after_forward_ && gathered_non_root_units() >= options_.prefetch + 1) return;
+  issue_gather(index);
+}
+
+// --- forward --------------------------------------------------------------------
+
+void Engine::pre_forward(int index) {
+  Unit& u = *units_[index];
+  if (!order_recorded_ && index != kRoot && u.forward_position < 0) {
+    u.forward_position = static_cast<int>(forward_order_.size());
+    forward_order_.push_back(index);
+  }
+  unshard(index);
+  if (order_recorded_ && u.forward_position >= 0) {
+    for (int k = 1; k <= options_.prefetch; ++k) {
+      const int next = u.forward_position + k;
+      if (next < static_cast<int>(forward_order_.size())) prefetch(forward_order_[next]);
+    }
+  }
+}
+
+std::vector<at::Tensor> Engine::post_forward(int index, std::vector<at::Tensor> outputs) {
+  if (index == kRoot) order_recorded_ = true;
+  if (!at::GradMode::is_enabled()) {  // no backward will come: free now
+    if (index != kRoot) reshard(index);
+    return outputs;
+  }
+  if (reshard_after_forward_ && index != kRoot) reshard(index);
+  for (auto& t : outputs) {
+    if (t.defined() && t.requires_grad()) {
+      t.register_hook([this, index](const at::Tensor&) { pre_backward(index); });
+    }
+  }
+  return outputs;
+}
+
+// --- backward -------------------------------------------------------------------
+
+void Engine::pre_backward(int index) {
+  if (!backward_active_) {
+    backward_active_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+  }
+  Unit& u = *units_[index];
+  if (u.pre_backward_done) return;  // several outputs: once per backward
+  u.pre_backward_done = true;
+  if (!u.group) return;
+  unshard(index);
+  u.group->allocate_full_grad();  // kept, not zeroed, while accumulating under no_sync
+  u.group->use_grad_views();
+  account();
+  u.pending_grads = 0;
+  for (auto& slot : u.group->slots()) u.pending_grads += slot.accumulator ? 1 : 0;
+  if (u.forward_position >= 0) {
+    for (int k = 1; k <= options_.prefetch; ++k) {
+      const int prev = u.forward_position - k;
+      if (prev >= 0) prefetch(forward_order_[prev]);
+    }
+  }
+}
+
+void Engine::on_grad_accumulated(int index) {
+  Unit& u = *units_[index];
+  if (!u.pre_backward_done) {
+    // The gradient reached a parameter before its unit's outputs did (a parameter used
+    // outside its unit's forward). It landed in a fresh tensor; post_backward adds it in.
+    pre_backward(index);
+  }
+  if (--u.pending_grads == 0) post_backward(index);
+}
+
+void Engine::post_backward(int index) {
+  Unit& u = *units_[index];
+  if (u.post_backward_done || !u.pre_backward_done) return;
+  u.post_backward_done = true;
+  if (!u.group) return;
+  FlatParamGroup& g = *u.group;
+  {
+    at::NoGradGuard no_grad;
+    for (auto& slot : g.slots()) {
+      const at::Tensor& grad = slot.param.grad();
+      auto view = g.full_grad().narrow(0, slot.offset, slot.numel);
+      if (grad.defined() && grad.data_ptr() != view.data_ptr()) view.add_(grad.reshape({-1}));
+    }
+  }
+  g.drop_param_grads();
+  if (!no_sync_) reduce(index);
+  if (reshard_after_forward_ && index != kRoot) reshard(index);
+}
+
+// Note [One reduce-scatter in flight]
+// Before a unit's gradients are reduce-scattered, the previous unit's reduction is
+// waited for and folded into its shard gradient, and its flat gradient is freed. So at
+// most one reduction (and the flat gradient it reads) is outstanding, while the
+// reduce-scatter stream still overlaps the backward compute of the next unit.
+void Engine::reduce(int index) {
+  finish_pending_reduce();
+  FlatParamGroup& g = *units_[index]->group;
+  const at::ScalarType reduce_dtype = options_.mixed_precision.reduce.value_or(g.compute_dtype());
+  auto pending = std::make_unique<PendingReduce>();
+  pending->unit = index;
+  pending->input_is_full_grad = reduce_dtype == g.compute_dtype();
+  pending->input = pending->input_is_full_grad ? g.full_grad() : g.full_grad().to(reduce_dtype);
+  if (!pending->input_is_full_grad) g.free_full_grad();
+  pending->output = at::empty({g.shard_numel()}, at::TensorOptions().dtype(reduce_dtype));
+  CollectiveOptions opts;
+  opts.stream = StreamRole::ReduceScatter;
+  pending->work = comm_->reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
+  pending_ = std::move(pending);
+}
+
+void Engine::finish_pending_reduce() {
+  if (!pending_) return;
+  auto pending = std::move(pending_);
+  pending->work->wait();
+  FlatParamGroup& g = *units_[pending->unit]->group;
+  at::NoGradGuard no_grad;
+  at::Tensor& grad = g.master().mutable_grad();
+  if (grad.defined()) {
+    grad.add_(pending->output.to(at::kFloat));
+  } else {
+    grad = pending->output.to(at::kFloat).clone();
+  }
+  if (pending->input_is_full_grad) g.free_full_grad();
+}
+
+void Engine::end_of_backward() {
+  // Units whose hooks did not all fire (parameters that got no gradient this step).
+  for (int i = num_units() - 1; i >= 0; --i) {
+    if (units_[i]->pre_backward_done && !units_[i]->post_backward_done) post_backward(i);
+  }
+  finish_pending_reduce();
+  for (int i = 0; i < num_units(); ++i) {
+    reshard(i);
+    units_[i]->pre_backward_done = false;
+    units_[i]->post_backward_done = false;
+  }
+  backward_active_ = false;
+}
+
+// --- the rest -------------------------------------------------------------------
+
+double Engine::clip_grad_norm(double max_norm) {
+  double local = 0;
+  for (auto& u : units_) {
+    if (!u->group) continue;
+    const at::Tensor& grad = u->group->master().grad();
+    if (grad.defined()) local += optim::kernels::sum_of_squares(grad.data_ptr<float>(), grad.numel());
+  }
+  auto total = at::full({1}, local, at::kDouble);
+  comm_->all_reduce(total, ReduceOp::Sum).wait();
+  const double norm = std::sqrt(total.item<double>());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (auto& u : units_) {
+      if (u->group && u->group->master().grad().defined()) u->group->master().mutable_grad().mul_(coef);
+    }
+  }
+  return norm;
+}
+
+void Engine::zero_grad() {
+  for (auto& u : units_) {
+    if (u->group) u->group->master().mutable_grad().reset();
+  }
+}
+
+void Engine::gather_all() {
+  for (int i = 0; i < num_units(); ++i) unshard(i);
+}
+
+void Engine::reshard_all() {
+  for (int i = 0; i < num_units(); ++i) reshard(i);
+}
+
+void Engine::account() {
+  std::int64_t params = 0, grads = 0;
+  for (auto& u : units_) {
+    if (!u->group) continue;
+    params += static_cast<std::int64_t>(u->group->full().storage().nbytes());
+    grads += static_cast<std::int64_t>(u->group->full_grad().storage().nbytes());
+  }
+  memory_.unsharded_param_bytes = params;
+  memory_.unsharded_grad_bytes = grads;
+  memory_.peak_unsharded_param_bytes = std::max(memory_.peak_unsharded_param_bytes, params);
+  memory_.peak_unsharded_grad_bytes = std::max(memory_.peak_unsharded_grad_bytes, grads);
+  peak_gathered_units_ = std::max(peak_gathered_units_, gathered_non_root_units());
+}
+
+ShardMemory Engine::memory() const {
+  ShardMemory m = memory_;
+  m.unsharded_param_bytes = 0;
+  m.unsharded_grad_bytes = 0;
+  m.grad_shard_bytes = 0;
+  for (auto& u : units_) {
+    if (!u->group) continue;
+    m.unsharded_param_bytes += static_cast<std::int64_t>(u->group->full().storage().nbytes());
+    m.unsharded_grad_bytes += static_cast<std::int64_t>(u->group->full_grad().storage().nbytes());
+    if (u->group->master().grad().defined()) m.grad_shard_bytes += u->group->master().grad().nbytes();
+  }
+  return m;
+}
+
+void Engine::reset_peaks() {
+  account();
+  memory_.peak_unsharded_param_bytes = memory_.unsharded_param_bytes;
+  memory_.peak_unsharded_grad_bytes = memory_.unsharded_grad_bytes;
+  peak_gathered_units_ = gathered_non_root_units();
+}
+
+}  // namespace flatshard::sharding

@@ -1,0 +1,71 @@
+// The sharding engine: units, their flat groups, and the schedule of gathers,
+// reshards and gradient reductions around forward and backward.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flatshard/communicator.h"
+#include "flatshard/fully_shard.h"
+#include "sharding/flat_param.h"
+
+namespace flatshard::sharding {
+
+class Engine {
+ public:
+  Engine(std::shared_ptr<torch::nn::Module> model, const World& world, const FullyShardOptions& options);
+  ~Engine();
+
+  // Hooks (from UnitHooks drivers, the root wrapper and autograd).
+  void pre_forward(int unit);
+  std::vector<at::Tensor> post_forward(int unit, std::vector<at::Tensor> outputs);
+  void pre_backward(int unit);
+  void on_grad_accumulated(int unit);
+
+  std::vector<at::Tensor> shards() const;
+  double clip_grad_norm(double max_norm);
+  void set_no_sync(bool on) { no_sync_ = on; }
+  void zero_grad();
+  void gather_all();
+  void reshard_all();
+  ShardMemory memory() const;
+  int peak_gathered_units() const { return peak_gathered_units_; }
+  void reset_peaks();
+  int num_units() const { return static_cast<int>(units_.size()); }
+  Communicator& comm() { return *comm_; }
+  static constexpr int kRoot = 0;
+
+ private:
+  struct Unit;
+  struct PendingReduce;
+
+  void unshard(int unit);
+  void issue_gather(int unit);
+  void reshard(int unit);
+  void prefetch(int unit);
+  void post_backward(int unit);
+  void reduce(int unit);
+  void finish_pending_reduce();
+  void end_of_backward();
+  void account();
+  int gathered_non_root_units() const;
+
+  std::shared_ptr<torch::nn::Module> model_;
+  int rank_;
+  int world_size_;
+  FullyShardOptions options_;
+  bool reshard_after_forward_;
+  std::unique_ptr<Communicator> comm_;
+  std::vector<std::unique_ptr<Unit>> units_;  // [0] is the root unit
+  std::vector<int> forward_order_;            // non-root units in the order the first forward ran them
+  bool order_recorded_ = false;               // set after the first forward
+  bool backward_active_ = false;              // between the first backward hook and the end callback
+  bool no_sync_ = false;
+  std::unique_ptr<PendingReduce> pending_;    // the reduce-scatter in flight (at most one)
+  ShardMemory memory_;
+  int peak_gathered_units_ = 0;
+};
+
+}  // namespace flatshard::sharding

@@ -1,0 +1,98 @@
+#include "sharding/flat_param.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "src/errors.h"
+
+namespace flatshard::sharding {
+namespace {
+
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == 0) return;
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const std::size_t need = static_cast<std::size_t>((t.storage_offset() + t.numel()) * t.element_size());
+  if (s->nbytes() >= need) return;
+  FLATSHARD_ASSERT(s->allocator() != nullptr, "flat buffer storage has no allocator");
+  s->set_data_ptr_noswap(s->allocator()->allocate(need));
+  s->set_nbytes(need);
+}
+
+}  // namespace
+
+FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
+                               int world_size, int rank, at::ScalarType compute_dtype)
+    : name_(std::move(name)), rank_(rank), compute_dtype_(compute_dtype),
+      element_size_(static_cast<std::int64_t>(c10::elementSize(compute_dtype))) {
+  for (auto& [pname, p] : params) {
+    ParamSlot slot;
+    slot.name = pname;
+    slot.param = p;
+    slot.shape = p.sizes().vec();
+    slot.offset = numel_;
+    slot.numel = p.numel();
+    numel_ += p.numel();
+    slots_.push_back(std::move(slot));
+  }
+  // Shards of a multiple of 16 bytes in the compute dtype (fp32 masters then are too).
+  padded_numel_ = flatshard::padded_numel(numel_, world_size, std::max<std::int64_t>(1, 16 / element_size_));
+  shard_numel_ = padded_numel_ / world_size;
+
+  auto flat32 = at::zeros({padded_numel_}, at::kFloat);
+  {
+    at::NoGradGuard no_grad;
+    for (auto& s : slots_) flat32.narrow(0, s.offset, s.numel).copy_(s.param.detach().reshape({-1}));
+  }
+  master_ = flat32.narrow(0, rank_ * shard_numel_, shard_numel_).clone();
+  full_ = flat32.to(compute_dtype_).contiguous();
+  if (full_.data_ptr() == flat32.data_ptr()) full_ = flat32.clone();
+  full_grad_ = at::zeros({padded_numel_}, at::TensorOptions().dtype(compute_dtype_));
+  free_storage(full_grad_);
+
+  // Parameters take their compute dtype now, before their AccumulateGrad nodes are
+  // taken: a later set_data that changed the dtype would replace those nodes.
+  use_full_views();
+  for (auto& s : slots_) {
+    if (s.param.requires_grad()) s.accumulator = torch::autograd::impl::grad_accumulator(s.param);
+  }
+}
+
+bool FlatParamGroup::full_allocated() const { return full_.storage().nbytes() > 0; }
+bool FlatParamGroup::full_grad_allocated() const { return full_grad_.storage().nbytes() > 0; }
+void FlatParamGroup::allocate_full() { allocate_storage(full_); }
+void FlatParamGroup::free_full() { free_storage(full_); }
+
+void FlatParamGroup::allocate_full_grad() {
+  if (full_grad_allocated()) return;
+  allocate_storage(full_grad_);
+  full_grad_.zero_();
+}
+
+void FlatParamGroup::free_full_grad() { free_storage(full_grad_); }
+
+void FlatParamGroup::use_full_views() {
+  for (auto& s : slots_) s.param.set_data(full_.narrow(0, s.offset, s.numel).view(s.shape));
+}
+
+void FlatParamGroup::use_empty_views() {
+  for (auto& s : slots_) s.param.set_data(at::empty({0}, full_.options()));
+}
+
+void FlatParamGroup::use_grad_views() {
+  for (auto& s : slots_) {
+    if (s.param.requires_grad()) s.param.mutable_grad() = full_grad_.narrow(0, s.offset, s.numel).view(s.shape);
+  }
+}
+
+void FlatParamGroup::drop_param_grads() {
+  for (auto& s : slots_) s.param.mutable_grad().reset();
+}
+
+}  // namespace flatshard::sharding

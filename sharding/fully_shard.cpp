@@ -1,0 +1,47 @@
+#include "flatshard/fully_shard.h"
+
+#include <fmt/format.h>
+
+#include "sharding/engine.h"
+
+namespace flatshard {
+
+FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const World& world,
+                               const FullyShardOptions& options)
+    : world_(world), engine_(std::make_unique<sharding::Engine>(std::move(model), world, options)) {}
+
+FullyShardBase::~FullyShardBase() = default;
+
+std::vector<at::Tensor> FullyShardBase::shards() const { return engine_->shards(); }
+double FullyShardBase::clip_grad_norm(double max_norm) { return engine_->clip_grad_norm(max_norm); }
+void FullyShardBase::zero_grad() { engine_->zero_grad(); }
+ShardMemory FullyShardBase::memory() const { return engine_->memory(); }
+int FullyShardBase::peak_gathered_units() const { return engine_->peak_gathered_units(); }
+void FullyShardBase::reset_peaks() { engine_->reset_peaks(); }
+int FullyShardBase::num_units() const { return engine_->num_units(); }
+Communicator& FullyShardBase::comm() { return engine_->comm(); }
+
+void FullyShardBase::root_pre_forward() { engine_->pre_forward(sharding::Engine::kRoot); }
+
+std::vector<at::Tensor> FullyShardBase::root_post_forward(std::vector<at::Tensor> outputs) {
+  return engine_->post_forward(sharding::Engine::kRoot, std::move(outputs));
+}
+
+FullyShardBase::NoSync::NoSync(FullyShardBase& owner) : owner_(owner) { owner_.engine_->set_no_sync(true); }
+FullyShardBase::NoSync::~NoSync() { owner_.engine_->set_no_sync(false); }
+
+FullyShardBase::FullParams::FullParams(FullyShardBase& owner) : owner_(owner) { owner_.engine_->gather_all(); }
+FullyShardBase::FullParams::~FullParams() { owner_.engine_->reshard_all(); }
+
+std::string FullyShardBase::memory_report() const {
+  const ShardMemory m = memory();
+  auto mib = [](std::int64_t b) { return static_cast<double>(b) / (1 << 20); };
+  return fmt::format(
+      "rank {}/{} memory (MiB): param shards {:.2f} | grad shards {:.2f} | unsharded params {:.2f} (peak {:.2f}) | "
+      "unsharded grads {:.2f} (peak {:.2f}) | peak gathered units {}",
+      world_.rank(), world_.world_size(), mib(m.param_shard_bytes), mib(m.grad_shard_bytes),
+      mib(m.unsharded_param_bytes), mib(m.peak_unsharded_param_bytes), mib(m.unsharded_grad_bytes),
+      mib(m.peak_unsharded_grad_bytes), peak_gathered_units());
+}
+
+}  // namespace flatshard

@@ -1,0 +1,56 @@
+// Sharded training against a single-process reference on the same global batch.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "flatshard/flatshard.h"
+
+namespace flatshard::testing {
+
+enum class OptKind { SGD, Adam, AdamW };
+const char* to_string(OptKind k);
+
+struct Batch {
+  at::Tensor input, target;
+};
+
+struct TrainSpec {
+  Strategy strategy = Strategy::FullShard;
+  OptKind optimizer = OptKind::SGD;
+  int steps = 10;
+  int global_batch = 12;
+  int micro_batches = 1;           // gradient accumulation: micro-batches per step
+  double clip = 0;                 // > 0: clip the global gradient norm to this
+  std::optional<at::ScalarType> param_dtype;
+  std::optional<at::ScalarType> reduce_dtype;
+  int prefetch = 1;
+  std::function<void(int step)> before_step;  // e.g. make a unit go unused
+};
+
+struct TrainResult {
+  // Max over parameter tensors of ||w - w_ref|| / ||w_ref|| (2-norms).
+  double max_rel_weight_diff = 0;
+  std::string worst_param;
+  // Max over parameter tensors of max|w - w_ref| / max|w_ref| (element-wise).
+  double max_elementwise_diff = 0;
+  double max_rel_loss_diff = 0;
+  int peak_gathered_units = 0;
+  std::int64_t peak_unsharded_param_bytes = 0;
+  std::int64_t largest_unit_bytes = 0;  // the largest non-root unit's flat buffer
+  std::int64_t root_unit_bytes = 0;
+};
+
+// make(): builds the model (same seed -> same weights each call);
+// batch(step): the global batch of a step; loss(output, target).
+template <typename Holder>
+TrainResult train_and_compare(const World& world, const std::function<Holder()>& make,
+                              const std::function<Batch(int)>& batch,
+                              const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss,
+                              const TrainSpec& spec);
+
+}  // namespace flatshard::testing
+
+#include "tests/support/training_impl.h"

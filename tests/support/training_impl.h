@@ -1,0 +1,142 @@
+#pragma once
+
+#include <algorithm>
+#include <map>
+
+namespace flatshard::testing {
+
+inline const char* to_string(OptKind k) {
+  switch (k) {
+    case OptKind::SGD: return "SGD";
+    case OptKind::Adam: return "Adam";
+    case OptKind::AdamW: return "AdamW";
+  }
+  return "?";
+}
+
+// The same hyper-parameters for both sides: momentum, Nesterov and weight decay for
+// SGD; weight decay for Adam (L2) and AdamW (decoupled).
+inline std::unique_ptr<torch::optim::Optimizer> reference_optimizer(OptKind k, std::vector<at::Tensor> params) {
+  switch (k) {
+    case OptKind::SGD:
+      return std::make_unique<torch::optim::SGD>(
+          params, torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(0.01));
+    case OptKind::Adam:
+      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3).weight_decay(0.01));
+    case OptKind::AdamW:
+      return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  }
+  return nullptr;
+}
+
+struct ShardedOptimizer {
+  std::unique_ptr<optim::ShardOptimizer> opt;
+  void step() { opt->step(); }
+  void zero_grad() { opt->zero_grad(); }
+};
+
+inline ShardedOptimizer sharded_optimizer(OptKind k, std::vector<at::Tensor> shards) {
+  switch (k) {
+    case OptKind::SGD:
+      return {std::make_unique<optim::SGD>(shards, optim::SGDOptions{0.05, 0.9, 0, 0.01, true})};
+    case OptKind::Adam:
+      return {std::make_unique<optim::Adam>(shards, optim::AdamOptions{1e-3, 0.9, 0.999, 1e-8, 0.01})};
+    case OptKind::AdamW:
+      return {std::make_unique<optim::Adam>(shards, optim::AdamWOptions{1e-3, 0.9, 0.999, 1e-8, 0.1})};
+  }
+  return {};
+}
+
+template <typename Holder>
+TrainResult train_and_compare(const World& world, const std::function<Holder()>& make,
+                              const std::function<Batch(int)>& batch,
+                              const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss,
+                              const TrainSpec& spec) {
+  const int n = world.world_size();
+  const int rank = world.rank();
+  TrainResult result;
+
+  Holder reference = make();
+  auto ref_opt = reference_optimizer(spec.optimizer, reference->parameters());
+
+  Holder model = make();
+  FullyShardOptions options;
+  options.strategy = spec.strategy;
+  options.prefetch = spec.prefetch;
+  options.mixed_precision.param = spec.param_dtype;
+  options.mixed_precision.reduce = spec.reduce_dtype;
+  options.comm.timeout = std::chrono::seconds(60);
+  options.comm.name = "test";
+  FullyShard<Holder> fsdp(model, world, options);
+  auto opt = sharded_optimizer(spec.optimizer, fsdp.shards());
+  auto loss_sum = at::zeros({1}, at::kDouble);
+
+  for (int step = 0; step < spec.steps; ++step) {
+    if (spec.before_step) spec.before_step(step);
+    const Batch b = batch(step);
+    const std::int64_t rows = b.input.size(0);
+    // Reference: the whole batch, micro-batch by micro-batch, mean loss overall.
+    ref_opt->zero_grad();
+    const std::int64_t micro_rows = rows / spec.micro_batches;
+    double ref_loss = 0;
+    for (int m = 0; m < spec.micro_batches; ++m) {
+      auto l = loss(reference->forward(b.input.narrow(0, m * micro_rows, micro_rows)),
+                    b.target.narrow(0, m * micro_rows, micro_rows)) /
+               spec.micro_batches;
+      l.backward();
+      ref_loss += l.template item<double>();
+    }
+    if (spec.clip > 0) torch::nn::utils::clip_grad_norm_(reference->parameters(), spec.clip);
+    ref_opt->step();
+
+    // Sharded: this rank's rows of each micro-batch.
+    const std::int64_t local = micro_rows / n;
+    double my_loss = 0;
+    for (int m = 0; m < spec.micro_batches; ++m) {
+      auto x = b.input.narrow(0, m * micro_rows + rank * local, local);
+      auto y = b.target.narrow(0, m * micro_rows + rank * local, local);
+      auto run = [&] {
+        auto out = fsdp.forward(x);
+        auto l = loss(out.to(at::kFloat), y) / spec.micro_batches;
+        l.backward();
+        my_loss += l.template item<double>();
+      };
+      if (m + 1 < spec.micro_batches) {
+        auto guard = fsdp.no_sync();
+        run();
+      } else {
+        run();
+      }
+    }
+    if (spec.clip > 0) fsdp.clip_grad_norm(spec.clip);
+    opt.step();
+    opt.zero_grad();
+
+    loss_sum.fill_(my_loss);
+    fsdp.comm().all_reduce(loss_sum, ReduceOp::Avg).wait();
+    const double rel = std::abs(loss_sum.template item<double>() - ref_loss) / std::max(std::abs(ref_loss), 1e-12);
+    result.max_rel_loss_diff = std::max(result.max_rel_loss_diff, rel);
+  }
+
+  result.peak_gathered_units = fsdp.peak_gathered_units();
+  result.peak_unsharded_param_bytes = fsdp.memory().peak_unsharded_param_bytes;
+  {
+    auto full = fsdp.summon_full_params();
+    auto ref_params = reference->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      const auto& want = ref_params[item.key()];
+      const auto delta = item.value().to(at::kFloat) - want;
+      const double rel = delta.norm().template item<double>() / std::max(want.norm().template item<double>(), 1e-12);
+      if (rel >= result.max_rel_weight_diff) {
+        result.max_rel_weight_diff = rel;
+        result.worst_param = item.key();
+      }
+      const double scale = std::max(want.abs().max().template item<double>(), 1e-12);
+      result.max_elementwise_diff =
+          std::max(result.max_elementwise_diff, delta.abs().max().template item<double>() / scale);
+    }
+  }
+  return result;
+}
+
+}  // namespace flatshard::testing
