@@ -436,6 +436,14 @@ ShardMemory Engine::memory() const {
   return m;
 }
 
+std::int64_t Engine::unit_bytes(bool root) const {
+  std::int64_t bytes = 0;
+  for (std::size_t i = root ? 0 : 1; i < (root ? 1 : units_.size()); ++i) {
+    if (units_[i]->group) bytes = std::max(bytes, units_[i]->group->full_bytes());
+  }
+  return bytes;
+}
+
 void Engine::reset_peaks() {
   account();
   memory_.peak_unsharded_param_bytes = memory_.unsharded_param_bytes;

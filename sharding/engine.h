@@ -34,6 +34,8 @@ class Engine {
   int peak_gathered_units() const { return peak_gathered_units_; }
   void reset_peaks();
   int num_units() const { return static_cast<int>(units_.size()); }
+  // The root unit's gathered bytes (root), or the largest other unit's.
+  std::int64_t unit_bytes(bool root) const;
   Communicator& comm() { return *comm_; }
   static constexpr int kRoot = 0;
 

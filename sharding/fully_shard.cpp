@@ -19,6 +19,8 @@ ShardMemory FullyShardBase::memory() const { return engine_->memory(); }
 int FullyShardBase::peak_gathered_units() const { return engine_->peak_gathered_units(); }
 void FullyShardBase::reset_peaks() { engine_->reset_peaks(); }
 int FullyShardBase::num_units() const { return engine_->num_units(); }
+std::int64_t FullyShardBase::largest_unit_bytes() const { return engine_->unit_bytes(false); }
+std::int64_t FullyShardBase::root_unit_bytes() const { return engine_->unit_bytes(true); }
 Communicator& FullyShardBase::comm() { return engine_->comm(); }
 
 void FullyShardBase::root_pre_forward() { engine_->pre_forward(sharding::Engine::kRoot); }

@@ -120,6 +120,9 @@ class FullyShardBase {
   void reset_peaks();
 
   int num_units() const;  // including the root unit
+  // Bytes of the largest non-root unit's gathered flat buffer, and of the root unit's.
+  std::int64_t largest_unit_bytes() const;
+  std::int64_t root_unit_bytes() const;
   Communicator& comm();
   const World& world() const { return world_; }
 

@@ -27,16 +27,21 @@ struct TrainSpec {
   std::optional<at::ScalarType> param_dtype;
   std::optional<at::ScalarType> reduce_dtype;
   int prefetch = 1;
-  std::function<void(int step)> before_step;  // e.g. make a unit go unused
+  // Called before each step with the reference and the sharded model (e.g. to make a
+  // unit go unused in that step).
+  std::function<void(int step, torch::nn::Module& reference, torch::nn::Module& sharded)> before_step;
 };
 
 struct TrainResult {
   // Max over parameter tensors of ||w - w_ref|| / ||w_ref|| (2-norms).
   double max_rel_weight_diff = 0;
   std::string worst_param;
+  // ||all w - all w_ref|| / ||all w_ref|| over the whole model.
+  double global_rel_weight_diff = 0;
   // Max over parameter tensors of max|w - w_ref| / max|w_ref| (element-wise).
   double max_elementwise_diff = 0;
   double max_rel_loss_diff = 0;
+  double max_grad_norm = 0;            // largest norm clip_grad_norm returned
   int peak_gathered_units = 0;
   std::int64_t peak_unsharded_param_bytes = 0;
   std::int64_t largest_unit_bytes = 0;  // the largest non-root unit's flat buffer

@@ -72,7 +72,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   auto loss_sum = at::zeros({1}, at::kDouble);
 
   for (int step = 0; step < spec.steps; ++step) {
-    if (spec.before_step) spec.before_step(step);
+    if (spec.before_step) spec.before_step(step, *reference, *model);
     const Batch b = batch(step);
     const std::int64_t rows = b.input.size(0);
     // Reference: the whole batch, micro-batch by micro-batch, mean loss overall.
@@ -108,7 +108,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
         run();
       }
     }
-    if (spec.clip > 0) fsdp.clip_grad_norm(spec.clip);
+    if (spec.clip > 0) result.max_grad_norm = std::max(result.max_grad_norm, fsdp.clip_grad_norm(spec.clip));
     opt.step();
     opt.zero_grad();
 
@@ -120,13 +120,20 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
 
   result.peak_gathered_units = fsdp.peak_gathered_units();
   result.peak_unsharded_param_bytes = fsdp.memory().peak_unsharded_param_bytes;
+  result.largest_unit_bytes = fsdp.largest_unit_bytes();
+  result.root_unit_bytes = fsdp.root_unit_bytes();
   {
     auto full = fsdp.summon_full_params();
     auto ref_params = reference->named_parameters();
+    double delta_sq = 0, ref_sq = 0;
     for (const auto& item : model->named_parameters()) {
       const auto& want = ref_params[item.key()];
       const auto delta = item.value().to(at::kFloat) - want;
-      const double rel = delta.norm().template item<double>() / std::max(want.norm().template item<double>(), 1e-12);
+      const double delta_norm = delta.norm().template item<double>();
+      const double want_norm = want.norm().template item<double>();
+      delta_sq += delta_norm * delta_norm;
+      ref_sq += want_norm * want_norm;
+      const double rel = delta_norm / std::max(want_norm, 1e-12);
       if (rel >= result.max_rel_weight_diff) {
         result.max_rel_weight_diff = rel;
         result.worst_param = item.key();
@@ -135,6 +142,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
       result.max_elementwise_diff =
           std::max(result.max_elementwise_diff, delta.abs().max().template item<double>() / scale);
     }
+    result.global_rel_weight_diff = std::sqrt(delta_sq / std::max(ref_sq, 1e-24));
   }
   return result;
 }
