@@ -4,6 +4,7 @@
 #include "flatshard/communicator.h"
 #include "flatshard/errors.h"
 #include "flatshard/fully_shard.h"
+#include "flatshard/memory.h"
 #include "flatshard/optim.h"
 #include "flatshard/sequential_units.h"
 #include "flatshard/shard.h"

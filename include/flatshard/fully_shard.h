@@ -114,7 +114,10 @@ class FullyShardBase {
   FullParams summon_full_params() { return FullParams(*this); }
 
   ShardMemory memory() const;
-  std::string memory_report() const;
+  // One line of this rank's figures: shards, unsharded buffers (now and peak), the
+  // optimizer's state when given (ShardOptimizer::state_bytes()), and the counting
+  // allocator's current and peak when installed (memory.h).
+  std::string memory_report(std::int64_t optimizer_state_bytes = -1) const;
   // The most units (besides the root) gathered at once since the last reset.
   int peak_gathered_units() const;
   void reset_peaks();

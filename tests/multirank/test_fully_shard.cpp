@@ -189,6 +189,43 @@ TEST(FullyShard, GatheredBytesStayWithinThePrefetchBound) {
   }
 }
 
+// The engine's byte counts agree with the flat layout, the report shows them, and the
+// counting allocator sees at least what the engine holds.
+TEST(FullyShard, MemoryAccounting) {
+  FLATSHARD_RUN_RANKS({1, 2, 4});
+  flatshard::memory::install_counting_allocator();
+  auto world = flatshard::init();
+  GPT model = gpt_factory()();
+  std::int64_t numel = 0;
+  for (const auto& p : model->parameters()) numel += p.numel();
+  flatshard::FullyShard<GPT> fsdp(model, world, {});
+  flatshard::optim::AdamW opt(fsdp.shards(), {});
+  flatshard::memory::reset_allocator_peak();
+  const auto b = gpt_batch(0, 4 * world.world_size());
+  auto x = b.input.narrow(0, 4 * world.rank(), 4), y = b.target.narrow(0, 4 * world.rank(), 4);
+  token_loss(fsdp.forward(x), y).backward();
+  opt.step();
+  const auto m = fsdp.memory();
+  std::int64_t shard_numel = 0;
+  for (const auto& s : fsdp.shards()) shard_numel += s.numel();
+  EXPECT_EQ(m.param_shard_bytes, shard_numel * 4);
+  EXPECT_EQ(m.grad_shard_bytes, shard_numel * 4);  // every unit ran: every shard has a gradient
+  EXPECT_EQ(opt.state_bytes(), 2 * shard_numel * 4);
+  // Shards are 1/N of the padded model: padding adds less than 16 bytes per rank and unit.
+  EXPECT_GE(shard_numel * world.world_size(), numel);
+  EXPECT_LT(shard_numel * world.world_size(), numel + fsdp.num_units() * 4 * world.world_size());
+  EXPECT_EQ(m.unsharded_param_bytes, 0) << "everything is resharded after backward";
+  EXPECT_EQ(m.unsharded_grad_bytes, 0);
+  EXPECT_GT(m.peak_unsharded_param_bytes, 0);
+  const auto a = flatshard::memory::allocator_stats();
+  EXPECT_GE(a.peak_bytes, m.peak_unsharded_param_bytes);
+  const std::string report = fsdp.memory_report(opt.state_bytes());
+  EXPECT_NE(report.find("param shards"), std::string::npos) << report;
+  EXPECT_NE(report.find("optimizer states"), std::string::npos) << report;
+  EXPECT_NE(report.find("allocator"), std::string::npos) << report;
+  if (world.rank() == 0) std::printf("%s\n", report.c_str());
+}
+
 // bf16 parameters and gradients with fp32 master shards and optimizer states, reduced
 // in fp32 or in bf16, against fp32 single-process training. See Note [bf16 tolerance].
 TEST(FullyShard, Bf16ParametersWithFp32Masters) {

@@ -1,0 +1,28 @@
+// The allocator's view of memory, beside the engine's own byte counts.
+//
+// On the CPU, install_counting_allocator() wraps LibTorch's CPU allocator (through
+// c10::SetCPUAllocator) so that every tensor allocation is counted: current and peak
+// live bytes for the whole process. Install it before creating the model, so that
+// everything allocated later is counted; tensors allocated earlier are freed by their
+// original allocator and never counted. On CUDA the same figures come from the caching
+// allocator's statistics.
+#pragma once
+
+#include <cstdint>
+
+namespace flatshard::memory {
+
+struct AllocatorStats {
+  bool installed = false;
+  std::int64_t current_bytes = 0;  // live bytes allocated through the counting allocator
+  std::int64_t peak_bytes = 0;     // the most live at once since install or the last reset
+  std::int64_t allocations = 0;    // calls since install
+};
+
+// Idempotent; thread-safe.
+void install_counting_allocator();
+AllocatorStats allocator_stats();
+// Peak := current.
+void reset_allocator_peak();
+
+}  // namespace flatshard::memory
