@@ -13,21 +13,24 @@ namespace flatshard::optim::kernels {
 // torch::optim::SGD, per element:
 //   d = g + wd * p;  buf = first ? d : momentum * buf + (1 - dampening) * d
 //   d = nesterov ? d + momentum * buf : buf;  p -= lr * d
+// The mode flags are template parameters so that each instantiation's loop has no
+// branches and vectorizes.
+template <bool kDecay, bool kMomentum, bool kFirst, bool kNesterov>
 struct SgdFunctor {
-  float* param;
-  const float* grad;
-  float* buf;
-  SgdHyper h;
+  float* __restrict__ param;
+  const float* __restrict__ grad;
+  float* __restrict__ buf;
+  float lr, momentum, dampening, weight_decay;
 
   __host__ __device__ void operator()(std::int64_t i) const {
     float d = grad[i];
-    if (h.weight_decay != 0.0f) d = d + h.weight_decay * param[i];
-    if (h.momentum != 0.0f) {
-      float b = h.first_step ? d : h.momentum * buf[i] + (1.0f - h.dampening) * d;
+    if (kDecay) d = d + weight_decay * param[i];
+    if (kMomentum) {
+      const float b = kFirst ? d : momentum * buf[i] + (1.0f - dampening) * d;
       buf[i] = b;
-      d = h.nesterov ? d + h.momentum * b : b;
+      d = kNesterov ? d + momentum * b : b;
     }
-    param[i] = param[i] - h.lr * d;
+    param[i] = param[i] - lr * d;
   }
 };
 
@@ -35,39 +38,40 @@ struct SgdFunctor {
 //   AdamW: p *= 1 - lr * wd;  Adam: g += wd * p
 //   m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
 //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+// kDecay: 0 none, 1 L2 (Adam), 2 decoupled (AdamW).
+template <int kDecay>
 struct AdamFunctor {
-  float* param;
-  const float* grad;
-  float* m;
-  float* v;
-  AdamHyper h;
-  float step_size;        // lr / (1 - beta1^step)
-  float bc2_sqrt;         // sqrt(1 - beta2^step)
-
-  static AdamFunctor make(float* param, const float* grad, float* m, float* v, const AdamHyper& h) {
-    const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
-    const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
-    return AdamFunctor{param, grad, m, v, h, static_cast<float>(h.lr / bc1), static_cast<float>(std::sqrt(bc2))};
-  }
+  float* __restrict__ param;
+  const float* __restrict__ grad;
+  float* __restrict__ m;
+  float* __restrict__ v;
+  float beta1, beta2, eps;
+  float decay;      // L2: weight_decay; decoupled: 1 - lr * weight_decay
+  float step_size;  // lr / (1 - beta1^step)
+  float bc2_sqrt;   // sqrt(1 - beta2^step)
 
   __host__ __device__ void operator()(std::int64_t i) const {
     float p = param[i];
     float g = grad[i];
-    if (h.weight_decay != 0.0f) {
-      if (h.decoupled_weight_decay) {
-        p = p * (1.0f - h.lr * h.weight_decay);
-      } else {
-        g = g + h.weight_decay * p;
-      }
-    }
-    const float mi = h.beta1 * m[i] + (1.0f - h.beta1) * g;
-    const float vi = h.beta2 * v[i] + (1.0f - h.beta2) * g * g;
+    if (kDecay == 2) p = p * decay;
+    if (kDecay == 1) g = g + decay * p;
+    const float mi = beta1 * m[i] + (1.0f - beta1) * g;
+    const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
     m[i] = mi;
     v[i] = vi;
-    const float denom = sqrtf(vi) / bc2_sqrt + h.eps;
+    const float denom = sqrtf(vi) / bc2_sqrt + eps;
     param[i] = p - step_size * (mi / denom);
   }
 };
+
+template <int kDecay>
+AdamFunctor<kDecay> make_adam(float* param, const float* grad, float* m, float* v, const AdamHyper& h) {
+  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
+  const float decay = kDecay == 2 ? 1.0f - h.lr * h.weight_decay : h.weight_decay;
+  return AdamFunctor<kDecay>{param, grad, m, v, h.beta1, h.beta2, h.eps, decay,
+                             static_cast<float>(h.lr / bc1), static_cast<float>(std::sqrt(bc2))};
+}
 
 struct Square {
   __host__ __device__ double operator()(float x) const { return static_cast<double>(x) * x; }
