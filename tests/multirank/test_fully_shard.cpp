@@ -189,6 +189,44 @@ TEST(FullyShard, GatheredBytesStayWithinThePrefetchBound) {
   }
 }
 
+// Wrapping keeps the module's own parameter objects: names, parameters() and shapes
+// (when gathered) are those of the plain model.
+TEST(FullyShard, KeepsParameterObjectsAndNames) {
+  FLATSHARD_RUN_RANKS({2});
+  auto world = flatshard::init();
+  GPT model = gpt_factory()();
+  std::vector<std::string> names;
+  std::vector<const c10::TensorImpl*> impls;
+  std::vector<std::vector<std::int64_t>> shapes;
+  for (const auto& item : model->named_parameters()) {
+    names.push_back(item.key());
+    impls.push_back(item.value().unsafeGetTensorImpl());
+    shapes.push_back(item.value().sizes().vec());
+  }
+  const auto blocks_before = model->blocks[0]->fc->weight.unsafeGetTensorImpl();
+  flatshard::FullyShard<GPT> fsdp(model, world, {});
+  EXPECT_EQ(fsdp.num_units(), 1 + gpt_config().layers) << "the root and one unit per block";
+  const auto b = gpt_batch(0, 4);
+  token_loss(fsdp.forward(b.input.narrow(0, 2 * world.rank(), 2)), b.target.narrow(0, 2 * world.rank(), 2))
+      .backward();
+  std::size_t i = 0;
+  for (const auto& item : model->named_parameters()) {
+    ASSERT_LT(i, names.size());
+    EXPECT_EQ(item.key(), names[i]);
+    EXPECT_EQ(item.value().unsafeGetTensorImpl(), impls[i]) << item.key();
+    EXPECT_EQ(item.value().numel(), 0) << item.key() << " is freed between steps";
+    EXPECT_FALSE(item.value().grad().defined()) << "gradients live in the shards, not the parameters";
+    ++i;
+  }
+  EXPECT_EQ(i, names.size());
+  EXPECT_EQ(model->blocks[0]->fc->weight.unsafeGetTensorImpl(), blocks_before);
+  {
+    auto full = fsdp.summon_full_params();
+    i = 0;
+    for (const auto& item : model->named_parameters()) EXPECT_EQ(item.value().sizes().vec(), shapes[i++]);
+  }
+}
+
 // The engine's byte counts agree with the flat layout, the report shows them, and the
 // counting allocator sees at least what the engine holds.
 TEST(FullyShard, MemoryAccounting) {
@@ -236,6 +274,7 @@ TEST(FullyShard, Bf16ParametersWithFp32Masters) {
     spec.optimizer = OptKind::AdamW;
     spec.param_dtype = at::kBFloat16;
     spec.reduce_dtype = reduce;
+    spec.clip = 0.25;  // clipping over fp32 shard gradients of bf16 parameters
     const auto r = train_and_compare<GPT>(world, gpt_factory(), [&](int s) { return gpt_batch(s, 12); },
                                           token_loss, spec);
     if (world.rank() == 0) {
@@ -258,6 +297,7 @@ TEST(FullyShard, Bf16ParametersWithFp32Masters) {
     EXPECT_LE(r.max_rel_loss_diff, 5e-3);
     // And bf16 is really in use: fp32 runs agree to 1e-6.
     EXPECT_GT(r.max_rel_loss_diff, 1e-6);
+    EXPECT_GT(r.max_grad_norm, spec.clip) << "the test must actually clip";
   }
 }
 
