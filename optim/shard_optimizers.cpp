@@ -24,7 +24,7 @@ void ShardOptimizer::zero_grad() {
 }
 
 SGD::SGD(std::vector<at::Tensor> shards, const SGDOptions& options)
-    : ShardOptimizer(std::move(shards)), options_(options), momentum_(shards_.size()) {
+    : ShardOptimizer(std::move(shards)), options_(options), steps_(shards_.size(), 0), momentum_(shards_.size()) {
   if (options_.nesterov && (options_.momentum <= 0 || options_.dampening != 0)) {
     throw InvalidArgument("flatshard::optim::SGD: nesterov needs momentum > 0 and dampening == 0");
   }
@@ -41,10 +41,16 @@ void SGD::step() {
     h.weight_decay = static_cast<float>(options_.weight_decay);
     h.nesterov = options_.nesterov;
     h.first_step = !momentum_[i].defined();
+    ++steps_[i];
     if (options_.momentum != 0 && h.first_step) momentum_[i] = at::empty_like(shards_[i]);
     kernels::sgd_step(shards_[i].data_ptr<float>(), grad.contiguous().data_ptr<float>(),
                       momentum_[i].defined() ? momentum_[i].data_ptr<float>() : nullptr, shards_[i].numel(), h);
   }
+}
+
+std::vector<std::pair<std::string, at::Tensor>> SGD::named_state(std::size_t i) const {
+  if (options_.momentum == 0) return {};
+  return {{"momentum_buffer", momentum_[i]}};
 }
 
 std::int64_t SGD::state_bytes() const {
@@ -81,6 +87,10 @@ void Adam::step() {
     kernels::adam_step(shards_[i].data_ptr<float>(), grad.contiguous().data_ptr<float>(),
                        exp_avg_[i].data_ptr<float>(), exp_avg_sq_[i].data_ptr<float>(), shards_[i].numel(), h);
   }
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Adam::named_state(std::size_t i) const {
+  return {{"exp_avg", exp_avg_[i]}, {"exp_avg_sq", exp_avg_sq_[i]}};
 }
 
 std::int64_t Adam::state_bytes() const {

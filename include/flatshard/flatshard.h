@@ -2,6 +2,7 @@
 #pragma once
 
 #include "flatshard/communicator.h"
+#include "flatshard/ddp.h"
 #include "flatshard/errors.h"
 #include "flatshard/fully_shard.h"
 #include "flatshard/memory.h"
@@ -11,3 +12,4 @@
 #include "flatshard/stream.h"
 #include "flatshard/unit.h"
 #include "flatshard/world.h"
+#include "flatshard/zero.h"

@@ -43,6 +43,10 @@ class ShardOptimizer {
   void zero_grad();
   // Bytes of optimizer state held by this rank.
   virtual std::int64_t state_bytes() const = 0;
+  // The state of shard i by name (momentum_buffer; exp_avg, exp_avg_sq), and its step
+  // count; undefined tensors before its first step.
+  virtual std::vector<std::pair<std::string, at::Tensor>> named_state(std::size_t i) const = 0;
+  virtual std::int64_t steps(std::size_t i) const = 0;
   const std::vector<at::Tensor>& shards() const { return shards_; }
 
  protected:
@@ -54,9 +58,12 @@ class SGD final : public ShardOptimizer {
   SGD(std::vector<at::Tensor> shards, const SGDOptions& options);
   void step() override;
   std::int64_t state_bytes() const override;
+  std::vector<std::pair<std::string, at::Tensor>> named_state(std::size_t i) const override;
+  std::int64_t steps(std::size_t i) const override { return steps_[i]; }
 
  private:
   SGDOptions options_;
+  std::vector<std::int64_t> steps_;
   std::vector<at::Tensor> momentum_;  // per shard; undefined until its first step
 };
 
@@ -66,6 +73,8 @@ class Adam final : public ShardOptimizer {
   Adam(std::vector<at::Tensor> shards, const AdamWOptions& options);
   void step() override;
   std::int64_t state_bytes() const override;
+  std::vector<std::pair<std::string, at::Tensor>> named_state(std::size_t i) const override;
+  std::int64_t steps(std::size_t i) const override { return steps_[i]; }
 
  private:
   AdamOptions options_;

@@ -2,6 +2,7 @@
 // the same global batch: three models, three optimizers, world sizes 1 to 4.
 #include <gtest/gtest.h>
 
+#include "tests/support/cases.h"
 #include "tests/support/models.h"
 #include "tests/support/multirank.h"
 #include "tests/support/training.h"
@@ -21,54 +22,6 @@ using flatshard::Strategy;
 // Adam/AdamW element-wise up to 1e-3 on a few such elements (the CNN's fc1 behind dead
 // ReLUs), norm-wise <= 5e-6.
 constexpr double kFp32Tolerance = 1e-5;
-
-std::function<torch::nn::Sequential()> mlp_factory() {
-  return [] {
-    torch::manual_seed(7);
-    return make_mlp(8, 37, 5, 3);  // 37: layer sizes not divisible by the world size
-  };
-}
-Batch mlp_batch(int step, int rows) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
-  return {at::randn({rows, 8}, g), at::randn({rows, 5}, g)};
-}
-at::Tensor mse(const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); }
-
-std::function<flatshard::SequentialUnits()> mlp_units_factory() {
-  return [] {
-    torch::manual_seed(7);
-    return flatshard::SequentialUnits(make_mlp(8, 37, 5, 3), flatshard::SequentialUnitsOptions{1});
-  };
-}
-
-GPTConfig gpt_config() { return GPTConfig{}; }
-std::function<GPT()> gpt_factory() {
-  return [] {
-    torch::manual_seed(11);
-    return GPT(gpt_config());
-  };
-}
-Batch gpt_batch(int step, int rows) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(2000 + step);
-  const auto c = gpt_config();
-  auto tokens = at::randint(c.vocab, {rows, c.context + 1}, g);
-  return {tokens.narrow(1, 0, c.context).contiguous(), tokens.narrow(1, 1, c.context).contiguous()};
-}
-at::Tensor token_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
-}
-
-std::function<MnistNet()> cnn_factory() {
-  return [] {
-    torch::manual_seed(3);
-    return MnistNet(/*dropout=*/0.0);
-  };
-}
-Batch cnn_batch(int step, int rows) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(3000 + step);
-  return {at::randn({rows, 1, 28, 28}, g), at::randint(10, {rows}, g)};
-}
-at::Tensor nll(const at::Tensor& out, const at::Tensor& y) { return torch::nll_loss(out, y); }
 
 template <typename Holder>
 void expect_matches_reference(const std::string& model, const std::function<Holder()>& make,

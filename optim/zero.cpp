@@ -1,0 +1,154 @@
+#include "flatshard/zero.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "flatshard/errors.h"
+#include "flatshard/shard.h"
+#include "optim/step_kernels.h"
+#include "sharding/ddp_engine.h"
+
+namespace flatshard {
+namespace {
+
+std::unique_ptr<optim::ShardOptimizer> make_optimizer(const OptimizerOptions& o, std::vector<at::Tensor> shards) {
+  if (const auto* sgd = std::get_if<optim::SGDOptions>(&o)) return std::make_unique<optim::SGD>(shards, *sgd);
+  if (const auto* adam = std::get_if<optim::AdamOptions>(&o)) return std::make_unique<optim::Adam>(shards, *adam);
+  return std::make_unique<optim::Adam>(shards, std::get<optim::AdamWOptions>(o));
+}
+
+std::int64_t state_per_element_bytes(const OptimizerOptions& o) {
+  if (const auto* sgd = std::get_if<optim::SGDOptions>(&o)) return sgd->momentum != 0 ? 4 : 0;
+  return 8;
+}
+
+}  // namespace
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(DDPBase& ddp, const OptimizerOptions& optimizer,
+                                                 const ZeroOptions& options)
+    : engine_(&ddp.engine()), optimizer_options_(optimizer), options_(options), standalone_(false) {
+  engine_->set_reduce(options_.reduce_scatter ? GradReduce::ReduceScatter : GradReduce::AllReduce);
+}
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::shared_ptr<torch::nn::Module> model, const World& world,
+                                                 const OptimizerOptions& optimizer, const ZeroOptions& options)
+    : optimizer_options_(optimizer), options_(options), standalone_(true) {
+  DDPOptions ddp;
+  ddp.first_bucket_bytes = options.first_bucket_bytes;
+  ddp.bucket_bytes = options.bucket_bytes;
+  ddp.comm = options.comm;
+  owned_engine_ = std::make_unique<sharding::DdpEngine>(std::move(model), world, ddp, /*reduce_in_backward=*/false);
+  engine_ = owned_engine_.get();
+  engine_->set_reduce(options_.reduce_scatter ? GradReduce::ReduceScatter : GradReduce::AllReduce);
+}
+
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
+
+// This rank's slice of every bucket, as leaf views the shard optimizer steps in place.
+// Rebuilt (with fresh state) only if the bucket layout changed before the first step.
+void ZeroRedundancyOptimizer::ensure_slices() {
+  if (optimizer_ && layout_version_ == engine_->layout_version()) return;
+  if (optimizer_ && optimizer_->state_bytes() > 0) {
+    throw InvalidArgument(fmt::format("flatshard::ZeroRedundancyOptimizer (rank {}/{}): the bucket layout changed "
+                                      "after the optimizer took its first step", engine_->rank(),
+                                      engine_->world_size()));
+  }
+  slices_.clear();
+  for (int b = 0; b < static_cast<int>(engine_->buckets().size()); ++b) {
+    const auto range = shard_range(engine_->buckets()[b].numel, engine_->world_size(), engine_->rank());
+    slices_.push_back(engine_->step_values(b).narrow(0, range.offset, range.numel).detach());
+  }
+  optimizer_ = make_optimizer(optimizer_options_, slices_);
+  layout_version_ = engine_->layout_version();
+}
+
+void ZeroRedundancyOptimizer::step() {
+  if (standalone_) {
+    engine_->adopt_grads();
+    engine_->reduce_all_now();
+  }
+  ensure_slices();
+  for (int b = 0; b < static_cast<int>(slices_.size()); ++b) {
+    const auto range = shard_range(engine_->buckets()[b].numel, engine_->world_size(), engine_->rank());
+    slices_[b].mutable_grad() = engine_->step_grads(b).narrow(0, range.offset, range.numel);
+  }
+  optimizer_->step();
+  CollectiveOptions opts;
+  opts.stream = StreamRole::AllGather;
+  std::vector<Work> gathers;
+  for (int b = 0; b < static_cast<int>(slices_.size()); ++b) {
+    gathers.push_back(engine_->comm().all_gather(engine_->step_values(b), slices_[b], opts));
+  }
+  for (auto& w : gathers) w.wait();
+}
+
+void ZeroRedundancyOptimizer::zero_grad() {
+  at::NoGradGuard no_grad;
+  for (auto& b : engine_->buckets()) {
+    b.grad.zero_();
+    if (b.master_grad.defined()) b.master_grad.zero_();
+  }
+  engine_->adopt_grads();
+}
+
+double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
+  double local = 0;
+  std::vector<at::Tensor> owned;
+  for (int b = 0; b < static_cast<int>(engine_->buckets().size()); ++b) {
+    const auto range = shard_range(engine_->buckets()[b].numel, engine_->world_size(), engine_->rank());
+    owned.push_back(engine_->step_grads(b).narrow(0, range.offset, range.numel));
+    auto g = owned.back().to(at::kFloat).contiguous();
+    local += optim::kernels::sum_of_squares(g.data_ptr<float>(), g.numel());
+  }
+  auto total = at::full({1}, local, at::kDouble);
+  engine_->comm().all_reduce(total, ReduceOp::Sum).wait();
+  const double norm = std::sqrt(total.item<double>());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    at::NoGradGuard no_grad;
+    for (auto& g : owned) g.mul_(coef);
+  }
+  return norm;
+}
+
+std::int64_t ZeroRedundancyOptimizer::state_bytes() const { return optimizer_ ? optimizer_->state_bytes() : 0; }
+
+std::int64_t ZeroRedundancyOptimizer::full_state_bytes() const {
+  std::int64_t numel = 0;
+  for (const auto& b : engine_->buckets()) numel += b.numel;
+  return numel * state_per_element_bytes(optimizer_options_);
+}
+
+std::int64_t ZeroRedundancyOptimizer::largest_bucket_bytes() const {
+  std::int64_t most = 0;
+  for (const auto& b : engine_->buckets()) most = std::max(most, b.numel * state_per_element_bytes(optimizer_options_));
+  return most;
+}
+
+std::map<std::string, at::Tensor> ZeroRedundancyOptimizer::consolidated_state_dict(int to) {
+  ensure_slices();
+  std::map<std::string, at::Tensor> out;
+  const int n = engine_->world_size();
+  for (int b = 0; b < static_cast<int>(slices_.size()); ++b) {
+    const auto& bucket = engine_->buckets()[b];
+    for (const auto& [name, slice] : optimizer_->named_state(b)) {
+      auto mine = slice.defined() ? slice : at::zeros({slices_[b].numel()}, at::kFloat);
+      auto full = at::empty({bucket.numel}, at::kFloat);
+      engine_->comm().all_gather(full, mine).wait();
+      if (engine_->rank() != to) continue;
+      for (int i : bucket.params) {
+        const auto& p = engine_->params()[i];
+        out[p.name + "." + name] = full.narrow(0, p.offset, p.numel).view(p.shape).clone();
+      }
+    }
+  }
+  std::int64_t steps = 0;
+  for (std::size_t b = 0; b < slices_.size(); ++b) steps = std::max(steps, optimizer_->steps(b));
+  if (engine_->rank() == to) out["step"] = at::full({}, steps, at::kLong);
+  (void)n;
+  return out;
+}
+
+}  // namespace flatshard

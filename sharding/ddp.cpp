@@ -1,0 +1,69 @@
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "flatshard/ddp.h"
+#include "flatshard/memory.h"
+#include "optim/step_kernels.h"
+#include "sharding/ddp_engine.h"
+
+namespace flatshard {
+
+DDPBase::DDPBase(std::shared_ptr<torch::nn::Module> model, const World& world, const DDPOptions& options)
+    : world_(world), engine_(std::make_unique<sharding::DdpEngine>(std::move(model), world, options)) {}
+
+DDPBase::~DDPBase() = default;
+
+std::vector<at::Tensor> DDPBase::optimizer_params() const { return engine_->optimizer_params(); }
+void DDPBase::pre_forward() { engine_->pre_forward(); }
+int DDPBase::num_buckets() const { return static_cast<int>(engine_->buckets().size()); }
+Communicator& DDPBase::comm() { return engine_->comm(); }
+
+DDPBase::NoSync::NoSync(DDPBase& owner) : owner_(owner) { owner_.engine_->set_no_sync(true); }
+DDPBase::NoSync::~NoSync() { owner_.engine_->set_no_sync(false); }
+
+std::vector<std::vector<std::string>> DDPBase::bucket_layout() const {
+  std::vector<std::vector<std::string>> out;
+  for (const auto& b : engine_->buckets()) {
+    out.emplace_back();
+    for (int i : b.params) out.back().push_back(engine_->params()[i].name);
+  }
+  return out;
+}
+
+double DDPBase::clip_grad_norm(double max_norm) {
+  double sum = 0;
+  for (const auto& p : optimizer_params()) {
+    if (p.grad().defined()) {
+      auto g = p.grad().to(at::kFloat).contiguous();
+      sum += optim::kernels::sum_of_squares(g.data_ptr<float>(), g.numel());
+    }
+  }
+  const double norm = std::sqrt(sum);
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (auto p : optimizer_params()) {
+      if (p.grad().defined()) p.mutable_grad().mul_(coef);
+    }
+  }
+  return norm;
+}
+
+std::string DDPBase::memory_report() const {
+  std::int64_t params = 0, grads = 0, masters = 0;
+  for (const auto& b : engine_->buckets()) {
+    params += b.flat.nbytes();
+    grads += b.grad.nbytes();
+    if (b.master.defined()) masters += b.master.nbytes() + b.master_grad.nbytes();
+  }
+  auto mib = [](std::int64_t b) { return static_cast<double>(b) / (1 << 20); };
+  std::string line = fmt::format("rank {}/{} memory (MiB): params {:.2f} | grads {:.2f} | fp32 masters+grads {:.2f} | "
+                                 "{} buckets", world_.rank(), world_.world_size(), mib(params), mib(grads),
+                                 mib(masters), engine_->buckets().size());
+  const auto a = memory::allocator_stats();
+  if (a.installed) line += fmt::format(" | allocator {:.2f} (peak {:.2f})", mib(a.current_bytes), mib(a.peak_bytes));
+  return line;
+}
+
+}  // namespace flatshard

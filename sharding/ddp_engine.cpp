@@ -1,0 +1,347 @@
+#include "sharding/ddp_engine.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "flatshard/errors.h"
+#include "flatshard/shard.h"
+#include "sharding/buckets.h"
+#include "src/logging.h"
+
+namespace flatshard::sharding {
+namespace {
+
+class ReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  ReadyHook(DdpEngine* engine, int param) : engine_(engine), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    engine_->on_grad_ready(param_);
+    return outputs;
+  }
+
+ private:
+  DdpEngine* engine_;
+  int param_;
+};
+
+// A tensor over `flat`'s storage that autograd does not treat as a view: torch::optim's
+// zero_grad() detaches gradients in place, which a view refuses.
+at::Tensor alias(const at::Tensor& flat, std::int64_t offset, at::IntArrayRef shape) {
+  return at::empty({0}, flat.options()).set_(flat.storage(), flat.storage_offset() + offset, shape,
+                                             c10::contiguous_strides(shape));
+}
+
+std::string describe(const std::string& name, const at::Tensor& t) {
+  return fmt::format("'{}' {} {}", name, c10::toString(t.scalar_type()), fmt::join(t.sizes(), "x"));
+}
+
+}  // namespace
+
+DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> model, const World& world, const DDPOptions& options,
+                     bool reduce_in_backward)
+    : model_(std::move(model)), rank_(world.rank()), world_size_(world.world_size()), options_(options),
+      reduce_in_backward_(reduce_in_backward) {
+  if (options_.first_bucket_bytes <= 0 || options_.bucket_bytes <= 0) {
+    throw InvalidArgument(fmt::format("flatshard::DistributedDataParallel (rank {}/{}): bucket sizes must be "
+                                      "positive", rank_, world_size_));
+  }
+  comm_ = Communicator::create(world, options_.comm);
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+    if (!item.value().device().is_cpu() || !at::isFloatingType(item.value().scalar_type())) {
+      throw InvalidArgument(fmt::format("flatshard::DistributedDataParallel (rank {}/{}): parameter {} must be a "
+                                        "floating CPU tensor", rank_, world_size_, describe(item.key(), item.value())));
+    }
+    if (!item.value().requires_grad()) continue;
+    DdpParam p;
+    p.name = item.key();
+    p.param = item.value();
+    p.shape = item.value().sizes().vec();
+    p.numel = item.value().numel();
+    params_.push_back(std::move(p));
+  }
+  for (const auto& b : model_->buffers(/*recurse=*/true)) buffers_.push_back(b);
+  compute_dtype_ = options_.mixed_precision.param.value_or(params_.empty() ? at::kFloat
+                                                                            : params_.front().param.scalar_type());
+  check_same_model_everywhere(world);
+
+  // Every rank starts from rank 0's parameters and buffers.
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+      comm_->broadcast(item.value().detach(), 0).wait();
+    }
+    for (auto& b : buffers_) comm_->broadcast(b, 0).wait();
+  }
+  for (auto& p : params_) {
+    if (mixed()) p.master = p.param.detach().to(at::kFloat).clone();
+  }
+  // Reverse registration order: roughly the order backward produces gradients.
+  std::vector<int> order(params_.size());
+  std::iota(order.rbegin(), order.rend(), 0);
+  build_buckets(order);
+  for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
+    // Taken after build_buckets set the compute dtype (set_data with a new dtype
+    // replaces a parameter's AccumulateGrad node).
+    params_[i].accumulator = torch::autograd::impl::grad_accumulator(params_[i].param);
+    params_[i].accumulator->add_post_hook(std::make_unique<ReadyHook>(this, i));
+  }
+  log::at(log::Level::Info, "DistributedDataParallel: {} parameters in {} buckets", params_.size(), buckets_.size());
+}
+
+DdpEngine::~DdpEngine() {
+  for (auto& b : buckets_) {
+    try {
+      if (b.work) b.work->wait();
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+// Every rank publishes its parameter list; each compares all of them with rank 0's, so
+// every rank fails with the same message naming the first difference.
+void DdpEngine::check_same_model_everywhere(const World& world) {
+  if (world_size_ == 1 || !world.store) return;
+  static std::mutex mutex;
+  static int instances = 0;
+  int instance;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    instance = instances++;
+  }
+  std::string mine;
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+    mine += describe(item.key(), item.value()) + "\n";
+  }
+  const std::string prefix = fmt::format("flatshard/ddp/{}/params/", instance);
+  world.store->set(prefix + std::to_string(rank_), std::vector<uint8_t>(mine.begin(), mine.end()));
+  auto lines = [](const std::string& s) {
+    std::vector<std::string> out;
+    std::size_t start = 0;
+    for (std::size_t nl; (nl = s.find('\n', start)) != std::string::npos; start = nl + 1) out.push_back(s.substr(start, nl - start));
+    return out;
+  };
+  std::vector<std::string> reference;
+  for (int r = 0; r < world_size_; ++r) {
+    const auto bytes = world.store->get(prefix + std::to_string(r));
+    const auto theirs = lines(std::string(bytes.begin(), bytes.end()));
+    if (r == 0) {
+      reference = theirs;
+      continue;
+    }
+    for (std::size_t i = 0; i < std::max(theirs.size(), reference.size()); ++i) {
+      const std::string a = i < reference.size() ? reference[i] : "(none)";
+      const std::string b = i < theirs.size() ? theirs[i] : "(none)";
+      if (a != b) {
+        throw InvalidArgument(fmt::format(
+            "flatshard::DistributedDataParallel (rank {}/{}): the model differs across ranks: parameter #{} is {} on "
+            "rank 0 but {} on rank {} ({} vs {} parameters). Build the same model on every rank.",
+            rank_, world_size_, i, a, b, r, reference.size(), theirs.size()));
+      }
+    }
+  }
+}
+
+void DdpEngine::build_buckets(const std::vector<int>& order) {
+  std::vector<std::int64_t> bytes(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) bytes[i] = params_[i].numel * static_cast<std::int64_t>(c10::elementSize(compute_dtype_));
+  const auto assignment = assign_buckets(bytes, order, options_.first_bucket_bytes, options_.bucket_bytes);
+  std::vector<DdpBucket> fresh(assignment.size());
+  at::NoGradGuard no_grad;
+  for (std::size_t b = 0; b < assignment.size(); ++b) {
+    DdpBucket& bucket = fresh[b];
+    bucket.params = assignment[b];
+    for (int i : bucket.params) bucket.numel += params_[i].numel;
+    bucket.flat = at::empty({bucket.numel}, at::TensorOptions().dtype(compute_dtype_));
+    bucket.grad = at::zeros({bucket.numel}, at::TensorOptions().dtype(compute_dtype_));
+    if (mixed()) {
+      bucket.master = at::empty({bucket.numel}, at::kFloat);
+      bucket.master_grad = at::zeros({bucket.numel}, at::kFloat);
+    }
+    std::int64_t offset = 0;
+    for (int i : bucket.params) {
+      DdpParam& p = params_[i];
+      auto view = [&](const at::Tensor& flat) { return flat.narrow(0, offset, p.numel).view(p.shape); };
+      view(bucket.flat).copy_(mixed() ? p.master : p.param.detach());
+      const at::Tensor& old_grad = mixed() ? p.master.grad() : p.param.grad();
+      if (old_grad.defined()) view(mixed() ? bucket.master_grad : bucket.grad).copy_(old_grad);
+      if (mixed()) {
+        view(bucket.master).copy_(p.master);
+        p.master.set_data(view(bucket.master));
+        p.master.mutable_grad() = alias(bucket.master_grad, offset, p.shape);
+      }
+      p.param.set_data(view(bucket.flat));
+      p.param.mutable_grad() = alias(bucket.grad, offset, p.shape);
+      p.bucket = static_cast<int>(b);
+      p.offset = offset;
+      offset += p.numel;
+    }
+  }
+  buckets_ = std::move(fresh);
+  ++layout_version_;
+}
+
+std::vector<at::Tensor> DdpEngine::optimizer_params() const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params_) out.push_back(mixed() ? p.master : p.param);
+  return out;
+}
+
+void DdpEngine::pre_forward() {
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets_) {
+    if (mixed()) bucket.flat.copy_(bucket.master);  // the optimizer updated the masters
+    bucket.pending = static_cast<int>(bucket.params.size());
+    bucket.launched = false;
+  }
+  adopt_grads();
+  next_launch_ = 0;
+  if (options_.broadcast_buffers && world_size_ > 1) {
+    for (auto& b : buffers_) comm_->broadcast(b, 0).wait();
+  }
+}
+
+// torch::optim's zero_grad() drops gradients, and a gradient made while they were
+// dropped is a fresh tensor: fold it into its bucket slice and point .grad() back there.
+void DdpEngine::adopt_grads() {
+  at::NoGradGuard no_grad;
+  for (auto& p : params_) {
+    p.used = false;
+    DdpBucket& bucket = buckets_[p.bucket];
+    auto restore = [&](at::Tensor& owner, const at::Tensor& flat) {
+      auto view = alias(flat, p.offset, p.shape);
+      const at::Tensor& grad = owner.grad();
+      if (grad.defined() && grad.data_ptr() == view.data_ptr()) return;
+      if (grad.defined()) {
+        view.copy_(grad);
+      } else {
+        view.zero_();
+      }
+      owner.mutable_grad() = view;
+    };
+    restore(p.param, bucket.grad);
+    if (mixed()) restore(p.master, bucket.master_grad);
+  }
+}
+
+void DdpEngine::on_grad_ready(int index) {
+  if (!reduce_in_backward_) return;
+  if (!backward_active_) {
+    backward_active_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+  }
+  DdpParam& p = params_[index];
+  if (!rebuilt_ && !p.used) arrival_.push_back(index);
+  if (p.used) return;  // counted once per backward
+  p.used = true;
+  if (no_sync_) return;
+  DdpBucket& bucket = buckets_[p.bucket];
+  if (--bucket.pending > 0) return;
+  // Launch in bucket order, so that every rank issues the same all-reduces in the same
+  // order whatever order its buckets filled in.
+  while (next_launch_ < static_cast<int>(buckets_.size()) && buckets_[next_launch_].pending == 0) launch(next_launch_++);
+}
+
+void DdpEngine::launch(int index) {
+  DdpBucket& bucket = buckets_[index];
+  bucket.launched = true;
+  const at::ScalarType reduce_dtype = options_.mixed_precision.reduce.value_or(compute_dtype_);
+  bucket.reduce_buffer = reduce_dtype == compute_dtype_ ? bucket.grad : bucket.grad.to(reduce_dtype);
+  CollectiveOptions opts;
+  opts.stream = StreamRole::AllReduce;
+  // Until the buckets are rebuilt (end of the first backward) gradients are all-reduced:
+  // the rebuild moves parameters between buckets, and a rank's reduced slice under the
+  // old layout is not its slice under the new one.
+  if (reduce_ == GradReduce::ReduceScatter && rebuilt_) {
+    const auto slot = shard_range(bucket.numel, world_size_, rank_);
+    bucket.work = comm_->reduce_scatter(bucket.reduce_buffer.narrow(0, slot.offset, slot.numel),
+                                        bucket.reduce_buffer, ReduceOp::Avg, opts);
+  } else {
+    bucket.work = comm_->all_reduce(bucket.reduce_buffer, ReduceOp::Avg, opts);
+  }
+}
+
+void DdpEngine::finish(int index) {
+  DdpBucket& bucket = buckets_[index];
+  if (!bucket.work) return;
+  bucket.work->wait();
+  bucket.work.reset();
+  at::NoGradGuard no_grad;
+  if (mixed()) {
+    // The masters' gradient is the gradient now; the compute-dtype buffer was consumed
+    // (the optimizer never sees it, so nothing else would zero it).
+    bucket.master_grad.copy_(bucket.reduce_buffer);
+    bucket.grad.zero_();
+  } else if (bucket.reduce_buffer.data_ptr() != bucket.grad.data_ptr()) {
+    bucket.grad.copy_(bucket.reduce_buffer);
+  }
+  bucket.reduce_buffer = at::Tensor();
+}
+
+void DdpEngine::end_of_backward() {
+  backward_active_ = false;
+  if (no_sync_) return;
+  std::vector<std::string> missing;
+  for (auto& p : params_) {
+    if (!p.used) missing.push_back(p.name);
+  }
+  if (!missing.empty() && !options_.find_unused_parameters) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::DistributedDataParallel (rank {}/{}): {} parameter(s) got no gradient in this backward: {}. Set "
+        "DDPOptions::find_unused_parameters = true if parameters may go unused, or make the loss depend on them.",
+        rank_, world_size_, missing.size(), fmt::join(missing, ", ")));
+  }
+  // Unused parameters (allowed): their slices hold zeros; launch what is left, in order.
+  for (int b = next_launch_; b < static_cast<int>(buckets_.size()); ++b) launch(b);
+  next_launch_ = static_cast<int>(buckets_.size());
+  std::vector<int> globally_unused;
+  if (options_.find_unused_parameters) {
+    auto used = at::zeros({static_cast<std::int64_t>(params_.size())}, at::kInt);
+    for (std::size_t i = 0; i < params_.size(); ++i) used[i] = params_[i].used ? 1 : 0;
+    comm_->all_reduce(used, ReduceOp::Sum).wait();
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (used[i].item<int>() == 0) globally_unused.push_back(static_cast<int>(i));
+    }
+  }
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) finish(b);
+  // No rank used these: no gradient, as in single-process training.
+  for (int i : globally_unused) {
+    params_[i].param.mutable_grad().reset();
+    if (mixed()) params_[i].master.mutable_grad().reset();
+  }
+  if (!rebuilt_) {
+    rebuilt_ = true;
+    // Rank 0's arrival order, so that every rank builds the same buckets.
+    std::vector<int> order = arrival_;
+    std::set<int> seen(order.begin(), order.end());
+    for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {
+      if (!seen.count(i)) order.push_back(i);
+    }
+    auto shared = at::tensor(std::vector<std::int64_t>(order.begin(), order.end()), at::kLong);
+    comm_->broadcast(shared, 0).wait();
+    order.assign(shared.data_ptr<std::int64_t>(), shared.data_ptr<std::int64_t>() + shared.numel());
+    build_buckets(order);
+    for (int i : globally_unused) {
+      params_[i].param.mutable_grad().reset();
+      if (mixed()) params_[i].master.mutable_grad().reset();
+    }
+  }
+}
+
+void DdpEngine::reduce_all_now() {
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) launch(b);
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) finish(b);
+}
+
+}  // namespace flatshard::sharding

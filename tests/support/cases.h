@@ -1,0 +1,60 @@
+// The three models of the correctness tests with their data and losses.
+#pragma once
+
+#include <functional>
+
+#include "tests/support/models.h"
+#include "tests/support/training.h"
+
+namespace flatshard::testing {
+
+inline std::function<torch::nn::Sequential()> mlp_factory() {
+  return [] {
+    torch::manual_seed(7);
+    return make_mlp(8, 37, 5, 3);  // 37: layer sizes not divisible by the world size
+  };
+}
+inline Batch mlp_batch(int step, int rows) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  return {at::randn({rows, 8}, g), at::randn({rows, 5}, g)};
+}
+inline at::Tensor mse(const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); }
+
+inline std::function<flatshard::SequentialUnits()> mlp_units_factory() {
+  return [] {
+    torch::manual_seed(7);
+    return flatshard::SequentialUnits(make_mlp(8, 37, 5, 3), flatshard::SequentialUnitsOptions{1});
+  };
+}
+
+inline GPTConfig gpt_config() { return GPTConfig{}; }
+inline std::function<GPT()> gpt_factory() {
+  return [] {
+    torch::manual_seed(11);
+    return GPT(gpt_config());
+  };
+}
+inline Batch gpt_batch(int step, int rows) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(2000 + step);
+  const auto c = gpt_config();
+  auto tokens = at::randint(c.vocab, {rows, c.context + 1}, g);
+  return {tokens.narrow(1, 0, c.context).contiguous(), tokens.narrow(1, 1, c.context).contiguous()};
+}
+inline at::Tensor token_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  return torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+inline std::function<MnistNet()> cnn_factory() {
+  return [] {
+    torch::manual_seed(3);
+    return MnistNet(/*dropout=*/0.0);
+  };
+}
+inline Batch cnn_batch(int step, int rows) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(3000 + step);
+  return {at::randn({rows, 1, 28, 28}, g), at::randint(10, {rows}, g)};
+}
+inline at::Tensor nll(const at::Tensor& out, const at::Tensor& y) { return torch::nll_loss(out, y); }
+
+
+}  // namespace flatshard::testing
