@@ -51,8 +51,7 @@ FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::stri
     for (auto& s : slots_) flat32.narrow(0, s.offset, s.numel).copy_(s.param.detach().reshape({-1}));
   }
   master_ = flat32.narrow(0, rank_ * shard_numel_, shard_numel_).clone();
-  full_ = flat32.to(compute_dtype_).contiguous();
-  if (full_.data_ptr() == flat32.data_ptr()) full_ = flat32.clone();
+  full_ = compute_dtype_ == at::kFloat ? flat32 : flat32.to(compute_dtype_);
   full_grad_ = at::zeros({padded_numel_}, at::TensorOptions().dtype(compute_dtype_));
   free_storage(full_grad_);
 

@@ -1,0 +1,140 @@
+// End-to-end step time and per-rank peak memory of the GPT-style model in one training
+// mode (start with flatshard-run -n N; bench/modes.sh and bench/fully_shard.sh run grids).
+//
+//   bench_modes --mode ddp|zero1|zero2|full [--layers 6 --dim 256 --heads 8 --vocab 4096
+//               --context 64 --batch 4 --steps 6]
+//
+// ddp: DistributedDataParallel + AdamW; zero1: DDP + ZeroRedundancyOptimizer(AdamW);
+// zero2: FullyShard shard-grad-op; full: FullyShard full shard. Rank 0 prints one CSV
+// line: mode,world,params,step_ms,alloc_peak_bytes,rss_growth_bytes,param_shard,
+// grad_shard,optim_state,peak_unsharded_params,peak_unsharded_grads,formula_bytes
+// (figures are the largest over ranks; peaks are measured from the second step on).
+#include <ATen/Parallel.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "flatshard/flatshard.h"
+#include "tests/support/models.h"
+
+using flatshard::testing::GPT;
+using flatshard::testing::GPTConfig;
+
+namespace {
+
+// Resident set size now, or its high-water mark, in bytes (/proc/self/status).
+std::int64_t rss_bytes(const char* field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(std::string(field).size())) * 1024;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  at::set_num_threads(1);
+  flatshard::memory::install_counting_allocator();
+  std::string mode = "full";
+  GPTConfig cfg{4096, 64, 256, 8, 6};
+  int batch = 4, steps = 6;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    const int v = std::atoi(argv[i + 1]);
+    if (a == "--mode") mode = argv[i + 1];
+    else if (a == "--layers") cfg.layers = v;
+    else if (a == "--dim") cfg.dim = v;
+    else if (a == "--heads") cfg.heads = v;
+    else if (a == "--vocab") cfg.vocab = v;
+    else if (a == "--context") cfg.context = v;
+    else if (a == "--batch") batch = v;
+    else if (a == "--steps") steps = v;
+  }
+  auto world = flatshard::init();
+  const std::int64_t rss_before = rss_bytes("VmRSS:");
+  torch::manual_seed(0);
+  GPT model(cfg);
+  std::int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+
+  std::unique_ptr<flatshard::FullyShard<GPT>> fsdp;
+  std::unique_ptr<flatshard::DistributedDataParallel<GPT>> ddp;
+  std::unique_ptr<flatshard::optim::AdamW> shard_opt;
+  std::unique_ptr<torch::optim::AdamW> torch_opt;
+  std::unique_ptr<flatshard::ZeroRedundancyOptimizer> zero;
+  if (mode == "full" || mode == "zero2") {
+    flatshard::FullyShardOptions options;
+    options.strategy = mode == "full" ? flatshard::Strategy::FullShard : flatshard::Strategy::ShardGradOp;
+    fsdp = std::make_unique<flatshard::FullyShard<GPT>>(model, world, options);
+    shard_opt = std::make_unique<flatshard::optim::AdamW>(fsdp->shards(), flatshard::optim::AdamWOptions{3e-4});
+  } else {
+    ddp = std::make_unique<flatshard::DistributedDataParallel<GPT>>(model, world);
+    if (mode == "ddp") {
+      torch_opt = std::make_unique<torch::optim::AdamW>(ddp->optimizer_params(), torch::optim::AdamWOptions(3e-4));
+    } else {
+      zero = std::make_unique<flatshard::ZeroRedundancyOptimizer>(*ddp, flatshard::optim::AdamWOptions{3e-4});
+    }
+  }
+  flatshard::Communicator& comm = fsdp ? fsdp->comm() : ddp->comm();
+
+  auto g = at::make_generator<at::CPUGeneratorImpl>(world.rank());
+  double total_ms = 0;
+  for (int step = 0; step <= steps; ++step) {
+    auto tokens = at::randint(cfg.vocab, {batch, cfg.context + 1}, g);
+    if (step == 1) {  // the first step allocates optimizer state: measure from the second on
+      flatshard::memory::reset_allocator_peak();
+      if (fsdp) fsdp->reset_peaks();
+      comm.barrier().wait();
+    }
+    const auto start = std::chrono::steady_clock::now();
+    auto input = tokens.narrow(1, 0, cfg.context);
+    auto logits = fsdp ? fsdp->forward(input) : ddp->forward(input);
+    auto loss = torch::cross_entropy_loss(logits.reshape({-1, cfg.vocab}), tokens.narrow(1, 1, cfg.context).reshape({-1}));
+    loss.backward();
+    if (shard_opt) {
+      shard_opt->step();
+      shard_opt->zero_grad();
+    } else if (torch_opt) {
+      torch_opt->step();
+      torch_opt->zero_grad();
+    } else {
+      zero->step();
+      zero->zero_grad();
+    }
+    if (step >= 1) total_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  }
+  const std::int64_t rss_growth = rss_bytes("VmHWM:") - rss_before;
+  flatshard::ShardMemory m;
+  std::int64_t state = 0, param_bytes = 0, grad_bytes = 0;
+  if (fsdp) {
+    m = fsdp->memory();
+    state = shard_opt->state_bytes();
+    param_bytes = m.param_shard_bytes;
+    grad_bytes = m.param_shard_bytes;
+  } else {
+    param_bytes = params * 4;
+    grad_bytes = params * 4;
+    state = zero ? zero->state_bytes() : params * 8;
+  }
+  auto figures = at::tensor({static_cast<double>(flatshard::memory::allocator_stats().peak_bytes), total_ms / steps,
+                             static_cast<double>(rss_growth), static_cast<double>(m.peak_unsharded_param_bytes),
+                             static_cast<double>(m.peak_unsharded_grad_bytes)}, at::kDouble);
+  auto gathered = at::zeros({5 * world.world_size()}, at::kDouble);
+  comm.all_gather(gathered, figures).wait();
+  const auto worst = gathered.view({world.world_size(), 5}).amax(0);
+  if (world.rank() == 0) {
+    const double n = world.world_size();
+    const double psi = static_cast<double>(params);
+    const double formula = mode == "full" ? 16 * psi / n : mode == "zero2" ? 4 * psi + 12 * psi / n
+                                                         : mode == "zero1" ? 8 * psi + 8 * psi / n : 16 * psi;
+    std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f\n", mode.c_str(), world.world_size(),
+                static_cast<long long>(params), worst[1].item<double>(), worst[0].item<double>(),
+                worst[2].item<double>(), static_cast<long long>(param_bytes), static_cast<long long>(grad_bytes),
+                static_cast<long long>(state), worst[3].item<double>(), worst[4].item<double>(), formula);
+  }
+  return 0;
+}

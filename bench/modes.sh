@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every training mode on one GPT-style model at 2 ranks (or $RANKS), in one run: our DDP,
+# ZeRO-1, ZeRO-2 (shard-grad-op) and full shard next to PyTorch's DDP,
+# ZeroRedundancyOptimizer and FSDP2 (fully_shard, with and without resharding after
+# forward) from the pinned torch. Prints a Markdown table with ratios.
+#   bench/modes.sh [BUILD_DIR] [model args, default: --dim 512 --layers 8 --vocab 8192]
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+. "$root/scripts/env.sh"
+build="${1:-$root/build}"
+shift || true
+args=("$@")
+[[ ${#args[@]} -gt 0 ]] || args=(--dim 512 --layers 8 --vocab 8192 --steps 4)
+ranks="${RANKS:-2}"
+rows=""
+for m in ddp zero1 zero2 full; do
+  rows+="$("$build/flatshard-run" -n "$ranks" "$build/bench/bench_modes" --mode "$m" "${args[@]}" 2>/dev/null \
+           | sed -n 's/^\[rank 0\] //p')"$'\n'
+done
+for m in torch_ddp torch_zero1 torch_fsdp2_grad_op torch_fsdp2; do
+  rows+="$("$build/flatshard-run" -n "$ranks" "$FLATSHARD_VENV/bin/python" "$root/bench/peer_pytorch_modes.py" \
+             --mode "$m" "${args[@]}" 2>/dev/null | sed -n 's/^\[rank 0\] //p')"$'\n'
+done
+printf '%s' "$rows" | "$FLATSHARD_VENV/bin/python" -c '
+import sys
+r = {}
+for line in sys.stdin:
+    f = line.strip().split(",")
+    if len(f) >= 6: r[f[0]] = f
+if not r: sys.exit("no results")
+mib = lambda b: float(b) / 2**20
+first = next(iter(r.values()))
+print(f"GPT-style model, {int(first[2]):,} parameters, fp32, AdamW, {first[1]} ranks on one machine; "
+      "figures are the largest over ranks, from the second step on.\n")
+print("| mode | FlatShard step ms | PyTorch step ms | step time ratio | FlatShard RSS growth MiB | PyTorch RSS growth MiB | RSS ratio | FlatShard allocator peak MiB | ZeRO formula MiB |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+pairs = [("DDP", "ddp", "torch_ddp"), ("ZeRO-1 (ZeroRedundancyOptimizer)", "zero1", "torch_zero1"),
+         ("ZeRO-2 (shard-grad-op / FSDP2 no reshard)", "zero2", "torch_fsdp2_grad_op"),
+         ("full shard (FSDP2)", "full", "torch_fsdp2")]
+for name, ours, theirs in pairs:
+    o, t = r.get(ours), r.get(theirs)
+    if not o: continue
+    ts, tr = (float(t[3]), float(t[5])) if t else (None, None)
+    ratio = lambda a, b: f"{a / b:.2f}" if b else "-"
+    print(f"| {name} | {float(o[3]):.0f} | {ts if ts is None else round(ts)} | {ratio(float(o[3]), ts)} | "
+          f"{mib(o[5]):.0f} | {tr if tr is None else round(mib(tr))} | {ratio(float(o[5]), tr)} | {mib(o[4]):.0f} | {mib(o[11]):.0f} |")
+print("\nRatios are FlatShard / PyTorch: below 1 is faster or smaller. RSS growth is the resident-set high-water mark "
+      "minus the resident set just before the model was built, measured the same way on both sides.")
+'

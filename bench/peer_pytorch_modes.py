@@ -1,0 +1,120 @@
+"""PyTorch's own modes on the same GPT-style model as bench_modes, for bench/modes.sh.
+
+Run with torchrun or flatshard-run. Modes: torch_ddp (DistributedDataParallel + AdamW),
+torch_zero1 (DDP + ZeroRedundancyOptimizer(AdamW)), torch_fsdp2 (fully_shard on every
+block and the root), torch_fsdp2_grad_op (the same with reshard_after_forward=False).
+Rank 0 prints: mode,world,params,step_ms,-,rss_growth_bytes (the largest over ranks).
+"""
+import argparse
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def rss(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, 2)
+        shape = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        q, k, v = shape(q), shape(k), shape(v)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        att = att.masked_fill(mask, float("-inf")).softmax(-1)
+        return self.proj((att @ v).transpose(1, 2).contiguous().view(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(dim), Attention(dim, heads), nn.LayerNorm(dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, context, dim, heads, layers):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", required=True)
+    for name, default in [("layers", 6), ("dim", 256), ("heads", 8), ("vocab", 4096), ("context", 64),
+                          ("batch", 4), ("steps", 6)]:
+        ap.add_argument(f"--{name}", type=int, default=default)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = rss("VmRSS:")
+    torch.manual_seed(0)
+    model = GPT(a.vocab, a.context, a.dim, a.heads, a.layers)
+    params = sum(p.numel() for p in model.parameters())
+    if a.mode in ("torch_fsdp2", "torch_fsdp2_grad_op"):
+        from torch.distributed.fsdp import fully_shard
+        reshard = a.mode == "torch_fsdp2"
+        for b in model.blocks:
+            fully_shard(b, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=False)
+        run = model
+    else:
+        run = nn.parallel.DistributedDataParallel(model)
+        if a.mode == "torch_zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            opt = ZeroRedundancyOptimizer(run.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-4)
+        else:
+            opt = torch.optim.AdamW(run.parameters(), lr=3e-4, foreach=False)
+    g = torch.Generator().manual_seed(rank)
+    total = 0.0
+    for step in range(a.steps + 1):
+        tokens = torch.randint(a.vocab, (a.batch, a.context + 1), generator=g)
+        if step == 1:
+            dist.barrier()
+        start = time.perf_counter()
+        logits = run(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, a.vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= 1:
+            total += time.perf_counter() - start
+    figures = torch.tensor([total / a.steps * 1e3, float(rss("VmHWM:") - before)], dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"{a.mode},{world},{params},{figures[0]:.1f},-,{figures[1]:.0f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
