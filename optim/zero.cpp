@@ -3,11 +3,10 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
-#include <cmath>
 
 #include "flatshard/errors.h"
 #include "flatshard/shard.h"
-#include "optim/step_kernels.h"
+#include "optim/clip.h"
 #include "sharding/ddp_engine.h"
 
 namespace flatshard {
@@ -64,11 +63,18 @@ void ZeroRedundancyOptimizer::ensure_slices() {
   layout_version_ = engine_->layout_version();
 }
 
+// Without DDP the gradients are reduced here, once per step (clip_grad_norm may have
+// done it already).
+void ZeroRedundancyOptimizer::reduce_if_standalone() {
+  if (!standalone_ || reduced_) return;
+  engine_->adopt_grads();
+  engine_->reduce_all_now();
+  reduced_ = true;
+}
+
 void ZeroRedundancyOptimizer::step() {
-  if (standalone_) {
-    engine_->adopt_grads();
-    engine_->reduce_all_now();
-  }
+  reduce_if_standalone();
+  reduced_ = false;
   ensure_slices();
   for (int b = 0; b < static_cast<int>(slices_.size()); ++b) {
     const auto range = shard_range(engine_->buckets()[b].numel, engine_->world_size(), engine_->rank());
@@ -94,23 +100,13 @@ void ZeroRedundancyOptimizer::zero_grad() {
 }
 
 double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
-  double local = 0;
+  reduce_if_standalone();
   std::vector<at::Tensor> owned;
   for (int b = 0; b < static_cast<int>(engine_->buckets().size()); ++b) {
     const auto range = shard_range(engine_->buckets()[b].numel, engine_->world_size(), engine_->rank());
     owned.push_back(engine_->step_grads(b).narrow(0, range.offset, range.numel));
-    auto g = owned.back().to(at::kFloat).contiguous();
-    local += optim::kernels::sum_of_squares(g.data_ptr<float>(), g.numel());
   }
-  auto total = at::full({1}, local, at::kDouble);
-  engine_->comm().all_reduce(total, ReduceOp::Sum).wait();
-  const double norm = std::sqrt(total.item<double>());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    at::NoGradGuard no_grad;
-    for (auto& g : owned) g.mul_(coef);
-  }
-  return norm;
+  return optim::clip_by_global_norm(owned, max_norm, &engine_->comm());
 }
 
 std::int64_t ZeroRedundancyOptimizer::state_bytes() const { return optimizer_ ? optimizer_->state_bytes() : 0; }

@@ -5,7 +5,7 @@
 
 #include "flatshard/ddp.h"
 #include "flatshard/memory.h"
-#include "optim/step_kernels.h"
+#include "optim/clip.h"
 #include "sharding/ddp_engine.h"
 
 namespace flatshard {
@@ -33,21 +33,9 @@ std::vector<std::vector<std::string>> DDPBase::bucket_layout() const {
 }
 
 double DDPBase::clip_grad_norm(double max_norm) {
-  double sum = 0;
-  for (const auto& p : optimizer_params()) {
-    if (p.grad().defined()) {
-      auto g = p.grad().to(at::kFloat).contiguous();
-      sum += optim::kernels::sum_of_squares(g.data_ptr<float>(), g.numel());
-    }
-  }
-  const double norm = std::sqrt(sum);
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    for (auto p : optimizer_params()) {
-      if (p.grad().defined()) p.mutable_grad().mul_(coef);
-    }
-  }
-  return norm;
+  std::vector<at::Tensor> grads;
+  for (const auto& p : optimizer_params()) grads.push_back(p.grad());
+  return optim::clip_by_global_norm(grads, max_norm, nullptr);  // all-reduced: the same on every rank
 }
 
 std::string DDPBase::memory_report() const {

@@ -12,7 +12,7 @@
 #include <fmt/format.h>
 
 #include "flatshard/errors.h"
-#include "optim/step_kernels.h"
+#include "optim/clip.h"
 #include "src/errors.h"
 #include "src/logging.h"
 
@@ -376,22 +376,11 @@ void Engine::end_of_backward() {
 // --- the rest -------------------------------------------------------------------
 
 double Engine::clip_grad_norm(double max_norm) {
-  double local = 0;
+  std::vector<at::Tensor> grads;
   for (auto& u : units_) {
-    if (!u->group) continue;
-    const at::Tensor& grad = u->group->master().grad();
-    if (grad.defined()) local += optim::kernels::sum_of_squares(grad.data_ptr<float>(), grad.numel());
+    if (u->group) grads.push_back(u->group->master().grad());
   }
-  auto total = at::full({1}, local, at::kDouble);
-  comm_->all_reduce(total, ReduceOp::Sum).wait();
-  const double norm = std::sqrt(total.item<double>());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    for (auto& u : units_) {
-      if (u->group && u->group->master().grad().defined()) u->group->master().mutable_grad().mul_(coef);
-    }
-  }
-  return norm;
+  return optim::clip_by_global_norm(grads, max_norm, comm_.get());
 }
 
 void Engine::zero_grad() {

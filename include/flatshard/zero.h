@@ -51,6 +51,7 @@ class ZeroRedundancyOptimizer {
   // Zeroes the gradients in place (they stay views of the buckets).
   void zero_grad();
   // Global norm over every rank's owned gradient slices; scales them; returns the norm.
+  // Without DDP it reduces the gradients first (step() then does not again).
   double clip_grad_norm(double max_norm);
 
   // Bytes of optimizer state on this rank.
@@ -65,12 +66,14 @@ class ZeroRedundancyOptimizer {
 
  private:
   void ensure_slices();
+  void reduce_if_standalone();
 
   std::unique_ptr<sharding::DdpEngine> owned_engine_;  // without DDP
   sharding::DdpEngine* engine_;
   OptimizerOptions optimizer_options_;
   ZeroOptions options_;
   bool standalone_;
+  bool reduced_ = false;  // without DDP: this step's gradients are reduced already
   std::uint64_t layout_version_ = 0;
   std::vector<at::Tensor> slices_;  // per bucket: this rank's slice of the values it steps
   std::unique_ptr<optim::ShardOptimizer> optimizer_;

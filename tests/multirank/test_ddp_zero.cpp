@@ -84,7 +84,8 @@ TEST(Replicated, AccumulationClippingUnusedAndMixedPrecision) {
     TrainSpec spec;
     spec.optimizer = OptKind::SGD;
     spec.clip = 0.25;
-    for (auto mode : {ReplicatedMode::DDP, ReplicatedMode::ZeroWithDDP, ReplicatedMode::ZeroWithDDPScatter}) {
+    for (auto mode : {ReplicatedMode::DDP, ReplicatedMode::ZeroWithDDP, ReplicatedMode::ZeroWithDDPScatter,
+                      ReplicatedMode::ZeroStandalone}) {
       const auto r = gpt(spec, small_buckets(mode), 12);
       EXPECT_GT(r.max_grad_norm, spec.clip) << "the test must actually clip";
       EXPECT_LE(r.max_elementwise_diff, kFp32Tolerance) << to_string(mode) << " clipping";

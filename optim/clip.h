@@ -1,0 +1,21 @@
+// Global gradient-norm clipping, torch's rule: scale by max_norm / (norm + 1e-6) when
+// that is below 1.
+#pragma once
+
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace flatshard {
+class Communicator;
+}
+
+namespace flatshard::optim {
+
+// `grads` (any floating dtype; undefined ones are skipped) are scaled in place. Squares
+// are summed in fp64; with `comm`, the sum is all-reduced first, for gradients that
+// partition the parameters across ranks (shards, owned slices). Returns the norm before
+// clipping. A collective when `comm` is given.
+double clip_by_global_norm(const std::vector<at::Tensor>& grads, double max_norm, Communicator* comm);
+
+}  // namespace flatshard::optim
