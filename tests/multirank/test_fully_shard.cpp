@@ -1,6 +1,9 @@
 // Full shard and shard-grad-op training against single-process LibTorch training on
 // the same global batch: three models, three optimizers, world sizes 1 to 4.
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <sstream>
 
 #include "tests/support/cases.h"
 #include "tests/support/models.h"
@@ -215,6 +218,48 @@ TEST(FullyShard, MemoryAccounting) {
   EXPECT_NE(report.find("optimizer states"), std::string::npos) << report;
   EXPECT_NE(report.find("allocator"), std::string::npos) << report;
   if (world.rank() == 0) std::printf("%s\n", report.c_str());
+}
+
+// The full state dict: gathered on rank 0, saved, and read by Python's torch.load with
+// the same names, shapes and values as the C++ module's gathered parameters.
+TEST(FullyShard, FullStateDictIsReadableByTorchLoad) {
+  FLATSHARD_RUN_RANKS({2, 3});
+  auto world = flatshard::init();
+  GPT model = gpt_factory()();
+  flatshard::FullyShard<GPT> fsdp(model, world, {});
+  flatshard::optim::AdamW opt(fsdp.shards(), {});
+  const auto b = gpt_batch(0, 2 * world.world_size());
+  token_loss(fsdp.forward(b.input.narrow(0, 2 * world.rank(), 2)), b.target.narrow(0, 2 * world.rank(), 2)).backward();
+  opt.step();
+  const auto state = flatshard::checkpoint::full_state_dict(fsdp, *model, 0);
+  if (world.rank() != 0) {
+    EXPECT_TRUE(state.empty());
+    return;
+  }
+  ASSERT_EQ(state.size(), model->named_parameters().size());
+  const std::string file = ::testing::TempDir() + "flatshard_full_" + std::to_string(::getpid()) + ".pt";
+  flatshard::checkpoint::save_tensors(state, file);
+  std::string expected;
+  for (const auto& [name, t] : state) {  // std::map: sorted by name, as the script prints
+    std::string shape;
+    for (auto d : t.sizes()) shape += (shape.empty() ? "" : "x") + std::to_string(d);
+    expected += name + " " + shape + "\n";
+  }
+  const auto r = run_command({FLATSHARD_PYTHON, std::string(FLATSHARD_TESTS_DIR) + "/multirank/check_full_state_dict.py",
+                              file});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::istringstream lines(r.output);
+  std::string name, shape, got_names;
+  double sum;
+  int count = 0;
+  while (lines >> name >> shape >> sum) {
+    got_names += name + " " + shape + "\n";
+    EXPECT_NEAR(sum, state.at(name).to(at::kDouble).sum().item<double>(), 1e-6 * (1 + std::abs(sum))) << name;
+    ++count;
+  }
+  EXPECT_EQ(got_names, expected);
+  EXPECT_EQ(count, static_cast<int>(state.size()));
+  std::remove(file.c_str());
 }
 
 // bf16 parameters and gradients with fp32 master shards and optimizer states, reduced

@@ -1,0 +1,89 @@
+#include "flatshard/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/serialize.h>
+
+#include <fmt/format.h>
+
+#include "src/io/atomic_file.h"
+
+namespace flatshard::checkpoint {
+namespace {
+
+std::map<std::string, at::Tensor> collect(torch::nn::Module& model) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) out[item.key()] = item.value().detach().clone();
+  for (const auto& item : model.named_buffers(/*recurse=*/true)) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+// torch.save's zip format, as torch::pickle_save writes it but with untagged
+// containers: Python's torch.load, whose default (weights_only) unpickler refuses the
+// type-tag helper that tagged containers need, reads it as a plain dict of tensors.
+std::vector<char> torch_save_bytes(const torch::IValue& value) {
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler([&](const char* data, std::size_t n) { pickled.insert(pickled.end(), data, data + n); },
+                              /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+                              /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+  std::vector<char> archive;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, std::size_t n) -> std::size_t {
+    const auto* bytes = static_cast<const char*>(data);
+    archive.insert(archive.end(), bytes, bytes + n);
+    return n;
+  });
+  torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), writer);
+  writer.writeEndOfFile();
+  return archive;
+}
+
+}  // namespace
+
+std::map<std::string, at::Tensor> full_state_dict(FullyShardBase& fsdp, torch::nn::Module& model, int to) {
+  auto full = fsdp.summon_full_params();  // every rank gathers: a collective
+  if (to >= 0 && fsdp.world().rank() != to) return {};
+  return collect(model);
+}
+
+std::map<std::string, at::Tensor> full_state_dict(DDPBase& ddp, torch::nn::Module& model, int to) {
+  // Replicated: every rank already holds the full values.
+  if (to >= 0 && ddp.world().rank() != to) return {};
+  return collect(model);
+}
+
+void save_tensors(const std::map<std::string, at::Tensor>& tensors, const std::string& path) {
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& [name, t] : tensors) dict.insert(name, t.contiguous());
+  io::write_file_atomically(path, torch_save_bytes(torch::IValue(dict)));
+}
+
+std::map<std::string, at::Tensor> load_tensors(const std::string& path) {
+  const auto bytes = io::read_file(path);
+  torch::IValue value;
+  try {
+    value = torch::pickle_load(bytes);
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    throw CheckpointError(path, fmt::format("flatshard::checkpoint: '{}' is not a readable checkpoint (corrupt or "
+                                            "truncated): {}", path, what.substr(0, what.find('\n'))));
+  }
+  if (!value.isGenericDict()) {
+    throw CheckpointError(path, fmt::format("flatshard::checkpoint: '{}' does not hold a dict of tensors", path));
+  }
+  std::map<std::string, at::Tensor> out;
+  for (const auto& entry : value.toGenericDict()) {
+    if (!entry.key().isString() || !entry.value().isTensor()) {
+      throw CheckpointError(path, fmt::format("flatshard::checkpoint: '{}' holds an entry that is not "
+                                              "name -> tensor", path));
+    }
+    out[entry.key().toStringRef()] = entry.value().toTensor();
+  }
+  return out;
+}
+
+}  // namespace flatshard::checkpoint
