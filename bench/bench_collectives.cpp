@@ -71,14 +71,21 @@ void BM_Transport(benchmark::State& state, OpKind op, std::int64_t bytes) {
 // 0.2-0.5 s of work per benchmark; one warm-up op before timing.
 void register_all() {
   for (OpKind op : {OpKind::AllGather, OpKind::ReduceScatter, OpKind::AllReduce}) {
-    for (std::int64_t bytes : {std::int64_t{64} << 10, std::int64_t{1} << 20, std::int64_t{16} << 20,
-                               std::int64_t{64} << 20}) {
-      const int iterations = bytes <= (64 << 10) ? 1000 : bytes <= (1 << 20) ? 200 : bytes <= (16 << 20) ? 20 : 8;
+    for (std::int64_t bytes :
+         {std::int64_t{64} << 10, std::int64_t{1} << 20, std::int64_t{16} << 20, std::int64_t{64} << 20}) {
+      const int iterations = bytes <= (64 << 10)   ? 1000
+                             : bytes <= (1 << 20)  ? 200
+                             : bytes <= (16 << 20) ? 20
+                                                   : 8;
       const std::string suffix = fmt::format("{}/{}", flatshard::comm::to_string(op), bytes);
       benchmark::RegisterBenchmark(("Communicator/" + suffix).c_str(), BM_Communicator, op, bytes)
-          ->Iterations(iterations)->Unit(benchmark::kMillisecond)->UseRealTime();
+          ->Iterations(iterations)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
       benchmark::RegisterBenchmark(("Transport/" + suffix).c_str(), BM_Transport, op, bytes)
-          ->Iterations(iterations)->Unit(benchmark::kMillisecond)->UseRealTime();
+          ->Iterations(iterations)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
     }
   }
 }
@@ -90,7 +97,6 @@ class SilentReporter : public benchmark::BenchmarkReporter {
 };
 
 }  // namespace
-
 
 int main(int argc, char** argv) {
   at::set_num_threads(1);

@@ -45,14 +45,22 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     const int v = std::atoi(argv[i + 1]);
-    if (a == "--mode") mode = argv[i + 1];
-    else if (a == "--layers") cfg.layers = v;
-    else if (a == "--dim") cfg.dim = v;
-    else if (a == "--heads") cfg.heads = v;
-    else if (a == "--vocab") cfg.vocab = v;
-    else if (a == "--context") cfg.context = v;
-    else if (a == "--batch") batch = v;
-    else if (a == "--steps") steps = v;
+    if (a == "--mode")
+      mode = argv[i + 1];
+    else if (a == "--layers")
+      cfg.layers = v;
+    else if (a == "--dim")
+      cfg.dim = v;
+    else if (a == "--heads")
+      cfg.heads = v;
+    else if (a == "--vocab")
+      cfg.vocab = v;
+    else if (a == "--context")
+      cfg.context = v;
+    else if (a == "--batch")
+      batch = v;
+    else if (a == "--steps")
+      steps = v;
   }
   auto world = flatshard::init();
   const std::int64_t rss_before = rss_bytes("VmRSS:");
@@ -70,11 +78,13 @@ int main(int argc, char** argv) {
     flatshard::FullyShardOptions options;
     options.strategy = mode == "full" ? flatshard::Strategy::FullShard : flatshard::Strategy::ShardGradOp;
     fsdp = std::make_unique<flatshard::FullyShard<GPT>>(model, world, options);
-    shard_opt = std::make_unique<flatshard::optim::AdamW>(fsdp->shards(), flatshard::optim::AdamWOptions{3e-4});
+    shard_opt =
+        std::make_unique<flatshard::optim::AdamW>(fsdp->shards(), flatshard::optim::AdamWOptions{3e-4});
   } else {
     ddp = std::make_unique<flatshard::DistributedDataParallel<GPT>>(model, world);
     if (mode == "ddp") {
-      torch_opt = std::make_unique<torch::optim::AdamW>(ddp->optimizer_params(), torch::optim::AdamWOptions(3e-4));
+      torch_opt =
+          std::make_unique<torch::optim::AdamW>(ddp->optimizer_params(), torch::optim::AdamWOptions(3e-4));
     } else {
       zero = std::make_unique<flatshard::ZeroRedundancyOptimizer>(*ddp, flatshard::optim::AdamWOptions{3e-4});
     }
@@ -93,7 +103,8 @@ int main(int argc, char** argv) {
     const auto start = std::chrono::steady_clock::now();
     auto input = tokens.narrow(1, 0, cfg.context);
     auto logits = fsdp ? fsdp->forward(input) : ddp->forward(input);
-    auto loss = torch::cross_entropy_loss(logits.reshape({-1, cfg.vocab}), tokens.narrow(1, 1, cfg.context).reshape({-1}));
+    auto loss = torch::cross_entropy_loss(logits.reshape({-1, cfg.vocab}),
+                                          tokens.narrow(1, 1, cfg.context).reshape({-1}));
     loss.backward();
     if (shard_opt) {
       shard_opt->step();
@@ -105,7 +116,8 @@ int main(int argc, char** argv) {
       zero->step();
       zero->zero_grad();
     }
-    if (step >= 1) total_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (step >= 1)
+      total_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   }
   const std::int64_t rss_growth = rss_bytes("VmHWM:") - rss_before;
   flatshard::ShardMemory m;
@@ -120,21 +132,26 @@ int main(int argc, char** argv) {
     grad_bytes = params * 4;
     state = zero ? zero->state_bytes() : params * 8;
   }
-  auto figures = at::tensor({static_cast<double>(flatshard::memory::allocator_stats().peak_bytes), total_ms / steps,
-                             static_cast<double>(rss_growth), static_cast<double>(m.peak_unsharded_param_bytes),
-                             static_cast<double>(m.peak_unsharded_grad_bytes)}, at::kDouble);
+  auto figures =
+      at::tensor({static_cast<double>(flatshard::memory::allocator_stats().peak_bytes), total_ms / steps,
+                  static_cast<double>(rss_growth), static_cast<double>(m.peak_unsharded_param_bytes),
+                  static_cast<double>(m.peak_unsharded_grad_bytes)},
+                 at::kDouble);
   auto gathered = at::zeros({5 * world.world_size()}, at::kDouble);
   comm.all_gather(gathered, figures).wait();
   const auto worst = gathered.view({world.world_size(), 5}).amax(0);
   if (world.rank() == 0) {
     const double n = world.world_size();
     const double psi = static_cast<double>(params);
-    const double formula = mode == "full" ? 16 * psi / n : mode == "zero2" ? 4 * psi + 12 * psi / n
-                                                         : mode == "zero1" ? 8 * psi + 8 * psi / n : 16 * psi;
+    const double formula = mode == "full"    ? 16 * psi / n
+                           : mode == "zero2" ? 4 * psi + 12 * psi / n
+                           : mode == "zero1" ? 8 * psi + 8 * psi / n
+                                             : 16 * psi;
     std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f\n", mode.c_str(), world.world_size(),
                 static_cast<long long>(params), worst[1].item<double>(), worst[0].item<double>(),
-                worst[2].item<double>(), static_cast<long long>(param_bytes), static_cast<long long>(grad_bytes),
-                static_cast<long long>(state), worst[3].item<double>(), worst[4].item<double>(), formula);
+                worst[2].item<double>(), static_cast<long long>(param_bytes),
+                static_cast<long long>(grad_bytes), static_cast<long long>(state), worst[3].item<double>(),
+                worst[4].item<double>(), formula);
   }
   return 0;
 }

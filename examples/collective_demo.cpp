@@ -65,10 +65,11 @@ int main(int argc, char** argv) {
     comm->barrier().wait();
 
     const double mb = numel * 4 / 1e6;
-    std::printf("rank %d/%d: all_reduce %s %.1f MB/s | reduce_scatter %s %.1f MB/s | all_gather %s %.1f MB/s "
-                "(%.1f MB buffer)\n",
-                rank, n, ar_ok ? "ok" : "WRONG", mb / ar_s, rs_ok ? "ok" : "WRONG", mb / rs_s,
-                ag_ok ? "ok" : "WRONG", mb / ag_s, mb);
+    std::printf(
+        "rank %d/%d: all_reduce %s %.1f MB/s | reduce_scatter %s %.1f MB/s | all_gather %s %.1f MB/s "
+        "(%.1f MB buffer)\n",
+        rank, n, ar_ok ? "ok" : "WRONG", mb / ar_s, rs_ok ? "ok" : "WRONG", mb / rs_s, ag_ok ? "ok" : "WRONG",
+        mb / ag_s, mb);
     return ar_ok && rs_ok && ag_ok ? 0 : 1;
   } catch (const flatshard::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());

@@ -10,21 +10,27 @@ namespace {
 void check_shards(const std::vector<at::Tensor>& shards) {
   for (const auto& s : shards) {
     if (!s.defined() || s.scalar_type() != at::kFloat || !s.is_contiguous() || !s.device().is_cpu()) {
-      throw InvalidArgument("flatshard::optim: shards must be contiguous fp32 CPU tensors (FullyShard::shards())");
+      throw InvalidArgument(
+          "flatshard::optim: shards must be contiguous fp32 CPU tensors (FullyShard::shards())");
     }
   }
 }
 
 }  // namespace
 
-ShardOptimizer::ShardOptimizer(std::vector<at::Tensor> shards) : shards_(std::move(shards)) { check_shards(shards_); }
+ShardOptimizer::ShardOptimizer(std::vector<at::Tensor> shards) : shards_(std::move(shards)) {
+  check_shards(shards_);
+}
 
 void ShardOptimizer::zero_grad() {
   for (auto& s : shards_) s.mutable_grad().reset();
 }
 
 SGD::SGD(std::vector<at::Tensor> shards, const SGDOptions& options)
-    : ShardOptimizer(std::move(shards)), options_(options), steps_(shards_.size(), 0), momentum_(shards_.size()) {
+    : ShardOptimizer(std::move(shards)),
+      options_(options),
+      steps_(shards_.size(), 0),
+      momentum_(shards_.size()) {
   if (options_.nesterov && (options_.momentum <= 0 || options_.dampening != 0)) {
     throw InvalidArgument("flatshard::optim::SGD: nesterov needs momentum > 0 and dampening == 0");
   }
@@ -44,7 +50,8 @@ void SGD::step() {
     ++steps_[i];
     if (options_.momentum != 0 && h.first_step) momentum_[i] = at::empty_like(shards_[i]);
     kernels::sgd_step(shards_[i].data_ptr<float>(), grad.contiguous().data_ptr<float>(),
-                      momentum_[i].defined() ? momentum_[i].data_ptr<float>() : nullptr, shards_[i].numel(), h);
+                      momentum_[i].defined() ? momentum_[i].data_ptr<float>() : nullptr, shards_[i].numel(),
+                      h);
   }
 }
 
@@ -60,11 +67,16 @@ std::int64_t SGD::state_bytes() const {
 }
 
 Adam::Adam(std::vector<at::Tensor> shards, const AdamOptions& options)
-    : ShardOptimizer(std::move(shards)), options_(options), decoupled_(false), exp_avg_(shards_.size()),
-      exp_avg_sq_(shards_.size()), steps_(shards_.size(), 0) {}
+    : ShardOptimizer(std::move(shards)),
+      options_(options),
+      decoupled_(false),
+      exp_avg_(shards_.size()),
+      exp_avg_sq_(shards_.size()),
+      steps_(shards_.size(), 0) {}
 
 Adam::Adam(std::vector<at::Tensor> shards, const AdamWOptions& options)
-    : Adam(std::move(shards), AdamOptions{options.lr, options.beta1, options.beta2, options.eps, options.weight_decay}) {
+    : Adam(std::move(shards),
+           AdamOptions{options.lr, options.beta1, options.beta2, options.eps, options.weight_decay}) {
   decoupled_ = true;
 }
 
@@ -85,7 +97,8 @@ void Adam::step() {
     h.decoupled_weight_decay = decoupled_;
     h.step = ++steps_[i];
     kernels::adam_step(shards_[i].data_ptr<float>(), grad.contiguous().data_ptr<float>(),
-                       exp_avg_[i].data_ptr<float>(), exp_avg_sq_[i].data_ptr<float>(), shards_[i].numel(), h);
+                       exp_avg_[i].data_ptr<float>(), exp_avg_sq_[i].data_ptr<float>(), shards_[i].numel(),
+                       h);
   }
 }
 

@@ -69,8 +69,16 @@ AdamFunctor<kDecay> make_adam(float* param, const float* grad, float* m, float* 
   const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
   const float decay = kDecay == 2 ? 1.0f - h.lr * h.weight_decay : h.weight_decay;
-  return AdamFunctor<kDecay>{param, grad, m, v, h.beta1, h.beta2, h.eps, decay,
-                             static_cast<float>(h.lr / bc1), static_cast<float>(std::sqrt(bc2))};
+  return AdamFunctor<kDecay>{param,
+                             grad,
+                             m,
+                             v,
+                             h.beta1,
+                             h.beta2,
+                             h.eps,
+                             decay,
+                             static_cast<float>(h.lr / bc1),
+                             static_cast<float>(std::sqrt(bc2))};
 }
 
 struct Square {

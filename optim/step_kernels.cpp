@@ -21,7 +21,7 @@ void run(std::int64_t numel, const F& f) {
 template <bool kDecay, bool kMomentum, bool kFirst, bool kNesterov>
 void sgd(float* param, const float* grad, float* buf, std::int64_t numel, const SgdHyper& h) {
   run(numel, SgdFunctor<kDecay, kMomentum, kFirst, kNesterov>{param, grad, buf, h.lr, h.momentum, h.dampening,
-                                                               h.weight_decay});
+                                                              h.weight_decay});
 }
 
 template <bool kDecay>

@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
-
 #include "flatshard/errors.h"
 #include "flatshard/shard.h"
 #include "optim/clip.h"
@@ -12,9 +11,11 @@
 namespace flatshard {
 namespace {
 
-std::unique_ptr<optim::ShardOptimizer> make_optimizer(const OptimizerOptions& o, std::vector<at::Tensor> shards) {
+std::unique_ptr<optim::ShardOptimizer> make_optimizer(const OptimizerOptions& o,
+                                                      std::vector<at::Tensor> shards) {
   if (const auto* sgd = std::get_if<optim::SGDOptions>(&o)) return std::make_unique<optim::SGD>(shards, *sgd);
-  if (const auto* adam = std::get_if<optim::AdamOptions>(&o)) return std::make_unique<optim::Adam>(shards, *adam);
+  if (const auto* adam = std::get_if<optim::AdamOptions>(&o))
+    return std::make_unique<optim::Adam>(shards, *adam);
   return std::make_unique<optim::Adam>(shards, std::get<optim::AdamWOptions>(o));
 }
 
@@ -32,13 +33,15 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(DDPBase& ddp, const OptimizerOp
 }
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::shared_ptr<torch::nn::Module> model, const World& world,
-                                                 const OptimizerOptions& optimizer, const ZeroOptions& options)
+                                                 const OptimizerOptions& optimizer,
+                                                 const ZeroOptions& options)
     : optimizer_options_(optimizer), options_(options), standalone_(true) {
   DDPOptions ddp;
   ddp.first_bucket_bytes = options.first_bucket_bytes;
   ddp.bucket_bytes = options.bucket_bytes;
   ddp.comm = options.comm;
-  owned_engine_ = std::make_unique<sharding::DdpEngine>(std::move(model), world, ddp, /*reduce_in_backward=*/false);
+  owned_engine_ =
+      std::make_unique<sharding::DdpEngine>(std::move(model), world, ddp, /*reduce_in_backward=*/false);
   engine_ = owned_engine_.get();
   engine_->set_reduce(options_.reduce_scatter ? GradReduce::ReduceScatter : GradReduce::AllReduce);
 }
@@ -50,9 +53,10 @@ ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
 void ZeroRedundancyOptimizer::ensure_slices() {
   if (optimizer_ && layout_version_ == engine_->layout_version()) return;
   if (optimizer_ && optimizer_->state_bytes() > 0) {
-    throw InvalidArgument(fmt::format("flatshard::ZeroRedundancyOptimizer (rank {}/{}): the bucket layout changed "
-                                      "after the optimizer took its first step", engine_->rank(),
-                                      engine_->world_size()));
+    throw InvalidArgument(
+        fmt::format("flatshard::ZeroRedundancyOptimizer (rank {}/{}): the bucket layout changed "
+                    "after the optimizer took its first step",
+                    engine_->rank(), engine_->world_size()));
   }
   slices_.clear();
   for (int b = 0; b < static_cast<int>(engine_->buckets().size()); ++b) {
@@ -109,7 +113,9 @@ double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
   return optim::clip_by_global_norm(owned, max_norm, &engine_->comm());
 }
 
-std::int64_t ZeroRedundancyOptimizer::state_bytes() const { return optimizer_ ? optimizer_->state_bytes() : 0; }
+std::int64_t ZeroRedundancyOptimizer::state_bytes() const {
+  return optimizer_ ? optimizer_->state_bytes() : 0;
+}
 
 std::int64_t ZeroRedundancyOptimizer::full_state_bytes() const {
   std::int64_t numel = 0;
@@ -119,7 +125,8 @@ std::int64_t ZeroRedundancyOptimizer::full_state_bytes() const {
 
 std::int64_t ZeroRedundancyOptimizer::largest_bucket_bytes() const {
   std::int64_t most = 0;
-  for (const auto& b : engine_->buckets()) most = std::max(most, b.numel * state_per_element_bytes(optimizer_options_));
+  for (const auto& b : engine_->buckets())
+    most = std::max(most, b.numel * state_per_element_bytes(optimizer_options_));
   return most;
 }
 

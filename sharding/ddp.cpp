@@ -46,11 +46,13 @@ std::string DDPBase::memory_report() const {
     if (b.master.defined()) masters += b.master.nbytes() + b.master_grad.nbytes();
   }
   auto mib = [](std::int64_t b) { return static_cast<double>(b) / (1 << 20); };
-  std::string line = fmt::format("rank {}/{} memory (MiB): params {:.2f} | grads {:.2f} | fp32 masters+grads {:.2f} | "
-                                 "{} buckets", world_.rank(), world_.world_size(), mib(params), mib(grads),
-                                 mib(masters), engine_->buckets().size());
+  std::string line = fmt::format(
+      "rank {}/{} memory (MiB): params {:.2f} | grads {:.2f} | fp32 masters+grads {:.2f} | "
+      "{} buckets",
+      world_.rank(), world_.world_size(), mib(params), mib(grads), mib(masters), engine_->buckets().size());
   const auto a = memory::allocator_stats();
-  if (a.installed) line += fmt::format(" | allocator {:.2f} (peak {:.2f})", mib(a.current_bytes), mib(a.peak_bytes));
+  if (a.installed)
+    line += fmt::format(" | allocator {:.2f} (peak {:.2f})", mib(a.current_bytes), mib(a.peak_bytes));
   return line;
 }
 

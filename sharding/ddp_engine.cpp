@@ -39,8 +39,8 @@ class ReadyHook final : public torch::autograd::FunctionPostHook {
 // A tensor over `flat`'s storage that autograd does not treat as a view: torch::optim's
 // zero_grad() detaches gradients in place, which a view refuses.
 at::Tensor alias(const at::Tensor& flat, std::int64_t offset, at::IntArrayRef shape) {
-  return at::empty({0}, flat.options()).set_(flat.storage(), flat.storage_offset() + offset, shape,
-                                             c10::contiguous_strides(shape));
+  return at::empty({0}, flat.options())
+      .set_(flat.storage(), flat.storage_offset() + offset, shape, c10::contiguous_strides(shape));
 }
 
 std::string describe(const std::string& name, const at::Tensor& t) {
@@ -51,17 +51,24 @@ std::string describe(const std::string& name, const at::Tensor& t) {
 
 DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> model, const World& world, const DDPOptions& options,
                      bool reduce_in_backward)
-    : model_(std::move(model)), rank_(world.rank()), world_size_(world.world_size()), options_(options),
+    : model_(std::move(model)),
+      rank_(world.rank()),
+      world_size_(world.world_size()),
+      options_(options),
       reduce_in_backward_(reduce_in_backward) {
   if (options_.first_bucket_bytes <= 0 || options_.bucket_bytes <= 0) {
-    throw InvalidArgument(fmt::format("flatshard::DistributedDataParallel (rank {}/{}): bucket sizes must be "
-                                      "positive", rank_, world_size_));
+    throw InvalidArgument(
+        fmt::format("flatshard::DistributedDataParallel (rank {}/{}): bucket sizes must be "
+                    "positive",
+                    rank_, world_size_));
   }
   comm_ = Communicator::create(world, options_.comm);
   for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
     if (!item.value().device().is_cpu() || !at::isFloatingType(item.value().scalar_type())) {
-      throw InvalidArgument(fmt::format("flatshard::DistributedDataParallel (rank {}/{}): parameter {} must be a "
-                                        "floating CPU tensor", rank_, world_size_, describe(item.key(), item.value())));
+      throw InvalidArgument(
+          fmt::format("flatshard::DistributedDataParallel (rank {}/{}): parameter {} must be a "
+                      "floating CPU tensor",
+                      rank_, world_size_, describe(item.key(), item.value())));
     }
     if (!item.value().requires_grad()) continue;
     DdpParam p;
@@ -72,8 +79,8 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> model, const World& worl
     params_.push_back(std::move(p));
   }
   for (const auto& b : model_->buffers(/*recurse=*/true)) buffers_.push_back(b);
-  compute_dtype_ = options_.mixed_precision.param.value_or(params_.empty() ? at::kFloat
-                                                                            : params_.front().param.scalar_type());
+  compute_dtype_ = options_.mixed_precision.param.value_or(
+      params_.empty() ? at::kFloat : params_.front().param.scalar_type());
   check_same_model_everywhere(world);
 
   // Every rank starts from rank 0's parameters and buffers.
@@ -97,7 +104,8 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> model, const World& worl
     params_[i].accumulator = torch::autograd::impl::grad_accumulator(params_[i].param);
     params_[i].accumulator->add_post_hook(std::make_unique<ReadyHook>(this, i));
   }
-  log::at(log::Level::Info, "DistributedDataParallel: {} parameters in {} buckets", params_.size(), buckets_.size());
+  log::at(log::Level::Info, "DistributedDataParallel: {} parameters in {} buckets", params_.size(),
+          buckets_.size());
 }
 
 DdpEngine::~DdpEngine() {
@@ -129,7 +137,8 @@ void DdpEngine::check_same_model_everywhere(const World& world) {
   auto lines = [](const std::string& s) {
     std::vector<std::string> out;
     std::size_t start = 0;
-    for (std::size_t nl; (nl = s.find('\n', start)) != std::string::npos; start = nl + 1) out.push_back(s.substr(start, nl - start));
+    for (std::size_t nl; (nl = s.find('\n', start)) != std::string::npos; start = nl + 1)
+      out.push_back(s.substr(start, nl - start));
     return out;
   };
   std::vector<std::string> reference;
@@ -144,10 +153,11 @@ void DdpEngine::check_same_model_everywhere(const World& world) {
       const std::string a = i < reference.size() ? reference[i] : "(none)";
       const std::string b = i < theirs.size() ? theirs[i] : "(none)";
       if (a != b) {
-        throw InvalidArgument(fmt::format(
-            "flatshard::DistributedDataParallel (rank {}/{}): the model differs across ranks: parameter #{} is {} on "
-            "rank 0 but {} on rank {} ({} vs {} parameters). Build the same model on every rank.",
-            rank_, world_size_, i, a, b, r, reference.size(), theirs.size()));
+        throw InvalidArgument(
+            fmt::format("flatshard::DistributedDataParallel (rank {}/{}): the model differs across ranks: "
+                        "parameter #{} is {} on "
+                        "rank 0 but {} on rank {} ({} vs {} parameters). Build the same model on every rank.",
+                        rank_, world_size_, i, a, b, r, reference.size(), theirs.size()));
       }
     }
   }
@@ -155,7 +165,8 @@ void DdpEngine::check_same_model_everywhere(const World& world) {
 
 void DdpEngine::build_buckets(const std::vector<int>& order) {
   std::vector<std::int64_t> bytes(params_.size());
-  for (std::size_t i = 0; i < params_.size(); ++i) bytes[i] = params_[i].numel * static_cast<std::int64_t>(c10::elementSize(compute_dtype_));
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    bytes[i] = params_[i].numel * static_cast<std::int64_t>(c10::elementSize(compute_dtype_));
   const auto assignment = assign_buckets(bytes, order, options_.first_bucket_bytes, options_.bucket_bytes);
   std::vector<DdpBucket> fresh(assignment.size());
   at::NoGradGuard no_grad;
@@ -250,7 +261,8 @@ void DdpEngine::on_grad_ready(int index) {
   if (--bucket.pending > 0) return;
   // Launch in bucket order, so that every rank issues the same all-reduces in the same
   // order whatever order its buckets filled in.
-  while (next_launch_ < static_cast<int>(buckets_.size()) && buckets_[next_launch_].pending == 0) launch(next_launch_++);
+  while (next_launch_ < static_cast<int>(buckets_.size()) && buckets_[next_launch_].pending == 0)
+    launch(next_launch_++);
 }
 
 void DdpEngine::launch(int index) {
@@ -297,10 +309,12 @@ void DdpEngine::end_of_backward() {
     if (!p.used) missing.push_back(p.name);
   }
   if (!missing.empty() && !options_.find_unused_parameters) {
-    throw InvalidArgument(fmt::format(
-        "flatshard::DistributedDataParallel (rank {}/{}): {} parameter(s) got no gradient in this backward: {}. Set "
-        "DDPOptions::find_unused_parameters = true if parameters may go unused, or make the loss depend on them.",
-        rank_, world_size_, missing.size(), fmt::join(missing, ", ")));
+    throw InvalidArgument(
+        fmt::format("flatshard::DistributedDataParallel (rank {}/{}): {} parameter(s) got no gradient in "
+                    "this backward: {}. Set "
+                    "DDPOptions::find_unused_parameters = true if parameters may go unused, or make the loss "
+                    "depend on them.",
+                    rank_, world_size_, missing.size(), fmt::join(missing, ", ")));
   }
   // Unused parameters (allowed): their slices hold zeros; launch what is left, in order.
   for (int b = next_launch_; b < static_cast<int>(buckets_.size()); ++b) launch(b);

@@ -15,27 +15,27 @@ namespace flatshard::sharding {
 
 struct DdpParam {
   std::string name;
-  at::Tensor param;                 // the module's own parameter
-  at::Tensor master;                // fp32 master (mixed precision), else undefined
+  at::Tensor param;   // the module's own parameter
+  at::Tensor master;  // fp32 master (mixed precision), else undefined
   std::shared_ptr<torch::autograd::Node> accumulator;
   std::vector<std::int64_t> shape;
   std::int64_t numel = 0;
   int bucket = -1;
-  std::int64_t offset = 0;          // in its bucket, elements
-  bool used = false;                // got a gradient in this backward
+  std::int64_t offset = 0;  // in its bucket, elements
+  bool used = false;        // got a gradient in this backward
 };
 
 struct DdpBucket {
-  std::vector<int> params;          // indices into DdpEngine::params()
+  std::vector<int> params;  // indices into DdpEngine::params()
   std::int64_t numel = 0;
-  at::Tensor flat;                  // compute dtype: the parameters are views of it
-  at::Tensor grad;                  // compute dtype: the parameters' .grad() are views of it
-  at::Tensor master;                // fp32 masters (mixed precision)
-  at::Tensor master_grad;           // their gradients
-  int pending = 0;                  // parameters whose gradient has not arrived this backward
+  at::Tensor flat;         // compute dtype: the parameters are views of it
+  at::Tensor grad;         // compute dtype: the parameters' .grad() are views of it
+  at::Tensor master;       // fp32 masters (mixed precision)
+  at::Tensor master_grad;  // their gradients
+  int pending = 0;         // parameters whose gradient has not arrived this backward
   bool launched = false;
   std::optional<Work> work;
-  at::Tensor reduce_buffer;         // what is being reduced, when it is not `grad`
+  at::Tensor reduce_buffer;  // what is being reduced, when it is not `grad`
 };
 
 class DdpEngine {
@@ -83,16 +83,16 @@ class DdpEngine {
   DDPOptions options_;
   std::unique_ptr<Communicator> comm_;
   at::ScalarType compute_dtype_ = at::kFloat;
-  std::vector<DdpParam> params_;        // parameters that require grad, in registration order
+  std::vector<DdpParam> params_;  // parameters that require grad, in registration order
   std::vector<at::Tensor> buffers_;
   std::vector<DdpBucket> buckets_;
-  int next_launch_ = 0;                 // buckets launch in index order on every rank
+  int next_launch_ = 0;  // buckets launch in index order on every rank
   bool backward_active_ = false;
   bool no_sync_ = false;
   GradReduce reduce_ = GradReduce::AllReduce;
   bool reduce_in_backward_ = true;
-  bool rebuilt_ = false;                // bucket order rebuilt from the first backward's arrival order
-  std::vector<int> arrival_;            // parameter indices in the order their gradients arrived
+  bool rebuilt_ = false;      // bucket order rebuilt from the first backward's arrival order
+  std::vector<int> arrival_;  // parameter indices in the order their gradients arrived
   std::uint64_t layout_version_ = 0;
 };
 

@@ -25,12 +25,12 @@ struct Engine::Unit {
   std::unique_ptr<FlatParamGroup> group;  // null for a unit without parameters
   UnitBase* declared = nullptr;           // null for the root unit
   std::unique_ptr<UnitHooks> driver;
-  std::optional<Work> gather;             // an all-gather issued and not yet waited for
-  bool gathered = false;                  // parameters are views of the flat buffer
+  std::optional<Work> gather;  // an all-gather issued and not yet waited for
+  bool gathered = false;       // parameters are views of the flat buffer
   bool pre_backward_done = false;
   bool post_backward_done = false;
-  int pending_grads = 0;                  // parameters whose gradient has not been accumulated yet
-  int forward_position = -1;              // index in forward_order_
+  int pending_grads = 0;      // parameters whose gradient has not been accumulated yet
+  int forward_position = -1;  // index in forward_order_
 };
 
 struct Engine::PendingReduce {
@@ -78,11 +78,15 @@ void collect_params(torch::nn::Module& m, std::set<const c10::TensorImpl*>& out)
 }  // namespace
 
 Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, const FullyShardOptions& options)
-    : model_(std::move(model)), rank_(world.rank()), world_size_(world.world_size()), options_(options),
-      reshard_after_forward_(options.reshard_after_forward.value_or(options.strategy == Strategy::FullShard)) {
+    : model_(std::move(model)),
+      rank_(world.rank()),
+      world_size_(world.world_size()),
+      options_(options),
+      reshard_after_forward_(
+          options.reshard_after_forward.value_or(options.strategy == Strategy::FullShard)) {
   if (options_.prefetch < 0) {
-    throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): prefetch must be >= 0, got {}", rank_,
-                                      world_size_, options_.prefetch));
+    throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): prefetch must be >= 0, got {}",
+                                      rank_, world_size_, options_.prefetch));
   }
   comm_ = Communicator::create(world, options_.comm);
 
@@ -116,14 +120,16 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     const auto* impl = item.value().unsafeGetTensorImpl();
     if (!seen.insert(impl).second) continue;  // registered twice (tied): once is enough
     if (!item.value().device().is_cpu()) {
-      throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): parameter '{}' is on {}; the CPU "
-                                        "engine shards CPU parameters", rank_, world_size_, item.key(),
-                                        item.value().device().str()));
+      throw InvalidArgument(
+          fmt::format("flatshard::FullyShard (rank {}/{}): parameter '{}' is on {}; the CPU "
+                      "engine shards CPU parameters",
+                      rank_, world_size_, item.key(), item.value().device().str()));
     }
     if (!at::isFloatingType(item.value().scalar_type())) {
-      throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): parameter '{}' has dtype {}; only "
-                                        "floating parameters can be sharded", rank_, world_size_, item.key(),
-                                        c10::toString(item.value().scalar_type())));
+      throw InvalidArgument(
+          fmt::format("flatshard::FullyShard (rank {}/{}): parameter '{}' has dtype {}; only "
+                      "floating parameters can be sharded",
+                      rank_, world_size_, item.key(), c10::toString(item.value().scalar_type())));
     }
     model_dtype = item.value().scalar_type();
     params[owner[impl]].emplace_back(item.key(), item.value());
@@ -136,7 +142,8 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     unit->name = i == 0 ? "root" : fmt::format("unit{}", i);
     if (!params[i].empty()) {
       unit->name = i == 0 ? "root" : params[i].front().first.substr(0, params[i].front().first.rfind('.'));
-      unit->group = std::make_unique<FlatParamGroup>(unit->name, std::move(params[i]), world_size_, rank_, compute);
+      unit->group =
+          std::make_unique<FlatParamGroup>(unit->name, std::move(params[i]), world_size_, rank_, compute);
       for (auto& slot : unit->group->slots()) {
         if (slot.accumulator) slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, index));
       }

@@ -65,7 +65,7 @@ class Engine {
   bool order_recorded_ = false;               // set after the first forward
   bool backward_active_ = false;              // between the first backward hook and the end callback
   bool no_sync_ = false;
-  std::unique_ptr<PendingReduce> pending_;    // the reduce-scatter in flight (at most one)
+  std::unique_ptr<PendingReduce> pending_;  // the reduce-scatter in flight (at most one)
   ShardMemory memory_;
   int peak_gathered_units_ = 0;
 };

@@ -29,7 +29,9 @@ void allocate_storage(const at::Tensor& t) {
 
 FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
                                int world_size, int rank, at::ScalarType compute_dtype)
-    : name_(std::move(name)), rank_(rank), compute_dtype_(compute_dtype),
+    : name_(std::move(name)),
+      rank_(rank),
+      compute_dtype_(compute_dtype),
       element_size_(static_cast<std::int64_t>(c10::elementSize(compute_dtype))) {
   for (auto& [pname, p] : params) {
     ParamSlot slot;
@@ -86,7 +88,8 @@ void FlatParamGroup::use_empty_views() {
 
 void FlatParamGroup::use_grad_views() {
   for (auto& s : slots_) {
-    if (s.param.requires_grad()) s.param.mutable_grad() = full_grad_.narrow(0, s.offset, s.numel).view(s.shape);
+    if (s.param.requires_grad())
+      s.param.mutable_grad() = full_grad_.narrow(0, s.offset, s.numel).view(s.shape);
   }
 }
 

@@ -25,10 +25,10 @@ namespace flatshard::sharding {
 // autograd saved for backward do not keep them alive; the storage object stays, and
 // the next gather writes into it again.
 struct ParamSlot {
-  std::string name;             // the name under the root module
-  at::Tensor param;             // the module's own parameter (same TensorImpl)
+  std::string name;  // the name under the root module
+  at::Tensor param;  // the module's own parameter (same TensorImpl)
   std::vector<std::int64_t> shape;
-  std::int64_t offset = 0;      // in the flat buffer, elements
+  std::int64_t offset = 0;  // in the flat buffer, elements
   std::int64_t numel = 0;
   // The parameter's AccumulateGrad node: autograd holds it weakly; we keep it alive so
   // that our post-hook survives while the parameter is resharded.

@@ -33,21 +33,26 @@ std::vector<at::Tensor> FullyShardBase::root_post_forward(std::vector<at::Tensor
 FullyShardBase::NoSync::NoSync(FullyShardBase& owner) : owner_(owner) { owner_.engine_->set_no_sync(true); }
 FullyShardBase::NoSync::~NoSync() { owner_.engine_->set_no_sync(false); }
 
-FullyShardBase::FullParams::FullParams(FullyShardBase& owner) : owner_(owner) { owner_.engine_->gather_all(); }
+FullyShardBase::FullParams::FullParams(FullyShardBase& owner) : owner_(owner) {
+  owner_.engine_->gather_all();
+}
 FullyShardBase::FullParams::~FullParams() { owner_.engine_->reshard_all(); }
 
 std::string FullyShardBase::memory_report(std::int64_t optimizer_state_bytes) const {
   const ShardMemory m = memory();
   auto mib = [](std::int64_t b) { return static_cast<double>(b) / (1 << 20); };
   std::string line = fmt::format(
-      "rank {}/{} memory (MiB): param shards {:.2f} | grad shards {:.2f} | unsharded params {:.2f} (peak {:.2f}) | "
+      "rank {}/{} memory (MiB): param shards {:.2f} | grad shards {:.2f} | unsharded params {:.2f} (peak "
+      "{:.2f}) | "
       "unsharded grads {:.2f} (peak {:.2f}) | peak gathered units {}",
       world_.rank(), world_.world_size(), mib(m.param_shard_bytes), mib(m.grad_shard_bytes),
       mib(m.unsharded_param_bytes), mib(m.peak_unsharded_param_bytes), mib(m.unsharded_grad_bytes),
       mib(m.peak_unsharded_grad_bytes), peak_gathered_units());
-  if (optimizer_state_bytes >= 0) line += fmt::format(" | optimizer states {:.2f}", mib(optimizer_state_bytes));
+  if (optimizer_state_bytes >= 0)
+    line += fmt::format(" | optimizer states {:.2f}", mib(optimizer_state_bytes));
   const auto a = memory::allocator_stats();
-  if (a.installed) line += fmt::format(" | allocator {:.2f} (peak {:.2f})", mib(a.current_bytes), mib(a.peak_bytes));
+  if (a.installed)
+    line += fmt::format(" | allocator {:.2f} (peak {:.2f})", mib(a.current_bytes), mib(a.peak_bytes));
   return line;
 }
 

@@ -11,9 +11,11 @@ class SequentialUnitsImpl::Group final : public UnitBase {
   std::vector<torch::nn::Module*> modules;
 };
 
-SequentialUnitsImpl::SequentialUnitsImpl(torch::nn::Sequential sequential, const SequentialUnitsOptions& options)
+SequentialUnitsImpl::SequentialUnitsImpl(torch::nn::Sequential sequential,
+                                         const SequentialUnitsOptions& options)
     : sequential_(std::move(sequential)) {
-  if (options.modules_per_unit < 1) throw InvalidArgument("SequentialUnits: modules_per_unit must be at least 1");
+  if (options.modules_per_unit < 1)
+    throw InvalidArgument("SequentialUnits: modules_per_unit must be at least 1");
   const auto children = sequential_->named_children();
   int with_params = 0;
   for (std::size_t i = 0; i < children.size(); ++i) {

@@ -5,11 +5,10 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define FLATSHARD_ASSERT(cond, msg)                                                     \
-  do {                                                                                  \
-    if (!(cond)) {                                                                      \
-      std::fprintf(stderr, "FlatShard internal error at %s:%d: %s (%s)\n", __FILE__,    \
-                   __LINE__, #cond, msg);                                               \
-      std::abort();                                                                     \
-    }                                                                                   \
+#define FLATSHARD_ASSERT(cond, msg)                                                                         \
+  do {                                                                                                      \
+    if (!(cond)) {                                                                                          \
+      std::fprintf(stderr, "FlatShard internal error at %s:%d: %s (%s)\n", __FILE__, __LINE__, #cond, msg); \
+      std::abort();                                                                                         \
+    }                                                                                                       \
   } while (0)

@@ -27,17 +27,17 @@ c10::intrusive_ptr<c10d::Store> make_tcp_store(const WorldSpec& spec, std::chron
     std::string what = e.what();
     what = what.substr(0, what.find('\n'));
     if (spec.rank == 0) {
-      throw RendezvousError(fmt::format(
-          "flatshard::init (rank 0/{}): cannot serve the rendezvous store on {}:{}: {}. If the "
-          "port is in use, set MASTER_PORT to a free port (flatshard-run picks one when "
-          "--master-port is omitted); if the address is not this host's, fix MASTER_ADDR.",
-          spec.world_size, spec.master_addr, spec.master_port, what));
+      throw RendezvousError(
+          fmt::format("flatshard::init (rank 0/{}): cannot serve the rendezvous store on {}:{}: {}. If the "
+                      "port is in use, set MASTER_PORT to a free port (flatshard-run picks one when "
+                      "--master-port is omitted); if the address is not this host's, fix MASTER_ADDR.",
+                      spec.world_size, spec.master_addr, spec.master_port, what));
     }
-    throw RendezvousError(fmt::format(
-        "flatshard::init (rank {}/{}): cannot reach the rendezvous store of rank 0 at {}:{} "
-        "within {} ms: {}. Check MASTER_ADDR and MASTER_PORT, that rank 0 was started, and that "
-        "no firewall blocks the port.",
-        spec.rank, spec.world_size, spec.master_addr, spec.master_port, timeout.count(), what));
+    throw RendezvousError(
+        fmt::format("flatshard::init (rank {}/{}): cannot reach the rendezvous store of rank 0 at {}:{} "
+                    "within {} ms: {}. Check MASTER_ADDR and MASTER_PORT, that rank 0 was started, and that "
+                    "no firewall blocks the port.",
+                    spec.rank, spec.world_size, spec.master_addr, spec.master_port, timeout.count(), what));
   }
 }
 
@@ -81,17 +81,20 @@ World init(const InitOptions& options) {
     try {
       world.store = c10::make_intrusive<c10d::FileStore>(spec.file_path, spec.world_size);
     } catch (const std::exception& e) {
-      throw RendezvousError(fmt::format("flatshard::init (rank {}/{}): cannot open the file store {}: {}. "
-                                        "Use a path on a file system every rank shares, in a directory "
-                                        "that exists.", spec.rank, spec.world_size, spec.file_path, e.what()));
+      throw RendezvousError(
+          fmt::format("flatshard::init (rank {}/{}): cannot open the file store {}: {}. "
+                      "Use a path on a file system every rank shares, in a directory "
+                      "that exists.",
+                      spec.rank, spec.world_size, spec.file_path, e.what()));
     }
     world.store->setTimeout(options.timeout);
   } else {
     world.store = make_tcp_store(spec, options.timeout);
   }
   wait_for_everyone(*world.store, spec, options.timeout);
-  log::at(log::Level::Info, "joined the world through {} ({})", to_string(spec.source),
-          spec.store_kind == "file" ? spec.file_path : fmt::format("{}:{}", spec.master_addr, spec.master_port));
+  log::at(
+      log::Level::Info, "joined the world through {} ({})", to_string(spec.source),
+      spec.store_kind == "file" ? spec.file_path : fmt::format("{}:{}", spec.master_addr, spec.master_port));
   return world;
 }
 

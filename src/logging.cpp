@@ -43,8 +43,8 @@ void set_rank(int rank, int world_size) {
 }
 
 void write(Level level, const std::string& line) {
-  std::string out = g_rank >= 0 ? fmt::format("[flatshard {} rank {}/{}] {}\n", name(level),
-                                              g_rank.load(), g_world.load(), line)
+  std::string out = g_rank >= 0 ? fmt::format("[flatshard {} rank {}/{}] {}\n", name(level), g_rank.load(),
+                                              g_world.load(), line)
                                 : fmt::format("[flatshard {}] {}\n", name(level), line);
   std::lock_guard<std::mutex> lock(g_write_mutex);
   std::fputs(out.c_str(), stderr);

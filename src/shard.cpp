@@ -14,8 +14,7 @@ ShardRange shard_range(std::int64_t numel, int world_size, int rank) {
 }
 
 std::int64_t padded_numel(std::int64_t numel, int world_size, std::int64_t align_numel) {
-  FLATSHARD_ASSERT(numel >= 0 && world_size > 0 && align_numel > 0,
-                   "padded_numel arguments out of range");
+  FLATSHARD_ASSERT(numel >= 0 && world_size > 0 && align_numel > 0, "padded_numel arguments out of range");
   const std::int64_t unit = static_cast<std::int64_t>(world_size) * align_numel;
   return (numel + unit - 1) / unit * unit;
 }

@@ -24,8 +24,8 @@ int parse_int(const std::string& variable, const std::string& text, const char* 
   errno = 0;
   char* end = nullptr;
   const long value = std::strtol(text.c_str(), &end, 10);
-  if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE ||
-      value < INT_MIN || value > INT_MAX) {
+  if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE || value < INT_MIN ||
+      value > INT_MAX) {
     fail(variable, fmt::format("{}='{}' is not an integer; set it to {}", variable, text, what));
   }
   return static_cast<int>(value);
@@ -55,16 +55,15 @@ std::string first_slurm_host(const std::string& variable, const std::string& lis
     while (i < list.size() && list[i] != '-' && list[i] != ',' && list[i] != ']') first += list[i++];
     while (i < list.size() && list[i] != ']') ++i;
     if (i == list.size() || first.empty()) {
-      fail(variable, fmt::format("{}='{}' is not a Slurm node list; set MASTER_ADDR instead",
-                                 variable, list));
+      fail(variable,
+           fmt::format("{}='{}' is not a Slurm node list; set MASTER_ADDR instead", variable, list));
     }
     host += first;
     ++i;
     while (i < list.size() && list[i] != ',') host += list[i++];
   }
   if (host.empty()) {
-    fail(variable, fmt::format("{}='{}' is not a Slurm node list; set MASTER_ADDR instead",
-                               variable, list));
+    fail(variable, fmt::format("{}='{}' is not a Slurm node list; set MASTER_ADDR instead", variable, list));
   }
   return host;
 }
@@ -125,18 +124,17 @@ WorldSpec resolve_ranks(const InitOptions& options, const EnvLookup& env) {
                             "the MPI rank (launch with mpirun)");
     spec.world_size = require_int(env, "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK is set",
                                   "the MPI world size (launch with mpirun)");
-    spec.local_rank = get_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "the node-local MPI rank")
-                          .value_or(spec.rank);
-    spec.local_world_size = get_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "the node-local MPI size")
-                                .value_or(spec.world_size);
+    spec.local_rank =
+        get_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "the node-local MPI rank").value_or(spec.rank);
+    spec.local_world_size =
+        get_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "the node-local MPI size").value_or(spec.world_size);
     return spec;
   }
   if (env("SLURM_PROCID") || env("SLURM_NTASKS")) {
     spec.source = WorldSource::Slurm;
-    spec.rank = require_int(env, "SLURM_PROCID", "SLURM_NTASKS is set",
-                            "the task rank (launch with srun)");
-    spec.world_size = require_int(env, "SLURM_NTASKS", "SLURM_PROCID is set",
-                                  "the number of tasks (sbatch --ntasks)");
+    spec.rank = require_int(env, "SLURM_PROCID", "SLURM_NTASKS is set", "the task rank (launch with srun)");
+    spec.world_size =
+        require_int(env, "SLURM_NTASKS", "SLURM_PROCID is set", "the number of tasks (sbatch --ntasks)");
     spec.local_rank = get_int(env, "SLURM_LOCALID", "the node-local task id").value_or(spec.rank);
     if (auto n = get_int(env, "SLURM_NTASKS_PER_NODE", "the tasks per node")) {
       spec.local_world_size = *n;
@@ -167,8 +165,7 @@ Names names_of(WorldSource source, bool from_options) {
               "OMPI_COMM_WORLD_LOCAL_SIZE"};
     case WorldSource::Slurm:
       return {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"};
-    default:
-      return {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
+    default: return {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
   }
 }
 
@@ -177,17 +174,16 @@ void check_consistent(const WorldSpec& spec, const Names& n) {
     fail(n.world_size, fmt::format("{}={} must be at least 1", n.world_size, spec.world_size));
   }
   if (spec.rank < 0 || spec.rank >= spec.world_size) {
-    fail(n.rank, fmt::format("{}={} is outside [0, {}) given {}={}", n.rank, spec.rank,
-                             spec.world_size, n.world_size, spec.world_size));
+    fail(n.rank, fmt::format("{}={} is outside [0, {}) given {}={}", n.rank, spec.rank, spec.world_size,
+                             n.world_size, spec.world_size));
   }
   if (spec.local_world_size <= 0 || spec.local_world_size > spec.world_size) {
     fail(n.local_world_size, fmt::format("{}={} must be in [1, {}={}]", n.local_world_size,
                                          spec.local_world_size, n.world_size, spec.world_size));
   }
   if (spec.local_rank < 0 || spec.local_rank >= spec.local_world_size) {
-    fail(n.local_rank, fmt::format("{}={} is outside [0, {}) given {}={}", n.local_rank,
-                                   spec.local_rank, spec.local_world_size, n.local_world_size,
-                                   spec.local_world_size));
+    fail(n.local_rank, fmt::format("{}={} is outside [0, {}) given {}={}", n.local_rank, spec.local_rank,
+                                   spec.local_world_size, n.local_world_size, spec.local_world_size));
   }
 }
 
@@ -226,7 +222,8 @@ void resolve_rendezvous(WorldSpec& spec, const std::string& method, const EnvLoo
   }
   if (!method.empty() && method != "env://") {
     fail("init_method", fmt::format("init_method '{}' is not one of env://, tcp://HOST:PORT, "
-                                    "file:///PATH", method));
+                                    "file:///PATH",
+                                    method));
   }
   // env:// (or nothing): MASTER_ADDR and MASTER_PORT.
   spec.store_kind = "tcp";
@@ -243,14 +240,17 @@ void resolve_rendezvous(WorldSpec& spec, const std::string& method, const EnvLoo
       list = env("SLURM_NODELIST");
       list_var = "SLURM_NODELIST";
     }
-    if (!list) fail("MASTER_ADDR", "neither MASTER_ADDR nor SLURM_JOB_NODELIST is set; set MASTER_ADDR "
-                                   "to the first node of the job");
+    if (!list)
+      fail("MASTER_ADDR",
+           "neither MASTER_ADDR nor SLURM_JOB_NODELIST is set; set MASTER_ADDR "
+           "to the first node of the job");
     spec.master_addr = first_slurm_host(list_var, *list);
   } else if (spec.source == WorldSource::OpenMpi && spec.local_world_size == spec.world_size) {
     spec.master_addr = "127.0.0.1";  // every rank on this node
   } else {
-    fail("MASTER_ADDR", "MASTER_ADDR is not set; set it to the host name or address of rank 0 "
-                        "(flatshard-run and torchrun set it for you)");
+    fail("MASTER_ADDR",
+         "MASTER_ADDR is not set; set it to the host name or address of rank 0 "
+         "(flatshard-run and torchrun set it for you)");
   }
   if (port) {
     spec.master_port = parse_port("MASTER_PORT", *port);

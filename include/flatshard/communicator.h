@@ -52,9 +52,9 @@ struct CommunicatorOptions {
 };
 
 struct CollectiveOptions {
-  std::optional<StreamRole> stream;            // default: the op's own stream
+  std::optional<StreamRole> stream;  // default: the op's own stream
   std::optional<std::chrono::milliseconds> timeout;
-  std::vector<Event> wait_for;                 // the op starts after these complete
+  std::vector<Event> wait_for;  // the op starts after these complete
 };
 
 // The handle of one issued collective.
@@ -82,8 +82,7 @@ class Communicator {
  public:
   // Connects to the other ranks of `world` (a collective call: every rank makes the
   // same communicator, in the same order). Throws RendezvousError on failure.
-  static std::unique_ptr<Communicator> create(const World& world,
-                                              const CommunicatorOptions& options = {});
+  static std::unique_ptr<Communicator> create(const World& world, const CommunicatorOptions& options = {});
   ~Communicator();
 
   int rank() const { return rank_; }
@@ -94,8 +93,7 @@ class Communicator {
   // (input.numel() == shard_range(N, world_size, rank).numel). In place when `input`
   // is exactly that slot of `output` (same storage and offset): no copy is made.
   // After the op every rank holds every rank's slot in `output`.
-  Work all_gather(const at::Tensor& output, const at::Tensor& input,
-                  const CollectiveOptions& options = {});
+  Work all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveOptions& options = {});
 
   // reduce_scatter: input.numel() == N; output.numel() == this rank's slot size.
   // output = reduction over ranks of input's slot of this rank (Avg divides by the
@@ -118,10 +116,8 @@ class Communicator {
   std::uint64_t issued() const { return next_seq_ - 1; }
 
  private:
-  Communicator(int rank, int world_size, CommunicatorOptions options,
-               std::unique_ptr<comm::Backend> backend);
-  Work enqueue(comm::Collective collective, StreamRole default_role,
-               const CollectiveOptions& options);
+  Communicator(int rank, int world_size, CommunicatorOptions options, std::unique_ptr<comm::Backend> backend);
+  Work enqueue(comm::Collective collective, StreamRole default_role, const CollectiveOptions& options);
 
   int rank_;
   int world_size_;

@@ -51,10 +51,15 @@ class InvalidArgument : public Error {
 class CommError : public Error {
  public:
   enum class Kind { PeerLost, Timeout, Mismatch, Aborted };
-  CommError(Kind kind, int rank, int world_size, std::string op, std::uint64_t seq,
-            int peer, const std::string& message)
-      : Error(message), kind_(kind), rank_(rank), world_size_(world_size),
-        op_(std::move(op)), seq_(seq), peer_(peer) {}
+  CommError(Kind kind, int rank, int world_size, std::string op, std::uint64_t seq, int peer,
+            const std::string& message)
+      : Error(message),
+        kind_(kind),
+        rank_(rank),
+        world_size_(world_size),
+        op_(std::move(op)),
+        seq_(seq),
+        peer_(peer) {}
 
   Kind kind() const noexcept { return kind_; }
   int rank() const noexcept { return rank_; }

@@ -58,10 +58,10 @@ struct FullyShardOptions {
 
 // Byte counts of one rank (see memory accounting in docs/fully-shard.md).
 struct ShardMemory {
-  std::int64_t param_shard_bytes = 0;       // fp32 master shards
-  std::int64_t grad_shard_bytes = 0;        // fp32 shard gradients
-  std::int64_t unsharded_param_bytes = 0;   // gathered flat buffers now
-  std::int64_t unsharded_grad_bytes = 0;    // unsharded flat gradients now
+  std::int64_t param_shard_bytes = 0;      // fp32 master shards
+  std::int64_t grad_shard_bytes = 0;       // fp32 shard gradients
+  std::int64_t unsharded_param_bytes = 0;  // gathered flat buffers now
+  std::int64_t unsharded_grad_bytes = 0;   // unsharded flat gradients now
   std::int64_t peak_unsharded_param_bytes = 0;
   std::int64_t peak_unsharded_grad_bytes = 0;
 };
@@ -73,7 +73,8 @@ class Engine;
 // The engine, independent of the model's type. FullyShard<M> adds a typed forward.
 class FullyShardBase {
  public:
-  FullyShardBase(std::shared_ptr<torch::nn::Module> model, const World& world, const FullyShardOptions& options);
+  FullyShardBase(std::shared_ptr<torch::nn::Module> model, const World& world,
+                 const FullyShardOptions& options);
   ~FullyShardBase();
   FullyShardBase(const FullyShardBase&) = delete;
   FullyShardBase& operator=(const FullyShardBase&) = delete;

@@ -70,7 +70,9 @@ std::vector<at::Tensor> tensors_of(const std::tuple<T...>& t) {
 }
 
 inline at::Tensor rebuild(const at::Tensor&, std::vector<at::Tensor>& v) { return v[0]; }
-inline std::vector<at::Tensor> rebuild(const std::vector<at::Tensor>&, std::vector<at::Tensor>& v) { return v; }
+inline std::vector<at::Tensor> rebuild(const std::vector<at::Tensor>&, std::vector<at::Tensor>& v) {
+  return v;
+}
 template <typename... T>
 std::tuple<T...> rebuild(const std::tuple<T...>&, std::vector<at::Tensor>& v) {
   std::size_t i = 0;

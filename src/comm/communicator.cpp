@@ -51,9 +51,10 @@ const char* to_string(StreamRole role) {
 
 std::unique_ptr<Communicator> Communicator::create(const World& world, const CommunicatorOptions& options) {
   if (options.timeout.count() <= 0) {
-    throw InvalidArgument(fmt::format("flatshard::Communicator::create (rank {}/{}): "
-                                      "CommunicatorOptions::timeout must be positive",
-                                      world.rank(), world.world_size()));
+    throw InvalidArgument(
+        fmt::format("flatshard::Communicator::create (rank {}/{}): "
+                    "CommunicatorOptions::timeout must be positive",
+                    world.rank(), world.world_size()));
   }
   auto backend = comm::make_tcp_ring_backend(world, options, kNumStreamRoles);
   return std::unique_ptr<Communicator>(
@@ -123,32 +124,41 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
   const std::uint64_t seq = next_seq_;
   const char* name = comm::to_string(c.kind);
   auto invalid = [&](const std::string& what) {
-    return InvalidArgument(fmt::format("flatshard: {} #{} on rank {}/{}: {}", name, seq, rank_, world_size_, what));
+    return InvalidArgument(
+        fmt::format("flatshard: {} #{} on rank {}/{}: {}", name, seq, rank_, world_size_, what));
   };
 
   // --- validation: nothing is sent for a call that breaks the contract ----------
   if (c.kind != OpKind::Barrier) {
     for (const at::Tensor* t : {&c.input, &c.output}) {
       if (!t->defined()) throw invalid("tensor is undefined");
-      if (!t->is_contiguous()) throw invalid(fmt::format("tensor {} is not contiguous; pass .contiguous()", describe(*t)));
+      if (!t->is_contiguous())
+        throw invalid(fmt::format("tensor {} is not contiguous; pass .contiguous()", describe(*t)));
       if (!t->device().is_cpu()) {
-        throw invalid(fmt::format("tensor {} is not on the CPU; this communicator moves CPU tensors", describe(*t)));
+        throw invalid(
+            fmt::format("tensor {} is not on the CPU; this communicator moves CPU tensors", describe(*t)));
       }
     }
     if (c.input.scalar_type() != c.output.scalar_type()) {
-      throw invalid(fmt::format("input {} and output {} differ in dtype", describe(c.input), describe(c.output)));
+      throw invalid(
+          fmt::format("input {} and output {} differ in dtype", describe(c.input), describe(c.output)));
     }
   }
   const ShardRange mine = shard_range(c.kind == OpKind::AllGather ? c.output.numel()
-                                      : c.kind == OpKind::Barrier ? 0 : c.input.numel(),
+                                      : c.kind == OpKind::Barrier ? 0
+                                                                  : c.input.numel(),
                                       world_size_, rank_);
   if (c.kind == OpKind::AllGather && c.input.numel() != mine.numel) {
-    throw invalid(fmt::format("input has {} elements but this rank's slot of an output of {} elements "
-                              "has {} (shard_range)", c.input.numel(), c.output.numel(), mine.numel));
+    throw invalid(
+        fmt::format("input has {} elements but this rank's slot of an output of {} elements "
+                    "has {} (shard_range)",
+                    c.input.numel(), c.output.numel(), mine.numel));
   }
   if (c.kind == OpKind::ReduceScatter && c.output.numel() != mine.numel) {
-    throw invalid(fmt::format("output has {} elements but this rank's slot of an input of {} elements "
-                              "has {} (shard_range)", c.output.numel(), c.input.numel(), mine.numel));
+    throw invalid(
+        fmt::format("output has {} elements but this rank's slot of an input of {} elements "
+                    "has {} (shard_range)",
+                    c.output.numel(), c.input.numel(), mine.numel));
   }
   if ((c.kind == OpKind::ReduceScatter || c.kind == OpKind::AllReduce) && c.reduce == ReduceOp::Avg &&
       !at::isFloatingType(c.input.scalar_type())) {
@@ -171,23 +181,26 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
   const int rank = rank_;
   const int world_size = world_size_;
   comm::Backend* backend = backend_.get();
-  Event done = stream.submit([c = std::move(c), role, timeout, bytes, rank, world_size, backend, name]() mutable {
-    const auto start = std::chrono::steady_clock::now();
-    c.deadline = start + timeout;
-    try {
-      backend->run(c, static_cast<int>(role));
-    } catch (const comm::TransportFailure& f) {
-      backend->abort();  // the other streams' ops fail at once instead of at their deadlines
-      const std::string peer = f.peer >= 0 ? fmt::format(" (peer rank {})", f.peer) : "";
-      CommError error(f.kind, rank, world_size, name, c.seq, f.peer,
-                      fmt::format("flatshard: {} #{} failed on rank {}/{}: {}{}: {}. {}", name, c.seq, rank,
-                                  world_size, to_string(f.kind), peer, f.what(), advice(f.kind)));
-      log::at(log::Level::Error, "{}", error.what());
-      throw error;
-    }
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    log::at(log::Level::Debug, "{} #{} {} B on stream {}: {:.3f} ms", name, c.seq, bytes, to_string(role), ms);
-  });
+  Event done =
+      stream.submit([c = std::move(c), role, timeout, bytes, rank, world_size, backend, name]() mutable {
+        const auto start = std::chrono::steady_clock::now();
+        c.deadline = start + timeout;
+        try {
+          backend->run(c, static_cast<int>(role));
+        } catch (const comm::TransportFailure& f) {
+          backend->abort();  // the other streams' ops fail at once instead of at their deadlines
+          const std::string peer = f.peer >= 0 ? fmt::format(" (peer rank {})", f.peer) : "";
+          CommError error(f.kind, rank, world_size, name, c.seq, f.peer,
+                          fmt::format("flatshard: {} #{} failed on rank {}/{}: {}{}: {}. {}", name, c.seq,
+                                      rank, world_size, to_string(f.kind), peer, f.what(), advice(f.kind)));
+          log::at(log::Level::Error, "{}", error.what());
+          throw error;
+        }
+        const double ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+        log::at(log::Level::Debug, "{} #{} {} B on stream {}: {:.3f} ms", name, c.seq, bytes, to_string(role),
+                ms);
+      });
   return Work(std::move(done), seq);
 }
 

@@ -5,8 +5,8 @@ namespace flatshard {
 struct Event::State {
   mutable std::mutex mutex;
   mutable std::condition_variable cv;
-  bool done = false;             // guarded by mutex
-  std::exception_ptr error;      // guarded by mutex; set when the work threw
+  bool done = false;         // guarded by mutex
+  std::exception_ptr error;  // guarded by mutex; set when the work threw
 
   void complete(std::exception_ptr e) {
     {
@@ -71,7 +71,9 @@ void Stream::wait_event(const Event& event) {
   submit([state] { state->wait(); });
 }
 
-Event Stream::record() { return submit([] {}); }
+Event Stream::record() {
+  return submit([] {});
+}
 
 void Stream::synchronize() { record().state_->wait(); }
 

@@ -19,26 +19,22 @@ namespace {
 std::string advice(int err) {
   switch (err) {
     case ENOSPC:
-    case EDQUOT:
-      return "the disk (or quota) is full: free space or save elsewhere";
-    case EFBIG:
-      return "the file exceeds the process's file-size limit (ulimit -f) or the file system's";
+    case EDQUOT: return "the disk (or quota) is full: free space or save elsewhere";
+    case EFBIG: return "the file exceeds the process's file-size limit (ulimit -f) or the file system's";
     case EACCES:
     case EPERM:
-    case EROFS:
-      return "no permission to write there: choose a writable directory";
+    case EROFS: return "no permission to write there: choose a writable directory";
     case ENOENT:
-    case ENOTDIR:
-      return "the directory does not exist: create it first";
-    default:
-      return "check the file system";
+    case ENOTDIR: return "the directory does not exist: create it first";
+    default: return "check the file system";
   }
 }
 
 [[noreturn]] void fail(const std::string& path, const std::string& step, int err) {
   throw checkpoint::CheckpointError(
-      path, fmt::format("flatshard::checkpoint: {} '{}' failed: {} ({}). The previous file, if any, is intact.",
-                        step, path, std::strerror(err), advice(err)));
+      path,
+      fmt::format("flatshard::checkpoint: {} '{}' failed: {} ({}). The previous file, if any, is intact.",
+                  step, path, std::strerror(err), advice(err)));
 }
 
 std::string parent_of(const std::string& path) {

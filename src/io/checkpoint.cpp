@@ -15,8 +15,10 @@ namespace {
 
 std::map<std::string, at::Tensor> collect(torch::nn::Module& model) {
   std::map<std::string, at::Tensor> out;
-  for (const auto& item : model.named_parameters(/*recurse=*/true)) out[item.key()] = item.value().detach().clone();
-  for (const auto& item : model.named_buffers(/*recurse=*/true)) out[item.key()] = item.value().detach().clone();
+  for (const auto& item : model.named_parameters(/*recurse=*/true))
+    out[item.key()] = item.value().detach().clone();
+  for (const auto& item : model.named_buffers(/*recurse=*/true))
+    out[item.key()] = item.value().detach().clone();
   return out;
 }
 
@@ -25,9 +27,10 @@ std::map<std::string, at::Tensor> collect(torch::nn::Module& model) {
 // type-tag helper that tagged containers need, reads it as a plain dict of tensors.
 std::vector<char> torch_save_bytes(const torch::IValue& value) {
   std::vector<char> pickled;
-  torch::jit::Pickler pickler([&](const char* data, std::size_t n) { pickled.insert(pickled.end(), data, data + n); },
-                              /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
-                              /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  torch::jit::Pickler pickler(
+      [&](const char* data, std::size_t n) { pickled.insert(pickled.end(), data, data + n); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
   pickler.protocol();
   pickler.pushIValue(value);
   pickler.stop();
@@ -69,17 +72,21 @@ std::map<std::string, at::Tensor> load_tensors(const std::string& path) {
     value = torch::pickle_load(bytes);
   } catch (const std::exception& e) {
     std::string what = e.what();
-    throw CheckpointError(path, fmt::format("flatshard::checkpoint: '{}' is not a readable checkpoint (corrupt or "
-                                            "truncated): {}", path, what.substr(0, what.find('\n'))));
+    throw CheckpointError(path,
+                          fmt::format("flatshard::checkpoint: '{}' is not a readable checkpoint (corrupt or "
+                                      "truncated): {}",
+                                      path, what.substr(0, what.find('\n'))));
   }
   if (!value.isGenericDict()) {
-    throw CheckpointError(path, fmt::format("flatshard::checkpoint: '{}' does not hold a dict of tensors", path));
+    throw CheckpointError(path,
+                          fmt::format("flatshard::checkpoint: '{}' does not hold a dict of tensors", path));
   }
   std::map<std::string, at::Tensor> out;
   for (const auto& entry : value.toGenericDict()) {
     if (!entry.key().isString() || !entry.value().isTensor()) {
       throw CheckpointError(path, fmt::format("flatshard::checkpoint: '{}' holds an entry that is not "
-                                              "name -> tensor", path));
+                                              "name -> tensor",
+                                              path));
     }
     out[entry.key().toStringRef()] = entry.value().toTensor();
   }

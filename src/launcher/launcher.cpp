@@ -33,14 +33,16 @@ void on_signal(int sig) {
 int parse_int(const std::string& flag, const std::string& text) {
   char* end = nullptr;
   const long v = std::strtol(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0') throw std::invalid_argument(fmt::format("{} needs an integer, got '{}'", flag, text));
+  if (text.empty() || *end != '\0')
+    throw std::invalid_argument(fmt::format("{} needs an integer, got '{}'", flag, text));
   return static_cast<int>(v);
 }
 
 double parse_double(const std::string& flag, const std::string& text) {
   char* end = nullptr;
   const double v = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0') throw std::invalid_argument(fmt::format("{} needs a number, got '{}'", flag, text));
+  if (text.empty() || *end != '\0')
+    throw std::invalid_argument(fmt::format("{} needs a number, got '{}'", flag, text));
   return v;
 }
 
@@ -137,25 +139,40 @@ LaunchOptions parse_args(int argc, char** argv) {
   };
   for (; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "-n" || a == "--nproc-per-node" || a == "--nproc_per_node") o.nproc_per_node = parse_int(a, value(a));
-    else if (a == "--nnodes") o.nnodes = parse_int(a, value(a));
-    else if (a == "--node-rank" || a == "--node_rank") o.node_rank = parse_int(a, value(a));
-    else if (a == "--master-addr" || a == "--master_addr") o.master_addr = value(a);
-    else if (a == "--master-port" || a == "--master_port") o.master_port = parse_int(a, value(a));
-    else if (a == "--grace-s") o.grace_s = parse_double(a, value(a));
-    else if (a == "--deadline-s") o.deadline_s = parse_double(a, value(a));
-    else if (a == "-h" || a == "--help") throw std::invalid_argument("help requested");
-    else if (a == "--") { ++i; break; }
-    else if (!a.empty() && a[0] == '-') throw std::invalid_argument(fmt::format("unknown option {}", a));
-    else break;
+    if (a == "-n" || a == "--nproc-per-node" || a == "--nproc_per_node")
+      o.nproc_per_node = parse_int(a, value(a));
+    else if (a == "--nnodes")
+      o.nnodes = parse_int(a, value(a));
+    else if (a == "--node-rank" || a == "--node_rank")
+      o.node_rank = parse_int(a, value(a));
+    else if (a == "--master-addr" || a == "--master_addr")
+      o.master_addr = value(a);
+    else if (a == "--master-port" || a == "--master_port")
+      o.master_port = parse_int(a, value(a));
+    else if (a == "--grace-s")
+      o.grace_s = parse_double(a, value(a));
+    else if (a == "--deadline-s")
+      o.deadline_s = parse_double(a, value(a));
+    else if (a == "-h" || a == "--help")
+      throw std::invalid_argument("help requested");
+    else if (a == "--") {
+      ++i;
+      break;
+    } else if (!a.empty() && a[0] == '-')
+      throw std::invalid_argument(fmt::format("unknown option {}", a));
+    else
+      break;
   }
   for (; i < argc; ++i) o.command.emplace_back(argv[i]);
   if (o.command.empty()) throw std::invalid_argument("no PROGRAM given");
   if (o.nproc_per_node < 1) throw std::invalid_argument("-n must be at least 1");
   if (o.nnodes < 1) throw std::invalid_argument("--nnodes must be at least 1");
-  if (o.node_rank < 0 || o.node_rank >= o.nnodes) throw std::invalid_argument("--node-rank must be in [0, --nnodes)");
-  if (o.master_port < 0 || o.master_port > 65535) throw std::invalid_argument("--master-port must be in 1..65535");
-  if (o.nnodes > 1 && o.master_port == 0) throw std::invalid_argument("--master-port is required when --nnodes > 1");
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
+    throw std::invalid_argument("--node-rank must be in [0, --nnodes)");
+  if (o.master_port < 0 || o.master_port > 65535)
+    throw std::invalid_argument("--master-port must be in 1..65535");
+  if (o.nnodes > 1 && o.master_port == 0)
+    throw std::invalid_argument("--master-port is required when --nnodes > 1");
   return o;
 }
 
@@ -164,7 +181,7 @@ int run(const LaunchOptions& o) {
     std::fprintf(stderr, "flatshard-run: pipe: %s\n", std::strerror(errno));
     return 1;
   }
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, nullptr);
@@ -194,7 +211,7 @@ int run(const LaunchOptions& o) {
   Clock::time_point failed_at;  // when the first failure was seen
   int stop_signal = 0;          // what we last sent the survivors
   Clock::time_point stop_sent_at;
-  int result_override = -1;     // set by a signal to the launcher or the deadline
+  int result_override = -1;  // set by a signal to the launcher or the deadline
 
   // Each rank leads its own process group: signal the group, so that programs the
   // rank started (a shell's children) stop with it.
@@ -277,7 +294,8 @@ int run(const LaunchOptions& o) {
     const bool alive = std::any_of(ranks.begin(), ranks.end(), [](const Rank& r) { return !r.exited; });
     if (alive && o.deadline_s > 0 && stop_signal == 0 &&
         now - start > std::chrono::duration<double>(o.deadline_s)) {
-      fmt::print(stderr, "flatshard-run: the job passed its deadline of {:.1f} s; stopping every rank\n", o.deadline_s);
+      fmt::print(stderr, "flatshard-run: the job passed its deadline of {:.1f} s; stopping every rank\n",
+                 o.deadline_s);
       result_override = 124;
       stop_signal = SIGTERM;
       stop_sent_at = now;

@@ -7,8 +7,8 @@
 // Every message starts with a StepHead naming the op, its per-channel number and the
 // body size; the receiver checks it before reading the body, so ranks that disagree
 // on the next collective fail with Mismatch instead of corrupting each other.
-#include <ATen/Dispatch.h>
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <atomic>
@@ -101,7 +101,8 @@ class TcpRingBackend final : public Backend {
     FLATSHARD_ASSERT((channel >= 0 && channel < static_cast<int>(channels_.size())) || world_size_ == 1,
                      "channel out of range");
     if (aborted_.load()) {
-      throw TransportFailure(CommError::Kind::Aborted, -1, "the communicator was aborted by an earlier failure");
+      throw TransportFailure(CommError::Kind::Aborted, -1,
+                             "the communicator was aborted by an earlier failure");
     }
     if (world_size_ == 1) {
       run_single(op);
@@ -123,9 +124,9 @@ class TcpRingBackend final : public Backend {
         throw TransportFailure(CommError::Kind::Aborted, e.peer,
                                fmt::format("the communicator was aborted while this op ran ({})", e.detail));
       }
-      throw TransportFailure(e.kind == IoError::Kind::Timeout ? CommError::Kind::Timeout
-                                                              : CommError::Kind::PeerLost,
-                             e.peer, e.detail);
+      throw TransportFailure(
+          e.kind == IoError::Kind::Timeout ? CommError::Kind::Timeout : CommError::Kind::PeerLost, e.peer,
+          e.detail);
     }
   }
 
@@ -154,8 +155,7 @@ class TcpRingBackend final : public Backend {
       case OpKind::ReduceScatter:
         if (op.output.data_ptr() != op.input.data_ptr()) op.output.copy_(op.input);
         break;
-      default:
-        break;  // all_reduce, broadcast and barrier are identities for one rank
+      default: break;  // all_reduce, broadcast and barrier are identities for one rank
     }
   }
 
@@ -167,8 +167,8 @@ class TcpRingBackend final : public Backend {
     StepHead in{};
     tcp::exchange(
         do_send ? &ch.to_next : nullptr, tcp::Parts{&out, sizeof(out), send, send_bytes},
-        do_recv ? &ch.from_prev : nullptr, tcp::MutableParts{&in, sizeof(in), recv, recv_bytes},
-        op.deadline, [&] {
+        do_recv ? &ch.from_prev : nullptr, tcp::MutableParts{&in, sizeof(in), recv, recv_bytes}, op.deadline,
+        [&] {
           if (in.magic != kStepMagic || in.op != static_cast<std::uint8_t>(op.kind) ||
               in.channel_seq != ch.seq || in.body_bytes != recv_bytes) {
             const char* their_op = in.magic == kStepMagic ? to_string(static_cast<OpKind>(in.op)) : "garbage";
@@ -223,8 +223,8 @@ class TcpRingBackend final : public Backend {
     for (int s = 0; s < world_size_ - 1; ++s) {
       const ShardRange out = shard_range(numel, world_size_, mod(rank_ - s - 1));
       const ShardRange in = shard_range(numel, world_size_, mod(rank_ - s - 2));
-      const std::int64_t pieces = std::max<std::int64_t>(
-          1, (std::max(out.numel, in.numel) + piece_numel - 1) / piece_numel);
+      const std::int64_t pieces =
+          std::max<std::int64_t>(1, (std::max(out.numel, in.numel) + piece_numel - 1) / piece_numel);
       for (std::int64_t p = 0; p < pieces; ++p) {
         const std::int64_t out_begin = std::min(out.numel, p * piece_numel);
         const std::int64_t out_count = std::min(out.numel - out_begin, piece_numel);
@@ -257,8 +257,11 @@ class TcpRingBackend final : public Backend {
   void broadcast(Channel& ch, const Collective& op) {
     char* data = static_cast<char*>(op.output.data_ptr());
     const std::size_t bytes = op.output.nbytes();
-    const std::size_t slices = std::max<std::size_t>(1, (bytes + kBroadcastSliceBytes - 1) / kBroadcastSliceBytes);
-    auto slice = [&](std::size_t k) { return std::min(kBroadcastSliceBytes, bytes - std::min(bytes, k * kBroadcastSliceBytes)); };
+    const std::size_t slices =
+        std::max<std::size_t>(1, (bytes + kBroadcastSliceBytes - 1) / kBroadcastSliceBytes);
+    auto slice = [&](std::size_t k) {
+      return std::min(kBroadcastSliceBytes, bytes - std::min(bytes, k * kBroadcastSliceBytes));
+    };
     const int position = mod(rank_ - op.root);
     const bool sends = position != world_size_ - 1;
     const bool receives = position != 0;
@@ -352,9 +355,11 @@ std::unique_ptr<Backend> make_tcp_ring_backend(const World& world, const Communi
       s.recv_all(&hello, sizeof(hello), deadline);
       if (hello.magic != kHelloMagic || hello.world_size != world_size || hello.rank != prev ||
           hello.channel < 0 || hello.channel >= num_channels || channels[hello.channel].from_prev.valid()) {
-        throw fail(fmt::format("unexpected connection (magic {:#x}, rank {}, world size {}, channel {}) "
-                               "while waiting for rank {}: are two jobs using the same master address "
-                               "and port?", hello.magic, hello.rank, hello.world_size, hello.channel, prev));
+        throw fail(
+            fmt::format("unexpected connection (magic {:#x}, rank {}, world size {}, channel {}) "
+                        "while waiting for rank {}: are two jobs using the same master address "
+                        "and port?",
+                        hello.magic, hello.rank, hello.world_size, hello.channel, prev));
       }
       s.set_peer(prev);
       channels[hello.channel].from_prev = std::move(s);

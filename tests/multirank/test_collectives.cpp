@@ -86,8 +86,8 @@ TEST(Collectives, ReduceScatterSumAndAvgEverySize) {
     for (std::int64_t numel : kSizes) {
       for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
         if (op == ReduceOp::Avg && !at::isFloatingType(dtype)) continue;
-        SCOPED_TRACE(::testing::Message() << "numel " << numel << " dtype " << dtype << " avg "
-                                          << (op == ReduceOp::Avg));
+        SCOPED_TRACE(::testing::Message()
+                     << "numel " << numel << " dtype " << dtype << " avg " << (op == ReduceOp::Avg));
         const auto slot = shard_range(numel, r.size(), r.rank());
         auto input = pattern(numel, r.rank(), dtype);
         const auto input_before = input.clone();

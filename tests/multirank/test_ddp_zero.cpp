@@ -13,7 +13,8 @@ using flatshard::DDPOptions;
 
 constexpr double kFp32Tolerance = 1e-5;  // see Note [Comparing weights] in test_fully_shard.cpp
 const std::vector<ReplicatedMode> kModes = {ReplicatedMode::DDP, ReplicatedMode::ZeroWithDDP,
-                                            ReplicatedMode::ZeroWithDDPScatter, ReplicatedMode::ZeroStandalone};
+                                            ReplicatedMode::ZeroWithDDPScatter,
+                                            ReplicatedMode::ZeroStandalone};
 
 // Small buckets, so that every model spans several.
 ReplicatedSpec small_buckets(ReplicatedMode mode) {
@@ -67,8 +68,8 @@ TEST(Replicated, AccumulationClippingUnusedAndMixedPrecision) {
   FLATSHARD_RUN_RANKS({1, 2, 3, 4}, std::chrono::seconds(180));
   auto world = flatshard::init();
   auto gpt = [&](const TrainSpec& spec, const ReplicatedSpec& rep, int rows) {
-    return train_replicated_and_compare<GPT>(world, gpt_factory(), [&](int s) { return gpt_batch(s, rows); },
-                                             token_loss, spec, rep);
+    return train_replicated_and_compare<GPT>(
+        world, gpt_factory(), [&](int s) { return gpt_batch(s, rows); }, token_loss, spec, rep);
   };
   {  // no_sync accumulation over two micro-batches
     TrainSpec spec;
@@ -77,7 +78,8 @@ TEST(Replicated, AccumulationClippingUnusedAndMixedPrecision) {
     spec.micro_batches = 2;
     for (auto mode : {ReplicatedMode::DDP, ReplicatedMode::ZeroWithDDP}) {
       const auto r = gpt(spec, small_buckets(mode), 24);
-      EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << to_string(mode) << " accumulation " << r.worst_param;
+      EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance)
+          << to_string(mode) << " accumulation " << r.worst_param;
     }
   }
   {  // clipping
@@ -103,8 +105,8 @@ TEST(Replicated, AccumulationClippingUnusedAndMixedPrecision) {
         auto rep = small_buckets(mode);
         rep.find_unused_parameters = true;
         const auto r = gpt(spec, rep, 12);
-        EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << to_string(mode) << " unused " << to_string(opt) << " "
-                                                         << r.worst_param;
+        EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance)
+            << to_string(mode) << " unused " << to_string(opt) << " " << r.worst_param;
       }
     }
   }
@@ -116,9 +118,9 @@ TEST(Replicated, AccumulationClippingUnusedAndMixedPrecision) {
     for (auto mode : {ReplicatedMode::DDP, ReplicatedMode::ZeroWithDDP}) {
       const auto r = gpt(spec, small_buckets(mode), 12);
       if (world.rank() == 0) {
-        std::printf("bf16 %s reduce %s world %d: model rel weight diff %.3g, rel loss diff %.3g\n", to_string(mode),
-                    reduce == at::kFloat ? "fp32" : "bf16", world.world_size(), r.global_rel_weight_diff,
-                    r.max_rel_loss_diff);
+        std::printf("bf16 %s reduce %s world %d: model rel weight diff %.3g, rel loss diff %.3g\n",
+                    to_string(mode), reduce == at::kFloat ? "fp32" : "bf16", world.world_size(),
+                    r.global_rel_weight_diff, r.max_rel_loss_diff);
       }
       // Note [bf16 tolerance] in test_fully_shard.cpp.
       EXPECT_LE(r.global_rel_weight_diff, 5e-3) << to_string(mode);
@@ -135,7 +137,8 @@ TEST(Replicated, MissingGradientIsAnErrorNamingTheParameters) {
   flatshard::DistributedDataParallel<GPT> ddp(model, world, {});
   model->skip_block = 1;
   const auto b = gpt_batch(0, 2 * world.world_size());
-  auto loss = token_loss(ddp.forward(b.input.narrow(0, 2 * world.rank(), 2)), b.target.narrow(0, 2 * world.rank(), 2));
+  auto loss = token_loss(ddp.forward(b.input.narrow(0, 2 * world.rank(), 2)),
+                         b.target.narrow(0, 2 * world.rank(), 2));
   try {
     loss.backward();
     FAIL() << "backward with unused parameters succeeded although find_unused_parameters is off";
@@ -217,7 +220,8 @@ TEST(Replicated, BucketsFollowReverseOrderCapsAndAreRebuiltAlike) {
   // One step: the buckets are rebuilt from the order gradients arrived (rank 0's).
   torch::optim::SGD opt(ddp.optimizer_params(), 0.1);
   const auto b = gpt_batch(0, 2 * world.world_size());
-  token_loss(ddp.forward(b.input.narrow(0, 2 * world.rank(), 2)), b.target.narrow(0, 2 * world.rank(), 2)).backward();
+  token_loss(ddp.forward(b.input.narrow(0, 2 * world.rank(), 2)), b.target.narrow(0, 2 * world.rank(), 2))
+      .backward();
   opt.step();
   layout = ddp.bucket_layout();
   check_caps(layout);
@@ -226,7 +230,7 @@ TEST(Replicated, BucketsFollowReverseOrderCapsAndAreRebuiltAlike) {
     for (const auto& name : bucket) flat += name + ",";
     flat += "|";
   }
-  const auto hash = static_cast<std::int64_t>(std::hash<std::string>{}(flat) & 0x7fffffffffff);
+  const auto hash = static_cast<std::int64_t>(std::hash<std::string>{}(flat)&0x7fffffffffff);
   auto hashes = at::zeros({world.world_size()}, at::kLong);
   ddp.comm().all_gather(hashes, at::full({1}, hash, at::kLong)).wait();
   EXPECT_TRUE(at::all(hashes == hash).item<bool>()) << "ranks built different buckets";
@@ -255,11 +259,14 @@ TEST(Replicated, ZeroStateIsOneNthAndConsolidates) {
     zero.zero_grad();
   }
   const double share = static_cast<double>(zero.full_state_bytes()) / n;
-  EXPECT_LE(std::abs(zero.state_bytes() - share), zero.largest_bucket_bytes()) << "within one bucket of total/N";
-  EXPECT_LE(std::abs(zero.state_bytes() - share), 8.0 * ddp.num_buckets()) << "balanced to an element per bucket";
+  EXPECT_LE(std::abs(zero.state_bytes() - share), zero.largest_bucket_bytes())
+      << "within one bucket of total/N";
+  EXPECT_LE(std::abs(zero.state_bytes() - share), 8.0 * ddp.num_buckets())
+      << "balanced to an element per bucket";
   if (world.rank() == 0) {
     std::printf("ZeRO-1 world %d: optimizer state %lld bytes on this rank, full %lld, total/N %.0f\n", n,
-                static_cast<long long>(zero.state_bytes()), static_cast<long long>(zero.full_state_bytes()), share);
+                static_cast<long long>(zero.state_bytes()), static_cast<long long>(zero.full_state_bytes()),
+                share);
   }
   const auto state = zero.consolidated_state_dict(0);
   if (world.rank() != 0) {
@@ -268,9 +275,10 @@ TEST(Replicated, ZeroStateIsOneNthAndConsolidates) {
   }
   EXPECT_EQ(state.at("step").item<std::int64_t>(), 3);
   for (const auto& item : reference->named_parameters()) {
-    const auto& ref_state =
-        static_cast<const torch::optim::AdamWParamState&>(*ref_opt.state().at(item.value().unsafeGetTensorImpl()));
-    for (auto [name, want] : {std::pair{"exp_avg", ref_state.exp_avg()}, std::pair{"exp_avg_sq", ref_state.exp_avg_sq()}}) {
+    const auto& ref_state = static_cast<const torch::optim::AdamWParamState&>(
+        *ref_opt.state().at(item.value().unsafeGetTensorImpl()));
+    for (auto [name, want] :
+         {std::pair{"exp_avg", ref_state.exp_avg()}, std::pair{"exp_avg_sq", ref_state.exp_avg_sq()}}) {
       const auto& got = state.at(item.key() + "." + name);
       ASSERT_EQ(got.sizes(), want.sizes()) << item.key();
       // 1e-4: exp_avg_sq squares the gradients' rounding differences (1e-7..1e-6 relative);

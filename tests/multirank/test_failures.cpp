@@ -36,7 +36,7 @@ TEST(Failures, KilledRankMidCollectiveFailsTheOthersFast) {
       const auto result = launch_current_test(spec);
       EXPECT_FALSE(result.timed_out) << result.output;
       EXPECT_EQ(result.exit_code, 128 + SIGKILL) << "the launcher reports the killed rank's status\n"
-                                                << result.output;
+                                                 << result.output;
       EXPECT_EQ(count(result.output, "SURVIVOR_OK"), n - 1) << result.output;
       EXPECT_NE(result.output.find("was killed by signal 9"), std::string::npos) << result.output;
     }

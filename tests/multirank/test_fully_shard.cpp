@@ -38,13 +38,14 @@ void expect_matches_reference(const std::string& model, const std::function<Hold
       spec.optimizer = opt;
       const auto r = train_and_compare<Holder>(
           world, make, [&](int step) { return batch(step, spec.global_batch); }, loss, spec);
-      SCOPED_TRACE(::testing::Message() << model << " " << (strategy == Strategy::FullShard ? "full shard" : "shard grad op")
-                                        << " " << to_string(opt) << " world " << world.world_size());
+      SCOPED_TRACE(::testing::Message()
+                   << model << " " << (strategy == Strategy::FullShard ? "full shard" : "shard grad op")
+                   << " " << to_string(opt) << " world " << world.world_size());
       if (world.rank() == 0) {
         std::printf("%s %s %s world %d: rel weight diff %.3g (%s), element-wise %.3g, rel loss diff %.3g\n",
-                    model.c_str(), strategy == Strategy::FullShard ? "full-shard" : "shard-grad-op", to_string(opt),
-                    world.world_size(), r.max_rel_weight_diff, r.worst_param.c_str(), r.max_elementwise_diff,
-                    r.max_rel_loss_diff);
+                    model.c_str(), strategy == Strategy::FullShard ? "full-shard" : "shard-grad-op",
+                    to_string(opt), world.world_size(), r.max_rel_weight_diff, r.worst_param.c_str(),
+                    r.max_elementwise_diff, r.max_rel_loss_diff);
       }
       EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << "worst parameter: " << r.worst_param;
       if (opt == OptKind::SGD) EXPECT_LE(r.max_elementwise_diff, kFp32Tolerance);
@@ -55,8 +56,7 @@ void expect_matches_reference(const std::string& model, const std::function<Hold
 
 TEST(FullyShard, MlpMatchesSingleProcess) {
   FLATSHARD_RUN_RANKS({1, 2, 3, 4}, std::chrono::seconds(120));
-  expect_matches_reference<flatshard::SequentialUnits>(
-      "mlp", mlp_units_factory(), mlp_batch, mse);
+  expect_matches_reference<flatshard::SequentialUnits>("mlp", mlp_units_factory(), mlp_batch, mse);
 }
 
 TEST(FullyShard, GptMatchesSingleProcess) {
@@ -82,8 +82,8 @@ TEST(FullyShard, AccumulationClippingAndUnusedUnit) {
       spec.optimizer = OptKind::AdamW;
       spec.global_batch = 24;
       spec.micro_batches = 2;
-      const auto r = train_and_compare<GPT>(world, gpt_factory(), [&](int s) { return gpt_batch(s, 24); },
-                                            token_loss, spec);
+      const auto r = train_and_compare<GPT>(
+          world, gpt_factory(), [&](int s) { return gpt_batch(s, 24); }, token_loss, spec);
       EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << name << " accumulation: " << r.worst_param;
       EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance) << name << " accumulation";
     }
@@ -92,8 +92,8 @@ TEST(FullyShard, AccumulationClippingAndUnusedUnit) {
       spec.strategy = strategy;
       spec.optimizer = OptKind::SGD;
       spec.clip = 0.25;
-      const auto r = train_and_compare<GPT>(world, gpt_factory(), [&](int s) { return gpt_batch(s, 12); },
-                                            token_loss, spec);
+      const auto r = train_and_compare<GPT>(
+          world, gpt_factory(), [&](int s) { return gpt_batch(s, 12); }, token_loss, spec);
       EXPECT_GT(r.max_grad_norm, spec.clip) << "the test must actually clip";
       EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << name << " clipping: " << r.worst_param;
       EXPECT_LE(r.max_elementwise_diff, kFp32Tolerance) << name << " clipping";
@@ -107,10 +107,10 @@ TEST(FullyShard, AccumulationClippingAndUnusedUnit) {
         dynamic_cast<GPTImpl&>(ref).skip_block = skip;
         dynamic_cast<GPTImpl&>(sharded).skip_block = skip;
       };
-      const auto r = train_and_compare<GPT>(world, gpt_factory(), [&](int s) { return gpt_batch(s, 12); },
-                                            token_loss, spec);
-      EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << name << " unused unit " << to_string(opt) << ": "
-                                                       << r.worst_param;
+      const auto r = train_and_compare<GPT>(
+          world, gpt_factory(), [&](int s) { return gpt_batch(s, 12); }, token_loss, spec);
+      EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance)
+          << name << " unused unit " << to_string(opt) << ": " << r.worst_param;
     }
   }
 }
@@ -130,17 +130,20 @@ TEST(FullyShard, GatheredBytesStayWithinThePrefetchBound) {
       c.layers = 6;
       return GPT(c);
     };
-    const auto r = train_and_compare<GPT>(world, make, [&](int s) { return gpt_batch(s, 12); }, token_loss, spec);
+    const auto r = train_and_compare<GPT>(
+        world, make, [&](int s) { return gpt_batch(s, 12); }, token_loss, spec);
     EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance);
     EXPECT_LE(r.peak_gathered_units, prefetch + 1) << "prefetch " << prefetch;
     EXPECT_GE(r.peak_gathered_units, 1);
     EXPECT_LE(r.peak_unsharded_param_bytes, r.root_unit_bytes + (prefetch + 1) * r.largest_unit_bytes)
         << "prefetch " << prefetch;
     if (world.rank() == 0) {
-      std::printf("prefetch %d world %d: peak gathered units %d, peak unsharded param bytes %lld "
-                  "(root %lld + unit %lld each)\n", prefetch, world.world_size(), r.peak_gathered_units,
-                  static_cast<long long>(r.peak_unsharded_param_bytes), static_cast<long long>(r.root_unit_bytes),
-                  static_cast<long long>(r.largest_unit_bytes));
+      std::printf(
+          "prefetch %d world %d: peak gathered units %d, peak unsharded param bytes %lld "
+          "(root %lld + unit %lld each)\n",
+          prefetch, world.world_size(), r.peak_gathered_units,
+          static_cast<long long>(r.peak_unsharded_param_bytes), static_cast<long long>(r.root_unit_bytes),
+          static_cast<long long>(r.largest_unit_bytes));
     }
   }
 }
@@ -229,7 +232,8 @@ TEST(FullyShard, FullStateDictIsReadableByTorchLoad) {
   flatshard::FullyShard<GPT> fsdp(model, world, {});
   flatshard::optim::AdamW opt(fsdp.shards(), {});
   const auto b = gpt_batch(0, 2 * world.world_size());
-  token_loss(fsdp.forward(b.input.narrow(0, 2 * world.rank(), 2)), b.target.narrow(0, 2 * world.rank(), 2)).backward();
+  token_loss(fsdp.forward(b.input.narrow(0, 2 * world.rank(), 2)), b.target.narrow(0, 2 * world.rank(), 2))
+      .backward();
   opt.step();
   const auto state = flatshard::checkpoint::full_state_dict(fsdp, *model, 0);
   if (world.rank() != 0) {
@@ -245,8 +249,8 @@ TEST(FullyShard, FullStateDictIsReadableByTorchLoad) {
     for (auto d : t.sizes()) shape += (shape.empty() ? "" : "x") + std::to_string(d);
     expected += name + " " + shape + "\n";
   }
-  const auto r = run_command({FLATSHARD_PYTHON, std::string(FLATSHARD_TESTS_DIR) + "/multirank/check_full_state_dict.py",
-                              file});
+  const auto r = run_command(
+      {FLATSHARD_PYTHON, std::string(FLATSHARD_TESTS_DIR) + "/multirank/check_full_state_dict.py", file});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::istringstream lines(r.output);
   std::string name, shape, got_names;
@@ -273,12 +277,14 @@ TEST(FullyShard, Bf16ParametersWithFp32Masters) {
     spec.param_dtype = at::kBFloat16;
     spec.reduce_dtype = reduce;
     spec.clip = 0.25;  // clipping over fp32 shard gradients of bf16 parameters
-    const auto r = train_and_compare<GPT>(world, gpt_factory(), [&](int s) { return gpt_batch(s, 12); },
-                                          token_loss, spec);
+    const auto r = train_and_compare<GPT>(
+        world, gpt_factory(), [&](int s) { return gpt_batch(s, 12); }, token_loss, spec);
     if (world.rank() == 0) {
-      std::printf("bf16 (reduce %s) world %d: model rel weight diff %.3g, worst tensor %.3g (%s), rel loss diff "
-                  "%.3g\n", reduce == at::kFloat ? "fp32" : "bf16", world.world_size(), r.global_rel_weight_diff,
-                  r.max_rel_weight_diff, r.worst_param.c_str(), r.max_rel_loss_diff);
+      std::printf(
+          "bf16 (reduce %s) world %d: model rel weight diff %.3g, worst tensor %.3g (%s), rel loss diff "
+          "%.3g\n",
+          reduce == at::kFloat ? "fp32" : "bf16", world.world_size(), r.global_rel_weight_diff,
+          r.max_rel_weight_diff, r.worst_param.c_str(), r.max_rel_loss_diff);
     }
     // Note [bf16 tolerance]
     // bf16 keeps 8 significant bits: each gathered weight is rounded by up to 2^-9

@@ -56,5 +56,4 @@ inline Batch cnn_batch(int step, int rows) {
 }
 inline at::Tensor nll(const at::Tensor& out, const at::Tensor& y) { return torch::nll_loss(out, y); }
 
-
 }  // namespace flatshard::testing

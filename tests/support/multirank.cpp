@@ -24,8 +24,8 @@ static std::string self_path() {
 
 RunResult launch_current_test(const LaunchSpec& spec) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::vector<std::string> argv{launcher_path(), "-n", std::to_string(spec.ranks),
-                                "--deadline-s", fmt::format("{:.1f}", spec.deadline.count() / 1000.0)};
+  std::vector<std::string> argv{launcher_path(), "-n", std::to_string(spec.ranks), "--deadline-s",
+                                fmt::format("{:.1f}", spec.deadline.count() / 1000.0)};
   argv.insert(argv.end(), spec.launcher_args.begin(), spec.launcher_args.end());
   argv.push_back(self_path());
   argv.push_back(fmt::format("--gtest_filter={}.{}", info->test_suite_name(), info->name()));

@@ -42,10 +42,10 @@ std::string launcher_path();
 
 }  // namespace flatshard::testing
 
-#define FLATSHARD_RUN_RANKS(...)                                                     \
-  do {                                                                               \
-    if (!::flatshard::testing::in_rank_mode()) {                                     \
-      ::flatshard::testing::run_ranks_and_expect_success(__VA_ARGS__);               \
-      return;                                                                        \
-    }                                                                                \
+#define FLATSHARD_RUN_RANKS(...)                                       \
+  do {                                                                 \
+    if (!::flatshard::testing::in_rank_mode()) {                       \
+      ::flatshard::testing::run_ranks_and_expect_success(__VA_ARGS__); \
+      return;                                                          \
+    }                                                                  \
   } while (0)

@@ -11,8 +11,8 @@
 namespace flatshard::testing {
 
 struct RunResult {
-  int exit_code = -1;     // 128 + signal when killed by a signal
-  bool timed_out = false; // the deadline passed and the process group was killed
+  int exit_code = -1;      // 128 + signal when killed by a signal
+  bool timed_out = false;  // the deadline passed and the process group was killed
   double seconds = 0;
   std::string output;
 };

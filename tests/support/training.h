@@ -22,8 +22,8 @@ struct TrainSpec {
   OptKind optimizer = OptKind::SGD;
   int steps = 10;
   int global_batch = 12;
-  int micro_batches = 1;           // gradient accumulation: micro-batches per step
-  double clip = 0;                 // > 0: clip the global gradient norm to this
+  int micro_batches = 1;  // gradient accumulation: micro-batches per step
+  double clip = 0;        // > 0: clip the global gradient norm to this
   std::optional<at::ScalarType> param_dtype;
   std::optional<at::ScalarType> reduce_dtype;
   int prefetch = 1;
@@ -41,7 +41,7 @@ struct TrainResult {
   // Max over parameter tensors of max|w - w_ref| / max|w_ref| (element-wise).
   double max_elementwise_diff = 0;
   double max_rel_loss_diff = 0;
-  double max_grad_norm = 0;            // largest norm clip_grad_norm returned
+  double max_grad_norm = 0;  // largest norm clip_grad_norm returned
   int peak_gathered_units = 0;
   std::int64_t peak_unsharded_param_bytes = 0;
   std::int64_t largest_unit_bytes = 0;  // the largest non-root unit's flat buffer
@@ -50,10 +50,10 @@ struct TrainResult {
 
 // How the replicated modes train (train_replicated_and_compare).
 enum class ReplicatedMode {
-  DDP,                   // DistributedDataParallel + torch::optim over optimizer_params()
-  ZeroWithDDP,           // DDP all-reduces, ZeroRedundancyOptimizer steps slices
-  ZeroWithDDPScatter,    // DDP reduce-scatters (ZeRO-2 semantics)
-  ZeroStandalone,        // no DDP: the optimizer reduces gradients in step()
+  DDP,                 // DistributedDataParallel + torch::optim over optimizer_params()
+  ZeroWithDDP,         // DDP all-reduces, ZeroRedundancyOptimizer steps slices
+  ZeroWithDDPScatter,  // DDP reduce-scatters (ZeRO-2 semantics)
+  ZeroStandalone,      // no DDP: the optimizer reduces gradients in step()
 };
 const char* to_string(ReplicatedMode m);
 
@@ -73,10 +73,10 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
                               const TrainSpec& spec);
 
 template <typename Holder>
-TrainResult train_replicated_and_compare(const World& world, const std::function<Holder()>& make,
-                                         const std::function<Batch(int)>& batch,
-                                         const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss,
-                                         const TrainSpec& spec, const ReplicatedSpec& replicated);
+TrainResult train_replicated_and_compare(
+    const World& world, const std::function<Holder()>& make, const std::function<Batch(int)>& batch,
+    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss, const TrainSpec& spec,
+    const ReplicatedSpec& replicated);
 
 }  // namespace flatshard::testing
 

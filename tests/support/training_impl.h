@@ -16,7 +16,8 @@ inline const char* to_string(OptKind k) {
 
 // The same hyper-parameters for both sides: momentum, Nesterov and weight decay for
 // SGD; weight decay for Adam (L2) and AdamW (decoupled).
-inline std::unique_ptr<torch::optim::Optimizer> reference_optimizer(OptKind k, std::vector<at::Tensor> params) {
+inline std::unique_ptr<torch::optim::Optimizer> reference_optimizer(OptKind k,
+                                                                    std::vector<at::Tensor> params) {
   switch (k) {
     case OptKind::SGD:
       return std::make_unique<torch::optim::SGD>(
@@ -24,7 +25,8 @@ inline std::unique_ptr<torch::optim::Optimizer> reference_optimizer(OptKind k, s
     case OptKind::Adam:
       return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3).weight_decay(0.01));
     case OptKind::AdamW:
-      return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+      return std::make_unique<torch::optim::AdamW>(params,
+                                                   torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
   }
   return nullptr;
 }
@@ -105,8 +107,8 @@ struct DistributedSide {
 template <typename Holder>
 void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& ref_opt, Holder& model,
                DistributedSide& side, const std::function<Batch(int)>& batch,
-               const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss, const TrainSpec& spec,
-               TrainResult& result) {
+               const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss,
+               const TrainSpec& spec, TrainResult& result) {
   const int n = world.world_size();
   const int rank = world.rank();
   auto loss_sum = at::zeros({1}, at::kDouble);
@@ -148,7 +150,8 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
 
     loss_sum.fill_(my_loss);
     side.comm->all_reduce(loss_sum, ReduceOp::Avg).wait();
-    const double rel = std::abs(loss_sum.template item<double>() - ref_loss) / std::max(std::abs(ref_loss), 1e-12);
+    const double rel =
+        std::abs(loss_sum.template item<double>() - ref_loss) / std::max(std::abs(ref_loss), 1e-12);
     result.max_rel_loss_diff = std::max(result.max_rel_loss_diff, rel);
   }
 }
@@ -193,10 +196,10 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
 }
 
 template <typename Holder>
-TrainResult train_replicated_and_compare(const World& world, const std::function<Holder()>& make,
-                                         const std::function<Batch(int)>& batch,
-                                         const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss,
-                                         const TrainSpec& spec, const ReplicatedSpec& replicated) {
+TrainResult train_replicated_and_compare(
+    const World& world, const std::function<Holder()>& make, const std::function<Batch(int)>& batch,
+    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss, const TrainSpec& spec,
+    const ReplicatedSpec& replicated) {
   TrainResult result;
   Holder reference = make();
   auto ref_opt = reference_optimizer(spec.optimizer, reference->parameters());
@@ -219,15 +222,16 @@ TrainResult train_replicated_and_compare(const World& world, const std::function
   std::unique_ptr<ZeroRedundancyOptimizer> zero;
   std::unique_ptr<Communicator> own_comm;
   if (replicated.mode == ReplicatedMode::ZeroStandalone) {
-    zero = std::make_unique<ZeroRedundancyOptimizer>(model.ptr(), world, zero_optimizer_options(spec.optimizer),
-                                                     zero_options);
+    zero = std::make_unique<ZeroRedundancyOptimizer>(model.ptr(), world,
+                                                     zero_optimizer_options(spec.optimizer), zero_options);
     own_comm = Communicator::create(world, {});
   } else {
     ddp = std::make_unique<DistributedDataParallel<Holder>>(model, world, options);
     if (replicated.mode == ReplicatedMode::DDP) {
       torch_opt = reference_optimizer(spec.optimizer, ddp->optimizer_params());
     } else {
-      zero = std::make_unique<ZeroRedundancyOptimizer>(*ddp, zero_optimizer_options(spec.optimizer), zero_options);
+      zero = std::make_unique<ZeroRedundancyOptimizer>(*ddp, zero_optimizer_options(spec.optimizer),
+                                                       zero_options);
     }
   }
 

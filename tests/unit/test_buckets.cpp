@@ -49,6 +49,7 @@ TEST_P(BucketSweep, CoversEveryParameterOnceWithinCaps) {
 
 INSTANTIATE_TEST_SUITE_P(CountsAndCaps, BucketSweep,
                          ::testing::Combine(::testing::Values(0, 1, 2, 7, 64, 1000),
-                                            ::testing::Values(std::int64_t{1}, std::int64_t{97}, std::int64_t{1000})));
+                                            ::testing::Values(std::int64_t{1}, std::int64_t{97},
+                                                              std::int64_t{1000})));
 
 }  // namespace

@@ -24,7 +24,8 @@ struct TempDir {
 };
 
 std::map<std::string, at::Tensor> sample(float scale) {
-  return {{"a.weight", at::arange(12, at::kFloat).view({3, 4}) * scale}, {"b", at::ones({5}, at::kDouble) * scale}};
+  return {{"a.weight", at::arange(12, at::kFloat).view({3, 4}) * scale},
+          {"b", at::ones({5}, at::kDouble) * scale}};
 }
 
 TEST(CheckpointFiles, RoundTrip) {

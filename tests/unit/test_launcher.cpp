@@ -35,9 +35,9 @@ TEST(Launcher, SetsTheTorchrunEnvironmentAndPrefixesOutput) {
 }
 
 TEST(Launcher, MultiNodeRanksAndAFreePortWhenNoneIsGiven) {
-  auto r = run_command(launch({"-n", "2", "--nnodes", "3", "--node-rank", "2", "--master-port", "999",
-                               "--master-addr", "head"},
-                              "echo \"env $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_ADDR\""));
+  auto r = run_command(launch(
+      {"-n", "2", "--nnodes", "3", "--node-rank", "2", "--master-port", "999", "--master-addr", "head"},
+      "echo \"env $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_ADDR\""));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("[rank 4] env 4 6 0 head"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[rank 5] env 5 6 1 head"), std::string::npos) << r.output;
@@ -46,8 +46,8 @@ TEST(Launcher, MultiNodeRanksAndAFreePortWhenNoneIsGiven) {
 }
 
 TEST(Launcher, FailedRankStopsTheOthersAndItsCodeIsTheJobs) {
-  const auto r = run_command(launch({"-n", "3", "--grace-s", "0.5"},
-                                    "if [ \"$RANK\" = 1 ]; then sleep 0.2; exit 3; fi; sleep 60"));
+  const auto r = run_command(
+      launch({"-n", "3", "--grace-s", "0.5"}, "if [ \"$RANK\" = 1 ]; then sleep 0.2; exit 3; fi; sleep 60"));
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_LT(r.seconds, 20.0) << "the sleeping ranks were not stopped";
   EXPECT_NE(r.output.find("rank 1 exited with code 3"), std::string::npos) << r.output;
@@ -57,8 +57,9 @@ TEST(Launcher, ForwardsSigtermToEveryRank) {
   RunOptions options;
   options.signal = SIGTERM;
   options.signal_after = std::chrono::milliseconds(1500);
-  const auto r = run_command(launch({"-n", "2"}, "trap 'echo got-term-$RANK; exit 7' TERM; "
-                                                 "sleep 30 & wait"),
+  const auto r = run_command(launch({"-n", "2"},
+                                    "trap 'echo got-term-$RANK; exit 7' TERM; "
+                                    "sleep 30 & wait"),
                              options);
   EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
   EXPECT_NE(r.output.find("[rank 0] got-term-0"), std::string::npos) << r.output;
@@ -72,9 +73,11 @@ TEST(Launcher, DeadlineStopsAHungJob) {
 }
 
 TEST(Launcher, BadArgumentsPrintUsage) {
-  for (auto args : std::vector<std::vector<std::string>>{
-           {launcher_path()}, {launcher_path(), "-n", "0", "true"}, {launcher_path(), "--nnodes", "2", "-n", "1", "true"},
-           {launcher_path(), "--bogus", "true"}}) {
+  for (auto args :
+       std::vector<std::vector<std::string>>{{launcher_path()},
+                                             {launcher_path(), "-n", "0", "true"},
+                                             {launcher_path(), "--nnodes", "2", "-n", "1", "true"},
+                                             {launcher_path(), "--bogus", "true"}}) {
     const auto r = run_command(args);
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find("usage: flatshard-run"), std::string::npos) << r.output;

@@ -78,7 +78,8 @@ TEST(Stream, DestructorDrainsQueuedWork) {
   std::atomic<int> done{0};
   {
     Stream s("test");
-    for (int i = 0; i < 10; ++i) s.submit([&] {
+    for (int i = 0; i < 10; ++i)
+      s.submit([&] {
         std::this_thread::sleep_for(1ms);
         ++done;
       });

@@ -47,8 +47,12 @@ TEST(ResolveWorld, NothingSetIsOneProcess) {
 }
 
 TEST(ResolveWorld, TorchrunEnvironment) {
-  const auto s = resolve({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"},
-                          {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "1234"}});
+  const auto s = resolve({{"RANK", "5"},
+                          {"WORLD_SIZE", "8"},
+                          {"LOCAL_RANK", "1"},
+                          {"LOCAL_WORLD_SIZE", "4"},
+                          {"MASTER_ADDR", "node7"},
+                          {"MASTER_PORT", "1234"}});
   EXPECT_EQ(s.source, WorldSource::TorchrunEnv);
   EXPECT_EQ(s.rank, 5);
   EXPECT_EQ(s.world_size, 8);
@@ -76,8 +80,10 @@ TEST(ResolveWorld, TorchrunBadCases) {
                "LOCAL_RANK", "outside [0, 2)");
   expect_error(with({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "3"}}), "LOCAL_WORLD_SIZE",
                "must be in [1, WORLD_SIZE=2]");
-  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}, "MASTER_ADDR", "MASTER_ADDR is not set");
-  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}, "MASTER_PORT", "MASTER_PORT is not set");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}, "MASTER_ADDR",
+               "MASTER_ADDR is not set");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}, "MASTER_PORT",
+               "MASTER_PORT is not set");
   expect_error(with({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}), "MASTER_PORT",
                "not a TCP port");
   expect_error(with({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", ""}}), "MASTER_ADDR", "empty");
@@ -126,7 +132,10 @@ TEST(ResolveWorld, SlurmBadCases) {
   expect_error({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}}, "MASTER_ADDR", "SLURM_JOB_NODELIST");
   expect_error({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_NODELIST", "n[01-02"}},
                "SLURM_JOB_NODELIST", "not a Slurm node list");
-  expect_error({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_NODEID", "5"}, {"SLURM_TASKS_PER_NODE", "2"},
+  expect_error({{"SLURM_PROCID", "0"},
+                {"SLURM_NTASKS", "2"},
+                {"SLURM_NODEID", "5"},
+                {"SLURM_TASKS_PER_NODE", "2"},
                 {"SLURM_JOB_NODELIST", "a"}},
                "SLURM_TASKS_PER_NODE", "no entry for node 5");
 }
@@ -145,18 +154,26 @@ TEST(ResolveWorld, OpenMpi) {
 
 TEST(ResolveWorld, OpenMpiBadCases) {
   expect_error({{"OMPI_COMM_WORLD_RANK", "0"}}, "OMPI_COMM_WORLD_SIZE", "is not set");
-  expect_error({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+  expect_error({{"OMPI_COMM_WORLD_RANK", "0"},
+                {"OMPI_COMM_WORLD_SIZE", "4"},
+                {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
                 {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}},
                "MASTER_ADDR", "MASTER_ADDR is not set");
-  expect_error({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
+  expect_error({{"OMPI_COMM_WORLD_RANK", "0"},
+                {"OMPI_COMM_WORLD_SIZE", "2"},
+                {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
                 {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}},
                "OMPI_COMM_WORLD_LOCAL_RANK", "outside [0, 2)");
 }
 
 TEST(ResolveWorld, TorchrunVariablesWinOverTheScheduler) {
   // torchrun started by srun: RANK and friends describe this process.
-  const auto s = resolve({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "5"},
-                          {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}});
+  const auto s = resolve({{"RANK", "1"},
+                          {"WORLD_SIZE", "2"},
+                          {"MASTER_ADDR", "h"},
+                          {"MASTER_PORT", "5"},
+                          {"SLURM_PROCID", "0"},
+                          {"SLURM_NTASKS", "1"}});
   EXPECT_EQ(s.source, WorldSource::TorchrunEnv);
   EXPECT_EQ(s.rank, 1);
 }
@@ -197,7 +214,8 @@ TEST(ResolveWorld, InitMethods) {
 
 TEST(ResolveWorld, InitMethodBadCases) {
   const Env two{{"RANK", "0"}, {"WORLD_SIZE", "2"}};
-  for (const char* bad : {"tcp://hostonly", "tcp://:5", "tcp://h:", "udp://h:1", "file://relative", "file://"}) {
+  for (const char* bad :
+       {"tcp://hostonly", "tcp://:5", "tcp://h:", "udp://h:1", "file://relative", "file://"}) {
     InitOptions o;
     o.init_method = bad;
     expect_error(two, "init_method", "init_method", o);
