@@ -187,6 +187,20 @@ std::vector<at::Tensor> Engine::shards() const {
   return out;
 }
 
+std::vector<ShardLayout> Engine::layout() const {
+  std::vector<ShardLayout> out;
+  for (const auto& u : units_) {
+    if (!u->group) continue;
+    ShardLayout l;
+    l.padded_numel = u->group->padded_numel();
+    l.shard_numel = u->group->shard_numel();
+    for (const auto& slot : u->group->slots())
+      l.params.push_back({slot.name, slot.shape, slot.offset, slot.numel});
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
 // --- gathers --------------------------------------------------------------------
 
 void Engine::issue_gather(int index) {

@@ -25,6 +25,7 @@ class Engine {
   void on_grad_accumulated(int unit);
 
   std::vector<at::Tensor> shards() const;
+  std::vector<ShardLayout> layout() const;
   double clip_grad_norm(double max_norm);
   void set_no_sync(bool on) { no_sync_ = on; }
   void zero_grad();

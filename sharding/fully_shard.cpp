@@ -14,6 +14,7 @@ FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const W
 FullyShardBase::~FullyShardBase() = default;
 
 std::vector<at::Tensor> FullyShardBase::shards() const { return engine_->shards(); }
+std::vector<ShardLayout> FullyShardBase::layout() const { return engine_->layout(); }
 double FullyShardBase::clip_grad_norm(double max_norm) { return engine_->clip_grad_norm(max_norm); }
 void FullyShardBase::zero_grad() { engine_->zero_grad(); }
 ShardMemory FullyShardBase::memory() const { return engine_->memory(); }

@@ -18,6 +18,7 @@
 #include "flatshard/ddp.h"
 #include "flatshard/errors.h"
 #include "flatshard/fully_shard.h"
+#include "flatshard/optim.h"
 
 namespace flatshard::checkpoint {
 
@@ -37,6 +38,13 @@ class CheckpointError : public Error {
 // collective: every rank calls it.
 std::map<std::string, at::Tensor> full_state_dict(FullyShardBase& fsdp, torch::nn::Module& model, int to = 0);
 std::map<std::string, at::Tensor> full_state_dict(DDPBase& ddp, torch::nn::Module& model, int to = 0);
+
+// The optimizer's state over FullyShard's shards, consolidated: "<parameter>.<state>"
+// (exp_avg, exp_avg_sq, momentum_buffer) at the parameter's shape, plus "step", on rank
+// `to` (every rank when to == -1; empty elsewhere). A collective.
+std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp,
+                                                            const optim::ShardOptimizer& optimizer,
+                                                            int to = 0);
 
 // A dict of tensors in the format of torch.save, written atomically.
 void save_tensors(const std::map<std::string, at::Tensor>& tensors, const std::string& path);

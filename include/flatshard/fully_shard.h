@@ -66,6 +66,19 @@ struct ShardMemory {
   std::int64_t peak_unsharded_grad_bytes = 0;
 };
 
+// Where each parameter sits in a shard's flat buffer (see FullyShardBase::layout()).
+struct ShardLayout {
+  struct Param {
+    std::string name;
+    std::vector<std::int64_t> shape;
+    std::int64_t offset = 0;  // in the unit's unpadded flat buffer, elements
+    std::int64_t numel = 0;
+  };
+  std::vector<Param> params;
+  std::int64_t padded_numel = 0;  // the flat buffer: world_size shards of shard_numel
+  std::int64_t shard_numel = 0;
+};
+
 namespace sharding {
 class Engine;
 }
@@ -82,6 +95,9 @@ class FullyShardBase {
   // The fp32 master shards, one per unit (root unit first): the optimizer's parameters.
   // After backward each has its shard of the averaged gradient in .grad().
   std::vector<at::Tensor> shards() const;
+
+  // One entry per shard, in the order of shards(): where its parameters sit.
+  std::vector<ShardLayout> layout() const;
 
   // Scales every shard gradient so that the global norm over all ranks is at most
   // max_norm; returns the norm before clipping. A collective: every rank calls it.

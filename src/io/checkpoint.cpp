@@ -59,6 +59,29 @@ std::map<std::string, at::Tensor> full_state_dict(DDPBase& ddp, torch::nn::Modul
   return collect(model);
 }
 
+std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp,
+                                                            const optim::ShardOptimizer& optimizer, int to) {
+  const auto layout = fsdp.layout();
+  const bool keep = to < 0 || fsdp.world().rank() == to;
+  std::map<std::string, at::Tensor> out;
+  std::int64_t steps = 0;
+  for (std::size_t i = 0; i < layout.size(); ++i) {
+    steps = std::max(steps, optimizer.steps(i));
+    for (const auto& [name, shard] : optimizer.named_state(i)) {
+      // Every rank takes part, with zeros for a state not created yet (no step taken).
+      auto mine = shard.defined() ? shard : at::zeros({layout[i].shard_numel}, at::kFloat);
+      auto full = at::empty({layout[i].padded_numel}, at::kFloat);
+      fsdp.comm().all_gather(full, mine).wait();
+      if (!keep) continue;
+      for (const auto& p : layout[i].params) {
+        out[p.name + "." + name] = full.narrow(0, p.offset, p.numel).view(p.shape).clone();
+      }
+    }
+  }
+  if (keep) out["step"] = at::full({}, steps, at::kLong);
+  return out;
+}
+
 void save_tensors(const std::map<std::string, at::Tensor>& tensors, const std::string& path) {
   c10::Dict<std::string, at::Tensor> dict;
   for (const auto& [name, t] : tensors) dict.insert(name, t.contiguous());

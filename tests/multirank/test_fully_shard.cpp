@@ -266,6 +266,47 @@ TEST(FullyShard, FullStateDictIsReadableByTorchLoad) {
   std::remove(file.c_str());
 }
 
+// The optimizer state over shards, consolidated, equals torch::optim::AdamW's own state
+// after the same training, at every world size.
+TEST(FullyShard, ConsolidatedOptimizerStateMatchesTorchOptim) {
+  FLATSHARD_RUN_RANKS({1, 2, 3, 4});
+  auto world = flatshard::init();
+  const int n = world.world_size();
+  GPT reference = gpt_factory()();
+  torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  GPT model = gpt_factory()();
+  flatshard::FullyShard<GPT> fsdp(model, world, {});
+  flatshard::optim::AdamW opt(fsdp.shards(), {1e-3, 0.9, 0.999, 1e-8, 0.1});
+  for (int step = 0; step < 3; ++step) {
+    const auto b = gpt_batch(step, 4 * n);
+    ref_opt.zero_grad();
+    token_loss(reference->forward(b.input), b.target).backward();
+    ref_opt.step();
+    token_loss(fsdp.forward(b.input.narrow(0, 4 * world.rank(), 4)), b.target.narrow(0, 4 * world.rank(), 4))
+        .backward();
+    opt.step();
+    opt.zero_grad();
+  }
+  const auto state = flatshard::checkpoint::full_optimizer_state_dict(fsdp, opt.base(), 0);
+  if (world.rank() != 0) {
+    EXPECT_TRUE(state.empty());
+    return;
+  }
+  EXPECT_EQ(state.at("step").item<std::int64_t>(), 3);
+  EXPECT_EQ(state.size(), 1 + 2 * reference->parameters().size());
+  for (const auto& item : reference->named_parameters()) {
+    const auto& ref_state = static_cast<const torch::optim::AdamWParamState&>(
+        *ref_opt.state().at(item.value().unsafeGetTensorImpl()));
+    for (auto [name, want] :
+         {std::pair{"exp_avg", ref_state.exp_avg()}, std::pair{"exp_avg_sq", ref_state.exp_avg_sq()}}) {
+      const auto& got = state.at(item.key() + "." + name);
+      ASSERT_EQ(got.sizes(), want.sizes()) << item.key();
+      // 1e-4: see ZeroStateIsOneNthAndConsolidates in test_ddp_zero.cpp.
+      EXPECT_LE((got - want).norm().item<double>(), 1e-4 * want.norm().item<double>()) << item.key() << name;
+    }
+  }
+}
+
 // bf16 parameters and gradients with fp32 master shards and optimizer states, reduced
 // in fp32 or in bf16, against fp32 single-process training. See Note [bf16 tolerance].
 TEST(FullyShard, Bf16ParametersWithFp32Masters) {
