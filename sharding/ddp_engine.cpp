@@ -4,7 +4,6 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <map>
 #include <mutex>
@@ -17,6 +16,7 @@
 #include "flatshard/errors.h"
 #include "flatshard/shard.h"
 #include "sharding/buckets.h"
+#include "sharding/model_check.h"
 #include "src/logging.h"
 
 namespace flatshard::sharding {
@@ -81,7 +81,7 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> model, const World& worl
   for (const auto& b : model_->buffers(/*recurse=*/true)) buffers_.push_back(b);
   compute_dtype_ = options_.mixed_precision.param.value_or(
       params_.empty() ? at::kFloat : params_.front().param.scalar_type());
-  check_same_model_everywhere(world);
+  check_same_model_everywhere(world, *model_, "flatshard::DistributedDataParallel");
 
   // Every rank starts from rank 0's parameters and buffers.
   {
@@ -113,52 +113,6 @@ DdpEngine::~DdpEngine() {
     try {
       if (b.work) b.work->wait();
     } catch (const std::exception&) {
-    }
-  }
-}
-
-// Every rank publishes its parameter list; each compares all of them with rank 0's, so
-// every rank fails with the same message naming the first difference.
-void DdpEngine::check_same_model_everywhere(const World& world) {
-  if (world_size_ == 1 || !world.store) return;
-  static std::mutex mutex;
-  static int instances = 0;
-  int instance;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    instance = instances++;
-  }
-  std::string mine;
-  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
-    mine += describe(item.key(), item.value()) + "\n";
-  }
-  const std::string prefix = fmt::format("flatshard/ddp/{}/params/", instance);
-  world.store->set(prefix + std::to_string(rank_), std::vector<uint8_t>(mine.begin(), mine.end()));
-  auto lines = [](const std::string& s) {
-    std::vector<std::string> out;
-    std::size_t start = 0;
-    for (std::size_t nl; (nl = s.find('\n', start)) != std::string::npos; start = nl + 1)
-      out.push_back(s.substr(start, nl - start));
-    return out;
-  };
-  std::vector<std::string> reference;
-  for (int r = 0; r < world_size_; ++r) {
-    const auto bytes = world.store->get(prefix + std::to_string(r));
-    const auto theirs = lines(std::string(bytes.begin(), bytes.end()));
-    if (r == 0) {
-      reference = theirs;
-      continue;
-    }
-    for (std::size_t i = 0; i < std::max(theirs.size(), reference.size()); ++i) {
-      const std::string a = i < reference.size() ? reference[i] : "(none)";
-      const std::string b = i < theirs.size() ? theirs[i] : "(none)";
-      if (a != b) {
-        throw InvalidArgument(
-            fmt::format("flatshard::DistributedDataParallel (rank {}/{}): the model differs across ranks: "
-                        "parameter #{} is {} on "
-                        "rank 0 but {} on rank {} ({} vs {} parameters). Build the same model on every rank.",
-                        rank_, world_size_, i, a, b, r, reference.size(), theirs.size()));
-      }
     }
   }
 }

@@ -72,7 +72,6 @@ class DdpEngine {
   std::uint64_t layout_version() const { return layout_version_; }
 
  private:
-  void check_same_model_everywhere(const World& world);
   void build_buckets(const std::vector<int>& order);
   void launch(int bucket);
   void finish(int bucket);

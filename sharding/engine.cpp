@@ -1,5 +1,7 @@
 #include "sharding/engine.h"
 
+#include "sharding/model_check.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -10,6 +12,7 @@
 #include <unordered_map>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "flatshard/errors.h"
 #include "optim/clip.h"
@@ -135,6 +138,19 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     params[owner[impl]].emplace_back(item.key(), item.value());
   }
   const at::ScalarType compute = options_.mixed_precision.param.value_or(model_dtype);
+  {
+    std::vector<std::string> units{"root unit"};
+    for (std::size_t i = 0; i < declared.size(); ++i) {
+      units.push_back(fmt::format("unit {} of {} parameters", i + 1, params[i + 1].size()));
+    }
+    check_same_model_everywhere(
+        world, *model_, "flatshard::FullyShard",
+        {fmt::format("strategy {}, reshard after forward {}, prefetch {}",
+                     options_.strategy == Strategy::FullShard ? "FullShard" : "ShardGradOp",
+                     reshard_after_forward_, options_.prefetch),
+         fmt::format("units: {}", fmt::join(units, "; ")),
+         fmt::format("compute dtype {}", c10::toString(compute))});
+  }
 
   for (std::size_t i = 0; i <= declared.size(); ++i) {
     auto unit = std::make_unique<Unit>();

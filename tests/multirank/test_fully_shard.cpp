@@ -186,6 +186,41 @@ TEST(FullyShard, KeepsParameterObjectsAndNames) {
   }
 }
 
+// Ranks that wrap different models, or the same model with another strategy, are
+// refused at wrap time on every rank, naming the first difference and the rank.
+TEST(FullyShard, DifferentModelsOrStrategiesAcrossRanksAreRefused) {
+  FLATSHARD_RUN_RANKS({2, 3});
+  auto world = flatshard::init();
+  const bool odd_one = world.rank() == world.world_size() - 1;
+  const std::string last = std::to_string(world.world_size() - 1);
+  {
+    GPTConfig c;
+    if (odd_one) c.layers = 2;  // one block fewer
+    GPT model(c);
+    try {
+      flatshard::FullyShard<GPT> fsdp(model, world, {});
+      FAIL() << "FullyShard accepted different models";
+    } catch (const flatshard::InvalidArgument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("differs across ranks"), std::string::npos) << what;
+      EXPECT_NE(what.find("rank " + last + " has"), std::string::npos) << what;
+    }
+  }
+  {
+    GPT model = gpt_factory()();
+    flatshard::FullyShardOptions options;
+    options.strategy = odd_one ? Strategy::ShardGradOp : Strategy::FullShard;
+    try {
+      flatshard::FullyShard<GPT> fsdp(model, world, options);
+      FAIL() << "FullyShard accepted different strategies";
+    } catch (const flatshard::InvalidArgument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("rank 0 has strategy FullShard"), std::string::npos) << what;
+      EXPECT_NE(what.find("rank " + last + " has strategy ShardGradOp"), std::string::npos) << what;
+    }
+  }
+}
+
 // The engine's byte counts agree with the flat layout, the report shows them, and the
 // counting allocator sees at least what the engine holds.
 TEST(FullyShard, MemoryAccounting) {
