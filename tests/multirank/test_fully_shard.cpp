@@ -327,19 +327,8 @@ TEST(FullyShard, ConsolidatedOptimizerStateMatchesTorchOptim) {
     EXPECT_TRUE(state.empty());
     return;
   }
-  EXPECT_EQ(state.at("step").item<std::int64_t>(), 3);
   EXPECT_EQ(state.size(), 1 + 2 * reference->parameters().size());
-  for (const auto& item : reference->named_parameters()) {
-    const auto& ref_state = static_cast<const torch::optim::AdamWParamState&>(
-        *ref_opt.state().at(item.value().unsafeGetTensorImpl()));
-    for (auto [name, want] :
-         {std::pair{"exp_avg", ref_state.exp_avg()}, std::pair{"exp_avg_sq", ref_state.exp_avg_sq()}}) {
-      const auto& got = state.at(item.key() + "." + name);
-      ASSERT_EQ(got.sizes(), want.sizes()) << item.key();
-      // 1e-4: see ZeroStateIsOneNthAndConsolidates in test_ddp_zero.cpp.
-      EXPECT_LE((got - want).norm().item<double>(), 1e-4 * want.norm().item<double>()) << item.key() << name;
-    }
-  }
+  expect_adamw_state_matches(state, reference, ref_opt, 3);
 }
 
 // bf16 parameters and gradients with fp32 master shards and optimizer states, reduced

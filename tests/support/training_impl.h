@@ -92,6 +92,27 @@ void compare_weights(Holder& model, Holder& reference, TrainResult& result) {
   result.global_rel_weight_diff = std::sqrt(delta_sq / std::max(ref_sq, 1e-24));
 }
 
+// Expects a consolidated AdamW state ("<parameter>.exp_avg", ".exp_avg_sq", "step") to
+// equal torch::optim::AdamW's own state for `reference` after `steps` steps. 1e-4
+// relative: exp_avg_sq squares the gradients' rounding differences (1e-7..1e-6); a slice
+// in the wrong place would be off by O(1).
+template <typename Holder>
+void expect_adamw_state_matches(const std::map<std::string, at::Tensor>& state, Holder& reference,
+                                torch::optim::AdamW& ref_opt, std::int64_t steps) {
+  EXPECT_EQ(state.at("step").template item<std::int64_t>(), steps);
+  for (const auto& item : reference->named_parameters()) {
+    const auto& ref_state = static_cast<const torch::optim::AdamWParamState&>(
+        *ref_opt.state().at(item.value().unsafeGetTensorImpl()));
+    for (auto [name, want] :
+         {std::pair{"exp_avg", ref_state.exp_avg()}, std::pair{"exp_avg_sq", ref_state.exp_avg_sq()}}) {
+      const auto& got = state.at(item.key() + "." + name);
+      ASSERT_EQ(got.sizes(), want.sizes()) << item.key();
+      EXPECT_LE((got - want).norm().template item<double>(), 1e-4 * want.norm().template item<double>())
+          << item.key() << name;
+    }
+  }
+}
+
 // What differs between the distributed modes in a training step.
 struct DistributedSide {
   std::function<at::Tensor(const at::Tensor&)> forward;
