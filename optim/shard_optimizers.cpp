@@ -1,4 +1,5 @@
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 
 #include "flatshard/errors.h"
 #include "flatshard/optim.h"
@@ -60,6 +61,20 @@ std::vector<std::pair<std::string, at::Tensor>> SGD::named_state(std::size_t i) 
   return {{"momentum_buffer", momentum_[i]}};
 }
 
+std::vector<std::string> SGD::state_names() const {
+  if (options_.momentum == 0) return {};
+  return {"momentum_buffer"};
+}
+
+at::Tensor SGD::mutable_state(std::size_t i, const std::string& name) {
+  if (name != "momentum_buffer" || options_.momentum == 0) {
+    throw InvalidArgument(fmt::format("flatshard::optim::SGD{}: has no state '{}'",
+                                      options_.momentum == 0 ? " (without momentum)" : "", name));
+  }
+  if (!momentum_[i].defined()) momentum_[i] = at::zeros_like(shards_[i]);
+  return momentum_[i];
+}
+
 std::int64_t SGD::state_bytes() const {
   std::int64_t b = 0;
   for (const auto& m : momentum_) b += m.defined() ? static_cast<std::int64_t>(m.nbytes()) : 0;
@@ -104,6 +119,17 @@ void Adam::step() {
 
 std::vector<std::pair<std::string, at::Tensor>> Adam::named_state(std::size_t i) const {
   return {{"exp_avg", exp_avg_[i]}, {"exp_avg_sq", exp_avg_sq_[i]}};
+}
+
+at::Tensor Adam::mutable_state(std::size_t i, const std::string& name) {
+  if (name != "exp_avg" && name != "exp_avg_sq") {
+    throw InvalidArgument(fmt::format("flatshard::optim::Adam: has no state '{}'", name));
+  }
+  if (!exp_avg_[i].defined()) {
+    exp_avg_[i] = at::zeros_like(shards_[i]);
+    exp_avg_sq_[i] = at::zeros_like(shards_[i]);
+  }
+  return name == "exp_avg" ? exp_avg_[i] : exp_avg_sq_[i];
 }
 
 std::int64_t Adam::state_bytes() const {

@@ -49,22 +49,92 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::shared_ptr<torch::nn::Modu
 ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
 
 // This rank's slice of every bucket, as leaf views the shard optimizer steps in place.
-// Rebuilt (with fresh state) only if the bucket layout changed before the first step.
+// Rebuilt when the bucket layout changes (after the first backward); state the
+// optimizer already holds (loaded from a checkpoint, say) moves with its parameters.
 void ZeroRedundancyOptimizer::ensure_slices() {
   if (optimizer_ && layout_version_ == engine_->layout_version()) return;
+  std::vector<std::pair<std::string, at::Tensor>> carried;
+  std::int64_t steps = 0;
   if (optimizer_ && optimizer_->state_bytes() > 0) {
-    throw InvalidArgument(
-        fmt::format("flatshard::ZeroRedundancyOptimizer (rank {}/{}): the bucket layout changed "
-                    "after the optimizer took its first step",
-                    engine_->rank(), engine_->world_size()));
+    carried = state_by_parameter();
+    for (std::size_t b = 0; b < slices_.size(); ++b) steps = std::max(steps, optimizer_->steps(b));
   }
   slices_.clear();
+  places_.clear();
+  bucket_numels_.clear();
   for (int b = 0; b < static_cast<int>(engine_->buckets().size()); ++b) {
     const auto range = shard_range(engine_->buckets()[b].numel, engine_->world_size(), engine_->rank());
     slices_.push_back(engine_->step_values(b).narrow(0, range.offset, range.numel).detach());
+    bucket_numels_.push_back(engine_->buckets()[b].numel);
   }
+  for (const auto& p : engine_->params()) places_.emplace_back(p.bucket, p.offset);
   optimizer_ = make_optimizer(optimizer_options_, slices_);
   layout_version_ = engine_->layout_version();
+  if (!carried.empty()) load_state_by_parameter(carried, steps);
+}
+
+namespace {
+
+// Calls f(parameter index, first element in the parameter, first element in the
+// slice, count) for every parameter overlapping bucket b's slice [begin, end).
+template <typename F>
+void for_each_overlap(const std::vector<std::pair<int, std::int64_t>>& places,
+                      const std::vector<sharding::DdpParam>& params, int b, std::int64_t begin,
+                      std::int64_t end, F&& f) {
+  for (std::size_t i = 0; i < places.size(); ++i) {
+    if (places[i].first != b) continue;
+    const std::int64_t lo = std::max(begin, places[i].second);
+    const std::int64_t hi = std::min(end, places[i].second + params[i].numel);
+    if (lo < hi) f(i, lo - places[i].second, lo - begin, hi - lo);
+  }
+}
+
+std::vector<std::int64_t> parameter_bases(const std::vector<sharding::DdpParam>& params) {
+  std::vector<std::int64_t> base(params.size() + 1, 0);
+  for (std::size_t i = 0; i < params.size(); ++i) base[i + 1] = base[i] + params[i].numel;
+  return base;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> ZeroRedundancyOptimizer::state_by_parameter() {
+  const auto& params = engine_->params();
+  const auto base = parameter_bases(params);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& name : optimizer_->state_names()) {
+    auto full = at::zeros({base.back()}, at::kFloat);
+    for (int b = 0; b < static_cast<int>(slices_.size()); ++b) {
+      const auto range = shard_range(bucket_numels_[b], engine_->world_size(), engine_->rank());
+      at::Tensor state;
+      for (const auto& [n, t] : optimizer_->named_state(b))
+        if (n == name) state = t;
+      if (!state.defined()) continue;
+      for_each_overlap(places_, params, b, range.offset, range.offset + range.numel,
+                       [&](std::size_t i, std::int64_t in_param, std::int64_t in_slice, std::int64_t n) {
+                         full.narrow(0, base[i] + in_param, n).copy_(state.narrow(0, in_slice, n));
+                       });
+    }
+    engine_->comm().all_reduce(full, ReduceOp::Sum).wait();  // each element has one owner
+    out.emplace_back(name, std::move(full));
+  }
+  return out;
+}
+
+void ZeroRedundancyOptimizer::load_state_by_parameter(
+    const std::vector<std::pair<std::string, at::Tensor>>& state, std::int64_t steps) {
+  const auto& params = engine_->params();
+  const auto base = parameter_bases(params);
+  for (int b = 0; b < static_cast<int>(slices_.size()); ++b) {
+    const auto range = shard_range(bucket_numels_[b], engine_->world_size(), engine_->rank());
+    for (const auto& [name, full] : state) {
+      auto mine = optimizer_->mutable_state(b, name);
+      for_each_overlap(places_, params, b, range.offset, range.offset + range.numel,
+                       [&](std::size_t i, std::int64_t in_param, std::int64_t in_slice, std::int64_t n) {
+                         mine.narrow(0, in_slice, n).copy_(full.narrow(0, base[i] + in_param, n));
+                       });
+    }
+    optimizer_->set_steps(b, steps);
+  }
 }
 
 // Without DDP the gradients are reduced here, once per step (clip_grad_norm may have

@@ -19,6 +19,7 @@ std::vector<at::Tensor> DDPBase::optimizer_params() const { return engine_->opti
 void DDPBase::pre_forward() { engine_->pre_forward(); }
 int DDPBase::num_buckets() const { return static_cast<int>(engine_->buckets().size()); }
 Communicator& DDPBase::comm() { return engine_->comm(); }
+torch::nn::Module& DDPBase::root_module() { return engine_->model(); }
 
 DDPBase::NoSync::NoSync(DDPBase& owner) : owner_(owner) { owner_.engine_->set_no_sync(true); }
 DDPBase::NoSync::~NoSync() { owner_.engine_->set_no_sync(false); }

@@ -307,6 +307,19 @@ void DdpEngine::end_of_backward() {
   }
 }
 
+std::vector<int> DdpEngine::rebuilt_order() const {
+  std::vector<int> order;
+  if (!rebuilt_) return order;
+  for (const auto& b : buckets_) order.insert(order.end(), b.params.begin(), b.params.end());
+  return order;
+}
+
+void DdpEngine::restore_order(const std::vector<int>& order) {
+  if (rebuilt_ || backward_active_) return;
+  rebuilt_ = true;
+  build_buckets(order);
+}
+
 void DdpEngine::reduce_all_now() {
   for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) launch(b);
   for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) finish(b);

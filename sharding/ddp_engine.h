@@ -55,6 +55,7 @@ class DdpEngine {
   GradReduce reduce() const { return reduce_; }
 
   std::vector<at::Tensor> optimizer_params() const;
+  torch::nn::Module& model() { return *model_; }
   std::vector<DdpParam>& params() { return params_; }
   std::vector<DdpBucket>& buckets() { return buckets_; }
   // Fp32 values the optimizer steps (masters under mixed precision, else the flat
@@ -68,6 +69,11 @@ class DdpEngine {
   Communicator& comm() { return *comm_; }
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
+  // The parameter order the buckets were rebuilt in after the first synced backward
+  // (parameter indices; empty before it), and restoring it before any backward (a run
+  // resumed from a checkpoint then steps in the same buckets as the run that saved it).
+  std::vector<int> rebuilt_order() const;
+  void restore_order(const std::vector<int>& order);
   // Called after the first synced backward rebuilt the buckets (their layout changed).
   std::uint64_t layout_version() const { return layout_version_; }
 

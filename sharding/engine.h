@@ -15,6 +15,7 @@ namespace flatshard::sharding {
 
 class Engine {
  public:
+  torch::nn::Module& model() { return *model_; }
   Engine(std::shared_ptr<torch::nn::Module> model, const World& world, const FullyShardOptions& options);
   ~Engine();
 

@@ -24,6 +24,7 @@ int FullyShardBase::num_units() const { return engine_->num_units(); }
 std::int64_t FullyShardBase::largest_unit_bytes() const { return engine_->unit_bytes(false); }
 std::int64_t FullyShardBase::root_unit_bytes() const { return engine_->unit_bytes(true); }
 Communicator& FullyShardBase::comm() { return engine_->comm(); }
+torch::nn::Module& FullyShardBase::root_module() { return engine_->model(); }
 
 void FullyShardBase::root_pre_forward() { engine_->pre_forward(sharding::Engine::kRoot); }
 

@@ -6,7 +6,13 @@
 //
 // A file is written to a temporary name beside it, flushed to disk (fsync), renamed
 // over the target and the directory synced: after a crash the path holds either the
-// old complete file or the new complete one. See docs/checkpoints.md.
+// old complete file or the new complete one.
+//
+// Sharded checkpoints (every rank writes its own shards, in parallel; they load at any
+// world size and under any mode):
+//   flatshard::checkpoint::save_sharded("ckpt", fsdp, &opt.base(), {.step = 100});
+//   flatshard::checkpoint::load_sharded("ckpt", fsdp, &opt.base());   // the newest one
+// See docs/checkpoints.md.
 #pragma once
 
 #include <map>
@@ -19,6 +25,14 @@
 #include "flatshard/errors.h"
 #include "flatshard/fully_shard.h"
 #include "flatshard/optim.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace flatshard {
+class ZeroRedundancyOptimizer;
+}
 
 namespace flatshard::checkpoint {
 
@@ -50,5 +64,45 @@ std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp
 void save_tensors(const std::map<std::string, at::Tensor>& tensors, const std::string& path);
 // Reads what save_tensors (or Python's torch.save of a dict of tensors) wrote.
 std::map<std::string, at::Tensor> load_tensors(const std::string& path);
+
+struct SaveOptions {
+  // Training step: recorded in the metadata, and names the directory (step-<step>).
+  std::int64_t step = 0;
+  // Complete checkpoints kept under the root, this one included (0: keep all).
+  int keep_last = 2;
+};
+
+// What was saved or loaded.
+struct CheckpointInfo {
+  std::string path;  // the step directory
+  std::int64_t step = 0;
+  int world_size = 0;  // of the run that saved it
+  std::string mode;    // "fully_shard", "ddp" or "zero"
+};
+
+// Sharded checkpoint under `root`: root/step-<step>/ holds metadata.json (names, shapes,
+// dtypes, element ranges, files, CRC-32s, world size, mode, step, format version) and
+// one shard file per rank; root/latest names the newest complete one. Each rank writes
+// what it owns: FullyShard its shards, ZeRO its slices, DDP a 1/N share of each
+// (replicated) bucket; rank 0 also the buffers. Parameters are saved in fp32 (the
+// masters, under mixed precision). A collective; a failure on any rank throws
+// CheckpointError on every rank and leaves the previous checkpoint as it was.
+CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
+                            const optim::ShardOptimizer* optimizer, const SaveOptions& options = {});
+// DDP with a torch::optim SGD, Adam or AdamW over ddp.optimizer_params() (or none).
+CheckpointInfo save_sharded(const std::string& root, DDPBase& ddp, torch::optim::Optimizer* optimizer,
+                            const SaveOptions& options = {});
+// ZeroRedundancyOptimizer (with DDP or alone): the model and the optimizer's slices.
+CheckpointInfo save_sharded(const std::string& root, ZeroRedundancyOptimizer& zero,
+                            const SaveOptions& options = {});
+
+// Loads a sharded checkpoint saved at any world size and under any mode. `path` is a
+// root (its latest checkpoint) or a step directory. Names and shapes must match the
+// model: the first mismatch is named. Every piece read is checked against its CRC-32.
+// The optimizer (may be null) must keep the kinds of state that were saved; without
+// optimizer state in the checkpoint it is left as it is. A collective.
+CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim::ShardOptimizer* optimizer);
+CheckpointInfo load_sharded(const std::string& path, DDPBase& ddp, torch::optim::Optimizer* optimizer);
+CheckpointInfo load_sharded(const std::string& path, ZeroRedundancyOptimizer& zero);
 
 }  // namespace flatshard::checkpoint

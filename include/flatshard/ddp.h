@@ -86,6 +86,7 @@ class DDPBase {
   Communicator& comm();
   const World& world() const { return world_; }
   sharding::DdpEngine& engine() { return *engine_; }
+  torch::nn::Module& root_module();
 
  protected:
   void pre_forward();

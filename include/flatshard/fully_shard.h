@@ -145,6 +145,7 @@ class FullyShardBase {
   std::int64_t root_unit_bytes() const;
   Communicator& comm();
   const World& world() const { return world_; }
+  torch::nn::Module& root_module();
 
  protected:
   void root_pre_forward();

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -47,6 +48,12 @@ class ShardOptimizer {
   // count; undefined tensors before its first step.
   virtual std::vector<std::pair<std::string, at::Tensor>> named_state(std::size_t i) const = 0;
   virtual std::int64_t steps(std::size_t i) const = 0;
+  // The names named_state() uses once the optimizer has stepped.
+  virtual std::vector<std::string> state_names() const = 0;
+  // For loading: the state `name` of shard i (created as zeros if it does not exist
+  // yet), to copy values into, and its step count.
+  virtual at::Tensor mutable_state(std::size_t i, const std::string& name) = 0;
+  virtual void set_steps(std::size_t i, std::int64_t steps) = 0;
   const std::vector<at::Tensor>& shards() const { return shards_; }
 
  protected:
@@ -60,6 +67,9 @@ class SGD final : public ShardOptimizer {
   std::int64_t state_bytes() const override;
   std::vector<std::pair<std::string, at::Tensor>> named_state(std::size_t i) const override;
   std::int64_t steps(std::size_t i) const override { return steps_[i]; }
+  std::vector<std::string> state_names() const override;
+  at::Tensor mutable_state(std::size_t i, const std::string& name) override;
+  void set_steps(std::size_t i, std::int64_t steps) override { steps_[i] = steps; }
 
  private:
   SGDOptions options_;
@@ -75,6 +85,9 @@ class Adam final : public ShardOptimizer {
   std::int64_t state_bytes() const override;
   std::vector<std::pair<std::string, at::Tensor>> named_state(std::size_t i) const override;
   std::int64_t steps(std::size_t i) const override { return steps_[i]; }
+  std::vector<std::string> state_names() const override { return {"exp_avg", "exp_avg_sq"}; }
+  at::Tensor mutable_state(std::size_t i, const std::string& name) override;
+  void set_steps(std::size_t i, std::int64_t steps) override { steps_[i] = steps; }
 
  private:
   AdamOptions options_;

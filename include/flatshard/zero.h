@@ -38,6 +38,9 @@ struct ZeroOptions {
 namespace sharding {
 class DdpEngine;
 }
+namespace checkpoint::detail {
+struct Access;
+}
 
 class ZeroRedundancyOptimizer {
  public:
@@ -65,8 +68,14 @@ class ZeroRedundancyOptimizer {
   std::map<std::string, at::Tensor> consolidated_state_dict(int to = 0);
 
  private:
+  friend struct checkpoint::detail::Access;
   void ensure_slices();
   void reduce_if_standalone();
+  // Optimizer state in parameter registration order (every rank gets it whole), and
+  // back into this rank's slices: carries state across a bucket rebuild.
+  std::vector<std::pair<std::string, at::Tensor>> state_by_parameter();
+  void load_state_by_parameter(const std::vector<std::pair<std::string, at::Tensor>>& state,
+                               std::int64_t steps);
 
   std::unique_ptr<sharding::DdpEngine> owned_engine_;  // without DDP
   sharding::DdpEngine* engine_;
@@ -76,6 +85,9 @@ class ZeroRedundancyOptimizer {
   bool reduced_ = false;  // without DDP: this step's gradients are reduced already
   std::uint64_t layout_version_ = 0;
   std::vector<at::Tensor> slices_;  // per bucket: this rank's slice of the values it steps
+  // The layout slices_ was cut from: per parameter (bucket, offset), per bucket numel.
+  std::vector<std::pair<int, std::int64_t>> places_;
+  std::vector<std::int64_t> bucket_numels_;
   std::unique_ptr<optim::ShardOptimizer> optimizer_;
 };
 

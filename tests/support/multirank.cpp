@@ -32,6 +32,7 @@ RunResult launch_current_test(const LaunchSpec& spec) {
   argv.push_back("--gtest_brief=1");
   RunOptions options;
   options.deadline = spec.deadline + std::chrono::seconds(15);  // the launcher's own, plus its grace
+  if (spec.kill_after.count() > 0) options.deadline = spec.kill_after;
   options.env = spec.env;
   options.env["FLATSHARD_TEST_RANK_MODE"] = "1";
   return run_command(argv, options);

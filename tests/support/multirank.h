@@ -29,6 +29,9 @@ struct LaunchSpec {
   std::chrono::milliseconds deadline{std::chrono::seconds(60)};
   std::vector<std::string> launcher_args;  // e.g. {"--grace-s", "10"}
   std::map<std::string, std::string> env;
+  // > 0: SIGKILL the launcher and every rank after this long (a crash), instead of the
+  // launcher's own deadline.
+  std::chrono::milliseconds kill_after{0};
 };
 
 // Starts spec.ranks ranks running the current test; returns the launcher's result.

@@ -1,0 +1,477 @@
+// Sharded checkpoints: exact resumption, resharding across world sizes and modes,
+// crash safety (a killed save, a full disk), corruption and mismatches.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "tests/support/cases.h"
+#include "tests/support/multirank.h"
+
+namespace {
+
+using namespace flatshard::testing;
+namespace ckpt = flatshard::checkpoint;
+namespace fs = std::filesystem;
+
+enum class Mode { FullShard, ShardGradOp, DDP, Zero };
+
+const char* to_string(Mode m) {
+  switch (m) {
+    case Mode::FullShard: return "full_shard";
+    case Mode::ShardGradOp: return "shard_grad_op";
+    case Mode::DDP: return "ddp";
+    case Mode::Zero: return "zero";
+  }
+  return "?";
+}
+
+Mode mode_named(const std::string& name) {
+  for (Mode m : {Mode::FullShard, Mode::ShardGradOp, Mode::DDP, Mode::Zero})
+    if (name == to_string(m)) return m;
+  throw std::invalid_argument("unknown mode " + name);
+}
+
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+constexpr int kGlobalBatch = 12;  // divisible by world sizes 1 to 4
+constexpr double kLr = 1e-3, kWeightDecay = 0.1;
+
+// The GPT-style test model trained with AdamW under one mode.
+struct Trainer {
+  Trainer(const flatshard::World& w, Mode m, const GPTConfig& config = gpt_config()) : world(w), mode(m) {
+    torch::manual_seed(11);
+    model = GPT(config);
+    const flatshard::optim::AdamWOptions adamw{kLr, 0.9, 0.999, 1e-8, kWeightDecay};
+    if (mode == Mode::FullShard || mode == Mode::ShardGradOp) {
+      flatshard::FullyShardOptions o;
+      o.strategy =
+          mode == Mode::FullShard ? flatshard::Strategy::FullShard : flatshard::Strategy::ShardGradOp;
+      o.comm.timeout = std::chrono::seconds(60);
+      fsdp = std::make_unique<flatshard::FullyShard<GPT>>(model, world, o);
+      shard_opt = std::make_unique<flatshard::optim::Adam>(fsdp->shards(), adamw);
+    } else {
+      flatshard::DDPOptions o;
+      o.first_bucket_bytes = 2 << 10;  // several buckets
+      o.bucket_bytes = 16 << 10;
+      o.comm.timeout = std::chrono::seconds(60);
+      ddp = std::make_unique<flatshard::DistributedDataParallel<GPT>>(model, world, o);
+      if (mode == Mode::DDP) {
+        torch_opt = std::make_unique<torch::optim::AdamW>(
+            ddp->optimizer_params(), torch::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
+      } else {
+        zero = std::make_unique<flatshard::ZeroRedundancyOptimizer>(*ddp, adamw);
+      }
+    }
+  }
+
+  void train(int first_step, int steps) {
+    const int n = world.world_size(), local = kGlobalBatch / n;
+    for (int s = first_step; s < first_step + steps; ++s) {
+      const auto b = gpt_batch(s, kGlobalBatch);
+      const auto x = b.input.narrow(0, world.rank() * local, local);
+      const auto y = b.target.narrow(0, world.rank() * local, local);
+      token_loss(fsdp ? fsdp->forward(x) : ddp->forward(x), y).backward();
+      if (shard_opt) {
+        shard_opt->step();
+        shard_opt->zero_grad();
+      } else if (torch_opt) {
+        torch_opt->step();
+        torch_opt->zero_grad();
+      } else {
+        zero->step();
+        zero->zero_grad();
+      }
+    }
+  }
+
+  ckpt::CheckpointInfo save(const std::string& root, std::int64_t step, int keep_last = 2) {
+    ckpt::SaveOptions o;
+    o.step = step;
+    o.keep_last = keep_last;
+    if (fsdp) return ckpt::save_sharded(root, *fsdp, shard_opt.get(), o);
+    if (zero) return ckpt::save_sharded(root, *zero, o);
+    return ckpt::save_sharded(root, *ddp, torch_opt.get(), o);
+  }
+
+  ckpt::CheckpointInfo load(const std::string& path) {
+    if (fsdp) return ckpt::load_sharded(path, *fsdp, shard_opt.get());
+    if (zero) return ckpt::load_sharded(path, *zero);
+    return ckpt::load_sharded(path, *ddp, torch_opt.get());
+  }
+
+  // Full parameters, on every rank.
+  std::map<std::string, at::Tensor> params() {
+    return fsdp ? ckpt::full_state_dict(*fsdp, *model, -1) : ckpt::full_state_dict(*ddp, *model, -1);
+  }
+
+  // AdamW state by "<parameter>.<state>" plus "step", on rank 0.
+  std::map<std::string, at::Tensor> adam_state() {
+    if (fsdp) return ckpt::full_optimizer_state_dict(*fsdp, *shard_opt, 0);
+    if (zero) return zero->consolidated_state_dict(0);
+    std::map<std::string, at::Tensor> out;
+    std::int64_t steps = 0;
+    for (const auto& item : model->named_parameters()) {
+      const auto& st = static_cast<const torch::optim::AdamWParamState&>(
+          *torch_opt->state().at(item.value().unsafeGetTensorImpl()));
+      out[item.key() + ".exp_avg"] = st.exp_avg();
+      out[item.key() + ".exp_avg_sq"] = st.exp_avg_sq();
+      steps = std::max(steps, st.step());
+    }
+    out["step"] = at::full({}, steps, at::kLong);
+    return out;
+  }
+
+  flatshard::Communicator& comm() { return fsdp ? fsdp->comm() : ddp->comm(); }
+
+  flatshard::World world;
+  Mode mode;
+  GPT model{nullptr};
+  std::unique_ptr<flatshard::FullyShard<GPT>> fsdp;
+  std::unique_ptr<flatshard::optim::Adam> shard_opt;
+  std::unique_ptr<flatshard::DistributedDataParallel<GPT>> ddp;
+  std::unique_ptr<torch::optim::AdamW> torch_opt;
+  std::unique_ptr<flatshard::ZeroRedundancyOptimizer> zero;
+};
+
+void expect_identical(const std::map<std::string, at::Tensor>& got,
+                      const std::map<std::string, at::Tensor>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (const auto& [name, t] : want) {
+    ASSERT_TRUE(got.count(name)) << what << ": " << name;
+    EXPECT_TRUE(at::equal(got.at(name).to(t.scalar_type()), t)) << what << ": " << name << " differs";
+  }
+}
+
+void expect_close(const std::map<std::string, at::Tensor>& got, const std::map<std::string, at::Tensor>& want,
+                  double tolerance, const std::string& what) {
+  for (const auto& [name, t] : want) {
+    ASSERT_TRUE(got.count(name)) << what << ": " << name;
+    const double rel = (got.at(name).to(at::kFloat) - t.to(at::kFloat)).norm().item<double>() /
+                       std::max(t.to(at::kFloat).norm().item<double>(), 1e-12);
+    EXPECT_LE(rel, tolerance) << what << ": " << name;
+  }
+}
+
+// Single-process AdamW training on the whole global batch.
+std::map<std::string, at::Tensor> reference_params(int steps) {
+  auto model = gpt_factory()();
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
+  for (int s = 0; s < steps; ++s) {
+    const auto b = gpt_batch(s, kGlobalBatch);
+    opt.zero_grad();
+    token_loss(model->forward(b.input), b.target).backward();
+    opt.step();
+  }
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model->named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+std::string scratch_dir(const std::string& name) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return (fs::temp_directory_path() / fmt::format("flatshard-{}-{}-{}", info->name(), name, ::getpid()))
+      .string();
+}
+
+// Training K steps equals training K/2, saving, loading into fresh objects and training
+// K/2 more: bit for bit, at the same world size and mode.
+TEST(Checkpoint, ResumeIsBitIdentical) {
+  FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  constexpr int kSteps = 4;
+  for (Mode mode : {Mode::FullShard, Mode::ShardGradOp, Mode::DDP, Mode::Zero}) {
+    SCOPED_TRACE(to_string(mode));
+    const std::string root = fmt::format("/tmp/flatshard-resume-{}-{}-{}", to_string(mode),
+                                         world.world_size(), env("MASTER_PORT"));
+    Trainer straight(world, mode);
+    straight.train(0, kSteps);
+    const auto want = straight.params();
+    const auto want_state = straight.adam_state();
+
+    {
+      Trainer first(world, mode);
+      first.train(0, kSteps / 2);
+      const auto info = first.save(root, kSteps / 2);
+      EXPECT_EQ(info.step, kSteps / 2);
+    }
+    Trainer resumed(world, mode);
+    const auto info = resumed.load(root);
+    EXPECT_EQ(info.step, kSteps / 2);
+    EXPECT_EQ(info.world_size, world.world_size());
+    resumed.train(kSteps / 2, kSteps / 2);
+    expect_identical(resumed.params(), want, "parameters");
+    const auto state = resumed.adam_state();
+    if (world.rank() == 0) expect_identical(state, want_state, "optimizer state");
+    resumed.comm().barrier().wait();
+    if (world.rank() == 0) fs::remove_all(root);
+  }
+}
+
+// One phase of ReshardsAcrossWorldSizesAndModes, in its own launch (env says which).
+void reshard_phase() {
+  auto world = flatshard::init();
+  const std::string root = env("FLATSHARD_CKPT_DIR");
+  const Mode mode = mode_named(env("FLATSHARD_CKPT_MODE"));
+  constexpr int kSteps = 4;
+  Trainer t(world, mode);
+  if (env("FLATSHARD_CKPT_PHASE") == "save") {
+    t.train(0, kSteps / 2);
+    t.save(root, kSteps / 2);
+    // What was saved, at full size, to compare with after loading.
+    auto params = t.params();
+    auto state = t.adam_state();
+    if (world.rank() == 0) {
+      ckpt::save_tensors(params, root + "/expected_params.pt");
+      ckpt::save_tensors(state, root + "/expected_state.pt");
+    }
+    t.comm().barrier().wait();
+    return;
+  }
+  const auto info = t.load(root);
+  EXPECT_EQ(info.step, kSteps / 2);
+  EXPECT_EQ(info.world_size, std::stoi(env("FLATSHARD_CKPT_SAVED_WORLD")));
+  // Loading copies values: exact, whatever the world size or mode that saved them.
+  expect_identical(t.params(), ckpt::load_tensors(root + "/expected_params.pt"), "loaded parameters");
+  const auto state = t.adam_state();
+  if (world.rank() == 0)
+    expect_identical(state, ckpt::load_tensors(root + "/expected_state.pt"), "loaded state");
+  // Training on matches uninterrupted single-process training (fp32 rounding apart).
+  t.train(kSteps / 2, kSteps / 2);
+  expect_close(t.params(), reference_params(kSteps), 1e-5, "after resuming");
+}
+
+TEST(Checkpoint, ReshardsAcrossWorldSizesAndModes) {
+  if (in_rank_mode()) {
+    reshard_phase();
+    return;
+  }
+  struct Plan {
+    int world;
+    Mode mode;
+    std::vector<std::pair<int, Mode>> loads;
+  };
+  const std::vector<Plan> plans = {
+      {4, Mode::FullShard, {{2, Mode::FullShard}, {3, Mode::FullShard}, {2, Mode::DDP}, {3, Mode::Zero}}},
+      {2, Mode::FullShard, {{4, Mode::FullShard}, {3, Mode::ShardGradOp}}},
+      {2, Mode::DDP, {{4, Mode::FullShard}, {3, Mode::Zero}}},
+      {3, Mode::Zero, {{4, Mode::ShardGradOp}, {2, Mode::DDP}, {1, Mode::FullShard}}},
+  };
+  for (const auto& plan : plans) {
+    const std::string root = scratch_dir(fmt::format("{}-{}", plan.world, to_string(plan.mode)));
+    fs::remove_all(root);
+    auto launch = [&](int world, Mode mode, const std::string& phase) {
+      LaunchSpec spec;
+      spec.ranks = world;
+      spec.deadline = std::chrono::seconds(120);
+      spec.env = {{"FLATSHARD_CKPT_DIR", root},
+                  {"FLATSHARD_CKPT_MODE", to_string(mode)},
+                  {"FLATSHARD_CKPT_PHASE", phase},
+                  {"FLATSHARD_CKPT_SAVED_WORLD", std::to_string(plan.world)}};
+      const auto r = launch_current_test(spec);
+      EXPECT_EQ(r.exit_code, 0) << phase << " at world " << world << " under " << to_string(mode)
+                                << " (saved at world " << plan.world << " under " << to_string(plan.mode)
+                                << ")\n"
+                                << r.output;
+    };
+    launch(plan.world, plan.mode, "save");
+    for (const auto& [world, mode] : plan.loads) launch(world, mode, "load");
+    fs::remove_all(root);
+  }
+}
+
+// Corrupt bytes, a truncated file, broken metadata, another model: each load fails on
+// every rank with a CheckpointError that says what is wrong.
+TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const std::string root = fmt::format("/tmp/flatshard-corrupt-{}", env("MASTER_PORT"));
+  Trainer t(world, Mode::FullShard);
+  t.train(0, 1);
+  const auto info = t.save(root, 1);
+  const std::string shard = info.path + "/shard-00001-of-00002.bin";
+  const std::string meta = info.path + "/metadata.json";
+
+  auto expect_load_error = [&](const std::string& needle, const std::string& what) {
+    Trainer fresh(world, Mode::FullShard);
+    try {
+      fresh.load(root);
+      ADD_FAILURE() << what << ": loading succeeded";
+    } catch (const ckpt::CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  auto on_rank0 = [&](const std::function<void()>& f) {
+    t.comm().barrier().wait();
+    if (world.rank() == 0) f();
+    t.comm().barrier().wait();
+  };
+  const auto original = fs::file_size(shard);
+  std::vector<char> saved(original);
+  {
+    std::ifstream in(shard, std::ios::binary);
+    in.read(saved.data(), static_cast<std::streamsize>(saved.size()));
+  }
+  auto restore = [&] {
+    std::ofstream out(shard, std::ios::binary | std::ios::trunc);
+    out.write(saved.data(), static_cast<std::streamsize>(saved.size()));
+  };
+
+  on_rank0([&] {
+    std::fstream f(shard, std::ios::binary | std::ios::in | std::ios::out);
+    f.seekp(static_cast<std::streamoff>(original / 2));
+    f.put(static_cast<char>(saved[original / 2] ^ 0x5a));
+  });
+  expect_load_error("checksum mismatch", "a flipped byte");
+  on_rank0([&] {
+    restore();
+    fs::resize_file(shard, original / 3);
+  });
+  expect_load_error("truncated", "a truncated shard file");
+  on_rank0(restore);
+  {
+    Trainer fresh(world, Mode::FullShard);
+    EXPECT_NO_THROW(fresh.load(root));  // restored: loads again
+  }
+
+  std::string meta_text;
+  on_rank0([&] {
+    std::ifstream in(meta);
+    meta_text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    std::ofstream(meta, std::ios::trunc) << meta_text.substr(0, meta_text.size() / 2);
+  });
+  expect_load_error("is corrupt", "half a metadata file");
+  on_rank0([&] { std::ofstream(meta, std::ios::trunc) << meta_text; });
+
+  // Another model: a wider one (shapes differ) and a deeper one (an extra block).
+  GPTConfig wider = gpt_config();
+  wider.dim = 48;
+  GPTConfig deeper = gpt_config();
+  deeper.layers = 4;
+  for (const auto& [config, needle] :
+       {std::pair{wider, std::string("parameter 'wte.weight' has shape [64, 48] "
+                                     "in the model but [64, 32] in the checkpoint")},
+        std::pair{deeper, std::string("the model's parameter 'h3.")}}) {
+    Trainer other(world, Mode::FullShard, config);
+    try {
+      other.load(root);
+      ADD_FAILURE() << "loading into another model succeeded";
+    } catch (const ckpt::CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
+  Trainer shallower(world, Mode::DDP, GPTConfig{64, 16, 32, 4, 2});
+  try {
+    shallower.load(root);
+    ADD_FAILURE() << "loading into a model with fewer blocks succeeded";
+  } catch (const ckpt::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("has parameter 'h2."), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("which the model lacks"), std::string::npos) << e.what();
+  }
+  t.comm().barrier().wait();
+  if (world.rank() == 0) fs::remove_all(root);
+}
+
+// A save that cannot finish (rank 1 hits its file-size limit, as on a full disk) fails
+// on every rank with a CheckpointError, and the previous checkpoint stays the latest.
+TEST(Checkpoint, FullDiskFailsEveryRankAndKeepsThePrevious) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const std::string root = fmt::format("/tmp/flatshard-fulldisk-{}", env("MASTER_PORT"));
+  Trainer t(world, Mode::FullShard);
+  t.train(0, 1);
+  t.save(root, 1);
+  const auto before = t.params();
+  t.train(1, 1);
+  rlimit old{};
+  ::getrlimit(RLIMIT_FSIZE, &old);
+  if (world.rank() == 1) {
+    rlimit small = old;
+    small.rlim_cur = 4096;
+    ::setrlimit(RLIMIT_FSIZE, &small);
+  }
+  try {
+    t.save(root, 2);
+    ADD_FAILURE() << "the save succeeded";
+  } catch (const ckpt::CheckpointError& e) {
+    const std::string what = e.what();
+    if (world.rank() == 1) {
+      EXPECT_NE(what.find("ulimit -f"), std::string::npos) << what;
+    } else {
+      EXPECT_NE(what.find("failed on rank 1"), std::string::npos) << what;
+      EXPECT_NE(what.find("previous checkpoint is intact"), std::string::npos) << what;
+    }
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  t.comm().barrier().wait();
+  EXPECT_FALSE(fs::exists(root + "/step-000000002"));
+  EXPECT_FALSE(fs::exists(root + "/.step-000000002.tmp"));
+  Trainer fresh(world, Mode::FullShard);
+  EXPECT_EQ(fresh.load(root).step, 1);
+  expect_identical(fresh.params(), before, "the previous checkpoint");
+  t.comm().barrier().wait();
+  if (world.rank() == 0) fs::remove_all(root);
+}
+
+// Ranks killed (SIGKILL, all at once) at various moments of a loop of saves: the root's
+// latest checkpoint always loads, and holds the values of the step it names.
+TEST(Checkpoint, KilledDuringSaveLeavesALoadableCheckpoint) {
+  if (in_rank_mode()) {
+    auto world = flatshard::init();
+    const std::string root = env("FLATSHARD_CKPT_DIR");
+    Trainer t(world, Mode::FullShard, GPTConfig{64, 16, 256, 4, 4});  // ~3M parameters: saves take a while
+    if (env("FLATSHARD_CKPT_PHASE") == "loop") {
+      at::NoGradGuard no_grad;
+      for (int step = 1;; ++step) {
+        for (auto& s : t.fsdp->shards()) s.fill_(static_cast<float>(step));
+        t.save(root, step);
+        if (world.rank() == 0) std::printf("saved step %d\n", step), std::fflush(stdout);
+      }
+    }
+    const auto info = t.load(root);
+    EXPECT_GE(info.step, 1);
+    for (const auto& [name, value] : t.params()) {
+      EXPECT_TRUE(at::all(value == static_cast<float>(info.step)).item<bool>())
+          << name << " does not hold step " << info.step << "'s values";
+    }
+    if (world.rank() == 0) std::printf("loaded step %lld\n", static_cast<long long>(info.step));
+    return;
+  }
+  const std::string root = scratch_dir("killed");
+  fs::remove_all(root);
+  int kills_after_a_save = 0;
+  for (int delay_ms : {2500, 2900, 3300, 3700}) {
+    LaunchSpec loop;
+    loop.ranks = 2;
+    loop.deadline = std::chrono::seconds(60);
+    loop.kill_after = std::chrono::milliseconds(delay_ms);
+    loop.env = {{"FLATSHARD_CKPT_DIR", root}, {"FLATSHARD_CKPT_PHASE", "loop"}};
+    const auto killed = launch_current_test(loop);
+    EXPECT_TRUE(killed.timed_out) << killed.output;
+    std::size_t saves = 0;
+    for (auto at = killed.output.find("saved step"); at != std::string::npos;
+         at = killed.output.find("saved step", at + 1))
+      ++saves;
+    std::printf("killed at %d ms after %zu complete saves\n", delay_ms, saves);
+    if (saves == 0) continue;  // killed before any save finished
+    ++kills_after_a_save;
+    LaunchSpec check;
+    check.ranks = 2;
+    check.deadline = std::chrono::seconds(60);
+    check.env = {{"FLATSHARD_CKPT_DIR", root}, {"FLATSHARD_CKPT_PHASE", "check"}};
+    const auto r = launch_current_test(check);
+    EXPECT_EQ(r.exit_code, 0) << "after a kill at " << delay_ms << " ms\n" << r.output;
+  }
+  EXPECT_GE(kills_after_a_save, 1) << "no run lived long enough to save once";
+  fs::remove_all(root);
+}
+
+}  // namespace
