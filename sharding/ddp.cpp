@@ -1,5 +1,6 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include "sharding/unit_discovery.h"
 
 #include <cmath>
 
@@ -11,7 +12,13 @@
 namespace flatshard {
 
 DDPBase::DDPBase(std::shared_ptr<torch::nn::Module> model, const World& world, const DDPOptions& options)
-    : world_(world), engine_(std::make_unique<sharding::DdpEngine>(std::move(model), world, options)) {}
+    : world_(world) {
+  const auto mode = options.sharded_optimizer ? plan::Mode::Zero1 : plan::Mode::DDP;
+  const auto dtype = options.mixed_precision.param;
+  sharding::check_memory_budget(*model, world, mode, dtype && *dtype != at::kFloat ? 2 : 4,
+                                options.memory_budget, "DistributedDataParallel");
+  engine_ = std::make_unique<sharding::DdpEngine>(std::move(model), world, options);
+}
 
 DDPBase::~DDPBase() = default;
 

@@ -1,6 +1,7 @@
 #include "sharding/engine.h"
 
 #include "sharding/model_check.h"
+#include "sharding/unit_discovery.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
@@ -74,10 +75,6 @@ class AccumulatedHook final : public torch::autograd::FunctionPostHook {
   int unit_;
 };
 
-void collect_params(torch::nn::Module& m, std::set<const c10::TensorImpl*>& out) {
-  for (const auto& p : m.parameters(/*recurse=*/true)) out.insert(p.unsafeGetTensorImpl());
-}
-
 }  // namespace
 
 Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, const FullyShardOptions& options)
@@ -93,29 +90,9 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   }
   comm_ = Communicator::create(world, options_.comm);
 
-  // Units in declaration (pre-order) order; a parameter belongs to the innermost unit
-  // that contains it, and to the root unit when none does.
-  std::vector<UnitBase*> declared;
-  for (const auto& item : model_->named_modules("", /*include_self=*/true)) {
-    if (auto* provider = dynamic_cast<UnitProvider*>(item.value().get())) {
-      for (UnitBase* u : provider->provided_units()) declared.push_back(u);
-    }
-  }
-  std::vector<std::set<const c10::TensorImpl*>> members(declared.size());
-  for (std::size_t i = 0; i < declared.size(); ++i) {
-    for (torch::nn::Module* m : declared[i]->unit_modules()) collect_params(*m, members[i]);
-  }
-  std::unordered_map<const c10::TensorImpl*, int> owner;  // parameter -> 1 + index in declared
-  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
-    const auto* impl = item.value().unsafeGetTensorImpl();
-    int best = 0;
-    for (std::size_t i = 0; i < declared.size(); ++i) {
-      if (members[i].count(impl) && (best == 0 || members[i].size() < members[best - 1].size())) {
-        best = static_cast<int>(i) + 1;
-      }
-    }
-    owner[impl] = best;
-  }
+  const auto membership = discover_units(*model_);
+  const auto& declared = membership.declared;
+  const auto& owner = membership.owner;
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> params(declared.size() + 1);
   std::set<const c10::TensorImpl*> seen;
   at::ScalarType model_dtype = at::kFloat;
@@ -135,7 +112,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
                       rank_, world_size_, item.key(), c10::toString(item.value().scalar_type())));
     }
     model_dtype = item.value().scalar_type();
-    params[owner[impl]].emplace_back(item.key(), item.value());
+    params[owner.at(impl)].emplace_back(item.key(), item.value());
   }
   const at::ScalarType compute = options_.mixed_precision.param.value_or(model_dtype);
   {

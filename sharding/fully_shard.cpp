@@ -1,4 +1,5 @@
 #include "flatshard/fully_shard.h"
+#include "sharding/unit_discovery.h"
 
 #include <fmt/format.h>
 
@@ -9,7 +10,13 @@ namespace flatshard {
 
 FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const World& world,
                                const FullyShardOptions& options)
-    : world_(world), engine_(std::make_unique<sharding::Engine>(std::move(model), world, options)) {}
+    : world_(world) {
+  const auto mode = options.strategy == Strategy::FullShard ? plan::Mode::FullShard : plan::Mode::Zero2;
+  const auto dtype = options.mixed_precision.param;
+  sharding::check_memory_budget(*model, world, mode, dtype && *dtype != at::kFloat ? 2 : 4,
+                                options.memory_budget, "FullyShard");
+  engine_ = std::make_unique<sharding::Engine>(std::move(model), world, options);
+}
 
 FullyShardBase::~FullyShardBase() = default;
 

@@ -46,6 +46,10 @@ struct DDPOptions {
   // updates fp32 masters (optimizer_params()). reduce: dtype of the all-reduce.
   MixedPrecision mixed_precision;
   CommunicatorOptions comm{std::chrono::minutes(5), "ddp"};
+  // Checked at construction for DDP with a replicated optimizer; set
+  // sharded_optimizer when a ZeroRedundancyOptimizer will hold the state (ZeRO-1).
+  MemoryBudget memory_budget;
+  bool sharded_optimizer = false;
 };
 
 namespace sharding {

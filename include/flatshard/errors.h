@@ -45,6 +45,19 @@ class InvalidArgument : public Error {
   using Error::Error;
 };
 
+// Training this model in the chosen mode needs more memory per rank than the budget
+// it was given (DDPOptions / FullyShardOptions::memory_budget). Nothing was allocated.
+class MemoryBudgetError : public Error {
+ public:
+  MemoryBudgetError(std::int64_t need_bytes, std::int64_t budget_bytes, const std::string& message)
+      : Error(message), need_(need_bytes), budget_(budget_bytes) {}
+  std::int64_t need_bytes() const noexcept { return need_; }
+  std::int64_t budget_bytes() const noexcept { return budget_; }
+
+ private:
+  std::int64_t need_, budget_;
+};
+
 // A collective failed after it started: a peer died or closed its connection, the
 // ranks disagreed about which collective came next, or the deadline passed.
 // Once a communicator has thrown this, every later call on it throws too.

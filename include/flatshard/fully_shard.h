@@ -45,6 +45,15 @@ struct MixedPrecision {
   std::optional<at::ScalarType> reduce;
 };
 
+// A per-rank memory budget, checked when a wrapper is built: if the model's states
+// (parameters, gradients, optimizer state, gathered units; plan.h, activations not
+// included) need more, construction throws MemoryBudgetError stating need and budget.
+struct MemoryBudget {
+  std::int64_t bytes = 0;             // 0: no budget
+  int optimizer_state_bytes = 8;      // per parameter: AdamW 8, SGD with momentum 4, SGD 0
+  std::int64_t activation_bytes = 0;  // add this much for activations, when known
+};
+
 struct FullyShardOptions {
   Strategy strategy = Strategy::FullShard;
   // Default: true for FullShard, false for ShardGradOp.
@@ -54,6 +63,7 @@ struct FullyShardOptions {
   int prefetch = 1;
   MixedPrecision mixed_precision;
   CommunicatorOptions comm{std::chrono::minutes(5), "fully_shard"};
+  MemoryBudget memory_budget;
 };
 
 // Byte counts of one rank (see memory accounting in docs/fully-shard.md).

@@ -1,0 +1,93 @@
+// A GPT-style transformer whose blocks are FullyShard units (flatshard::Unit<Block>).
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#include <torch/torch.h>
+
+#include "flatshard/flatshard.h"
+
+namespace flatshard::examples {
+
+// --- GPT-style -------------------------------------------------------------------------
+struct GPTConfig {
+  int vocab = 64;
+  int context = 16;
+  int dim = 32;
+  int heads = 4;
+  int layers = 3;
+};
+
+struct CausalSelfAttentionImpl : torch::nn::Module {
+  // No bias on qkv: a key bias gets an exactly-zero gradient (softmax ignores a constant
+  // added to every key), and Adam-type optimizers blow its rounding noise up to
+  // +-lr per step, which no two summation orders reproduce.
+  explicit CausalSelfAttentionImpl(const GPTConfig& c) : heads(c.heads) {
+    qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.dim, 3 * c.dim).bias(false)));
+    proj = register_module("proj", torch::nn::Linear(c.dim, c.dim));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const auto b = x.size(0), t = x.size(1), d = x.size(2);
+    auto parts = qkv(x).split(d, 2);
+    auto shape = [&](const at::Tensor& y) { return y.view({b, t, heads, d / heads}).transpose(1, 2); };
+    auto q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
+    auto att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d / heads));
+    auto mask = at::ones({t, t}, at::kBool).triu(1);
+    att = att.masked_fill(mask, -std::numeric_limits<float>::infinity()).softmax(-1);
+    auto y = at::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
+    return proj(y);
+  }
+  int heads;
+  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+};
+TORCH_MODULE(CausalSelfAttention);
+
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(const GPTConfig& c) {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
+    attn = register_module("attn", CausalSelfAttention(c));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
+    fc = register_module("fc", torch::nn::Linear(c.dim, 4 * c.dim));
+    out = register_module("out", torch::nn::Linear(4 * c.dim, c.dim));
+  }
+  at::Tensor forward(at::Tensor x) {
+    x = x + attn(ln1(x));
+    return x + out(torch::gelu(fc(ln2(x))));
+  }
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  torch::nn::Linear fc{nullptr}, out{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct GPTImpl : torch::nn::Module {
+  explicit GPTImpl(const GPTConfig& c) {
+    wte = register_module("wte", torch::nn::Embedding(c.vocab, c.dim));
+    wpe = register_module("wpe", torch::nn::Embedding(c.context, c.dim));
+    for (int i = 0; i < c.layers; ++i) {
+      blocks.emplace_back(c);
+      register_module("h" + std::to_string(i), blocks.back());
+    }
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
+    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)));
+  }
+  // tokens [B, T] -> logits [B, T, vocab]
+  at::Tensor forward(const at::Tensor& tokens) {
+    auto pos = at::arange(tokens.size(1), at::kLong);
+    auto x = wte(tokens) + wpe(pos);
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      if (static_cast<int>(i) == skip_block) continue;
+      x = blocks[i](x);
+    }
+    return head(ln_f(x));
+  }
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  std::vector<flatshard::Unit<Block>> blocks;
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear head{nullptr};
+  int skip_block = -1;  // tests: a unit that goes unused in a step
+};
+TORCH_MODULE(GPT);
+
+}  // namespace flatshard::examples

@@ -1,0 +1,311 @@
+// Trains the GPT-style model in any mode, with a progress line, checkpoints and resume.
+//
+//   flatshard-run -n 4 build/examples/train_gpt --mode full --steps 100 --ckpt out/ckpt
+//   flatshard-run -n 4 build/examples/train_gpt --mode full --steps 200 --ckpt out/ckpt --resume
+//
+// Options (defaults in brackets):
+//   --mode full|zero2|zero1|ddp [full]   full shard, shard-grad-op, DDP + ZeRO-1 optimizer, DDP
+//   --layers N [4] --dim N [256] --heads N [8] --vocab N [4096] --context N [64]
+//   --batch N [4]           sequences per rank per step
+//   --steps N [50] --lr X [3e-4]
+//   --data FILE             train on a text file (bytes as tokens: vocab becomes 256);
+//                           without it, a generated corpus (a noisy repeating grammar)
+//   --ckpt DIR              sharded checkpoints under DIR (every --save-every steps and at the end)
+//   --save-every N [0]      0: only at the end
+//   --resume                continue from DIR's latest checkpoint (any world size or mode)
+//   --budget-mib M          per-rank memory budget: refused at construction if the mode's
+//                           model states need more (MemoryBudgetError); checked against
+//                           the measured peak at the end
+//   --log-every N           a progress line every N steps [steps / 10]
+//   --result                print one CSV line for scripts (RESULT,...; see below)
+//
+// RESULT,mode,world,params,step_ms,peak_bytes,formula_bytes,planned_bytes,rank_peaks
+// (peak: the counting allocator's, largest over ranks, from the second step on;
+// rank_peaks: every rank's, separated by ';').
+#include <ATen/Parallel.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "examples/models/gpt.h"
+#include "flatshard/flatshard.h"
+#include "flatshard/plan.h"
+
+using flatshard::examples::GPT;
+using flatshard::examples::GPTConfig;
+namespace plan = flatshard::plan;
+
+namespace {
+
+struct Args {
+  std::string mode = "full", data, ckpt;
+  GPTConfig model{4096, 64, 256, 8, 4};
+  int batch = 4, steps = 50, save_every = 0, log_every = 0;
+  double lr = 3e-4, budget_mib = 0;
+  bool resume = false, result = false;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument("missing value for " + k);
+      return argv[++i];
+    };
+    if (k == "--mode")
+      a.mode = next();
+    else if (k == "--layers")
+      a.model.layers = std::stoi(next());
+    else if (k == "--dim")
+      a.model.dim = std::stoi(next());
+    else if (k == "--heads")
+      a.model.heads = std::stoi(next());
+    else if (k == "--vocab")
+      a.model.vocab = std::stoi(next());
+    else if (k == "--context")
+      a.model.context = std::stoi(next());
+    else if (k == "--batch")
+      a.batch = std::stoi(next());
+    else if (k == "--steps")
+      a.steps = std::stoi(next());
+    else if (k == "--lr")
+      a.lr = std::stod(next());
+    else if (k == "--data")
+      a.data = next();
+    else if (k == "--ckpt")
+      a.ckpt = next();
+    else if (k == "--save-every")
+      a.save_every = std::stoi(next());
+    else if (k == "--log-every")
+      a.log_every = std::stoi(next());
+    else if (k == "--budget-mib")
+      a.budget_mib = std::stod(next());
+    else if (k == "--resume")
+      a.resume = true;
+    else if (k == "--result")
+      a.result = true;
+    else
+      throw std::invalid_argument("unknown option " + k + " (see the comment at the top of train_gpt.cpp)");
+  }
+  plan::Mode m;
+  if (!plan::parse_mode(a.mode, m)) throw std::invalid_argument("--mode is full, zero2, zero1 or ddp");
+  if (a.resume && a.ckpt.empty()) throw std::invalid_argument("--resume needs --ckpt DIR");
+  if (!a.data.empty()) a.model.vocab = 256;
+  if (a.log_every <= 0) a.log_every = std::max(1, a.steps / 10);
+  return a;
+}
+
+// The training tokens: a text file's bytes, or a generated corpus that a model can learn
+// (a repeating grammar of short "words" with 10% noise), the same on every rank.
+at::Tensor corpus(const Args& a) {
+  if (!a.data.empty()) {
+    std::ifstream in(a.data, std::ios::binary);
+    if (!in) throw std::invalid_argument("cannot read --data " + a.data);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (text.size() < static_cast<std::size_t>(a.model.context + 2))
+      throw std::invalid_argument("--data " + a.data + " is shorter than one context");
+    auto t = at::empty({static_cast<std::int64_t>(text.size())}, at::kLong);
+    for (std::size_t i = 0; i < text.size(); ++i) t[i] = static_cast<unsigned char>(text[i]);
+    return t;
+  }
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1234);
+  const std::int64_t words = 64, length = 1 << 18;
+  auto lexicon = at::randint(a.model.vocab, {words, 4}, g);
+  auto order = at::randint(words, {length / 4}, g);
+  auto tokens = lexicon.index_select(0, order).reshape({-1});
+  auto noise = at::rand({tokens.numel()}, g) < 0.1;
+  return at::where(noise, at::randint(a.model.vocab, {tokens.numel()}, g), tokens);
+}
+
+// This rank's sequences of a step: global batch = batch x world, rows of rank r.
+std::pair<at::Tensor, at::Tensor> batch_of(const at::Tensor& tokens, int step, int rank, int world,
+                                           const Args& a) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(10'000 + step);
+  const std::int64_t rows = static_cast<std::int64_t>(a.batch) * world;
+  auto starts =
+      at::randint(tokens.numel() - a.model.context - 1, {rows}, g).narrow(0, rank * a.batch, a.batch);
+  auto offsets = at::arange(a.model.context + 1, at::kLong);
+  auto windows = tokens.index({(starts.unsqueeze(1) + offsets.unsqueeze(0))});
+  return {windows.narrow(1, 0, a.model.context).contiguous(),
+          windows.narrow(1, 1, a.model.context).contiguous()};
+}
+
+std::string bar(int done, int total) {
+  const int width = 24, filled = total > 0 ? done * width / total : width;
+  return std::string(filled, '#') + std::string(width - filled, '.');
+}
+
+double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  try {
+    a = parse(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 2;
+  }
+  at::set_num_threads(1);
+  flatshard::memory::install_counting_allocator();
+  try {
+    auto world = flatshard::init();
+    const int rank = world.rank(), n = world.world_size();
+    plan::Mode mode;
+    plan::parse_mode(a.mode, mode);
+    const auto tokens = corpus(a);
+    const auto base = flatshard::memory::allocator_stats().current_bytes;
+
+    torch::manual_seed(42);
+    GPT model(a.model);
+    const auto shape = plan::shape_of(*model);  // before wrapping: FullyShard empties the parameters
+    const std::int64_t params = shape.total();
+    flatshard::MemoryBudget budget;
+    budget.bytes = static_cast<std::int64_t>(a.budget_mib * (1 << 20));
+
+    std::unique_ptr<flatshard::FullyShard<GPT>> fsdp;
+    std::unique_ptr<flatshard::optim::Adam> shard_opt;
+    std::unique_ptr<flatshard::DistributedDataParallel<GPT>> ddp;
+    std::unique_ptr<torch::optim::AdamW> torch_opt;
+    std::unique_ptr<flatshard::ZeroRedundancyOptimizer> zero;
+    const flatshard::optim::AdamWOptions adamw{a.lr, 0.9, 0.95, 1e-8, 0.1};
+    if (mode == plan::Mode::FullShard || mode == plan::Mode::Zero2) {
+      flatshard::FullyShardOptions o;
+      o.strategy =
+          mode == plan::Mode::FullShard ? flatshard::Strategy::FullShard : flatshard::Strategy::ShardGradOp;
+      o.memory_budget = budget;
+      fsdp = std::make_unique<flatshard::FullyShard<GPT>>(model, world, o);
+      shard_opt = std::make_unique<flatshard::optim::Adam>(fsdp->shards(), adamw);
+    } else {
+      flatshard::DDPOptions o;
+      o.memory_budget = budget;
+      o.sharded_optimizer = mode == plan::Mode::Zero1;
+      ddp = std::make_unique<flatshard::DistributedDataParallel<GPT>>(model, world, o);
+      if (mode == plan::Mode::DDP) {
+        torch_opt = std::make_unique<torch::optim::AdamW>(
+            ddp->optimizer_params(),
+            torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.1));
+      } else {
+        zero = std::make_unique<flatshard::ZeroRedundancyOptimizer>(*ddp, adamw);
+      }
+    }
+    auto& comm = fsdp ? fsdp->comm() : ddp->comm();
+    auto save = [&](int step) {
+      flatshard::checkpoint::SaveOptions o;
+      o.step = step;
+      if (fsdp) return flatshard::checkpoint::save_sharded(a.ckpt, *fsdp, shard_opt.get(), o);
+      if (zero) return flatshard::checkpoint::save_sharded(a.ckpt, *zero, o);
+      return flatshard::checkpoint::save_sharded(a.ckpt, *ddp, torch_opt.get(), o);
+    };
+
+    int first = 0;
+    if (a.resume) {
+      const auto info = fsdp   ? flatshard::checkpoint::load_sharded(a.ckpt, *fsdp, shard_opt.get())
+                        : zero ? flatshard::checkpoint::load_sharded(a.ckpt, *zero)
+                               : flatshard::checkpoint::load_sharded(a.ckpt, *ddp, torch_opt.get());
+      first = static_cast<int>(info.step);
+      if (rank == 0)
+        std::printf("resumed from %s (step %d, saved at world %d under %s)\n", info.path.c_str(), first,
+                    info.world_size, info.mode.c_str());
+    }
+    if (rank == 0) {
+      std::printf(
+          "GPT-style model: %lld parameters (%d layers, dim %d, vocab %d, context %d), mode %s, %d ranks, "
+          "%d sequences per rank\n",
+          static_cast<long long>(params), a.model.layers, a.model.dim, a.model.vocab, a.model.context,
+          a.mode.c_str(), n, a.batch);
+      std::fflush(stdout);
+    }
+
+    auto loss_sum = at::zeros({1}, at::kDouble);
+    double timed_s = 0;
+    int timed_steps = 0;
+    for (int step = first; step < a.steps; ++step) {
+      if (step == first + 1) flatshard::memory::reset_allocator_peak();
+      const auto t0 = std::chrono::steady_clock::now();
+      auto [x, y] = batch_of(tokens, step, rank, n, a);
+      auto logits = fsdp ? fsdp->forward(x) : ddp->forward(x);
+      auto loss = torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+      loss.backward();
+      if (fsdp)
+        fsdp->clip_grad_norm(1.0);
+      else if (zero)
+        zero->clip_grad_norm(1.0);
+      else
+        ddp->clip_grad_norm(1.0);
+      if (shard_opt) {
+        shard_opt->step();
+        shard_opt->zero_grad();
+      } else if (torch_opt) {
+        torch_opt->step();
+        torch_opt->zero_grad();
+      } else {
+        zero->step();
+        zero->zero_grad();
+      }
+      loss_sum.fill_(loss.item<double>());
+      comm.all_reduce(loss_sum, flatshard::ReduceOp::Avg).wait();
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (step > first) {
+        timed_s += dt;
+        ++timed_steps;
+      }
+      const int done = step + 1;
+      if (rank == 0 && (done % a.log_every == 0 || done == a.steps)) {
+        std::printf("[%s] step %d/%d  loss %.4f  %.0f tokens/s\n", bar(done, a.steps).c_str(), done, a.steps,
+                    loss_sum.item<double>(), static_cast<double>(a.batch) * n * a.model.context / dt);
+        std::fflush(stdout);
+      }
+      if (!a.ckpt.empty() && a.save_every > 0 && done % a.save_every == 0 && done < a.steps) save(done);
+    }
+    if (!a.ckpt.empty()) {
+      const auto info = save(a.steps);
+      if (rank == 0) std::printf("saved %s\n", info.path.c_str());
+    }
+
+    // Every rank's peak, on every rank.
+    auto mine = at::full({1}, flatshard::memory::allocator_stats().peak_bytes - base, at::kLong);
+    auto peaks = at::empty({n}, at::kLong);
+    comm.all_gather(peaks, mine).wait();
+    const std::int64_t peak = peaks.max().item<std::int64_t>();
+    plan::PlanOptions po;
+    po.mode = mode;
+    po.world_size = n;
+    const auto planned = plan::predict(shape, po);
+    const double step_ms = timed_steps > 0 ? 1000 * timed_s / timed_steps : 0;
+    if (rank == 0) {
+      std::string per_rank;
+      for (int r = 0; r < n; ++r)
+        per_rank += fmt::format("{}{:.1f}", r ? ", " : "", mib(peaks[r].item<std::int64_t>()));
+      std::printf("peak memory per rank (MiB): %s; step %.0f ms; ZeRO formula %.1f MiB\n", per_rank.c_str(),
+                  step_ms, mib(planned.zero_formula));
+      if (budget.bytes > 0) {
+        std::printf("memory budget %.1f MiB: measured peak %.1f MiB is %s the budget\n", a.budget_mib,
+                    mib(peak), peak <= budget.bytes ? "under" : "OVER");
+      }
+      if (a.result) {
+        std::string list;
+        for (int r = 0; r < n; ++r) list += fmt::format("{}{}", r ? ";" : "", peaks[r].item<std::int64_t>());
+        std::printf("RESULT,%s,%d,%lld,%.1f,%lld,%lld,%lld,%s\n", a.mode.c_str(), n,
+                    static_cast<long long>(params), step_ms, static_cast<long long>(peak),
+                    static_cast<long long>(planned.zero_formula), static_cast<long long>(planned.peak),
+                    list.c_str());
+      }
+      std::fflush(stdout);
+    }
+    return budget.bytes > 0 && peak > budget.bytes ? 3 : 0;
+  } catch (const flatshard::MemoryBudgetError& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 3;
+  } catch (const flatshard::Error& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 1;
+  }
+}

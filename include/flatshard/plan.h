@@ -1,0 +1,82 @@
+// The memory planner: per-rank peak memory of a training mode, predicted from the
+// model's unit sizes (no training run needed).
+//
+//   auto shape = flatshard::plan::shape_of(*model);            // units as FullyShard sees them
+//   flatshard::plan::PlanOptions o{.mode = flatshard::plan::Mode::FullShard, .world_size = 4};
+//   o.activation_bytes = ...;                                    // one rank's micro-batch
+//   auto p = flatshard::plan::predict(shape, o);
+//   std::puts(p.describe().c_str());
+//
+// The same figures come from the command line: flatshard-plan --help. The model of
+// memory is written out in docs/memory-model.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace flatshard::plan {
+
+enum class Mode {
+  DDP,        // replicated parameters, gradients, optimizer state
+  Zero1,      // DDP + ZeroRedundancyOptimizer: optimizer state / N
+  Zero2,      // FullyShard shard-grad-op: gradients and optimizer state / N, params gathered per step
+  FullShard,  // FullyShard full shard: everything / N, units gathered just in time
+};
+const char* to_string(Mode m);
+// "ddp", "zero1", "zero2", "full" (as the benchmarks and examples spell them).
+bool parse_mode(const std::string& name, Mode& out);
+
+// Element counts: the root unit (parameters in no declared unit) and each declared unit,
+// and the largest single parameter (DDP's optimizer step works per parameter).
+struct ModelShape {
+  std::int64_t root_numel = 0;
+  std::vector<std::int64_t> unit_numels;
+  std::int64_t largest_param_numel = 0;
+  std::int64_t total() const;
+};
+
+// The units and sizes FullyShard would build for `model` (Unit<M> declarations).
+ModelShape shape_of(torch::nn::Module& model);
+// A model of `params` elements in `units` equal units (and no root unit).
+ModelShape uniform_shape(std::int64_t params, int units);
+
+struct PlanOptions {
+  Mode mode = Mode::FullShard;
+  int world_size = 1;
+  // Bytes per element of the compute dtype (4: fp32, 2: bf16). Below 4, fp32 masters
+  // are kept (FullyShard: sharded; DDP: replicated).
+  int param_bytes = 4;
+  // Optimizer state bytes per parameter: AdamW/Adam 8, SGD with momentum 4, SGD 0.
+  int optimizer_state_bytes = 8;
+  // Units gathered ahead (FullyShardOptions::prefetch).
+  int prefetch = 1;
+  // Activations and backward temporaries of one rank's micro-batch (measure once with
+  // measure_activation_bytes, or estimate); added as they are.
+  std::int64_t activation_bytes = 0;
+};
+
+// Per-rank bytes by kind, and the predicted peak.
+struct Plan {
+  std::int64_t params = 0;   // replicated parameters, or sharded fp32 masters
+  std::int64_t masters = 0;  // replicated fp32 masters (DDP/ZeRO-1 under bf16)
+  std::int64_t grads = 0;    // replicated gradients, or gradient shards
+  std::int64_t optimizer_state = 0;
+  std::int64_t gathered_params = 0;  // unsharded units alive at the peak
+  std::int64_t gathered_grads = 0;   // unsharded unit gradients alive at the peak
+  std::int64_t activations = 0;
+  std::int64_t peak = 0;  // the sum: what one rank needs
+  // The ZeRO paper's model-state formula for this mode (fp32 params and grads, K bytes
+  // of optimizer state per parameter): DDP (8+K)Ψ, ZeRO-1 8Ψ+KΨ/N, ZeRO-2 4Ψ+(4+K)Ψ/N,
+  // full shard (8+K)Ψ/N.
+  std::int64_t zero_formula = 0;
+  std::string describe() const;
+};
+
+Plan predict(const ModelShape& shape, const PlanOptions& options);
+
+}  // namespace flatshard::plan

@@ -1,0 +1,101 @@
+#include "sharding/unit_discovery.h"
+
+#include <algorithm>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "flatshard/errors.h"
+
+#include "flatshard/plan.h"
+
+namespace flatshard::sharding {
+
+UnitMembership discover_units(torch::nn::Module& model) {
+  UnitMembership m;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    if (auto* provider = dynamic_cast<UnitProvider*>(item.value().get())) {
+      for (UnitBase* u : provider->provided_units()) m.declared.push_back(u);
+    }
+  }
+  std::vector<std::set<const c10::TensorImpl*>> members(m.declared.size());
+  for (std::size_t i = 0; i < m.declared.size(); ++i) {
+    for (torch::nn::Module* sub : m.declared[i]->unit_modules()) {
+      for (const auto& p : sub->parameters(/*recurse=*/true)) members[i].insert(p.unsafeGetTensorImpl());
+    }
+  }
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const auto* impl = item.value().unsafeGetTensorImpl();
+    int best = 0;
+    for (std::size_t i = 0; i < m.declared.size(); ++i) {
+      if (members[i].count(impl) && (best == 0 || members[i].size() < members[best - 1].size())) {
+        best = static_cast<int>(i) + 1;
+      }
+    }
+    m.owner[impl] = best;
+  }
+  return m;
+}
+
+void check_memory_budget(torch::nn::Module& model, const World& world, plan::Mode mode, int param_bytes,
+                         const MemoryBudget& budget, const char* who) {
+  if (budget.bytes <= 0) return;
+  plan::PlanOptions o;
+  o.mode = mode;
+  o.world_size = world.world_size();
+  o.param_bytes = param_bytes;
+  o.optimizer_state_bytes = budget.optimizer_state_bytes;
+  o.activation_bytes = budget.activation_bytes;
+  const auto shape = plan::shape_of(model);
+  const auto need = plan::predict(shape, o);
+  if (need.peak <= budget.bytes) return;
+  const auto mib = [](std::int64_t b) { return static_cast<double>(b) / (1 << 20); };
+  o.mode = plan::Mode::FullShard;
+  const auto full = plan::predict(shape, o);
+  std::string advice;
+  if (mode != plan::Mode::FullShard && full.peak <= budget.bytes) {
+    advice = fmt::format("FullyShard (full shard) needs about {:.1f} MiB per rank at this world size: use it",
+                         mib(full.peak));
+  } else {
+    int ranks = world.world_size();
+    while (ranks < (1 << 16) && plan::predict(shape,
+                                              [&] {
+                                                auto f = o;
+                                                f.world_size = ranks;
+                                                return f;
+                                              }())
+                                        .peak > budget.bytes)
+      ranks *= 2;
+    advice = ranks < (1 << 16) ? fmt::format("full shard fits at {} ranks", ranks)
+                               : "no world size fits: raise the budget";
+  }
+  throw MemoryBudgetError(
+      need.peak, budget.bytes,
+      fmt::format("flatshard::{} (rank {}/{}): training this model ({} parameters) in mode {} needs {:.1f} "
+                  "MiB per rank, "
+                  "more than the memory budget of {:.1f} MiB ({}). {}; or raise the budget.",
+                  who, world.rank(), world.world_size(), shape.total(), plan::to_string(mode), mib(need.peak),
+                  budget.activation_bytes > 0 ? "" : " before activations", mib(budget.bytes),
+                  need.describe(), advice));
+}
+
+}  // namespace flatshard::sharding
+
+namespace flatshard::plan {
+
+ModelShape shape_of(torch::nn::Module& model) {
+  const auto m = sharding::discover_units(model);
+  ModelShape shape;
+  shape.unit_numels.assign(m.declared.size(), 0);
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const auto* impl = item.value().unsafeGetTensorImpl();
+    if (!seen.insert(impl).second) continue;
+    const int unit = m.owner.at(impl);
+    (unit == 0 ? shape.root_numel : shape.unit_numels[unit - 1]) += item.value().numel();
+    shape.largest_param_numel = std::max(shape.largest_param_numel, item.value().numel());
+  }
+  return shape;
+}
+
+}  // namespace flatshard::plan

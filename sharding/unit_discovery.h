@@ -1,0 +1,29 @@
+// Which unit each parameter belongs to: shared by the engine and the memory planner.
+#pragma once
+
+#include <unordered_map>
+#include <vector>
+
+#include <torch/nn/module.h>
+
+#include "flatshard/fully_shard.h"
+#include "flatshard/plan.h"
+#include "flatshard/unit.h"
+
+namespace flatshard::sharding {
+
+struct UnitMembership {
+  std::vector<UnitBase*> declared;  // units in declaration (pre-order) order
+  // parameter -> 1 + its unit's index in `declared`; 0: the root unit
+  std::unordered_map<const c10::TensorImpl*, int> owner;
+};
+
+// A parameter belongs to the innermost declared unit that contains it, and to the root
+// unit when none does.
+UnitMembership discover_units(torch::nn::Module& model);
+
+// Throws MemoryBudgetError when the planner's figure for `mode` exceeds the budget.
+void check_memory_budget(torch::nn::Module& model, const World& world, plan::Mode mode, int param_bytes,
+                         const MemoryBudget& budget, const char* who);
+
+}  // namespace flatshard::sharding

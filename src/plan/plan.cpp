@@ -1,0 +1,128 @@
+// The planner's arithmetic (no LibTorch: flatshard-plan links only this).
+#include "flatshard/plan.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "flatshard/shard.h"
+
+namespace flatshard::plan {
+namespace {
+
+// A unit's flat buffer: padded to a multiple of the world size and 16 bytes per shard.
+std::int64_t padded(std::int64_t numel, int world, int elem) {
+  return padded_numel(numel, world, std::max(1, 16 / elem));
+}
+
+double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
+
+}  // namespace
+
+const char* to_string(Mode m) {
+  switch (m) {
+    case Mode::DDP: return "ddp";
+    case Mode::Zero1: return "zero1";
+    case Mode::Zero2: return "zero2";
+    case Mode::FullShard: return "full";
+  }
+  return "?";
+}
+
+bool parse_mode(const std::string& name, Mode& out) {
+  for (Mode m : {Mode::DDP, Mode::Zero1, Mode::Zero2, Mode::FullShard}) {
+    if (name == to_string(m)) {
+      out = m;
+      return true;
+    }
+  }
+  return false;
+}
+
+std::int64_t ModelShape::total() const {
+  std::int64_t t = root_numel;
+  for (auto n : unit_numels) t += n;
+  return t;
+}
+
+ModelShape uniform_shape(std::int64_t params, int units) {
+  ModelShape s;
+  const int u = std::max(units, 1);
+  for (int i = 0; i < u; ++i) s.unit_numels.push_back(shard_range(params, u, i).numel);
+  s.largest_param_numel = s.unit_numels.front();
+  return s;
+}
+
+// Note [Where the peak is]
+// Model states live throughout; the rest peaks at the start of backward, when every
+// activation is still alive and the first gradients arrive (measured with the counting
+// allocator; docs/memory-model.md):
+// - FullyShard (both strategies): fp32 master shards and optimizer state; gradient
+//   shards are dropped by zero_grad and come back only as units finish backward, after
+//   the peak. Gathered: the root unit and, under full shard, the last unit with
+//   `prefetch` units gathered ahead for backward; under shard-grad-op every unit. The
+//   root unit's unsharded gradient (the output layer's comes first) lives through
+//   backward.
+// - DDP and ZeRO-1: replicated parameters and gradient buckets (gradients alias them),
+//   fp32 masters under mixed precision, the optimizer state (whole or 1/N).
+Plan predict(const ModelShape& shape, const PlanOptions& o) {
+  Plan p;
+  const int n = std::max(o.world_size, 1);
+  const int e = o.param_bytes;
+  const std::int64_t psi = shape.total();
+  const std::int64_t k = o.optimizer_state_bytes;
+  p.activations = o.activation_bytes;
+  switch (o.mode) {
+    case Mode::DDP:
+    case Mode::Zero1: {
+      p.params = psi * e;
+      p.grads = psi * e;
+      if (e != 4) p.masters = 2 * psi * 4;  // fp32 masters and their gradients
+      p.optimizer_state = o.mode == Mode::DDP ? psi * k : (psi * k + n - 1) / n;
+      break;
+    }
+    case Mode::Zero2:
+    case Mode::FullShard: {
+      std::vector<std::int64_t> units;  // padded flat buffers of the declared units
+      std::int64_t shards = 0;
+      const std::int64_t root = shape.root_numel > 0 ? padded(shape.root_numel, n, e) : 0;
+      shards += root / n;
+      for (auto u : shape.unit_numels) {
+        units.push_back(padded(u, n, e));
+        shards += units.back() / n;
+      }
+      p.params = shards * 4;  // fp32 masters
+      p.optimizer_state = shards * k;
+      std::sort(units.rbegin(), units.rend());
+      auto largest = [&](int count) {
+        std::int64_t s = 0;
+        for (int i = 0; i < count && i < static_cast<int>(units.size()); ++i) s += units[i];
+        return s;
+      };
+      std::int64_t all_units = 0;
+      for (auto u : units) all_units += u;
+      p.gathered_params = (root + (o.mode == Mode::Zero2 ? all_units : largest(1 + o.prefetch))) * e;
+      p.gathered_grads = root * e;
+      break;
+    }
+  }
+  p.peak = p.params + p.masters + p.grads + p.optimizer_state + p.gathered_params + p.gathered_grads +
+           p.activations;
+  switch (o.mode) {
+    case Mode::DDP: p.zero_formula = (8 + k) * psi; break;
+    case Mode::Zero1: p.zero_formula = 8 * psi + k * psi / n; break;
+    case Mode::Zero2: p.zero_formula = 4 * psi + (4 + k) * psi / n; break;
+    case Mode::FullShard: p.zero_formula = (8 + k) * psi / n; break;
+  }
+  return p;
+}
+
+std::string Plan::describe() const {
+  return fmt::format(
+      "peak {:.1f} MiB = params {:.1f} + masters {:.1f} + grads {:.1f} + optimizer state {:.1f} + gathered "
+      "params {:.1f} + gathered grads {:.1f} + activations {:.1f} (ZeRO formula {:.1f})",
+      mib(peak), mib(params), mib(masters), mib(grads), mib(optimizer_state), mib(gathered_params),
+      mib(gathered_grads), mib(activations), mib(zero_formula));
+}
+
+}  // namespace flatshard::plan

@@ -1,0 +1,124 @@
+// The memory planner against the counting allocator's measured peak, for every mode at
+// world sizes 1 to 4.
+#include <ATen/Parallel.h>
+
+#include <gtest/gtest.h>
+
+#include "flatshard/plan.h"
+#include "tests/support/cases.h"
+#include "tests/support/multirank.h"
+
+namespace {
+
+using namespace flatshard::testing;
+namespace plan = flatshard::plan;
+
+// Wide enough that model states dominate, small enough for CI.
+GPTConfig plan_config() { return GPTConfig{2048, 32, 192, 4, 4}; }
+constexpr int kGlobalBatch = 12;
+
+Batch batch_of(int step, int rows) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+  const auto c = plan_config();
+  auto tokens = at::randint(c.vocab, {rows, c.context + 1}, g);
+  return {tokens.narrow(1, 0, c.context).contiguous(), tokens.narrow(1, 1, c.context).contiguous()};
+}
+
+// Activations and backward temporaries of one micro-batch: the allocator's peak over a
+// forward and backward of the plain model whose gradients already exist.
+std::int64_t measure_activations(int rows) {
+  torch::manual_seed(5);
+  GPT model(plan_config());
+  for (auto& p : model->parameters()) p.mutable_grad() = at::zeros_like(p);
+  const auto b = batch_of(0, rows);
+  token_loss(model->forward(b.input), b.target).backward();  // warm-up, as the modes' first step
+  flatshard::memory::reset_allocator_peak();
+  const auto before = flatshard::memory::allocator_stats().current_bytes;
+  token_loss(model->forward(b.input), b.target).backward();
+  return flatshard::memory::allocator_stats().peak_bytes - before;
+}
+
+// Peak over steps 2 and 3 (the first allocates optimizer state) of one mode, in bytes
+// above what was allocated before the model was built.
+std::int64_t measure_peak(const flatshard::World& world, plan::Mode mode) {
+  const int rows = kGlobalBatch / world.world_size();
+  const auto base = flatshard::memory::allocator_stats().current_bytes;
+  torch::manual_seed(5);
+  GPT model(plan_config());
+  std::unique_ptr<flatshard::FullyShard<GPT>> fsdp;
+  std::unique_ptr<flatshard::optim::Adam> shard_opt;
+  std::unique_ptr<flatshard::DistributedDataParallel<GPT>> ddp;
+  std::unique_ptr<torch::optim::AdamW> torch_opt;
+  std::unique_ptr<flatshard::ZeroRedundancyOptimizer> zero;
+  if (mode == plan::Mode::Zero2 || mode == plan::Mode::FullShard) {
+    flatshard::FullyShardOptions o;
+    o.strategy =
+        mode == plan::Mode::FullShard ? flatshard::Strategy::FullShard : flatshard::Strategy::ShardGradOp;
+    fsdp = std::make_unique<flatshard::FullyShard<GPT>>(model, world, o);
+    shard_opt = std::make_unique<flatshard::optim::Adam>(fsdp->shards(), flatshard::optim::AdamWOptions{});
+  } else {
+    ddp = std::make_unique<flatshard::DistributedDataParallel<GPT>>(model, world);
+    if (mode == plan::Mode::DDP)
+      torch_opt =
+          std::make_unique<torch::optim::AdamW>(ddp->optimizer_params(), torch::optim::AdamWOptions(1e-3));
+    else
+      zero = std::make_unique<flatshard::ZeroRedundancyOptimizer>(*ddp, flatshard::optim::AdamWOptions{});
+  }
+  for (int step = 0; step < 3; ++step) {
+    if (step == 1) flatshard::memory::reset_allocator_peak();
+    const auto b = batch_of(step, kGlobalBatch);
+    const auto x = b.input.narrow(0, world.rank() * rows, rows),
+               y = b.target.narrow(0, world.rank() * rows, rows);
+    token_loss(fsdp ? fsdp->forward(x) : ddp->forward(x), y).backward();
+    if (shard_opt) {
+      shard_opt->step();
+      shard_opt->zero_grad();
+    } else if (torch_opt) {
+      torch_opt->step();
+      torch_opt->zero_grad();
+    } else {
+      zero->step();
+      zero->zero_grad();
+    }
+  }
+  return flatshard::memory::allocator_stats().peak_bytes - base;
+}
+
+TEST(Planner, PredictsMeasuredPeakWithinTenPercent) {
+  FLATSHARD_RUN_RANKS({1, 2, 3, 4}, std::chrono::seconds(300));
+  at::set_num_threads(1);
+  flatshard::memory::install_counting_allocator();
+  auto world = flatshard::init();
+  const auto activations = measure_activations(kGlobalBatch / world.world_size());
+  torch::manual_seed(5);
+  const auto shape = plan::shape_of(*GPT(plan_config()));
+  for (plan::Mode mode : {plan::Mode::DDP, plan::Mode::Zero1, plan::Mode::Zero2, plan::Mode::FullShard}) {
+    plan::PlanOptions o;
+    o.mode = mode;
+    o.world_size = world.world_size();
+    o.activation_bytes = activations;
+    const auto predicted = plan::predict(shape, o);
+    const auto measured = measure_peak(world, mode);
+    const double error = static_cast<double>(predicted.peak - measured) / static_cast<double>(measured);
+    std::printf("%s world %d: measured %.2f MiB, predicted %.2f MiB (%+.1f%%): %s\n", plan::to_string(mode),
+                world.world_size(), measured / 1048576.0, predicted.peak / 1048576.0, 100 * error,
+                predicted.describe().c_str());
+    EXPECT_LE(std::abs(error), 0.10) << plan::to_string(mode) << " at world " << world.world_size();
+  }
+}
+
+TEST(Planner, ShapeOfFollowsTheUnits) {
+  torch::manual_seed(5);
+  GPT model(plan_config());
+  const auto shape = plan::shape_of(*model);
+  const auto c = plan_config();
+  ASSERT_EQ(shape.unit_numels.size(), static_cast<std::size_t>(c.layers));
+  std::int64_t total = 0;
+  for (const auto& p : model->parameters()) total += p.numel();
+  EXPECT_EQ(shape.total(), total);
+  // Root: token and position embeddings, final layer norm, head.
+  EXPECT_EQ(shape.root_numel, c.vocab * c.dim + c.context * c.dim + 2 * c.dim + c.dim * c.vocab);
+  EXPECT_EQ(shape.largest_param_numel, c.vocab * c.dim);
+}
+
+}  // namespace
