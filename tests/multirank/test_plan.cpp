@@ -40,8 +40,9 @@ std::int64_t measure_activations(int rows) {
 
 // Peak over steps 2 and 3 (the first allocates optimizer state) of one mode, in bytes
 // above what was allocated before the model was built.
-std::int64_t measure_peak(const flatshard::World& world, plan::Mode mode) {
-  const int rows = kGlobalBatch / world.world_size();
+std::int64_t measure_peak(const flatshard::World& world, plan::Mode mode, const flatshard::MemoryBudget& budget = {},
+                          int rows = 0) {
+  if (rows == 0) rows = kGlobalBatch / world.world_size();
   const auto base = flatshard::memory::allocator_stats().current_bytes;
   torch::manual_seed(5);
   GPT model(plan_config());
@@ -57,7 +58,10 @@ std::int64_t measure_peak(const flatshard::World& world, plan::Mode mode) {
     fsdp = std::make_unique<flatshard::FullyShard<GPT>>(model, world, o);
     shard_opt = std::make_unique<flatshard::optim::Adam>(fsdp->shards(), flatshard::optim::AdamWOptions{});
   } else {
-    ddp = std::make_unique<flatshard::DistributedDataParallel<GPT>>(model, world);
+    flatshard::DDPOptions o;
+    o.memory_budget = budget;
+    o.sharded_optimizer = mode == plan::Mode::Zero1;
+    ddp = std::make_unique<flatshard::DistributedDataParallel<GPT>>(model, world, o);
     if (mode == plan::Mode::DDP)
       torch_opt =
           std::make_unique<torch::optim::AdamW>(ddp->optimizer_params(), torch::optim::AdamWOptions(1e-3));
@@ -66,7 +70,7 @@ std::int64_t measure_peak(const flatshard::World& world, plan::Mode mode) {
   }
   for (int step = 0; step < 3; ++step) {
     if (step == 1) flatshard::memory::reset_allocator_peak();
-    const auto b = batch_of(step, kGlobalBatch);
+    const auto b = batch_of(step, rows * world.world_size());
     const auto x = b.input.narrow(0, world.rank() * rows, rows),
                y = b.target.narrow(0, world.rank() * rows, rows);
     token_loss(fsdp ? fsdp->forward(x) : ddp->forward(x), y).backward();
@@ -105,6 +109,31 @@ TEST(Planner, PredictsMeasuredPeakWithinTenPercent) {
                 predicted.describe().c_str());
     EXPECT_LE(std::abs(error), 0.10) << plan::to_string(mode) << " at world " << world.world_size();
   }
+}
+
+// "Doesn't fit": with a per-rank budget below what DDP's model states need, DDP is
+// refused at construction, stating need and budget; full shard trains within it.
+TEST(Planner, BudgetRefusesDdpAndFullShardTrainsWithinIt) {
+  FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(120));
+  at::set_num_threads(1);
+  flatshard::memory::install_counting_allocator();
+  auto world = flatshard::init();
+  flatshard::MemoryBudget budget;
+  budget.bytes = 36 << 20;  // DDP: 16 bytes x 2.57M parameters = 39.2 MiB before activations
+  try {
+    measure_peak(world, plan::Mode::DDP, budget);
+    ADD_FAILURE() << "DDP was not refused";
+  } catch (const flatshard::MemoryBudgetError& e) {
+    const std::string what = e.what();
+    EXPECT_GT(e.need_bytes(), budget.bytes);
+    EXPECT_EQ(e.budget_bytes(), budget.bytes);
+    EXPECT_NE(what.find("needs 39.2 MiB per rank"), std::string::npos) << what;
+    EXPECT_NE(what.find("memory budget of 36.0 MiB"), std::string::npos) << what;
+    EXPECT_NE(what.find("FullyShard (full shard) needs about"), std::string::npos) << what;
+  }
+  const auto peak = measure_peak(world, plan::Mode::FullShard, budget, /*rows=*/2);
+  std::printf("full shard at world %d: measured peak %.1f MiB, budget 36 MiB\n", world.world_size(), peak / 1048576.0);
+  EXPECT_LE(peak, budget.bytes);
 }
 
 TEST(Planner, ShapeOfFollowsTheUnits) {
