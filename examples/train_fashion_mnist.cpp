@@ -3,7 +3,10 @@
 //
 //   flatshard-run -n 2 build/examples/train_fashion_mnist [--epochs 1] [--batch 32]
 //       [--lr 1e-3] [--mode full|zero2|ddp] [--data /usr/share/datasets/fashion-mnist]
-//       [--train-limit N]
+//       [--train-limit N] [--min-accuracy PERCENT]
+//
+// With --min-accuracy the program exits 4 when the last epoch's test accuracy is lower
+// (the ctest examples.fashion_mnist uses it).
 //
 // Each epoch the sampler shuffles the training set with the epoch as seed (the same
 // order on every rank) and gives rank r every world-size-th index from r, padded so
@@ -64,7 +67,7 @@ int main(int argc, char** argv) {
   std::string dir = "/usr/share/datasets/fashion-mnist", mode = "full";
   int epochs = 1, batch = 32;
   std::int64_t limit = 0;
-  double lr = 1e-3;
+  double lr = 1e-3, min_accuracy = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--data")
@@ -116,6 +119,7 @@ int main(int argc, char** argv) {
     auto forward = [&](const at::Tensor& x) { return fsdp ? fsdp->forward(x) : ddp->forward(x); };
     auto& comm = fsdp ? fsdp->comm() : ddp->comm();
 
+    double accuracy = 0;
     for (int epoch = 1; epoch <= epochs; ++epoch) {
       model->train();
       const auto mine = sampler(train_x.size(0), epoch, rank, n);
@@ -152,13 +156,18 @@ int main(int argc, char** argv) {
       }
       counts[1] = static_cast<double>(share.numel);
       comm.all_reduce(counts, flatshard::ReduceOp::Sum).wait();
+      accuracy = 100 * counts[0].item<double>() / counts[1].item<double>();
       if (rank == 0) {
-        std::printf("epoch %d: test accuracy %.2f%% (%d of %d), %.0f s\n", epoch,
-                    100 * counts[0].item<double>() / counts[1].item<double>(),
+        std::printf("epoch %d: test accuracy %.2f%% (%d of %d), %.0f s\n", epoch, accuracy,
                     static_cast<int>(counts[0].item<double>()), static_cast<int>(counts[1].item<double>()),
                     seconds);
         std::fflush(stdout);
       }
+    }
+    if (accuracy < min_accuracy) {
+      std::fprintf(stderr, "train_fashion_mnist: test accuracy %.2f%% is below --min-accuracy %.2f%%\n",
+                   accuracy, min_accuracy);
+      return 4;
     }
     return 0;
   } catch (const std::exception& e) {
