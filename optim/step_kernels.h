@@ -38,4 +38,16 @@ void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
 // Sum of squares of `numel` values of x, accumulated in double.
 double sum_of_squares(const float* x, std::int64_t numel);
 
+// The same kernels on CUDA device pointers (built when the CUDA toolkit is found;
+// cuda/step_kernels.cu), issued on `stream` (a cudaStream_t) without waiting for them:
+// the caller orders later work on that stream. sum_of_squares copies its result to the
+// host and so waits for the stream.
+namespace cuda {
+void sgd_step(float* param, const float* grad, float* momentum_buf, std::int64_t numel, const SgdHyper& h,
+              void* stream);
+void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, std::int64_t numel,
+               const AdamHyper& h, void* stream);
+double sum_of_squares(const float* x, std::int64_t numel, void* stream);
+}  // namespace cuda
+
 }  // namespace flatshard::optim::kernels
