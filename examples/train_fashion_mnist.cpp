@@ -82,6 +82,8 @@ int main(int argc, char** argv) {
       mode = v;
     else if (k == "--train-limit")
       limit = std::stoll(v);
+    else if (k == "--min-accuracy")
+      min_accuracy = std::stod(v);
     else {
       std::fprintf(stderr, "train_fashion_mnist: unknown option %s\n", k.c_str());
       return 2;

@@ -32,6 +32,7 @@
 
 #include <fmt/format.h>
 
+#include "examples/common/any_mode.h"
 #include "examples/models/gpt.h"
 #include "flatshard/flatshard.h"
 #include "flatshard/plan.h"
@@ -170,46 +171,16 @@ int main(int argc, char** argv) {
     flatshard::MemoryBudget budget;
     budget.bytes = static_cast<std::int64_t>(a.budget_mib * (1 << 20));
 
-    std::unique_ptr<flatshard::FullyShard<GPT>> fsdp;
-    std::unique_ptr<flatshard::optim::Adam> shard_opt;
-    std::unique_ptr<flatshard::DistributedDataParallel<GPT>> ddp;
-    std::unique_ptr<torch::optim::AdamW> torch_opt;
-    std::unique_ptr<flatshard::ZeroRedundancyOptimizer> zero;
-    const flatshard::optim::AdamWOptions adamw{a.lr, 0.9, 0.95, 1e-8, 0.1};
-    if (mode == plan::Mode::FullShard || mode == plan::Mode::Zero2) {
-      flatshard::FullyShardOptions o;
-      o.strategy =
-          mode == plan::Mode::FullShard ? flatshard::Strategy::FullShard : flatshard::Strategy::ShardGradOp;
-      o.memory_budget = budget;
-      fsdp = std::make_unique<flatshard::FullyShard<GPT>>(model, world, o);
-      shard_opt = std::make_unique<flatshard::optim::Adam>(fsdp->shards(), adamw);
-    } else {
-      flatshard::DDPOptions o;
-      o.memory_budget = budget;
-      o.sharded_optimizer = mode == plan::Mode::Zero1;
-      ddp = std::make_unique<flatshard::DistributedDataParallel<GPT>>(model, world, o);
-      if (mode == plan::Mode::DDP) {
-        torch_opt = std::make_unique<torch::optim::AdamW>(
-            ddp->optimizer_params(),
-            torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.1));
-      } else {
-        zero = std::make_unique<flatshard::ZeroRedundancyOptimizer>(*ddp, adamw);
-      }
-    }
-    auto& comm = fsdp ? fsdp->comm() : ddp->comm();
-    auto save = [&](int step) {
-      flatshard::checkpoint::SaveOptions o;
-      o.step = step;
-      if (fsdp) return flatshard::checkpoint::save_sharded(a.ckpt, *fsdp, shard_opt.get(), o);
-      if (zero) return flatshard::checkpoint::save_sharded(a.ckpt, *zero, o);
-      return flatshard::checkpoint::save_sharded(a.ckpt, *ddp, torch_opt.get(), o);
-    };
+    flatshard::examples::AnyModeOptions o;
+    o.adamw = {a.lr, 0.9, 0.95, 1e-8, 0.1};
+    o.fully_shard.memory_budget = budget;
+    o.ddp.memory_budget = budget;
+    flatshard::examples::AnyMode<GPT> run(model, world, mode, o);
+    auto& comm = run.comm();
 
     int first = 0;
     if (a.resume) {
-      const auto info = fsdp   ? flatshard::checkpoint::load_sharded(a.ckpt, *fsdp, shard_opt.get())
-                        : zero ? flatshard::checkpoint::load_sharded(a.ckpt, *zero)
-                               : flatshard::checkpoint::load_sharded(a.ckpt, *ddp, torch_opt.get());
+      const auto info = run.load(a.ckpt);
       first = static_cast<int>(info.step);
       if (rank == 0)
         std::printf("resumed from %s (step %d, saved at world %d under %s)\n", info.path.c_str(), first,
@@ -231,25 +202,11 @@ int main(int argc, char** argv) {
       if (step == first + 1) flatshard::memory::reset_allocator_peak();
       const auto t0 = std::chrono::steady_clock::now();
       auto [x, y] = batch_of(tokens, step, rank, n, a);
-      auto logits = fsdp ? fsdp->forward(x) : ddp->forward(x);
+      auto logits = run.forward(x);
       auto loss = torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
       loss.backward();
-      if (fsdp)
-        fsdp->clip_grad_norm(1.0);
-      else if (zero)
-        zero->clip_grad_norm(1.0);
-      else
-        ddp->clip_grad_norm(1.0);
-      if (shard_opt) {
-        shard_opt->step();
-        shard_opt->zero_grad();
-      } else if (torch_opt) {
-        torch_opt->step();
-        torch_opt->zero_grad();
-      } else {
-        zero->step();
-        zero->zero_grad();
-      }
+      run.clip_grad_norm(1.0);
+      run.step();
       loss_sum.fill_(loss.item<double>());
       comm.all_reduce(loss_sum, flatshard::ReduceOp::Avg).wait();
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -263,10 +220,11 @@ int main(int argc, char** argv) {
                     loss_sum.item<double>(), static_cast<double>(a.batch) * n * a.model.context / dt);
         std::fflush(stdout);
       }
-      if (!a.ckpt.empty() && a.save_every > 0 && done % a.save_every == 0 && done < a.steps) save(done);
+      if (!a.ckpt.empty() && a.save_every > 0 && done % a.save_every == 0 && done < a.steps)
+        run.save(a.ckpt, done);
     }
     if (!a.ckpt.empty()) {
-      const auto info = save(a.steps);
+      const auto info = run.save(a.ckpt, a.steps);
       if (rank == 0) std::printf("saved %s\n", info.path.c_str());
     }
 

@@ -1,5 +1,11 @@
 #include "optim/clip.h"
 
+#include <fmt/ranges.h>
+
+#include "flatshard/errors.h"
+#include "flatshard/fully_shard.h"
+#include "src/logging.h"
+
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -30,6 +36,37 @@ double clip_by_global_norm(const std::vector<at::Tensor>& grads, double max_norm
     }
   }
   return norm;
+}
+
+std::vector<int> nonfinite_ranks(const std::vector<at::Tensor>& grads, Communicator& comm) {
+  bool finite = true;
+  for (const auto& g : grads) {
+    if (g.defined() && g.numel() > 0 && !at::isfinite(g).all().item<bool>()) finite = false;
+  }
+  auto flags = at::empty({comm.world_size()}, at::kInt);
+  comm.all_gather(flags, at::full({1}, finite ? 0 : 1, at::kInt)).wait();
+  std::vector<int> out;
+  for (int r = 0; r < comm.world_size(); ++r) {
+    if (flags[r].item<int>() != 0) out.push_back(r);
+  }
+  return out;
+}
+
+bool handle_nonfinite(const std::vector<int>& ranks, int policy, std::int64_t backward, int rank,
+                      int world_size, const char* who) {
+  if (ranks.empty()) return false;
+  const auto message =
+      fmt::format("flatshard::{} (rank {}/{}): gradients of backward #{} hold NaN or Inf on rank(s) {}{}",
+                  who, rank, world_size, backward, fmt::join(ranks, ", "),
+                  policy == static_cast<int>(NonFiniteGrads::Skip) ? ": the step is skipped" : "");
+  if (policy == static_cast<int>(NonFiniteGrads::Raise)) {
+    throw NonFiniteGradError(ranks, backward,
+                             message +
+                                 ". Lower the learning rate, clip gradients, or check the data of that step; "
+                                 "NonFiniteGrads::Skip skips such steps instead");
+  }
+  log::at(log::Level::Warn, "{}", message);
+  return true;
 }
 
 }  // namespace flatshard::optim

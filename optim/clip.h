@@ -18,4 +18,13 @@ namespace flatshard::optim {
 // clipping. A collective when `comm` is given.
 double clip_by_global_norm(const std::vector<at::Tensor>& grads, double max_norm, Communicator* comm);
 
+// The ranks whose `grads` hold a NaN or Inf (empty when none): every rank learns every
+// rank's answer. A collective.
+std::vector<int> nonfinite_ranks(const std::vector<at::Tensor>& grads, Communicator& comm);
+
+// Applies the policy to the result of nonfinite_ranks: returns true when the caller
+// should drop this step's gradients; throws NonFiniteGradError for Raise.
+bool handle_nonfinite(const std::vector<int>& ranks, int policy, std::int64_t backward, int rank,
+                      int world_size, const char* who);
+
 }  // namespace flatshard::optim

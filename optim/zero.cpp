@@ -149,6 +149,7 @@ void ZeroRedundancyOptimizer::reduce_if_standalone() {
 void ZeroRedundancyOptimizer::step() {
   reduce_if_standalone();
   reduced_ = false;
+  if (engine_->take_dropped()) return;  // NaN/Inf gradients, NonFiniteGrads::Skip
   ensure_slices();
   for (int b = 0; b < static_cast<int>(slices_.size()); ++b) {
     const auto range = shard_range(engine_->buckets()[b].numel, engine_->world_size(), engine_->rank());

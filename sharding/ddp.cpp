@@ -26,6 +26,7 @@ std::vector<at::Tensor> DDPBase::optimizer_params() const { return engine_->opti
 void DDPBase::pre_forward() { engine_->pre_forward(); }
 int DDPBase::num_buckets() const { return static_cast<int>(engine_->buckets().size()); }
 Communicator& DDPBase::comm() { return engine_->comm(); }
+std::int64_t DDPBase::skipped_steps() const { return engine_->skipped_steps(); }
 torch::nn::Module& DDPBase::root_module() { return engine_->model(); }
 
 DDPBase::NoSync::NoSync(DDPBase& owner) : owner_(owner) { owner_.engine_->set_no_sync(true); }

@@ -1,5 +1,8 @@
 #include "sharding/ddp_engine.h"
 
+#include "flatshard/shard.h"
+#include "optim/clip.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -304,6 +307,27 @@ void DdpEngine::end_of_backward() {
       params_[i].param.mutable_grad().reset();
       if (mixed()) params_[i].master.mutable_grad().reset();
     }
+  }
+  ++synced_backwards_;
+  if (options_.nonfinite_grads == NonFiniteGrads::Ignore) return;
+  // All-reduced gradients are the same everywhere; reduce-scattered ones are valid in
+  // this rank's slice only: check what this rank holds, then agree.
+  std::vector<at::Tensor> grads;
+  for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
+    const auto mine = reduce_ == GradReduce::ReduceScatter && rebuilt_
+                          ? shard_range(buckets_[b].numel, world_size_, rank_)
+                          : ShardRange{0, buckets_[b].numel};
+    grads.push_back(step_grads(b).narrow(0, mine.offset, mine.numel));
+  }
+  const auto bad = optim::nonfinite_ranks(grads, *comm_);
+  if (optim::handle_nonfinite(bad, static_cast<int>(options_.nonfinite_grads), synced_backwards_, rank_,
+                              world_size_, "DistributedDataParallel")) {
+    for (auto& p : params_) {
+      p.param.mutable_grad().reset();
+      if (mixed()) p.master.mutable_grad().reset();
+    }
+    dropped_ = true;
+    ++skipped_steps_;
   }
 }
 

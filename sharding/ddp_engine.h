@@ -5,6 +5,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/csrc/autograd/function.h>
@@ -76,6 +77,10 @@ class DdpEngine {
   void restore_order(const std::vector<int>& order);
   // Called after the first synced backward rebuilt the buckets (their layout changed).
   std::uint64_t layout_version() const { return layout_version_; }
+  std::int64_t skipped_steps() const { return skipped_steps_; }
+  // True once after a backward whose gradients were dropped for NaN/Inf (the
+  // ZeroRedundancyOptimizer then skips its step).
+  bool take_dropped() { return std::exchange(dropped_, false); }
 
  private:
   void build_buckets(const std::vector<int>& order);
@@ -99,6 +104,9 @@ class DdpEngine {
   bool rebuilt_ = false;      // bucket order rebuilt from the first backward's arrival order
   std::vector<int> arrival_;  // parameter indices in the order their gradients arrived
   std::uint64_t layout_version_ = 0;
+  std::int64_t synced_backwards_ = 0;
+  std::int64_t skipped_steps_ = 0;
+  bool dropped_ = false;
 };
 
 }  // namespace flatshard::sharding

@@ -385,6 +385,19 @@ void Engine::end_of_backward() {
     units_[i]->post_backward_done = false;
   }
   backward_active_ = false;
+  if (no_sync_) return;
+  ++synced_backwards_;
+  if (options_.nonfinite_grads == NonFiniteGrads::Ignore) return;
+  std::vector<at::Tensor> grads;
+  for (auto& u : units_) {
+    if (u->group) grads.push_back(u->group->master().grad());
+  }
+  const auto bad = optim::nonfinite_ranks(grads, *comm_);
+  if (optim::handle_nonfinite(bad, static_cast<int>(options_.nonfinite_grads), synced_backwards_, rank_,
+                              world_size_, "FullyShard")) {
+    zero_grad();
+    ++skipped_steps_;
+  }
 }
 
 // --- the rest -------------------------------------------------------------------

@@ -34,6 +34,7 @@ class Engine {
   void reshard_all();
   ShardMemory memory() const;
   int peak_gathered_units() const { return peak_gathered_units_; }
+  std::int64_t skipped_steps() const { return skipped_steps_; }
   void reset_peaks();
   int num_units() const { return static_cast<int>(units_.size()); }
   // The root unit's gathered bytes (root), or the largest other unit's.
@@ -70,6 +71,8 @@ class Engine {
   std::unique_ptr<PendingReduce> pending_;  // the reduce-scatter in flight (at most one)
   ShardMemory memory_;
   int peak_gathered_units_ = 0;
+  std::int64_t synced_backwards_ = 0;
+  std::int64_t skipped_steps_ = 0;
 };
 
 }  // namespace flatshard::sharding

@@ -27,6 +27,7 @@ void FullyShardBase::zero_grad() { engine_->zero_grad(); }
 ShardMemory FullyShardBase::memory() const { return engine_->memory(); }
 int FullyShardBase::peak_gathered_units() const { return engine_->peak_gathered_units(); }
 void FullyShardBase::reset_peaks() { engine_->reset_peaks(); }
+std::int64_t FullyShardBase::skipped_steps() const { return engine_->skipped_steps(); }
 int FullyShardBase::num_units() const { return engine_->num_units(); }
 std::int64_t FullyShardBase::largest_unit_bytes() const { return engine_->unit_bytes(false); }
 std::int64_t FullyShardBase::root_unit_bytes() const { return engine_->unit_bytes(true); }

@@ -71,11 +71,12 @@ void check_memory_budget(torch::nn::Module& model, const World& world, plan::Mod
   }
   throw MemoryBudgetError(
       need.peak, budget.bytes,
-      fmt::format("flatshard::{} (rank {}/{}): training this model ({} parameters) in mode {} needs {:.1f} MiB "
-                  "per rank{}, more than the memory budget of {:.1f} MiB ({}). {}; or raise the budget.",
-                  who, world.rank(), world.world_size(), shape.total(), plan::to_string(mode), mib(need.peak),
-                  budget.activation_bytes > 0 ? "" : " before activations", mib(budget.bytes),
-                  need.describe(), advice));
+      fmt::format(
+          "flatshard::{} (rank {}/{}): training this model ({} parameters) in mode {} needs {:.1f} MiB "
+          "per rank{}, more than the memory budget of {:.1f} MiB ({}). {}; or raise the budget.",
+          who, world.rank(), world.world_size(), shape.total(), plan::to_string(mode), mib(need.peak),
+          budget.activation_bytes > 0 ? "" : " before activations", mib(budget.bytes), need.describe(),
+          advice));
 }
 
 }  // namespace flatshard::sharding

@@ -50,6 +50,9 @@ struct DDPOptions {
   // sharded_optimizer when a ZeroRedundancyOptimizer will hold the state (ZeRO-1).
   MemoryBudget memory_budget;
   bool sharded_optimizer = false;
+  // NaN/Inf in the reduced gradients: Skip drops them (torch::optim and
+  // ZeroRedundancyOptimizer then skip the step), Raise throws from backward.
+  NonFiniteGrads nonfinite_grads = NonFiniteGrads::Ignore;
 };
 
 namespace sharding {
@@ -82,6 +85,7 @@ class DDPBase {
   // gradients are the same everywhere, so no communication); returns the norm.
   double clip_grad_norm(double max_norm);
 
+  std::int64_t skipped_steps() const;
   int num_buckets() const;
   // Parameter names per bucket, in bucket order (for tests and logs).
   std::vector<std::vector<std::string>> bucket_layout() const;

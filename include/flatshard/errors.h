@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace flatshard {
 
@@ -56,6 +57,21 @@ class MemoryBudgetError : public Error {
 
  private:
   std::int64_t need_, budget_;
+};
+
+// Gradients held NaN or Inf after backward, with NonFiniteGrads::Raise. Every rank
+// throws it (the check is collective); ranks() are the ranks whose gradients were not
+// finite.
+class NonFiniteGradError : public Error {
+ public:
+  NonFiniteGradError(std::vector<int> ranks, std::int64_t backward, const std::string& message)
+      : Error(message), ranks_(std::move(ranks)), backward_(backward) {}
+  const std::vector<int>& ranks() const noexcept { return ranks_; }
+  std::int64_t backward() const noexcept { return backward_; }  // 1 for the first backward
+
+ private:
+  std::vector<int> ranks_;
+  std::int64_t backward_;
 };
 
 // A collective failed after it started: a peer died or closed its connection, the

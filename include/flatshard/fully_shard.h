@@ -54,6 +54,15 @@ struct MemoryBudget {
   std::int64_t activation_bytes = 0;  // add this much for activations, when known
 };
 
+// What to do when gradients hold NaN or Inf after backward. The check is collective
+// (a non-finite value on any rank is seen by every rank) and runs once per synced
+// backward, after the gradients are reduced.
+enum class NonFiniteGrads {
+  Ignore,  // no check
+  Skip,    // drop this step's gradients (the optimizer then skips the step), log it, count it
+  Raise,   // backward throws NonFiniteGradError on every rank
+};
+
 struct FullyShardOptions {
   Strategy strategy = Strategy::FullShard;
   // Default: true for FullShard, false for ShardGradOp.
@@ -64,6 +73,7 @@ struct FullyShardOptions {
   MixedPrecision mixed_precision;
   CommunicatorOptions comm{std::chrono::minutes(5), "fully_shard"};
   MemoryBudget memory_budget;
+  NonFiniteGrads nonfinite_grads = NonFiniteGrads::Ignore;
 };
 
 // Byte counts of one rank (see memory accounting in docs/fully-shard.md).
@@ -149,6 +159,8 @@ class FullyShardBase {
   int peak_gathered_units() const;
   void reset_peaks();
 
+  // Steps whose gradients were dropped for NaN/Inf (NonFiniteGrads::Skip).
+  std::int64_t skipped_steps() const;
   int num_units() const;  // including the root unit
   // Bytes of the largest non-root unit's gathered flat buffer, and of the root unit's.
   std::int64_t largest_unit_bytes() const;

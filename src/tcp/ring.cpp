@@ -11,11 +11,15 @@
 #include <ATen/Dispatch.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -41,7 +45,7 @@ constexpr std::int64_t kReducePieceBytes = std::int64_t{512} << 10;
 struct StepHead {
   std::uint32_t magic;
   std::uint8_t op;
-  std::uint8_t reserved[3];
+  std::uint8_t signature[3];  // dtype, reduce op, broadcast root (mod 256): see signature_of
   std::uint64_t channel_seq;  // 1, 2, ... per channel
   std::uint64_t body_bytes;
 };
@@ -94,8 +98,13 @@ void add(at::ScalarType dtype, void* dst, const void* a, const void* b, std::int
 
 class TcpRingBackend final : public Backend {
  public:
-  TcpRingBackend(int rank, int world_size, std::vector<Channel> channels)
-      : rank_(rank), world_size_(world_size), channels_(std::move(channels)) {}
+  TcpRingBackend(int rank, int world_size, std::vector<Channel> channels,
+                 c10::intrusive_ptr<c10d::Store> store = {}, std::string failure_key = {})
+      : rank_(rank),
+        world_size_(world_size),
+        channels_(std::move(channels)),
+        store_(std::move(store)),
+        failure_key_(std::move(failure_key)) {}
 
   void run(const Collective& op, int channel) override {
     FLATSHARD_ASSERT((channel >= 0 && channel < static_cast<int>(channels_.size())) || world_size_ == 1,
@@ -124,9 +133,60 @@ class TcpRingBackend final : public Backend {
         throw TransportFailure(CommError::Kind::Aborted, e.peer,
                                fmt::format("the communicator was aborted while this op ran ({})", e.detail));
       }
-      throw TransportFailure(
-          e.kind == IoError::Kind::Timeout ? CommError::Kind::Timeout : CommError::Kind::PeerLost, e.peer,
-          e.detail);
+      const auto kind =
+          e.kind == IoError::Kind::Timeout ? CommError::Kind::Timeout : CommError::Kind::PeerLost;
+      const auto first =
+          first_failure(e.peer, fmt::format("{} on rank {} in {} (op {} on its stream): {}", to_string(kind),
+                                            rank_, to_string(op.kind), ch.seq, e.detail));
+      if (first && first->first != e.peer && first->first != rank_) {
+        // Our neighbour closed because it had lost another rank: name that one.
+        throw TransportFailure(kind, first->first,
+                               fmt::format("rank {} was lost first ({}); rank {} then aborted and {}",
+                                           first->first, first->second, e.peer, e.detail));
+      }
+      throw TransportFailure(kind, e.peer, e.detail);
+    }
+  }
+
+  // Note [The first failure]
+  // When a rank dies, its neighbours see it; the rest only see their neighbours abort.
+  // The first rank to see a failure records "<lost rank>|<what>" in the store before it
+  // aborts, so that ranks failing in the cascade can name the lost rank too. Bounded by
+  // a short wait: the store may live in the process that died.
+  std::optional<std::pair<int, std::string>> first_failure(int peer, const std::string& what) {
+    if (!store_ || failure_key_.empty()) return std::nullopt;
+    struct Shared {
+      std::mutex mu;
+      std::condition_variable cv;
+      bool done = false;
+      std::string value;
+    };
+    auto shared = std::make_shared<Shared>();
+    auto store = store_;
+    const std::string key = failure_key_, mine = fmt::format("{}|{}", peer, what);
+    std::thread([shared, store, key, mine] {
+      std::string value;
+      try {
+        const auto v = store->compareSet(key, {}, std::vector<std::uint8_t>(mine.begin(), mine.end()));
+        value.assign(v.begin(), v.end());
+      } catch (...) {
+      }
+      std::lock_guard<std::mutex> lock(shared->mu);
+      shared->value = value;
+      shared->done = true;
+      shared->cv.notify_all();
+    }).detach();
+    std::unique_lock<std::mutex> lock(shared->mu);
+    if (!shared->cv.wait_for(lock, std::chrono::seconds(2), [&] { return shared->done; }) ||
+        shared->value.empty()) {
+      return std::nullopt;
+    }
+    const auto bar = shared->value.find('|');
+    if (bar == std::string::npos) return std::nullopt;
+    try {
+      return std::make_pair(std::stoi(shared->value.substr(0, bar)), shared->value.substr(bar + 1));
+    } catch (...) {
+      return std::nullopt;
     }
   }
 
@@ -159,11 +219,30 @@ class TcpRingBackend final : public Backend {
     }
   }
 
+  // What else besides kind and size the ranks must agree on: element type, reduction
+  // and root. A difference is a user bug that sizes alone would not reveal (float vs
+  // int32 of one size, Sum on one rank and Avg on another).
+  static std::array<std::uint8_t, 3> signature_of(const Collective& op) {
+    const at::Tensor& t = op.output.defined() ? op.output : op.input;
+    const bool reduces = op.kind == OpKind::ReduceScatter || op.kind == OpKind::AllReduce;
+    return {static_cast<std::uint8_t>(t.defined() ? static_cast<int>(t.scalar_type()) + 1 : 0),
+            static_cast<std::uint8_t>(reduces ? static_cast<int>(op.reduce) + 1 : 0),
+            static_cast<std::uint8_t>(op.kind == OpKind::Broadcast ? op.root % 256 : 0)};
+  }
+
+  static std::string describe_signature(const std::uint8_t* s) {
+    return fmt::format("{}{}{}", s[0] ? c10::toString(static_cast<at::ScalarType>(s[0] - 1)) : "no data",
+                       s[1] ? (s[1] == 1 ? ", sum" : ", avg") : "",
+                       s[2] ? fmt::format(", root {}", s[2]) : std::string());
+  }
+
   // One ring step: send `send_bytes` to the next rank while receiving `recv_bytes`
   // from the previous one, each message led by a StepHead that the receiver checks.
   void step(Channel& ch, const Collective& op, const void* send, std::size_t send_bytes, bool do_send,
             void* recv, std::size_t recv_bytes, bool do_recv) {
-    StepHead out{kStepMagic, static_cast<std::uint8_t>(op.kind), {0, 0, 0}, ch.seq, send_bytes};
+    const auto sig = signature_of(op);
+    StepHead out{
+        kStepMagic, static_cast<std::uint8_t>(op.kind), {sig[0], sig[1], sig[2]}, ch.seq, send_bytes};
     StepHead in{};
     tcp::exchange(
         do_send ? &ch.to_next : nullptr, tcp::Parts{&out, sizeof(out), send, send_bytes},
@@ -179,6 +258,15 @@ class TcpRingBackend final : public Backend {
                             "collectives or sizes",
                             prev(), their_op, in.channel_seq, in.body_bytes, to_string(op.kind), ch.seq,
                             recv_bytes));
+          }
+          if (std::memcmp(in.signature, sig.data(), sig.size()) != 0) {
+            throw TransportFailure(
+                CommError::Kind::Mismatch, prev(),
+                fmt::format(
+                    "rank {} issued {} (op {} on this stream) with {} where this rank used {}: the ranks "
+                    "issued different collectives",
+                    prev(), to_string(op.kind), ch.seq, describe_signature(in.signature),
+                    describe_signature(sig.data())));
           }
         });
   }
@@ -287,6 +375,8 @@ class TcpRingBackend final : public Backend {
   std::vector<Channel> channels_;
   std::atomic<bool> aborted_{false};
   std::mutex abort_mutex_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string failure_key_;
 };
 
 std::vector<std::uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
@@ -323,6 +413,7 @@ std::unique_ptr<Backend> make_tcp_ring_backend(const World& world, const Communi
     instance = instances[options.name]++;
   }
   const std::string prefix = fmt::format("flatshard/comm/{}/{}/", options.name, instance);
+  const std::string failure_key = prefix + "first_failure";
   const auto fail = [&](const std::string& what) -> RendezvousError {
     return RendezvousError(fmt::format("flatshard::Communicator::create (rank {}/{}, communicator '{}'): {}",
                                        rank, world_size, options.name, what));
@@ -371,7 +462,7 @@ std::unique_ptr<Backend> make_tcp_ring_backend(const World& world, const Communi
   } catch (const std::exception& e) {
     throw fail(e.what());
   }
-  return std::make_unique<TcpRingBackend>(rank, world_size, std::move(channels));
+  return std::make_unique<TcpRingBackend>(rank, world_size, std::move(channels), world.store, failure_key);
 }
 
 }  // namespace flatshard::comm

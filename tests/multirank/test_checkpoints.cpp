@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "examples/common/any_mode.h"
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
 
@@ -19,22 +20,13 @@ using namespace flatshard::testing;
 namespace ckpt = flatshard::checkpoint;
 namespace fs = std::filesystem;
 
-enum class Mode { FullShard, ShardGradOp, DDP, Zero };
-
-const char* to_string(Mode m) {
-  switch (m) {
-    case Mode::FullShard: return "full_shard";
-    case Mode::ShardGradOp: return "shard_grad_op";
-    case Mode::DDP: return "ddp";
-    case Mode::Zero: return "zero";
-  }
-  return "?";
-}
+using flatshard::plan::Mode;
+using flatshard::plan::to_string;
 
 Mode mode_named(const std::string& name) {
-  for (Mode m : {Mode::FullShard, Mode::ShardGradOp, Mode::DDP, Mode::Zero})
-    if (name == to_string(m)) return m;
-  throw std::invalid_argument("unknown mode " + name);
+  Mode m;
+  if (!flatshard::plan::parse_mode(name, m)) throw std::invalid_argument("unknown mode " + name);
+  return m;
 }
 
 std::string env(const char* name) {
@@ -45,101 +37,38 @@ std::string env(const char* name) {
 constexpr int kGlobalBatch = 12;  // divisible by world sizes 1 to 4
 constexpr double kLr = 1e-3, kWeightDecay = 0.1;
 
+GPT seeded_gpt(const GPTConfig& config) {
+  torch::manual_seed(11);
+  return GPT(config);
+}
+
+flatshard::examples::AnyModeOptions test_options() {
+  flatshard::examples::AnyModeOptions o;
+  o.adamw = {kLr, 0.9, 0.999, 1e-8, kWeightDecay};
+  o.fully_shard.comm.timeout = std::chrono::seconds(60);
+  o.ddp.first_bucket_bytes = 2 << 10;  // several buckets
+  o.ddp.bucket_bytes = 16 << 10;
+  o.ddp.comm.timeout = std::chrono::seconds(60);
+  return o;
+}
+
 // The GPT-style test model trained with AdamW under one mode.
-struct Trainer {
-  Trainer(const flatshard::World& w, Mode m, const GPTConfig& config = gpt_config()) : world(w), mode(m) {
-    torch::manual_seed(11);
-    model = GPT(config);
-    const flatshard::optim::AdamWOptions adamw{kLr, 0.9, 0.999, 1e-8, kWeightDecay};
-    if (mode == Mode::FullShard || mode == Mode::ShardGradOp) {
-      flatshard::FullyShardOptions o;
-      o.strategy =
-          mode == Mode::FullShard ? flatshard::Strategy::FullShard : flatshard::Strategy::ShardGradOp;
-      o.comm.timeout = std::chrono::seconds(60);
-      fsdp = std::make_unique<flatshard::FullyShard<GPT>>(model, world, o);
-      shard_opt = std::make_unique<flatshard::optim::Adam>(fsdp->shards(), adamw);
-    } else {
-      flatshard::DDPOptions o;
-      o.first_bucket_bytes = 2 << 10;  // several buckets
-      o.bucket_bytes = 16 << 10;
-      o.comm.timeout = std::chrono::seconds(60);
-      ddp = std::make_unique<flatshard::DistributedDataParallel<GPT>>(model, world, o);
-      if (mode == Mode::DDP) {
-        torch_opt = std::make_unique<torch::optim::AdamW>(
-            ddp->optimizer_params(), torch::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
-      } else {
-        zero = std::make_unique<flatshard::ZeroRedundancyOptimizer>(*ddp, adamw);
-      }
-    }
-  }
+struct Trainer : flatshard::examples::AnyMode<GPT> {
+  Trainer(const flatshard::World& w, Mode m, const GPTConfig& config = gpt_config())
+      : AnyMode(seeded_gpt(config), w, m, test_options()), world(w) {}
 
   void train(int first_step, int steps) {
     const int n = world.world_size(), local = kGlobalBatch / n;
     for (int s = first_step; s < first_step + steps; ++s) {
       const auto b = gpt_batch(s, kGlobalBatch);
-      const auto x = b.input.narrow(0, world.rank() * local, local);
-      const auto y = b.target.narrow(0, world.rank() * local, local);
-      token_loss(fsdp ? fsdp->forward(x) : ddp->forward(x), y).backward();
-      if (shard_opt) {
-        shard_opt->step();
-        shard_opt->zero_grad();
-      } else if (torch_opt) {
-        torch_opt->step();
-        torch_opt->zero_grad();
-      } else {
-        zero->step();
-        zero->zero_grad();
-      }
+      token_loss(forward(b.input.narrow(0, world.rank() * local, local)),
+                 b.target.narrow(0, world.rank() * local, local))
+          .backward();
+      step();
     }
   }
-
-  ckpt::CheckpointInfo save(const std::string& root, std::int64_t step, int keep_last = 2) {
-    ckpt::SaveOptions o;
-    o.step = step;
-    o.keep_last = keep_last;
-    if (fsdp) return ckpt::save_sharded(root, *fsdp, shard_opt.get(), o);
-    if (zero) return ckpt::save_sharded(root, *zero, o);
-    return ckpt::save_sharded(root, *ddp, torch_opt.get(), o);
-  }
-
-  ckpt::CheckpointInfo load(const std::string& path) {
-    if (fsdp) return ckpt::load_sharded(path, *fsdp, shard_opt.get());
-    if (zero) return ckpt::load_sharded(path, *zero);
-    return ckpt::load_sharded(path, *ddp, torch_opt.get());
-  }
-
-  // Full parameters, on every rank.
-  std::map<std::string, at::Tensor> params() {
-    return fsdp ? ckpt::full_state_dict(*fsdp, *model, -1) : ckpt::full_state_dict(*ddp, *model, -1);
-  }
-
-  // AdamW state by "<parameter>.<state>" plus "step", on rank 0.
-  std::map<std::string, at::Tensor> adam_state() {
-    if (fsdp) return ckpt::full_optimizer_state_dict(*fsdp, *shard_opt, 0);
-    if (zero) return zero->consolidated_state_dict(0);
-    std::map<std::string, at::Tensor> out;
-    std::int64_t steps = 0;
-    for (const auto& item : model->named_parameters()) {
-      const auto& st = static_cast<const torch::optim::AdamWParamState&>(
-          *torch_opt->state().at(item.value().unsafeGetTensorImpl()));
-      out[item.key() + ".exp_avg"] = st.exp_avg();
-      out[item.key() + ".exp_avg_sq"] = st.exp_avg_sq();
-      steps = std::max(steps, st.step());
-    }
-    out["step"] = at::full({}, steps, at::kLong);
-    return out;
-  }
-
-  flatshard::Communicator& comm() { return fsdp ? fsdp->comm() : ddp->comm(); }
 
   flatshard::World world;
-  Mode mode;
-  GPT model{nullptr};
-  std::unique_ptr<flatshard::FullyShard<GPT>> fsdp;
-  std::unique_ptr<flatshard::optim::Adam> shard_opt;
-  std::unique_ptr<flatshard::DistributedDataParallel<GPT>> ddp;
-  std::unique_ptr<torch::optim::AdamW> torch_opt;
-  std::unique_ptr<flatshard::ZeroRedundancyOptimizer> zero;
 };
 
 void expect_identical(const std::map<std::string, at::Tensor>& got,
@@ -188,7 +117,7 @@ TEST(Checkpoint, ResumeIsBitIdentical) {
   FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(240));
   auto world = flatshard::init();
   constexpr int kSteps = 4;
-  for (Mode mode : {Mode::FullShard, Mode::ShardGradOp, Mode::DDP, Mode::Zero}) {
+  for (Mode mode : {Mode::FullShard, Mode::Zero2, Mode::DDP, Mode::Zero1}) {
     SCOPED_TRACE(to_string(mode));
     const std::string root = fmt::format("/tmp/flatshard-resume-{}-{}-{}", to_string(mode),
                                          world.world_size(), env("MASTER_PORT"));
@@ -260,10 +189,10 @@ TEST(Checkpoint, ReshardsAcrossWorldSizesAndModes) {
     std::vector<std::pair<int, Mode>> loads;
   };
   const std::vector<Plan> plans = {
-      {4, Mode::FullShard, {{2, Mode::FullShard}, {3, Mode::FullShard}, {2, Mode::DDP}, {3, Mode::Zero}}},
-      {2, Mode::FullShard, {{4, Mode::FullShard}, {3, Mode::ShardGradOp}}},
-      {2, Mode::DDP, {{4, Mode::FullShard}, {3, Mode::Zero}}},
-      {3, Mode::Zero, {{4, Mode::ShardGradOp}, {2, Mode::DDP}, {1, Mode::FullShard}}},
+      {4, Mode::FullShard, {{2, Mode::FullShard}, {3, Mode::FullShard}, {2, Mode::DDP}, {3, Mode::Zero1}}},
+      {2, Mode::FullShard, {{4, Mode::FullShard}, {3, Mode::Zero2}}},
+      {2, Mode::DDP, {{4, Mode::FullShard}, {3, Mode::Zero1}}},
+      {3, Mode::Zero1, {{4, Mode::Zero2}, {2, Mode::DDP}, {1, Mode::FullShard}}},
   };
   for (const auto& plan : plans) {
     const std::string root = scratch_dir(fmt::format("{}-{}", plan.world, to_string(plan.mode)));
@@ -431,7 +360,7 @@ TEST(Checkpoint, KilledDuringSaveLeavesALoadableCheckpoint) {
     if (env("FLATSHARD_CKPT_PHASE") == "loop") {
       at::NoGradGuard no_grad;
       for (int step = 1;; ++step) {
-        for (auto& s : t.fsdp->shards()) s.fill_(static_cast<float>(step));
+        for (auto& s : t.fully_shard()->shards()) s.fill_(static_cast<float>(step));
         t.save(root, step);
         if (world.rank() == 0) std::printf("saved step %d\n", step), std::fflush(stdout);
       }

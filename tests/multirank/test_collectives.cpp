@@ -239,4 +239,49 @@ TEST(Collectives, DifferentCollectivesAcrossRanksAreDetected) {
   EXPECT_THROW(r.comm->barrier().wait(), flatshard::CommError);
 }
 
+// Same kind and size, different element type or reduction, or ops in another order:
+// each names the diverging op on every rank instead of adding garbage.
+TEST(Collectives, DifferentSignaturesOrOrderAcrossRanksAreNamed) {
+  FLATSHARD_RUN_RANKS({2, 3});
+  auto world = flatshard::init();
+  for (int variant = 0; variant < 3; ++variant) {
+    Rank r;
+    r.world = world;
+    flatshard::CommunicatorOptions options;
+    options.timeout = std::chrono::seconds(20);
+    options.name = "variant" + std::to_string(variant);
+    r.comm = Communicator::create(world, options);
+    const bool odd = r.rank() == 1;
+    try {
+      if (variant == 0) {  // float32 vs int32: the same bytes
+        auto t = odd ? at::ones({12}, at::kInt) : at::ones({12});
+        r.comm->all_reduce(t, ReduceOp::Sum).wait();
+      } else if (variant == 1) {  // Sum vs Avg
+        r.comm->all_reduce(at::ones({12}), odd ? ReduceOp::Avg : ReduceOp::Sum).wait();
+      } else {  // on one stream: all_gather then reduce_scatter on rank 1, the reverse elsewhere
+        auto full = at::ones({12 * r.size()}), mine = at::ones({12});
+        flatshard::CollectiveOptions one_stream;
+        one_stream.stream = flatshard::StreamRole::AllGather;
+        if (odd) {
+          r.comm->all_gather(full, mine, one_stream).wait();
+          r.comm->reduce_scatter(mine, full, ReduceOp::Sum, one_stream).wait();
+        } else {
+          r.comm->reduce_scatter(mine, full, ReduceOp::Sum, one_stream).wait();
+          r.comm->all_gather(full, mine, one_stream).wait();
+        }
+      }
+      FAIL() << "variant " << variant << ": the mismatched collective completed";
+    } catch (const flatshard::CommError& e) {
+      EXPECT_EQ(e.seq(), 1u) << e.what();
+      EXPECT_NE(e.kind(), flatshard::CommError::Kind::Timeout) << e.what();
+      const std::string what = e.what();
+      if (e.kind() == flatshard::CommError::Kind::Mismatch) {
+        EXPECT_NE(what.find("issued different collectives"), std::string::npos) << what;
+        if (variant == 0) EXPECT_NE(what.find("Int"), std::string::npos) << what;
+        if (variant == 1) EXPECT_NE(what.find("avg"), std::string::npos) << what;
+      }
+    }
+  }
+}
+
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include "examples/common/any_mode.h"
 #include "flatshard/plan.h"
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
@@ -40,50 +41,22 @@ std::int64_t measure_activations(int rows) {
 
 // Peak over steps 2 and 3 (the first allocates optimizer state) of one mode, in bytes
 // above what was allocated before the model was built.
-std::int64_t measure_peak(const flatshard::World& world, plan::Mode mode, const flatshard::MemoryBudget& budget = {},
-                          int rows = 0) {
+std::int64_t measure_peak(const flatshard::World& world, plan::Mode mode,
+                          const flatshard::MemoryBudget& budget = {}, int rows = 0) {
   if (rows == 0) rows = kGlobalBatch / world.world_size();
   const auto base = flatshard::memory::allocator_stats().current_bytes;
   torch::manual_seed(5);
-  GPT model(plan_config());
-  std::unique_ptr<flatshard::FullyShard<GPT>> fsdp;
-  std::unique_ptr<flatshard::optim::Adam> shard_opt;
-  std::unique_ptr<flatshard::DistributedDataParallel<GPT>> ddp;
-  std::unique_ptr<torch::optim::AdamW> torch_opt;
-  std::unique_ptr<flatshard::ZeroRedundancyOptimizer> zero;
-  if (mode == plan::Mode::Zero2 || mode == plan::Mode::FullShard) {
-    flatshard::FullyShardOptions o;
-    o.strategy =
-        mode == plan::Mode::FullShard ? flatshard::Strategy::FullShard : flatshard::Strategy::ShardGradOp;
-    fsdp = std::make_unique<flatshard::FullyShard<GPT>>(model, world, o);
-    shard_opt = std::make_unique<flatshard::optim::Adam>(fsdp->shards(), flatshard::optim::AdamWOptions{});
-  } else {
-    flatshard::DDPOptions o;
-    o.memory_budget = budget;
-    o.sharded_optimizer = mode == plan::Mode::Zero1;
-    ddp = std::make_unique<flatshard::DistributedDataParallel<GPT>>(model, world, o);
-    if (mode == plan::Mode::DDP)
-      torch_opt =
-          std::make_unique<torch::optim::AdamW>(ddp->optimizer_params(), torch::optim::AdamWOptions(1e-3));
-    else
-      zero = std::make_unique<flatshard::ZeroRedundancyOptimizer>(*ddp, flatshard::optim::AdamWOptions{});
-  }
+  flatshard::examples::AnyModeOptions o;
+  o.fully_shard.memory_budget = budget;
+  o.ddp.memory_budget = budget;
+  flatshard::examples::AnyMode<GPT> run(GPT(plan_config()), world, mode, o);
   for (int step = 0; step < 3; ++step) {
     if (step == 1) flatshard::memory::reset_allocator_peak();
     const auto b = batch_of(step, rows * world.world_size());
     const auto x = b.input.narrow(0, world.rank() * rows, rows),
                y = b.target.narrow(0, world.rank() * rows, rows);
-    token_loss(fsdp ? fsdp->forward(x) : ddp->forward(x), y).backward();
-    if (shard_opt) {
-      shard_opt->step();
-      shard_opt->zero_grad();
-    } else if (torch_opt) {
-      torch_opt->step();
-      torch_opt->zero_grad();
-    } else {
-      zero->step();
-      zero->zero_grad();
-    }
+    token_loss(run.forward(x), y).backward();
+    run.step();
   }
   return flatshard::memory::allocator_stats().peak_bytes - base;
 }
@@ -132,7 +105,8 @@ TEST(Planner, BudgetRefusesDdpAndFullShardTrainsWithinIt) {
     EXPECT_NE(what.find("FullyShard (full shard) needs about"), std::string::npos) << what;
   }
   const auto peak = measure_peak(world, plan::Mode::FullShard, budget, /*rows=*/2);
-  std::printf("full shard at world %d: measured peak %.1f MiB, budget 36 MiB\n", world.world_size(), peak / 1048576.0);
+  std::printf("full shard at world %d: measured peak %.1f MiB, budget 36 MiB\n", world.world_size(),
+              peak / 1048576.0);
   EXPECT_LE(peak, budget.bytes);
 }
 
