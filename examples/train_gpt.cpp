@@ -18,6 +18,8 @@
 //                           the measured peak at the end
 //   --log-every N           a progress line every N steps [steps / 10]
 //   --result                print one CSV line for scripts (RESULT,...; see below)
+//   --memory-every N        every N steps, rank 0 prints MEMORY,step,current_bytes,peak_bytes
+//                           (counting allocator; bench/soak.sh watches it for leaks)
 //
 // RESULT,mode,world,params,step_ms,peak_bytes,formula_bytes,planned_bytes,rank_peaks
 // (peak: the counting allocator's, largest over ranks, from the second step on;
@@ -46,7 +48,7 @@ namespace {
 struct Args {
   std::string mode = "full", data, ckpt;
   GPTConfig model{4096, 64, 256, 8, 4};
-  int batch = 4, steps = 50, save_every = 0, log_every = 0;
+  int batch = 4, steps = 50, save_every = 0, log_every = 0, memory_every = 0;
   double lr = 3e-4, budget_mib = 0;
   bool resume = false, result = false;
 };
@@ -85,6 +87,8 @@ Args parse(int argc, char** argv) {
       a.save_every = std::stoi(next());
     else if (k == "--log-every")
       a.log_every = std::stoi(next());
+    else if (k == "--memory-every")
+      a.memory_every = std::stoi(next());
     else if (k == "--budget-mib")
       a.budget_mib = std::stod(next());
     else if (k == "--resume")
@@ -218,6 +222,12 @@ int main(int argc, char** argv) {
       if (rank == 0 && (done % a.log_every == 0 || done == a.steps)) {
         std::printf("[%s] step %d/%d  loss %.4f  %.0f tokens/s\n", bar(done, a.steps).c_str(), done, a.steps,
                     loss_sum.item<double>(), static_cast<double>(a.batch) * n * a.model.context / dt);
+        std::fflush(stdout);
+      }
+      if (rank == 0 && a.memory_every > 0 && done % a.memory_every == 0) {
+        const auto m = flatshard::memory::allocator_stats();
+        std::printf("MEMORY,%d,%lld,%lld\n", done, static_cast<long long>(m.current_bytes - base),
+                    static_cast<long long>(m.peak_bytes - base));
         std::fflush(stdout);
       }
       if (!a.ckpt.empty() && a.save_every > 0 && done % a.save_every == 0 && done < a.steps)

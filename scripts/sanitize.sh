@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The test suite under sanitizers (a CI step: .ci/run calls it after the main suite).
+#   asan: AddressSanitizer + UndefinedBehaviorSanitizer, the library and every test
+#         binary (build-asan/); runs the unit, multi-rank and training tests.
+#   tsan: ThreadSanitizer on the scheduler: CPU streams, the communicator and the TCP
+#         rings (build-tsan/); runs their unit and multi-rank tests.
+#   scripts/sanitize.sh [asan|tsan|all]      (default: all)
+# LibTorch itself is not instrumented: the options below keep the checks to our code
+# (no container-overflow checks on LibTorch's vectors, no vptr checks on its classes).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+what="${1:-all}"
+"$root/scripts/setup.sh" >/dev/null
+. "$root/scripts/env.sh"
+torch_prefix="$("$FLATSHARD_VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+jobs="$(nproc)"
+
+configure() {  # dir flags
+  cmake -S "$root" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_PREFIX_PATH="$torch_prefix" \
+    -DFLATSHARD_WITH_CUDA=OFF -DFLATSHARD_BUILD_BENCH=OFF -DFLATSHARD_BUILD_EXAMPLES=OFF \
+    -DCMAKE_CXX_FLAGS="$2" -DCMAKE_EXE_LINKER_FLAGS="$2" >/dev/null
+}
+
+if [[ "$what" == asan || "$what" == all ]]; then
+  echo "== AddressSanitizer + UndefinedBehaviorSanitizer"
+  flags="-fsanitize=address,undefined -fno-sanitize=vptr -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+  configure "$root/build-asan" "$flags"
+  cmake --build "$root/build-asan" -j "$jobs" --target flatshard_unit_tests flatshard_multirank_tests \
+    flatshard_training_tests flatshard_launcher_tests flatshard-run
+  export ASAN_OPTIONS="detect_leaks=1:detect_container_overflow=0:detect_odr_violation=0:abort_on_error=0"
+  export LSAN_OPTIONS="suppressions=$root/scripts/lsan.supp:print_suppressions=0"
+  export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+  (cd "$root/build-asan" && ctest --output-on-failure -j 1 -E 'install\.|examples\.')
+fi
+
+if [[ "$what" == tsan || "$what" == all ]]; then
+  echo "== ThreadSanitizer (streams, communicator, TCP rings)"
+  flags="-fsanitize=thread -fno-omit-frame-pointer"
+  configure "$root/build-tsan" "$flags"
+  cmake --build "$root/build-tsan" -j "$jobs" --target flatshard_unit_tests flatshard_multirank_tests flatshard-run
+  export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/scripts/tsan.supp"
+  (cd "$root/build-tsan" && ctest --output-on-failure -j 1 -R '^(Stream|Collectives|Failures)\.')
+fi
