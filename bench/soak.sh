@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Soak: full shard at 4 ranks for 1000 steps with a sharded checkpoint every 100 steps;
-# rank 0's allocator figures every 50 steps. Passes when the peak after warm-up (step
-# 100) grows by less than 1% by the end and live memory between steps stays flat.
+# rank 0's allocator figures and resident set every 50 steps. Passes when, after warm-up
+# (step 100), the allocator's peak grows by less than 1%, live tensor memory between
+# steps stays flat, and the resident set grows by less than 5%.
 #   bench/soak.sh [BUILD_DIR] [STEPS]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,16 +18,20 @@ echo "wall time: $(( $(date +%s) - start )) s"
 python3 - "$dir/log" <<'PY'
 import sys
 rows = [l.split("MEMORY,")[1].strip().split(",") for l in open(sys.argv[1]) if "MEMORY," in l]
-rows = [(int(s), int(c), int(p)) for s, c, p in rows]
+rows = [tuple(int(x) for x in r) for r in rows]
 mib = lambda b: b / 2**20
-print("| step | live MiB between steps | peak MiB so far |")
-print("|---:|---:|---:|")
-for s, c, p in rows:
+print("| step | live tensors MiB (between steps) | allocator peak MiB | resident set MiB |")
+print("|---:|---:|---:|---:|")
+for s, c, p, rss in rows:
     if s % 100 == 0:
-        print(f"| {s} | {mib(c):.2f} | {mib(p):.2f} |")
+        print(f"| {s} | {mib(c):.2f} | {mib(p):.2f} | {mib(rss):.1f} |")
 warm = [r for r in rows if r[0] >= 100]
 growth = (warm[-1][2] - warm[0][2]) / warm[0][2]
-live = [c for _, c, _ in warm]
-print(f"\npeak growth after warm-up: {100 * growth:+.2f}%; live memory {mib(min(live)):.2f}..{mib(max(live)):.2f} MiB")
-sys.exit(0 if growth < 0.01 and max(live) - min(live) < 0.01 * max(live) + 65536 else 1)
+rss_growth = (warm[-1][3] - warm[0][3]) / warm[0][3]
+live = [r[1] for r in warm]
+print(f"\nafter warm-up: allocator peak {100 * growth:+.2f}%, live tensors {mib(min(live)):.2f}..{mib(max(live)):.2f} MiB, "
+      f"resident set {100 * rss_growth:+.2f}%")
+ok = growth < 0.01 and max(live) - min(live) < 0.01 * max(live) + 65536 and rss_growth < 0.05
+print("no leak" if ok else "LEAK")
+sys.exit(0 if ok else 1)
 PY

@@ -18,8 +18,8 @@
 //                           the measured peak at the end
 //   --log-every N           a progress line every N steps [steps / 10]
 //   --result                print one CSV line for scripts (RESULT,...; see below)
-//   --memory-every N        every N steps, rank 0 prints MEMORY,step,current_bytes,peak_bytes
-//                           (counting allocator; bench/soak.sh watches it for leaks)
+//   --memory-every N        every N steps, rank 0 prints MEMORY,step,current_bytes,peak_bytes,rss_bytes
+//                           (counting allocator, resident set; bench/soak.sh watches them for leaks)
 //
 // RESULT,mode,world,params,step_ms,peak_bytes,formula_bytes,planned_bytes,rank_peaks
 // (peak: the counting allocator's, largest over ranks, from the second step on;
@@ -148,6 +148,16 @@ std::string bar(int done, int total) {
 
 double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
 
+// The process's resident set (/proc/self/status VmRSS), in bytes.
+std::int64_t resident_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -226,8 +236,8 @@ int main(int argc, char** argv) {
       }
       if (rank == 0 && a.memory_every > 0 && done % a.memory_every == 0) {
         const auto m = flatshard::memory::allocator_stats();
-        std::printf("MEMORY,%d,%lld,%lld\n", done, static_cast<long long>(m.current_bytes - base),
-                    static_cast<long long>(m.peak_bytes - base));
+        std::printf("MEMORY,%d,%lld,%lld,%lld\n", done, static_cast<long long>(m.current_bytes - base),
+                    static_cast<long long>(m.peak_bytes - base), static_cast<long long>(resident_bytes()));
         std::fflush(stdout);
       }
       if (!a.ckpt.empty() && a.save_every > 0 && done % a.save_every == 0 && done < a.steps)
