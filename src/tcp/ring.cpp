@@ -358,9 +358,12 @@ class TcpRingBackend final : public Backend {
       const bool send_now = sends && (receives ? k >= 1 : k < slices);
       const bool recv_now = receives && k < slices;
       if (!send_now && !recv_now) continue;
+      // Pointers only for the slices that move (k - 1 wraps at k = 0 on a receiver).
       const std::size_t send_index = receives ? k - 1 : k;
-      step(ch, op, data + send_index * kBroadcastSliceBytes, send_now ? slice(send_index) : 0, send_now,
-           data + k * kBroadcastSliceBytes, recv_now ? slice(k) : 0, recv_now);
+      char* send_at = send_now ? data + send_index * kBroadcastSliceBytes : nullptr;
+      char* recv_at = recv_now ? data + k * kBroadcastSliceBytes : nullptr;
+      step(ch, op, send_at, send_now ? slice(send_index) : 0, send_now, recv_at, recv_now ? slice(k) : 0,
+           recv_now);
     }
   }
 
