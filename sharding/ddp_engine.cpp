@@ -68,10 +68,10 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> model, const World& worl
   comm_ = Communicator::create(world, options_.comm);
   for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
     if (!item.value().device().is_cpu() || !at::isFloatingType(item.value().scalar_type())) {
-      throw InvalidArgument(
-          fmt::format("flatshard::DistributedDataParallel (rank {}/{}): parameter {} must be a "
-                      "floating CPU tensor",
-                      rank_, world_size_, describe(item.key(), item.value())));
+      throw InvalidArgument(fmt::format(
+          "flatshard::DistributedDataParallel (rank {}/{}): parameter {} is on {}: the CPU engine "
+          "needs floating CPU parameters; move the model to the CPU, keep integer tensors as buffers",
+          rank_, world_size_, describe(item.key(), item.value()), item.value().device().str()));
     }
     if (!item.value().requires_grad()) continue;
     DdpParam p;

@@ -189,3 +189,38 @@ TEST(KilledRank, AtEachPhaseTheOthersFailFastNamingIt) {
 }
 
 }  // namespace
+
+namespace {
+
+// A model whose parameter lives on a device the CPU engines do not drive ("meta": every
+// build has it).
+struct MetaNetImpl : torch::nn::Module {
+  MetaNetImpl() {
+    register_parameter("w", at::empty({4}, at::device(at::kMeta)));
+    register_parameter("b", at::zeros({4}));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x; }
+};
+TORCH_MODULE(MetaNet);
+
+// Tensors on a device the CPU engines do not drive are refused with InvalidArgument
+// naming the parameter and the device.
+TEST(WrongDevice, WrappersAndCollectivesRefuseIt) {
+  FLATSHARD_RUN_RANKS({1, 2});
+  auto world = flatshard::init();
+  auto expect_refused = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << "accepted a meta tensor";
+    } catch (const flatshard::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_refused([&] { flatshard::FullyShard<MetaNet> fsdp(MetaNet(), world); }, "parameter 'w' is on meta");
+  expect_refused([&] { flatshard::DistributedDataParallel<MetaNet> ddp(MetaNet(), world); }, "meta");
+  auto comm = flatshard::Communicator::create(world);
+  expect_refused([&] { comm->all_reduce(at::empty({4}, at::device(at::kMeta)), flatshard::ReduceOp::Sum); },
+                 "meta");
+}
+
+}  // namespace
