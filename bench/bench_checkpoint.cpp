@@ -128,7 +128,8 @@ int main(int argc, char** argv) {
     auto line = [&](const char* kind, std::int64_t bytes, const std::vector<double>& save,
                     const std::vector<double>& load) {
       const double s = median(save), l = median(load), mb = static_cast<double>(bytes) / 1e6;
-      std::printf("%s,%d,%lld,%.4f,%.4f,%.1f,%.1f\n", kind, n, static_cast<long long>(bytes), s, l, mb / s, mb / l);
+      std::printf("%s,%d,%lld,%.4f,%.4f,%.1f,%.1f\n", kind, n, static_cast<long long>(bytes), s, l, mb / s,
+                  mb / l);
     };
     line("sharded", sharded_bytes, sharded_save, sharded_load);
     line("full", full_bytes, full_save, full_load);
