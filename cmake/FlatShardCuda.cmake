@@ -11,7 +11,16 @@ if(NOT FLATSHARD_WITH_CUDA STREQUAL "OFF")
                         "install the CUDA toolkit or configure with -DFLATSHARD_WITH_CUDA=OFF")
   endif()
 endif()
-message(STATUS "FlatShard CUDA path: ${FLATSHARD_HAVE_CUDA}")
+# A toolkit without one of the CUDA path's dependencies: an error under ON; under AUTO
+# the CUDA path is skipped with a warning that names what is missing.
+macro(flatshard_cuda_unavailable what)
+  if(FLATSHARD_WITH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "FLATSHARD_WITH_CUDA=ON but ${what} was not found; install it or "
+                        "configure with -DFLATSHARD_WITH_CUDA=OFF")
+  endif()
+  message(WARNING "FlatShard CUDA path skipped: ${what} was not found")
+  set(FLATSHARD_HAVE_CUDA OFF)
+endmacro()
 
 if(FLATSHARD_HAVE_CUDA)
   # H100 and H200 (sm_90) unless the caller chooses.
@@ -22,14 +31,43 @@ if(FLATSHARD_HAVE_CUDA)
   set(CMAKE_CUDA_STANDARD 17)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
   find_package(CUDAToolkit REQUIRED)
-  find_library(FLATSHARD_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} REQUIRED)
-  find_path(FLATSHARD_NCCL_INCLUDE nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} REQUIRED)
+  # NCCL: the toolkit's, else the one the pinned torch wheel brings (nvidia-nccl, whose
+  # directory holds only libnccl.so.2). The header is taken from beside the library.
+  get_filename_component(_flatshard_pip_nccl "${TORCH_INSTALL_PREFIX}/../nvidia/nccl" ABSOLUTE)
+  find_library(FLATSHARD_NCCL_LIBRARY NAMES nccl libnccl.so.2
+               HINTS ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_LIBRARY_ROOT}/lib
+               PATHS "${_flatshard_pip_nccl}/lib")
+  if(FLATSHARD_NCCL_LIBRARY)
+    get_filename_component(_flatshard_nccl_dir "${FLATSHARD_NCCL_LIBRARY}" DIRECTORY)
+    find_path(FLATSHARD_NCCL_INCLUDE nccl.h NO_DEFAULT_PATH
+              HINTS "${_flatshard_nccl_dir}/../include" ${CUDAToolkit_INCLUDE_DIRS})
+    if(NOT FLATSHARD_NCCL_INCLUDE)
+      find_path(FLATSHARD_NCCL_INCLUDE nccl.h HINTS "${_flatshard_pip_nccl}/include")
+    endif()
+  endif()
+  # Thrust and CUB (CCCL) for the step kernels.
+  find_path(FLATSHARD_THRUST_INCLUDE thrust/version.h
+            HINTS ${CUDAToolkit_INCLUDE_DIRS} PATH_SUFFIXES cccl)
   # The CUDA caching allocator's statistics come from the pinned torch's c10_cuda.
-  find_library(FLATSHARD_C10_CUDA_LIBRARY c10_cuda HINTS "${TORCH_INSTALL_PREFIX}/lib" REQUIRED)
+  find_library(FLATSHARD_C10_CUDA_LIBRARY c10_cuda HINTS "${TORCH_INSTALL_PREFIX}/lib")
   # CUDA tensors need LibTorch's CUDA kernels loaded: link torch_cuda even though no
   # symbol of it is referenced.
-  find_library(FLATSHARD_TORCH_CUDA_LIBRARY torch_cuda HINTS "${TORCH_INSTALL_PREFIX}/lib" REQUIRED)
+  find_library(FLATSHARD_TORCH_CUDA_LIBRARY torch_cuda HINTS "${TORCH_INSTALL_PREFIX}/lib")
+  if(NOT FLATSHARD_NCCL_LIBRARY)
+    flatshard_cuda_unavailable("NCCL (libnccl)")
+  elseif(NOT FLATSHARD_NCCL_INCLUDE)
+    flatshard_cuda_unavailable("NCCL's header nccl.h")
+  elseif(NOT FLATSHARD_THRUST_INCLUDE)
+    flatshard_cuda_unavailable("Thrust (the toolkit's CCCL headers)")
+  elseif(NOT FLATSHARD_C10_CUDA_LIBRARY OR NOT FLATSHARD_TORCH_CUDA_LIBRARY)
+    flatshard_cuda_unavailable("a CUDA build of LibTorch (c10_cuda, torch_cuda)")
+  else()
+    message(STATUS "FlatShard NCCL: ${FLATSHARD_NCCL_LIBRARY}")
+  endif()
+endif()
+message(STATUS "FlatShard CUDA path: ${FLATSHARD_HAVE_CUDA}")
 
+if(FLATSHARD_HAVE_CUDA)
   # flatshard::cuda: the step kernels on the CUDA back end, NCCL on CUDA streams with a
   # watchdog, CUDA memory figures. Built (and so kept compiling) wherever a toolkit is.
   # The kernels see only FlatShard's kernel headers and CUDA's Thrust (no LibTorch).
