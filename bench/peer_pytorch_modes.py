@@ -24,9 +24,9 @@ def rss(field):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, fused=False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.fused = heads, fused
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim)
 
@@ -35,16 +35,19 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(d, 2)
         shape = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         q, k, v = shape(q), shape(k), shape(v)
+        if self.fused:  # GPTConfig::fused_attention
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).contiguous().view(b, t, d))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         att = att.masked_fill(mask, float("-inf")).softmax(-1)
         return self.proj((att @ v).transpose(1, 2).contiguous().view(b, t, d))
 
 
 class Block(nn.Module):
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, fused=False):
         super().__init__()
-        self.ln1, self.attn, self.ln2 = nn.LayerNorm(dim), Attention(dim, heads), nn.LayerNorm(dim)
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(dim), Attention(dim, heads, fused), nn.LayerNorm(dim)
         self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
 
     def forward(self, x):
@@ -53,14 +56,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, context, dim, heads, layers):
+    def __init__(self, vocab, context, dim, heads, layers, fused=False):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, fused) for _ in range(layers))
         self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens):
-        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for b in self.blocks:
             x = b(x)
         return self.head(self.ln_f(x))

@@ -74,7 +74,7 @@ if(FLATSHARD_HAVE_CUDA)
   add_library(flatshard_cuda_kernels OBJECT cuda/step_kernels.cu)
   target_include_directories(flatshard_cuda_kernels PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
   target_compile_options(flatshard_cuda_kernels PRIVATE --expt-relaxed-constexpr)
-  add_library(flatshard_cuda cuda/nccl_communicator.cpp $<TARGET_OBJECTS:flatshard_cuda_kernels>)
+  add_library(flatshard_cuda cuda/cuda_backend.cpp $<TARGET_OBJECTS:flatshard_cuda_kernels>)
   add_library(flatshard::cuda ALIAS flatshard_cuda)
   target_include_directories(flatshard_cuda PRIVATE ${CMAKE_CURRENT_SOURCE_DIR} ${FLATSHARD_NCCL_INCLUDE})
   target_link_libraries(flatshard_cuda
@@ -82,6 +82,9 @@ if(FLATSHARD_HAVE_CUDA)
     PRIVATE CUDA::cudart ${FLATSHARD_NCCL_LIBRARY} ${FLATSHARD_C10_CUDA_LIBRARY}
             $<BUILD_INTERFACE:fmt::fmt-header-only>)
   target_compile_definitions(flatshard_cuda PRIVATE FMT_HEADER_ONLY=1)
+  # Linking flatshard::cuda registers the CUDA transports and kernels (static
+  # initialisers in cuda_backend.cpp): keep that object in a static link.
+  target_link_options(flatshard_cuda INTERFACE "LINKER:--undefined=flatshard_cuda_link_anchor")
   set_target_properties(flatshard_cuda PROPERTIES CUDA_SEPARABLE_COMPILATION OFF EXPORT_NAME cuda)
 endif()
 
@@ -92,9 +95,18 @@ if(FLATSHARD_HAVE_CUDA AND FLATSHARD_BUILD_TESTS)
   find_package(GTest REQUIRED)
   add_executable(flatshard_cuda_tests tests/cuda/test_cuda.cpp)
   target_include_directories(flatshard_cuda_tests PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
-  target_link_libraries(flatshard_cuda_tests PRIVATE flatshard_cuda CUDA::cudart GTest::gtest_main)
+  target_link_libraries(flatshard_cuda_tests PRIVATE flatshard_cuda flatshard_test_support CUDA::cudart GTest::gtest_main)
   if(FLATSHARD_GPU_TESTS)
     include(GoogleTest)
     gtest_discover_tests(flatshard_cuda_tests DISCOVERY_TIMEOUT 120 PROPERTIES TIMEOUT 300 LABELS gpu)
   endif()
+endif()
+
+if(FLATSHARD_HAVE_CUDA)
+  # A >= 1B-parameter GPT on one GPU under full shard (bf16): tokens/s, MFU, peak memory;
+  # scripts/gpu.sh runs it beside PyTorch FSDP2 (bench/peer_fsdp2_gpu.py). Needs no
+  # Google Benchmark, so that the GPU machine builds it with the benchmarks off.
+  add_executable(bench_gpt_gpu bench/bench_gpt_gpu.cpp)
+  target_include_directories(bench_gpt_gpu PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+  target_link_libraries(bench_gpt_gpu PRIVATE flatshard_cuda CUDA::cudart ${FLATSHARD_C10_CUDA_LIBRARY})
 endif()

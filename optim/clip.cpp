@@ -20,10 +20,13 @@ double clip_by_global_norm(const std::vector<at::Tensor>& grads, double max_norm
   for (const auto& g : grads) {
     if (!g.defined()) continue;
     const auto f = g.scalar_type() == at::kFloat && g.is_contiguous() ? g : g.to(at::kFloat).contiguous();
-    local += kernels::sum_of_squares(f.data_ptr<float>(), f.numel());
+    local +=
+        f.is_cuda()
+            ? kernels::cuda_kernels("clip_grad_norm").sum_of_squares(f.data_ptr<float>(), f.numel(), nullptr)
+            : kernels::sum_of_squares(f.data_ptr<float>(), f.numel());
   }
   if (comm != nullptr) {
-    auto total = at::full({1}, local, at::kDouble);
+    auto total = at::full({1}, local, at::TensorOptions().dtype(at::kDouble).device(comm->device()));
     comm->all_reduce(total, ReduceOp::Sum).wait();
     local = total.item<double>();
   }
@@ -43,8 +46,9 @@ std::vector<int> nonfinite_ranks(const std::vector<at::Tensor>& grads, Communica
   for (const auto& g : grads) {
     if (g.defined() && g.numel() > 0 && !at::isfinite(g).all().item<bool>()) finite = false;
   }
-  auto flags = at::empty({comm.world_size()}, at::kInt);
-  comm.all_gather(flags, at::full({1}, finite ? 0 : 1, at::kInt)).wait();
+  const auto options = at::TensorOptions().dtype(at::kInt).device(comm.device());
+  auto flags = at::empty({comm.world_size()}, options);
+  comm.all_gather(flags, at::full({1}, finite ? 0 : 1, options)).wait();
   std::vector<int> out;
   for (int r = 0; r < comm.world_size(); ++r) {
     if (flags[r].item<int>() != 0) out.push_back(r);

@@ -10,10 +10,12 @@ namespace {
 
 void check_shards(const std::vector<at::Tensor>& shards) {
   for (const auto& s : shards) {
-    if (!s.defined() || s.scalar_type() != at::kFloat || !s.is_contiguous() || !s.device().is_cpu()) {
+    if (!s.defined() || s.scalar_type() != at::kFloat || !s.is_contiguous() ||
+        !(s.device().is_cpu() || s.device().is_cuda())) {
       throw InvalidArgument(
-          "flatshard::optim: shards must be contiguous fp32 CPU tensors (FullyShard::shards())");
+          "flatshard::optim: shards must be contiguous fp32 CPU or CUDA tensors (FullyShard::shards())");
     }
+    if (s.is_cuda()) kernels::cuda_kernels("optim");  // throws when flatshard::cuda is not linked
   }
 }
 
@@ -50,9 +52,15 @@ void SGD::step() {
     h.first_step = !momentum_[i].defined();
     ++steps_[i];
     if (options_.momentum != 0 && h.first_step) momentum_[i] = at::empty_like(shards_[i]);
-    kernels::sgd_step(shards_[i].data_ptr<float>(), grad.contiguous().data_ptr<float>(),
-                      momentum_[i].defined() ? momentum_[i].data_ptr<float>() : nullptr, shards_[i].numel(),
-                      h);
+    const auto g = grad.contiguous();
+    float* momentum = momentum_[i].defined() ? momentum_[i].data_ptr<float>() : nullptr;
+    if (shards_[i].is_cuda()) {
+      kernels::cuda_kernels("optim::SGD")
+          .sgd_step(shards_[i].data_ptr<float>(), g.data_ptr<float>(), momentum, shards_[i].numel(), h,
+                    nullptr);
+    } else {
+      kernels::sgd_step(shards_[i].data_ptr<float>(), g.data_ptr<float>(), momentum, shards_[i].numel(), h);
+    }
   }
 }
 
@@ -111,9 +119,15 @@ void Adam::step() {
     h.weight_decay = static_cast<float>(options_.weight_decay);
     h.decoupled_weight_decay = decoupled_;
     h.step = ++steps_[i];
-    kernels::adam_step(shards_[i].data_ptr<float>(), grad.contiguous().data_ptr<float>(),
-                       exp_avg_[i].data_ptr<float>(), exp_avg_sq_[i].data_ptr<float>(), shards_[i].numel(),
-                       h);
+    const auto g = grad.contiguous();
+    if (shards_[i].is_cuda()) {
+      kernels::cuda_kernels("optim::Adam")
+          .adam_step(shards_[i].data_ptr<float>(), g.data_ptr<float>(), exp_avg_[i].data_ptr<float>(),
+                     exp_avg_sq_[i].data_ptr<float>(), shards_[i].numel(), h, nullptr);
+    } else {
+      kernels::adam_step(shards_[i].data_ptr<float>(), g.data_ptr<float>(), exp_avg_[i].data_ptr<float>(),
+                         exp_avg_sq_[i].data_ptr<float>(), shards_[i].numel(), h);
+    }
   }
 }
 

@@ -5,6 +5,11 @@
 
 #include "optim/step_kernels_impl.h"
 
+#include <atomic>
+#include <string>
+
+#include "flatshard/errors.h"
+
 namespace flatshard::optim::kernels {
 namespace {
 
@@ -22,5 +27,21 @@ void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
 }
 
 double sum_of_squares(const float* x, std::int64_t numel) { return host.sum_of_squares(x, numel); }
+
+namespace {
+std::atomic<const DeviceKernels*> registered{nullptr};
+}  // namespace
+
+void register_cuda_kernels(const DeviceKernels& kernels) { registered.store(&kernels); }
+
+const DeviceKernels& cuda_kernels(const char* who) {
+  const DeviceKernels* k = registered.load();
+  if (k == nullptr) {
+    throw InvalidArgument(std::string("flatshard::") + who +
+                          ": CUDA tensors need the CUDA kernels; link flatshard::cuda (built where the CUDA "
+                          "toolkit is found)");
+  }
+  return *k;
+}
 
 }  // namespace flatshard::optim::kernels

@@ -39,9 +39,9 @@ void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
 double sum_of_squares(const float* x, std::int64_t numel);
 
 // The same kernels on CUDA device pointers (built when the CUDA toolkit is found;
-// cuda/step_kernels.cu), issued on `stream` (a cudaStream_t) without waiting for them:
-// the caller orders later work on that stream. sum_of_squares copies its result to the
-// host and so waits for the stream.
+// cuda/step_kernels.cu), issued on `stream` (a cudaStream_t; null: the calling thread's
+// current stream) without waiting for them: the caller orders later work on that
+// stream. sum_of_squares copies its result to the host and so waits for the stream.
 namespace cuda {
 void sgd_step(float* param, const float* grad, float* momentum_buf, std::int64_t numel, const SgdHyper& h,
               void* stream);
@@ -49,5 +49,18 @@ void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
                const AdamHyper& h, void* stream);
 double sum_of_squares(const float* x, std::int64_t numel, void* stream);
 }  // namespace cuda
+
+// The CUDA kernels as the optimizers and clipping reach them: flatshard::cuda registers
+// them when it is linked, so the core library needs no CUDA.
+struct DeviceKernels {
+  void (*sgd_step)(float* param, const float* grad, float* momentum_buf, std::int64_t numel,
+                   const SgdHyper& h, void* stream) = nullptr;
+  void (*adam_step)(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, std::int64_t numel,
+                    const AdamHyper& h, void* stream) = nullptr;
+  double (*sum_of_squares)(const float* x, std::int64_t numel, void* stream) = nullptr;
+};
+void register_cuda_kernels(const DeviceKernels& kernels);
+// The registered CUDA kernels; throws InvalidArgument naming `who` when none are.
+const DeviceKernels& cuda_kernels(const char* who);
 
 }  // namespace flatshard::optim::kernels

@@ -22,8 +22,9 @@
 
 namespace flatshard::sharding {
 
-// Per-unit schedule state. Touched only from the thread that runs forward and
-// backward (on the CPU, autograd runs hooks on the caller's thread).
+// Per-unit schedule state. Touched from the thread that runs forward and from the one
+// that runs backward's hooks: the caller's thread on the CPU, a device thread on CUDA.
+// The hook entry points hold hooks_mutex_.
 struct Engine::Unit {
   std::string name;
   std::unique_ptr<FlatParamGroup> group;  // null for a unit without parameters
@@ -88,22 +89,33 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): prefetch must be >= 0, got {}",
                                       rank_, world_size_, options_.prefetch));
   }
-  comm_ = Communicator::create(world, options_.comm);
-
   const auto membership = discover_units(*model_);
   const auto& declared = membership.declared;
   const auto& owner = membership.owner;
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> params(declared.size() + 1);
   std::set<const c10::TensorImpl*> seen;
   at::ScalarType model_dtype = at::kFloat;
+  std::string first_param;
+  c10::Device model_device{c10::kCPU};
   for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
     const auto* impl = item.value().unsafeGetTensorImpl();
     if (!seen.insert(impl).second) continue;  // registered twice (tied): once is enough
-    if (!item.value().device().is_cpu()) {
+    const c10::Device device = item.value().device();
+    if (!device.is_cpu() && !device.is_cuda()) {
       throw InvalidArgument(
-          fmt::format("flatshard::FullyShard (rank {}/{}): parameter '{}' is on {}; the CPU "
-                      "engine shards CPU parameters",
-                      rank_, world_size_, item.key(), item.value().device().str()));
+          fmt::format("flatshard::FullyShard (rank {}/{}): parameter '{}' is on {}; FullyShard shards "
+                      "CPU or CUDA parameters",
+                      rank_, world_size_, item.key(), device.str()));
+    }
+    if (!first_param.empty() && device != model_device) {
+      throw InvalidArgument(fmt::format(
+          "flatshard::FullyShard (rank {}/{}): parameter '{}' is on {} but '{}' is on {}; move the "
+          "whole model to one device (model->to(device)) before wrapping it",
+          rank_, world_size_, item.key(), device.str(), first_param, model_device.str()));
+    }
+    if (first_param.empty()) {
+      first_param = item.key();
+      model_device = device;
     }
     if (!at::isFloatingType(item.value().scalar_type())) {
       throw InvalidArgument(
@@ -115,6 +127,11 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     params[owner.at(impl)].emplace_back(item.key(), item.value());
   }
   const at::ScalarType compute = options_.mixed_precision.param.value_or(model_dtype);
+  // The scheduler's collectives move tensors of the model's device: TCP rings on the
+  // CPU; on CUDA, NCCL on the communicator's high-priority streams.
+  CommunicatorOptions comm_options = options_.comm;
+  comm_options.device = model_device;
+  comm_ = Communicator::create(world, comm_options);
   {
     std::vector<std::string> units{"root unit"};
     for (std::size_t i = 0; i < declared.size(); ++i) {
@@ -254,6 +271,7 @@ void Engine::prefetch(int index) {
 // --- forward --------------------------------------------------------------------
 
 void Engine::pre_forward(int index) {
+  std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   Unit& u = *units_[index];
   if (!order_recorded_ && index != kRoot && u.forward_position < 0) {
     u.forward_position = static_cast<int>(forward_order_.size());
@@ -269,6 +287,7 @@ void Engine::pre_forward(int index) {
 }
 
 std::vector<at::Tensor> Engine::post_forward(int index, std::vector<at::Tensor> outputs) {
+  std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   if (index == kRoot) order_recorded_ = true;
   if (!at::GradMode::is_enabled()) {  // no backward will come: free now
     if (index != kRoot) reshard(index);
@@ -286,6 +305,7 @@ std::vector<at::Tensor> Engine::post_forward(int index, std::vector<at::Tensor> 
 // --- backward -------------------------------------------------------------------
 
 void Engine::pre_backward(int index) {
+  std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   if (!backward_active_) {
     backward_active_ = true;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
@@ -309,6 +329,7 @@ void Engine::pre_backward(int index) {
 }
 
 void Engine::on_grad_accumulated(int index) {
+  std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   Unit& u = *units_[index];
   if (!u.pre_backward_done) {
     // The gradient reached a parameter before its unit's outputs did (a parameter used
@@ -374,6 +395,7 @@ void Engine::finish_pending_reduce() {
 }
 
 void Engine::end_of_backward() {
+  std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   // Units whose hooks did not all fire (parameters that got no gradient this step).
   for (int i = num_units() - 1; i >= 0; --i) {
     if (units_[i]->pre_backward_done && !units_[i]->post_backward_done) post_backward(i);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -73,6 +74,7 @@ class Engine {
   int peak_gathered_units_ = 0;
   std::int64_t synced_backwards_ = 0;
   std::int64_t skipped_steps_ = 0;
+  std::recursive_mutex hooks_mutex_;  // forward and backward hooks (see Engine::Unit)
 };
 
 }  // namespace flatshard::sharding

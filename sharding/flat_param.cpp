@@ -47,14 +47,15 @@ FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::stri
   padded_numel_ = flatshard::padded_numel(numel_, world_size, std::max<std::int64_t>(1, 16 / element_size_));
   shard_numel_ = padded_numel_ / world_size;
 
-  auto flat32 = at::zeros({padded_numel_}, at::kFloat);
+  const c10::Device device = slots_.empty() ? c10::Device(c10::kCPU) : slots_.front().param.device();
+  auto flat32 = at::zeros({padded_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
   {
     at::NoGradGuard no_grad;
     for (auto& s : slots_) flat32.narrow(0, s.offset, s.numel).copy_(s.param.detach().reshape({-1}));
   }
   master_ = flat32.narrow(0, rank_ * shard_numel_, shard_numel_).clone();
   full_ = compute_dtype_ == at::kFloat ? flat32 : flat32.to(compute_dtype_);
-  full_grad_ = at::zeros({padded_numel_}, at::TensorOptions().dtype(compute_dtype_));
+  full_grad_ = at::zeros({padded_numel_}, at::TensorOptions().dtype(compute_dtype_).device(device));
   free_storage(full_grad_);
 
   // Parameters take their compute dtype now, before their AccumulateGrad nodes are

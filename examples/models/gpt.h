@@ -17,13 +17,16 @@ struct GPTConfig {
   int dim = 32;
   int heads = 4;
   int layers = 3;
+  // Attention through at::scaled_dot_product_attention (fused kernels on GPUs) instead of
+  // the explicit masked softmax. Same function; the benchmarks use it on GPUs.
+  bool fused_attention = false;
 };
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
   // No bias on qkv: a key bias gets an exactly-zero gradient (softmax ignores a constant
   // added to every key), and Adam-type optimizers blow its rounding noise up to
   // +-lr per step, which no two summation orders reproduce.
-  explicit CausalSelfAttentionImpl(const GPTConfig& c) : heads(c.heads) {
+  explicit CausalSelfAttentionImpl(const GPTConfig& c) : heads(c.heads), fused(c.fused_attention) {
     qkv = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.dim, 3 * c.dim).bias(false)));
     proj = register_module("proj", torch::nn::Linear(c.dim, c.dim));
   }
@@ -32,13 +35,19 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     auto parts = qkv(x).split(d, 2);
     auto shape = [&](const at::Tensor& y) { return y.view({b, t, heads, d / heads}).transpose(1, 2); };
     auto q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
+    if (fused) {
+      auto y =
+          at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+      return proj(y.transpose(1, 2).contiguous().view({b, t, d}));
+    }
     auto att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d / heads));
-    auto mask = at::ones({t, t}, at::kBool).triu(1);
+    auto mask = at::ones({t, t}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
     att = att.masked_fill(mask, -std::numeric_limits<float>::infinity()).softmax(-1);
     auto y = at::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
     return proj(y);
   }
   int heads;
+  bool fused;
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
 };
 TORCH_MODULE(CausalSelfAttention);
@@ -74,7 +83,7 @@ struct GPTImpl : torch::nn::Module {
   }
   // tokens [B, T] -> logits [B, T, vocab]
   at::Tensor forward(const at::Tensor& tokens) {
-    auto pos = at::arange(tokens.size(1), at::kLong);
+    auto pos = at::arange(tokens.size(1), at::TensorOptions().dtype(at::kLong).device(tokens.device()));
     auto x = wte(tokens) + wpe(pos);
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       if (static_cast<int>(i) == skip_block) continue;

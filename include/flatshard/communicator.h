@@ -11,6 +11,13 @@
 //    write the inputs before then.
 //  - Tensors: contiguous, on the communicator's device, same dtype for input and
 //    output. Sizes are derived from the tensors; nothing else is passed.
+//  - Devices: on the CPU each stream is a worker thread that runs the op (TCP rings).
+//    On CUDA (link flatshard::cuda) the same path numbers, checks and logs the op, and
+//    the stream's worker issues it to a high-priority CUDA stream of the communicator:
+//    NCCL (Transport::Nccl, one rank per GPU), or the TCP rings through host memory
+//    (Transport::Tcp: several ranks may share a GPU). The op waits on the device for
+//    the work the issuing thread's current CUDA stream had queued when it was issued.
+//    Work::wait() then makes the caller's current CUDA stream wait; the host does not.
 //  - Slots: a flat buffer of N elements is split between ranks by shard_range(N,
 //    world_size, rank) (shard.h), so sizes need not divide by the world size.
 //  - Deadlines: every op has one (CommunicatorOptions::timeout, or the op's own).
@@ -44,11 +51,21 @@ enum class StreamRole { AllGather, ReduceScatter, AllReduce };
 constexpr int kNumStreamRoles = 3;
 const char* to_string(StreamRole role);
 
+// How bytes move between ranks.
+enum class Transport {
+  Auto,  // the CPU: TCP rings; CUDA: NCCL
+  Tcp,   // TCP rings (CUDA tensors go through host memory)
+  Nccl,  // NCCL (CUDA only; one rank per GPU)
+};
+
 struct CommunicatorOptions {
   // Default deadline of every collective.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   // Store key prefix, so that several communicators can be made over one World.
   std::string name = "default";
+  // The device whose tensors the collectives move (the CPU, or one CUDA device).
+  c10::Device device{c10::kCPU};
+  Transport transport = Transport::Auto;
 };
 
 struct CollectiveOptions {
@@ -61,8 +78,12 @@ struct CollectiveOptions {
 class Work {
  public:
   Work(Event event, std::uint64_t seq) : event_(std::move(event)), seq_(seq) {}
-  // Blocks the host until the op completes; rethrows its CommError.
-  void wait() const { event_.synchronize(); }
+  // The caller waits for the op; rethrows its CommError. On the CPU the host blocks
+  // until the op completes; on CUDA the caller's current stream waits for it (the host
+  // waits only until it is issued).
+  void wait() const { event_.wait(); }
+  // Blocks the host until the op has completed, on the device too.
+  void synchronize() const { event_.synchronize(); }
   bool is_completed() const { return event_.query(); }
   // For another stream to wait on (CollectiveOptions::wait_for).
   const Event& event() const { return event_; }
@@ -87,6 +108,7 @@ class Communicator {
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
+  c10::Device device() const { return options_.device; }
   Stream& stream(StreamRole role);
 
   // all_gather: output.numel() == N; input is this rank's slot of it

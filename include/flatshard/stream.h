@@ -4,7 +4,14 @@
 // in submission order, concurrently with the host and with other streams. An Event is
 // a completion flag recorded on a stream; a consumer waits on it (the host through
 // Event::synchronize, another stream through Stream::wait_event) instead of
-// synchronizing everything. The CUDA build has the same shapes over CUDA streams.
+// synchronizing everything.
+//
+// On a device (CUDA) the same scheduling code runs: a stream's worker issues work to a
+// device stream and hands back a DeviceEvent (a CUDA event recorded after it). The
+// Event then has two halves: the host half completes when the work has been issued,
+// the device half when the device has finished it. Event::wait() makes the caller
+// wait the way its own work is ordered: the host on the CPU, the caller's current
+// device stream on a device (the host waits only for the issue, never for the device).
 #pragma once
 
 #include <condition_variable>
@@ -18,13 +25,35 @@
 
 namespace flatshard {
 
+// The device half of an Event (a CUDA event in the CUDA build).
+class DeviceEvent {
+ public:
+  virtual ~DeviceEvent() = default;
+  // True once the device has finished the work.
+  virtual bool query() const = 0;
+  // Blocks the host until the device has finished the work; throws if the device work
+  // failed (a CommError for a collective).
+  virtual void synchronize() const = 0;
+  // Makes later work on `device_stream` (a cudaStream_t; null: the calling thread's
+  // current stream) wait for the work, without blocking the host.
+  virtual void block(void* device_stream) const = 0;
+};
+
 class Event {
  public:
   Event();
-  // True once the work it was recorded after has finished (successfully or not).
+  // True once the work it was recorded after has finished (successfully or not), on
+  // the device too.
   bool query() const;
-  // Blocks the host until complete; rethrows the error of the work it follows.
+  // Blocks the host until complete, on the device too; rethrows the error of the work
+  // it follows.
   void synchronize() const;
+  // The caller waits for the work: on the CPU the host blocks (as synchronize()); with a
+  // device half, the host waits only until the work is issued (rethrowing an issue
+  // error) and the caller's current device stream waits for the device.
+  void wait() const;
+  // The device half, once the host half is complete (null on the CPU).
+  std::shared_ptr<DeviceEvent> device() const;
 
  private:
   friend class Stream;
@@ -44,6 +73,9 @@ class Stream {
   // Enqueues `fn`; returns an event that completes when it has run. An exception
   // thrown by `fn` is stored in that event (and rethrown by synchronize()).
   Event submit(std::function<void()> fn);
+  // As submit, for work that `fn` issues to a device: the DeviceEvent it returns (null:
+  // none) becomes the event's device half.
+  Event submit_device(std::function<std::shared_ptr<DeviceEvent>()> fn);
   // Later work on this stream starts only after `event` completes.
   void wait_event(const Event& event);
   // An event that completes when everything submitted so far has run.

@@ -29,6 +29,11 @@ struct Collective {
   ReduceOp reduce = ReduceOp::Sum;
   int root = 0;
   std::chrono::steady_clock::time_point deadline;
+  // Device transports: what the op waits for on the device before it starts. `ready`
+  // is recorded by Backend::issue on the issuing thread; `after` are the op's
+  // CollectiveOptions::wait_for events (their host halves are complete when run starts).
+  std::shared_ptr<DeviceEvent> ready;
+  std::vector<Event> after;
 };
 
 // What a transport throws when an op fails after it started; the Communicator turns
@@ -43,9 +48,14 @@ struct TransportFailure : std::runtime_error {
 class Backend {
  public:
   virtual ~Backend() = default;
-  // Runs `op` to completion on the calling thread (a stream's worker) over the
-  // connections of `channel` (one per stream). Throws TransportFailure.
-  virtual void run(const Collective& op, int channel) = 0;
+  // On the issuing thread, when the op is enqueued: a device transport records in
+  // `op.ready` what the op must wait for (the current stream's work so far).
+  virtual void issue(Collective& /*op*/) {}
+  // On the calling thread (a stream's worker), over the connections of `channel` (one
+  // per stream): runs `op` to completion (the CPU; returns null) or issues it to the
+  // channel's device stream and returns the event recorded after it. Throws
+  // TransportFailure.
+  virtual std::shared_ptr<DeviceEvent> run(const Collective& op, int channel) = 0;
   // Makes every op in progress on any channel, and every later op, fail at once.
   // Safe to call from any thread.
   virtual void abort() = 0;
@@ -54,5 +64,12 @@ class Backend {
 // The CPU transport: `num_channels` independent rings of TCP connections.
 std::unique_ptr<Backend> make_tcp_ring_backend(const World& world, const CommunicatorOptions& options,
                                                int num_channels);
+
+// Transports for devices, registered by the library that implements them (flatshard::cuda
+// registers CUDA's when it is linked). A factory makes the transport for `options.device`.
+using BackendFactory = std::unique_ptr<Backend> (*)(const World& world, const CommunicatorOptions& options,
+                                                    int num_channels);
+void register_device_backend(c10::DeviceType type, BackendFactory factory);
+BackendFactory device_backend(c10::DeviceType type);
 
 }  // namespace flatshard::comm

@@ -3,6 +3,8 @@
 #include "flatshard/communicator.h"
 
 #include <chrono>
+#include <map>
+#include <mutex>
 
 #include <fmt/format.h>
 
@@ -40,6 +42,33 @@ std::string advice(CommError::Kind kind) {
 
 }  // namespace
 
+namespace comm {
+namespace {
+
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<c10::DeviceType, BackendFactory>& registry() {
+  static std::map<c10::DeviceType, BackendFactory> r;
+  return r;
+}
+
+}  // namespace
+
+void register_device_backend(c10::DeviceType type, BackendFactory factory) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry()[type] = factory;
+}
+
+BackendFactory device_backend(c10::DeviceType type) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto it = registry().find(type);
+  return it == registry().end() ? nullptr : it->second;
+}
+
+}  // namespace comm
+
 const char* to_string(StreamRole role) {
   switch (role) {
     case StreamRole::AllGather: return "all_gather";
@@ -56,7 +85,25 @@ std::unique_ptr<Communicator> Communicator::create(const World& world, const Com
                     "CommunicatorOptions::timeout must be positive",
                     world.rank(), world.world_size()));
   }
-  auto backend = comm::make_tcp_ring_backend(world, options, kNumStreamRoles);
+  std::unique_ptr<comm::Backend> backend;
+  if (options.device.is_cpu()) {
+    if (options.transport == Transport::Nccl) {
+      throw InvalidArgument(
+          fmt::format("flatshard::Communicator::create (rank {}/{}): Transport::Nccl "
+                      "moves CUDA tensors; the CPU uses Transport::Tcp (or Auto)",
+                      world.rank(), world.world_size()));
+    }
+    backend = comm::make_tcp_ring_backend(world, options, kNumStreamRoles);
+  } else {
+    const comm::BackendFactory factory = comm::device_backend(options.device.type());
+    if (!factory) {
+      throw InvalidArgument(fmt::format(
+          "flatshard::Communicator::create (rank {}/{}): no transport for device {} in this program; "
+          "link flatshard::cuda (built where the CUDA toolkit is found) for CUDA devices",
+          world.rank(), world.world_size(), options.device.str()));
+    }
+    backend = factory(world, options, kNumStreamRoles);
+  }
   return std::unique_ptr<Communicator>(
       new Communicator(world.rank(), world.world_size(), options, std::move(backend)));
 }
@@ -134,9 +181,9 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
       if (!t->defined()) throw invalid("tensor is undefined");
       if (!t->is_contiguous())
         throw invalid(fmt::format("tensor {} is not contiguous; pass .contiguous()", describe(*t)));
-      if (!t->device().is_cpu()) {
-        throw invalid(
-            fmt::format("tensor {} is not on the CPU; this communicator moves CPU tensors", describe(*t)));
+      if (t->device() != options_.device) {
+        throw invalid(fmt::format("tensor {} is not on {}, the device this communicator moves tensors of",
+                                  describe(*t), options_.device.str()));
       }
     }
     if (c.input.scalar_type() != c.output.scalar_type()) {
@@ -177,16 +224,19 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
   const StreamRole role = options.stream.value_or(default_role);
   Stream& stream = *streams_[static_cast<int>(role)];
   for (const Event& e : options.wait_for) stream.wait_event(e);
+  c.after = options.wait_for;
+  backend_->issue(c);
   const std::size_t bytes = c.kind == OpKind::Barrier ? 0 : std::max(c.input.nbytes(), c.output.nbytes());
   const int rank = rank_;
   const int world_size = world_size_;
   comm::Backend* backend = backend_.get();
-  Event done =
-      stream.submit([c = std::move(c), role, timeout, bytes, rank, world_size, backend, name]() mutable {
+  Event done = stream.submit_device(
+      [c = std::move(c), role, timeout, bytes, rank, world_size, backend, name]() mutable {
         const auto start = std::chrono::steady_clock::now();
         c.deadline = start + timeout;
+        std::shared_ptr<DeviceEvent> device;
         try {
-          backend->run(c, static_cast<int>(role));
+          device = backend->run(c, static_cast<int>(role));
         } catch (const comm::TransportFailure& f) {
           backend->abort();  // the other streams' ops fail at once instead of at their deadlines
           const std::string peer = f.peer >= 0 ? fmt::format(" (peer rank {})", f.peer) : "";
@@ -198,8 +248,9 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
         }
         const double ms =
             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-        log::at(log::Level::Debug, "{} #{} {} B on stream {}: {:.3f} ms", name, c.seq, bytes, to_string(role),
-                ms);
+        log::at(log::Level::Debug, "{} #{} {} B on stream {}: {:.3f} ms{}", name, c.seq, bytes,
+                to_string(role), ms, device ? " to issue" : "");
+        return device;
       });
   return Work(std::move(done), seq);
 }

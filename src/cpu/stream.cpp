@@ -5,14 +5,16 @@ namespace flatshard {
 struct Event::State {
   mutable std::mutex mutex;
   mutable std::condition_variable cv;
-  bool done = false;         // guarded by mutex
-  std::exception_ptr error;  // guarded by mutex; set when the work threw
+  bool done = false;                    // guarded by mutex
+  std::exception_ptr error;             // guarded by mutex; set when the work threw
+  std::shared_ptr<DeviceEvent> device;  // guarded by mutex; set with done
 
-  void complete(std::exception_ptr e) {
+  void complete(std::exception_ptr e, std::shared_ptr<DeviceEvent> d = nullptr) {
     {
       std::lock_guard<std::mutex> lock(mutex);
       done = true;
       error = std::move(e);
+      device = std::move(d);
     }
     cv.notify_all();
   }
@@ -25,14 +27,40 @@ struct Event::State {
 Event::Event() : state_(std::make_shared<State>()) {}
 
 bool Event::query() const {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->done;
+  std::shared_ptr<DeviceEvent> device;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (!state_->done) return false;
+    device = state_->device;
+  }
+  return !device || device->query();
+}
+
+void Event::wait() const {
+  state_->wait();
+  std::shared_ptr<DeviceEvent> device;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->error) std::rethrow_exception(state_->error);
+    device = state_->device;
+  }
+  if (device) device->block(nullptr);
 }
 
 void Event::synchronize() const {
   state_->wait();
+  std::shared_ptr<DeviceEvent> device;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->error) std::rethrow_exception(state_->error);
+    device = state_->device;
+  }
+  if (device) device->synchronize();
+}
+
+std::shared_ptr<DeviceEvent> Event::device() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  if (state_->error) std::rethrow_exception(state_->error);
+  return state_->done ? state_->device : nullptr;
 }
 
 Stream::Stream(std::string name) : name_(std::move(name)), worker_([this] { run(); }) {}
@@ -55,6 +83,24 @@ Event Stream::submit(std::function<void()> fn) {
       try {
         fn();
         state->complete(nullptr);
+      } catch (...) {
+        state->complete(std::current_exception());
+      }
+    });
+  }
+  cv_.notify_one();
+  return event;
+}
+
+Event Stream::submit_device(std::function<std::shared_ptr<DeviceEvent>()> fn) {
+  Event event;
+  auto state = event.state_;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back([fn = std::move(fn), state] {
+      try {
+        auto device = fn();
+        state->complete(nullptr, std::move(device));
       } catch (...) {
         state->complete(std::current_exception());
       }

@@ -16,9 +16,9 @@ namespace {
 std::map<std::string, at::Tensor> collect(torch::nn::Module& model) {
   std::map<std::string, at::Tensor> out;
   for (const auto& item : model.named_parameters(/*recurse=*/true))
-    out[item.key()] = item.value().detach().clone();
+    out[item.key()] = item.value().detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
   for (const auto& item : model.named_buffers(/*recurse=*/true))
-    out[item.key()] = item.value().detach().clone();
+    out[item.key()] = item.value().detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
   return out;
 }
 
@@ -69,12 +69,13 @@ std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp
     steps = std::max(steps, optimizer.steps(i));
     for (const auto& [name, shard] : optimizer.named_state(i)) {
       // Every rank takes part, with zeros for a state not created yet (no step taken).
-      auto mine = shard.defined() ? shard : at::zeros({layout[i].shard_numel}, at::kFloat);
-      auto full = at::empty({layout[i].padded_numel}, at::kFloat);
+      const auto options = at::TensorOptions().dtype(at::kFloat).device(fsdp.comm().device());
+      auto mine = shard.defined() ? shard : at::zeros({layout[i].shard_numel}, options);
+      auto full = at::empty({layout[i].padded_numel}, options);
       fsdp.comm().all_gather(full, mine).wait();
       if (!keep) continue;
       for (const auto& p : layout[i].params) {
-        out[p.name + "." + name] = full.narrow(0, p.offset, p.numel).view(p.shape).clone();
+        out[p.name + "." + name] = full.narrow(0, p.offset, p.numel).view(p.shape).to(at::kCPU, false, true);
       }
     }
   }

@@ -316,8 +316,19 @@ std::string step_dir_name(std::int64_t step) { return fmt::format("step-{:09d}",
 // is replaced atomically by a file naming it, and only then are older checkpoints
 // beyond keep_last removed. A process killed at any point leaves root/latest naming a
 // complete checkpoint (the new one or the previous one).
+// Shards are read and written through host pointers: CUDA-sharded models are refused
+// before anything is written (every rank refuses alike: the device is the same).
+void require_cpu(const Communicator& comm, const std::string& path, const char* what) {
+  if (comm.device().is_cpu()) return;
+  throw InvalidArgument(fmt::format(
+      "flatshard::checkpoint (rank {}/{}): {} '{}': sharded checkpoints hold CPU shards and this model is "
+      "sharded on {}; move the model to the CPU for saving or loading (FullyShard shards where the model is)",
+      comm.rank(), comm.world_size(), what, path, comm.device().str()));
+}
+
 CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& h,
                     const SaveOptions& options) {
+  require_cpu(comm, root, "saving");
   const int rank = comm.rank(), n = comm.world_size();
   const std::string name = step_dir_name(options.step);
   const std::string tmp = fmt::format("{}/.{}.tmp", root, name);
@@ -667,6 +678,7 @@ std::int64_t steps_of(const Checkpoint& c, const std::string& param) {
 CheckpointInfo load(const std::string& path, Communicator& comm,
                     const std::function<Holding(const Checkpoint&)>& hold,
                     const std::function<void(const Checkpoint&)>& finish) {
+  require_cpu(comm, path, "loading");
   std::string failure;
   CheckpointInfo info;
   try {

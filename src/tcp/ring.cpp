@@ -106,7 +106,7 @@ class TcpRingBackend final : public Backend {
         store_(std::move(store)),
         failure_key_(std::move(failure_key)) {}
 
-  void run(const Collective& op, int channel) override {
+  std::shared_ptr<DeviceEvent> run(const Collective& op, int channel) override {
     FLATSHARD_ASSERT((channel >= 0 && channel < static_cast<int>(channels_.size())) || world_size_ == 1,
                      "channel out of range");
     if (aborted_.load()) {
@@ -115,7 +115,7 @@ class TcpRingBackend final : public Backend {
     }
     if (world_size_ == 1) {
       run_single(op);
-      return;
+      return nullptr;
     }
     Channel& ch = channels_[channel];
     ch.seq += 1;
@@ -146,6 +146,7 @@ class TcpRingBackend final : public Backend {
       }
       throw TransportFailure(kind, e.peer, e.detail);
     }
+    return nullptr;
   }
 
   // Note [The first failure]

@@ -1,17 +1,30 @@
 // GPU tests (run by scripts/gpu.sh on a GPU machine; compiled everywhere a CUDA toolkit
-// is): the CUDA step kernels against the CPU ones, NCCL collectives at world 1, the
-// CUDA memory figures.
+// is, registered with ctest only with FLATSHARD_GPU_TESTS=ON). Without a visible GPU
+// they fail: a GPU run that sees no GPU is a broken run, not a pass.
+//  - the CUDA step kernels against the CPU ones;
+//  - the Communicator on CUDA tensors at world 1 over NCCL: results, Work::wait ordering
+//    the caller's stream, argument errors, the caching allocator's figures;
+//  - FullyShard on CUDA against single-process training on the same global batch: world
+//    1 over NCCL (fp32, bf16 compute with fp32 or bf16 reduction), world 2 over the TCP
+//    rings through host memory (two ranks on one GPU, which NCCL refuses).
 #include <cuda_runtime.h>
 
 #include <gtest/gtest.h>
 
-#include "flatshard/cuda/nccl.h"
 #include "flatshard/flatshard.h"
+#include "flatshard/memory.h"
 #include "optim/step_kernels.h"
+#include "tests/support/cases.h"
+#include "tests/support/multirank.h"
 
 namespace {
 
 namespace kernels = flatshard::optim::kernels;
+using flatshard::testing::gpt_batch;
+using flatshard::testing::gpt_factory;
+using flatshard::testing::OptKind;
+using flatshard::testing::token_loss;
+using flatshard::testing::TrainSpec;
 
 bool have_gpu() {
   int n = 0;
@@ -22,6 +35,8 @@ bool have_gpu() {
   do {                                                            \
     if (!have_gpu()) GTEST_FAIL() << "no CUDA device is visible"; \
   } while (0)
+
+const c10::Device kGpu(c10::kCUDA, 0);
 
 TEST(CudaKernels, AdamWMatchesTheCpuKernel) {
   REQUIRE_GPU();
@@ -47,27 +62,83 @@ TEST(CudaKernels, AdamWMatchesTheCpuKernel) {
   cudaStreamDestroy(s);
 }
 
-TEST(Nccl, WorldOneCollectivesAndMemoryFigures) {
+TEST(CudaCommunicator, WorldOneOverNccl) {
   REQUIRE_GPU();
   flatshard::World world;  // one rank, no store
-  auto nccl = flatshard::cuda::NcclCommunicator::create(world, {std::chrono::seconds(60), "test"}, 0);
-  cudaStream_t s;
-  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
-  flatshard::cuda::reset_cuda_peak(0);
-  auto t = at::arange(1000, at::kFloat).cuda();
-  nccl->all_reduce(t, flatshard::ReduceOp::Sum, s);
-  auto full = at::empty({1000}, t.options());
-  nccl->all_gather(full, t, s);
-  auto out = at::empty({1000}, t.options());
-  nccl->reduce_scatter(out, full, flatshard::ReduceOp::Avg, s);
-  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-  EXPECT_TRUE(at::equal(out.cpu(), at::arange(1000, at::kFloat)));
-  nccl->check();
-  const auto stats = flatshard::cuda::cuda_memory_stats(0);
-  EXPECT_GE(stats.peak_allocated_bytes, 3 * 1000 * 4);
-  EXPECT_GE(stats.reserved_bytes, stats.allocated_bytes);
-  EXPECT_THROW(nccl->all_reduce(at::zeros({4}), flatshard::ReduceOp::Sum, s), flatshard::InvalidArgument);
-  cudaStreamDestroy(s);
+  flatshard::CommunicatorOptions options;
+  options.timeout = std::chrono::seconds(60);
+  options.name = "test";
+  options.device = kGpu;
+  auto comm = flatshard::Communicator::create(world, options);
+  flatshard::memory::reset_cuda_allocator_peak(0);
+
+  // The op waits for the work queued on the current stream before it was issued, and
+  // the current stream waits for the op after wait(): no host synchronisation between.
+  auto t = at::zeros({1 << 20}, at::TensorOptions().device(kGpu));
+  t.add_(1.0);
+  auto w = comm->all_reduce(t, flatshard::ReduceOp::Sum);
+  w.wait();
+  t.mul_(2.0);
+  auto full = at::empty({1 << 20}, t.options());
+  comm->all_gather(full, t).wait();
+  auto out = at::empty({1 << 20}, t.options());
+  comm->reduce_scatter(out, full, flatshard::ReduceOp::Avg).wait();
+  comm->broadcast(out, 0).wait();
+  comm->barrier().synchronize();
+  EXPECT_TRUE(at::equal(out.cpu(), at::full({1 << 20}, 2.0f)));
+  EXPECT_EQ(comm->issued(), 5u);
+
+  const auto stats = flatshard::memory::cuda_allocator_stats(0);
+  EXPECT_GE(stats.peak_bytes, 3 * (1 << 20) * 4);
+  EXPECT_GE(stats.reserved_bytes, stats.current_bytes);
+  EXPECT_GE(stats.alloc_retries, 0);
+
+  EXPECT_THROW(comm->all_reduce(at::zeros({4}), flatshard::ReduceOp::Sum), flatshard::InvalidArgument);
+}
+
+TEST(CudaFullyShard, WorldOneOverNcclMatchesSingleProcess) {
+  REQUIRE_GPU();
+  flatshard::World world;
+  struct Case {
+    std::optional<at::ScalarType> param, reduce;
+    double tolerance;
+  };
+  // fp32: rounding only; bf16 compute: bf16 rounding of weights and activations (the
+  // reference trains in fp32), the masters stay fp32.
+  for (const Case& c : {Case{std::nullopt, std::nullopt, 1e-5}, Case{at::kBFloat16, at::kFloat, 3e-2},
+                        Case{at::kBFloat16, at::kBFloat16, 3e-2}}) {
+    TrainSpec spec;
+    spec.optimizer = OptKind::AdamW;
+    spec.steps = 6;
+    spec.global_batch = 8;
+    spec.param_dtype = c.param;
+    spec.reduce_dtype = c.reduce;
+    spec.device = kGpu;
+    spec.transport = flatshard::Transport::Nccl;
+    const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+        world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+    EXPECT_LE(r.global_rel_weight_diff, c.tolerance) << "worst " << r.worst_param;
+    EXPECT_LE(r.max_rel_loss_diff, c.tolerance);
+    EXPECT_LE(r.peak_gathered_units, 2);
+  }
+}
+
+TEST(CudaFullyShard, WorldTwoOverTcpOnOneGpuMatchesSingleProcess) {
+  REQUIRE_GPU();
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  TrainSpec spec;
+  spec.optimizer = OptKind::AdamW;
+  spec.steps = 4;
+  spec.global_batch = 8;
+  spec.param_dtype = at::kBFloat16;
+  spec.reduce_dtype = at::kFloat;
+  spec.device = kGpu;
+  spec.transport = flatshard::Transport::Tcp;
+  const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+      world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+  EXPECT_LE(r.global_rel_weight_diff, 3e-2) << "worst " << r.worst_param;
+  EXPECT_LE(r.max_rel_loss_diff, 3e-2);
 }
 
 }  // namespace

@@ -27,6 +27,10 @@ struct TrainSpec {
   std::optional<at::ScalarType> param_dtype;
   std::optional<at::ScalarType> reduce_dtype;
   int prefetch = 1;
+  // Where both models train (the batches are moved there), and the transport of the
+  // sharded side's collectives.
+  c10::Device device{c10::kCPU};
+  Transport transport = Transport::Auto;
   // Called before each step with the reference and the sharded model (e.g. to make a
   // unit go unused in that step).
   std::function<void(int step, torch::nn::Module& reference, torch::nn::Module& sharded)> before_step;

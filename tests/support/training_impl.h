@@ -132,10 +132,11 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
                const TrainSpec& spec, TrainResult& result) {
   const int n = world.world_size();
   const int rank = world.rank();
-  auto loss_sum = at::zeros({1}, at::kDouble);
+  auto loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(side.comm->device()));
   for (int step = 0; step < spec.steps; ++step) {
     if (spec.before_step) spec.before_step(step, *reference, *model);
-    const Batch b = batch(step);
+    const Batch host = batch(step);
+    const Batch b{host.input.to(spec.device), host.target.to(spec.device)};
     const std::int64_t micro_rows = b.input.size(0) / spec.micro_batches;
     // Reference: the whole batch, micro-batch by micro-batch, mean loss overall.
     ref_opt.zero_grad();
@@ -184,8 +185,10 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
                               const TrainSpec& spec) {
   TrainResult result;
   Holder reference = make();
+  reference->to(spec.device);
   auto ref_opt = reference_optimizer(spec.optimizer, reference->parameters());
   Holder model = make();
+  model->to(spec.device);
   FullyShardOptions options;
   options.strategy = spec.strategy;
   options.prefetch = spec.prefetch;
@@ -193,6 +196,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   options.mixed_precision.reduce = spec.reduce_dtype;
   options.comm.timeout = std::chrono::seconds(60);
   options.comm.name = "test";
+  options.comm.transport = spec.transport;
   FullyShard<Holder> fsdp(model, world, options);
   auto opt = sharded_optimizer(spec.optimizer, fsdp.shards());
 

@@ -1,0 +1,142 @@
+// A GPT-style model on one GPU under FullyShard (full shard, NCCL, bf16 compute, fp32
+// master shards and reduction, AdamW): tokens/s, MFU and the caching allocator's peak.
+// bench/peer_fsdp2_gpu.py runs the same model and step under PyTorch FSDP2; scripts/gpu.sh
+// runs both in one go and prints the table.
+//
+//   bench_gpt_gpu [--dim 2048] [--layers 18] [--heads 16] [--vocab 32768] [--context 1024]
+//                 [--batch 4] [--warmup 3] [--steps 10] [--peak-tflops 989] [--csv FILE]
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include <c10/cuda/CUDAStream.h>
+#include <torch/torch.h>
+
+#include "examples/models/gpt.h"
+#include "flatshard/flatshard.h"
+#include "flatshard/memory.h"
+
+namespace {
+
+struct Args {
+  int dim = 2048, layers = 18, heads = 16, vocab = 32768, context = 1024, batch = 4;
+  int warmup = 3, steps = 10;
+  double peak_tflops = 989;  // H100/H200 SXM dense bf16
+  std::string csv;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    const char* v = argv[i + 1];
+    if (k == "--dim")
+      a.dim = std::atoi(v);
+    else if (k == "--layers")
+      a.layers = std::atoi(v);
+    else if (k == "--heads")
+      a.heads = std::atoi(v);
+    else if (k == "--vocab")
+      a.vocab = std::atoi(v);
+    else if (k == "--context")
+      a.context = std::atoi(v);
+    else if (k == "--batch")
+      a.batch = std::atoi(v);
+    else if (k == "--warmup")
+      a.warmup = std::atoi(v);
+    else if (k == "--steps")
+      a.steps = std::atoi(v);
+    else if (k == "--peak-tflops")
+      a.peak_tflops = std::atof(v);
+    else if (k == "--csv")
+      a.csv = v;
+    else {
+      std::fprintf(stderr, "bench_gpt_gpu: unknown option %s\n", k.c_str());
+      std::exit(2);
+    }
+  }
+  return a;
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "bench_gpt_gpu: %s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args a = parse(argc, argv);
+  auto world = flatshard::init();
+  const c10::Device gpu(c10::kCUDA, world.local_rank());
+  check(cudaSetDevice(world.local_rank()), "cudaSetDevice");
+
+  flatshard::examples::GPTConfig cfg{a.vocab, a.context, a.dim, a.heads, a.layers};
+  cfg.fused_attention = true;
+  torch::manual_seed(0);
+  flatshard::examples::GPT model(cfg);
+  std::int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  model->to(gpu);
+
+  flatshard::FullyShardOptions options;
+  options.strategy = flatshard::Strategy::FullShard;
+  options.mixed_precision.param = at::kBFloat16;
+  options.mixed_precision.reduce = at::kFloat;
+  flatshard::FullyShard<flatshard::examples::GPT> fsdp(model, world, options);
+  flatshard::optim::Adam opt(fsdp.shards(), flatshard::optim::AdamWOptions{3e-4, 0.9, 0.95, 1e-8, 0.1});
+
+  auto tokens =
+      at::randint(a.vocab, {a.batch, a.context + 1}, at::TensorOptions().dtype(at::kLong).device(gpu));
+  auto x = tokens.narrow(1, 0, a.context).contiguous(), y = tokens.narrow(1, 1, a.context).contiguous();
+  auto step = [&] {
+    auto logits = fsdp.forward(x);
+    auto loss = torch::cross_entropy_loss(logits.reshape({-1, a.vocab}).to(at::kFloat), y.reshape({-1}));
+    loss.backward();
+    opt.step();
+    opt.zero_grad();
+    return loss;
+  };
+  for (int i = 0; i < a.warmup; ++i) step();
+  check(cudaDeviceSynchronize(), "warm-up");
+  flatshard::memory::reset_cuda_allocator_peak(gpu.index());
+
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "cudaEventCreate");
+  check(cudaEventCreate(&stop), "cudaEventCreate");
+  check(cudaEventRecord(start, c10::cuda::getCurrentCUDAStream().stream()), "cudaEventRecord");
+  at::Tensor loss;
+  for (int i = 0; i < a.steps; ++i) loss = step();
+  check(cudaEventRecord(stop, c10::cuda::getCurrentCUDAStream().stream()), "cudaEventRecord");
+  check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+  float ms = 0;
+  check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+
+  const double tokens_per_step = static_cast<double>(a.batch) * a.context * world.world_size();
+  const double tokens_per_s = tokens_per_step * a.steps / (ms / 1000.0);
+  // Training FLOPs per token: 6 per parameter (forward 2, backward 4), plus attention's
+  // score and value products (12 * layers * context * dim, causal counted in full).
+  const double flops_per_token = 6.0 * params + 12.0 * a.layers * a.context * a.dim;
+  const double mfu = tokens_per_s / world.world_size() * flops_per_token / (a.peak_tflops * 1e12);
+  const auto mem = flatshard::memory::cuda_allocator_stats(gpu.index());
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  if (world.rank() == 0) {
+    std::printf(
+        "flatshard full shard: %.3fB params, %.0f tokens/s, MFU %.1f%%, peak %.2f GiB (reserved %.2f GiB, "
+        "%lld retries), step %.1f ms, loss %.3f\n",
+        params / 1e9, tokens_per_s, 100 * mfu, mem.peak_bytes / gib, mem.reserved_bytes / gib,
+        static_cast<long long>(mem.alloc_retries), ms / a.steps, loss.item<double>());
+    if (!a.csv.empty()) {
+      std::ofstream f(a.csv, std::ios::app);
+      f << "flatshard," << params << ',' << tokens_per_s << ',' << mfu << ',' << mem.peak_bytes / gib << ','
+        << ms / a.steps << '\n';
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,87 @@
+"""The peer of bench_gpt_gpu: the same GPT-style model and training step under PyTorch
+FSDP2 (fully_shard per block and at the root, bf16 compute, fp32 reduction, fp32 AdamW
+state), on one GPU with NCCL. Prints tokens/s, MFU and the caching allocator's peak in
+the same form; scripts/gpu.sh runs both and prints the ratios.
+
+    torchrun --nproc-per-node 1 bench/peer_fsdp2_gpu.py [--dim 2048 --layers 18 ...]
+"""
+
+import argparse
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from peer_pytorch_modes import GPT  # the CPU peers' model (bench/), with fused attention here
+
+
+def main():
+    p = argparse.ArgumentParser()
+    for name, default in [("dim", 2048), ("layers", 18), ("heads", 16), ("vocab", 32768), ("context", 1024),
+                          ("batch", 4), ("warmup", 3), ("steps", 10)]:
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--csv", default="")
+    a = p.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    torch.manual_seed(0)
+    model = GPT(a.vocab, a.context, a.dim, a.heads, a.layers, fused=True).cuda()
+    params = sum(q.numel() for q in model.parameters())
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            foreach=True)
+
+    tokens = torch.randint(a.vocab, (a.batch, a.context + 1), device="cuda")
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def step():
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, a.vocab).float(), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(a.steps):
+        loss = step()
+    stop.record()
+    stop.synchronize()
+    ms = start.elapsed_time(stop)
+
+    tokens_per_s = a.batch * a.context * world * a.steps / (ms / 1000.0)
+    flops_per_token = 6.0 * params + 12.0 * a.layers * a.context * a.dim
+    mfu = tokens_per_s / world * flops_per_token / (a.peak_tflops * 1e12)
+    stats = torch.cuda.memory_stats()
+    gib = 1024.0**3
+    if rank == 0:
+        print(f"pytorch fsdp2: {params / 1e9:.3f}B params, {tokens_per_s:.0f} tokens/s, MFU {100 * mfu:.1f}%, "
+              f"peak {stats['allocated_bytes.all.peak'] / gib:.2f} GiB (reserved "
+              f"{stats['reserved_bytes.all.current'] / gib:.2f} GiB, {stats['num_alloc_retries']} retries), "
+              f"step {ms / a.steps:.1f} ms, loss {loss.item():.3f}")
+        if a.csv:
+            with open(a.csv, "a") as f:
+                f.write(f"fsdp2,{params},{tokens_per_s},{mfu},{stats['allocated_bytes.all.peak'] / gib},"
+                        f"{ms / a.steps}\n")
+    dist.destroy_process_group()
+    if not math.isfinite(loss.item()):
+        raise SystemExit("non-finite loss")
+
+
+if __name__ == "__main__":
+    main()

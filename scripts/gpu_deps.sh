@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Gathers, on this (CPU) machine, what scripts/gpu.sh needs on a GPU machine that has
+# CUDA, PyTorch, CMake and ninja but no package registry: the headers, libraries and
+# CMake package files of fmt, nlohmann_json, zlib and GoogleTest from Debian's packages,
+# laid out under .gpu-deps/usr as under /usr (so their CMake files find themselves).
+# Carry .gpu-deps with the call (about 10 MB).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$root/scripts/setup.sh" >/dev/null
+deps="$root/.gpu-deps/usr"
+rm -rf "$root/.gpu-deps"
+arch="$(gcc -print-multiarch)"
+copy() {  # copy PATH... into the mirror, links resolved
+  for p in "$@"; do
+    mkdir -p "$deps/$(dirname "${p#/usr/}")"
+    cp -rL "$p" "$deps/${p#/usr/}"
+  done
+}
+copy /usr/include/fmt /usr/lib/"$arch"/cmake/fmt /usr/lib/"$arch"/libfmt.so*
+copy /usr/include/nlohmann /usr/share/cmake/nlohmann_json
+copy /usr/include/zlib.h /usr/include/zconf.h /usr/lib/"$arch"/libz.so /usr/lib/"$arch"/libz.a
+copy /usr/include/gtest /usr/include/gmock /usr/lib/"$arch"/cmake/GTest /usr/lib/"$arch"/libgtest*.a \
+     /usr/lib/"$arch"/libgmock*.a
+[[ -d /usr/lib/$arch/pkgconfig ]] || true
+du -sh "$root/.gpu-deps"

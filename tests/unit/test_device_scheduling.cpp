@@ -1,0 +1,210 @@
+// The scheduling path a device transport takes (the CUDA one in the CUDA build), checked
+// on every machine with a recording transport registered for the "meta" device: events
+// with a device half, the issue hook on the caller's thread, run on the stream's worker,
+// wait_for events handed to the transport, Work::wait ordering the caller's stream
+// rather than blocking the host, and errors keeping their types.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "flatshard/communicator.h"
+#include "flatshard/errors.h"
+#include "flatshard/stream.h"
+#include "src/comm/backend.h"
+
+namespace {
+
+using flatshard::DeviceEvent;
+using flatshard::Event;
+using flatshard::Stream;
+using namespace std::chrono_literals;
+
+// A device half whose device finishes when told to.
+struct FakeDeviceEvent final : DeviceEvent {
+  std::atomic<bool> finished{false};
+  mutable std::atomic<int> synchronized{0};
+  mutable std::atomic<int> blocked_current{0};
+  mutable std::vector<void*> blocked_streams;  // guarded by mutex
+  mutable std::mutex mutex;
+
+  bool query() const override { return finished.load(); }
+  void synchronize() const override { ++synchronized; }
+  void block(void* stream) const override {
+    if (stream == nullptr) {
+      ++blocked_current;
+    } else {
+      std::lock_guard<std::mutex> lock(mutex);
+      blocked_streams.push_back(stream);
+    }
+  }
+};
+
+TEST(DeviceEvents, WaitOrdersTheCallerSynchronizeWaitsForTheDevice) {
+  Stream s("device");
+  auto device = std::make_shared<FakeDeviceEvent>();
+  Event e = s.submit_device([device] { return device; });
+  e.wait();  // the host half (the issue) is done; the caller's current stream waits once
+  EXPECT_EQ(device->blocked_current.load(), 1);
+  EXPECT_EQ(device->synchronized.load(), 0);
+  EXPECT_EQ(e.device(), device);
+  EXPECT_FALSE(e.query()) << "issued but not finished on the device";
+  device->finished = true;
+  EXPECT_TRUE(e.query());
+  e.synchronize();
+  EXPECT_EQ(device->synchronized.load(), 1);
+}
+
+TEST(DeviceEvents, AnIssueErrorIsRethrownAndHasNoDeviceHalf) {
+  Stream s("device");
+  Event bad =
+      s.submit_device([]() -> std::shared_ptr<DeviceEvent> { throw std::runtime_error("issue failed"); });
+  EXPECT_THROW(bad.wait(), std::runtime_error);
+  EXPECT_THROW(bad.synchronize(), std::runtime_error);
+  EXPECT_TRUE(bad.query());
+  EXPECT_EQ(bad.device(), nullptr);
+}
+
+TEST(DeviceEvents, AHostOnlyEventWaitsOnTheHost) {
+  Stream s("host");
+  std::atomic<bool> ran{false};
+  Event e = s.submit([&] {
+    std::this_thread::sleep_for(20ms);
+    ran = true;
+  });
+  e.wait();
+  EXPECT_TRUE(ran.load());
+  EXPECT_EQ(e.device(), nullptr);
+}
+
+// Records what the Communicator hands a device transport.
+struct Recording {
+  std::mutex mutex;
+  std::vector<std::thread::id> issue_threads, run_threads;
+  std::vector<std::uint64_t> issued_seqs, run_seqs;
+  std::vector<int> channels;
+  std::vector<std::size_t> after_counts;
+  std::vector<std::shared_ptr<FakeDeviceEvent>> done;
+  bool fail_next_run = false;
+};
+Recording* recording = nullptr;
+
+class RecordingTransport final : public flatshard::comm::Backend {
+ public:
+  void issue(flatshard::comm::Collective& op) override {
+    std::lock_guard<std::mutex> lock(recording->mutex);
+    recording->issue_threads.push_back(std::this_thread::get_id());
+    recording->issued_seqs.push_back(op.seq);
+    op.ready = std::make_shared<FakeDeviceEvent>();
+  }
+  std::shared_ptr<DeviceEvent> run(const flatshard::comm::Collective& op, int channel) override {
+    std::lock_guard<std::mutex> lock(recording->mutex);
+    if (recording->fail_next_run) {
+      recording->fail_next_run = false;
+      throw flatshard::comm::TransportFailure(flatshard::CommError::Kind::PeerLost, 1, "the peer went away");
+    }
+    EXPECT_NE(op.ready, nullptr) << "run before issue";
+    recording->run_threads.push_back(std::this_thread::get_id());
+    recording->run_seqs.push_back(op.seq);
+    recording->channels.push_back(channel);
+    recording->after_counts.push_back(op.after.size());
+    for (const Event& e : op.after) {
+      EXPECT_NE(e.device(), nullptr) << "a wait_for event reached run before its issue completed";
+    }
+    auto done = std::make_shared<FakeDeviceEvent>();
+    recording->done.push_back(done);
+    return done;
+  }
+  void abort() override {}
+};
+
+std::unique_ptr<flatshard::comm::Backend> make_recording(const flatshard::World&,
+                                                         const flatshard::CommunicatorOptions&, int) {
+  return std::make_unique<RecordingTransport>();
+}
+
+TEST(DeviceScheduling, TheCommunicatorDrivesADeviceTransport) {
+  Recording rec;
+  recording = &rec;
+  flatshard::comm::register_device_backend(c10::DeviceType::Meta, &make_recording);
+  flatshard::World world;
+  flatshard::CommunicatorOptions options;
+  options.device = c10::Device(c10::kMeta);
+  auto comm = flatshard::Communicator::create(world, options);
+  EXPECT_EQ(comm->device(), c10::Device(c10::kMeta));
+
+  const auto meta = at::TensorOptions().device(at::kMeta);
+  auto full = at::empty({64}, meta);
+  auto gather = comm->all_gather(full, full.narrow(0, 0, 64));
+  flatshard::CollectiveOptions after;
+  after.wait_for = {gather.event()};
+  auto grad = at::empty({64}, meta), shard = at::empty({64}, meta);
+  auto reduce = comm->reduce_scatter(shard, grad, flatshard::ReduceOp::Avg, after);
+
+  // wait(): the caller's stream waits for the device half; the host is not held for it.
+  reduce.wait();
+  gather.wait();
+  {
+    std::lock_guard<std::mutex> lock(rec.mutex);
+    ASSERT_EQ(rec.done.size(), 2u);
+    EXPECT_EQ(rec.done[0]->blocked_current.load(), 1);
+    EXPECT_EQ(rec.done[1]->blocked_current.load(), 1);
+    EXPECT_EQ(rec.done[0]->synchronized.load(), 0);
+    EXPECT_FALSE(gather.is_completed()) << "the device has not finished";
+    rec.done[0]->finished = true;
+    EXPECT_TRUE(gather.is_completed());
+
+    EXPECT_EQ(rec.issued_seqs, (std::vector<std::uint64_t>{1, 2}));
+    EXPECT_EQ(rec.run_seqs, (std::vector<std::uint64_t>{1, 2}));
+    for (auto id : rec.issue_threads) EXPECT_EQ(id, std::this_thread::get_id()) << "issue on the caller";
+    for (auto id : rec.run_threads) EXPECT_NE(id, std::this_thread::get_id()) << "run on a stream worker";
+    EXPECT_EQ(rec.channels, (std::vector<int>{static_cast<int>(flatshard::StreamRole::AllGather),
+                                              static_cast<int>(flatshard::StreamRole::ReduceScatter)}));
+    EXPECT_EQ(rec.after_counts, (std::vector<std::size_t>{0, 1}));
+  }
+  reduce.synchronize();
+  EXPECT_EQ(rec.done[1]->synchronized.load(), 1);
+
+  // Tensors of another device are refused before anything is issued.
+  EXPECT_THROW(comm->all_reduce(at::zeros({4}), flatshard::ReduceOp::Sum), flatshard::InvalidArgument);
+  EXPECT_EQ(rec.issued_seqs.size(), 2u);
+
+  // A transport failure becomes a CommError naming the op and its number.
+  {
+    std::lock_guard<std::mutex> lock(rec.mutex);
+    rec.fail_next_run = true;
+  }
+  auto t = at::empty({8}, meta);
+  try {
+    comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
+    ADD_FAILURE() << "the failure was lost";
+  } catch (const flatshard::CommError& e) {
+    EXPECT_EQ(e.kind(), flatshard::CommError::Kind::PeerLost);
+    EXPECT_NE(std::string(e.what()).find("all_reduce #3"), std::string::npos) << e.what();
+  }
+  comm.reset();
+  recording = nullptr;
+}
+
+TEST(DeviceScheduling, NoTransportForADeviceIsATypedError) {
+  flatshard::World world;
+  flatshard::CommunicatorOptions options;
+  options.device = c10::Device(c10::DeviceType::XLA);
+  try {
+    flatshard::Communicator::create(world, options);
+    ADD_FAILURE() << "created a communicator with no transport";
+  } catch (const flatshard::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("no transport for device xla"), std::string::npos) << e.what();
+  }
+  options.device = c10::Device(c10::kCPU);
+  options.transport = flatshard::Transport::Nccl;
+  EXPECT_THROW(flatshard::Communicator::create(world, options), flatshard::InvalidArgument);
+}
+
+}  // namespace
