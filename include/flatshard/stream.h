@@ -58,6 +58,7 @@ class Event {
  private:
   friend class Stream;
   struct State;
+  std::shared_ptr<DeviceEvent> wait_host() const;
   std::shared_ptr<State> state_;
 };
 

@@ -36,26 +36,20 @@ bool Event::query() const {
   return !device || device->query();
 }
 
-void Event::wait() const {
+// The host half: waits for it, rethrows its error, returns the device half.
+std::shared_ptr<DeviceEvent> Event::wait_host() const {
   state_->wait();
-  std::shared_ptr<DeviceEvent> device;
-  {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    if (state_->error) std::rethrow_exception(state_->error);
-    device = state_->device;
-  }
-  if (device) device->block(nullptr);
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (state_->error) std::rethrow_exception(state_->error);
+  return state_->device;
+}
+
+void Event::wait() const {
+  if (auto device = wait_host()) device->block(nullptr);
 }
 
 void Event::synchronize() const {
-  state_->wait();
-  std::shared_ptr<DeviceEvent> device;
-  {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    if (state_->error) std::rethrow_exception(state_->error);
-    device = state_->device;
-  }
-  if (device) device->synchronize();
+  if (auto device = wait_host()) device->synchronize();
 }
 
 std::shared_ptr<DeviceEvent> Event::device() const {
@@ -75,21 +69,10 @@ Stream::~Stream() {
 }
 
 Event Stream::submit(std::function<void()> fn) {
-  Event event;
-  auto state = event.state_;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back([fn = std::move(fn), state] {
-      try {
-        fn();
-        state->complete(nullptr);
-      } catch (...) {
-        state->complete(std::current_exception());
-      }
-    });
-  }
-  cv_.notify_one();
-  return event;
+  return submit_device([fn = std::move(fn)]() -> std::shared_ptr<DeviceEvent> {
+    fn();
+    return nullptr;
+  });
 }
 
 Event Stream::submit_device(std::function<std::shared_ptr<DeviceEvent>()> fn) {
