@@ -441,12 +441,12 @@ class NcclTransport final : public comm::Backend {
 class HostStagedTransport final : public comm::Backend {
  public:
   HostStagedTransport(const World& world, const CommunicatorOptions& options, int channels)
-      : streams_(options.device.index() < 0 ? 0 : options.device.index(), channels) {
+      : streams_(options.device.index() < 0 ? 0 : options.device.index(), channels),
+        rank_(world.rank()),
+        n_(world.world_size()) {
     CommunicatorOptions host = options;
     host.device = c10::Device(c10::kCPU);
     rings_ = comm::make_tcp_ring_backend(world, host, channels);
-    rank_ = world.rank();
-    n_ = world.world_size();
   }
 
   void issue(Collective& op) override {
@@ -496,8 +496,8 @@ class HostStagedTransport final : public comm::Backend {
 
  private:
   RoleStreams streams_;
+  int rank_, n_;
   std::unique_ptr<comm::Backend> rings_;
-  int rank_ = 0, n_ = 1;
 };
 
 std::unique_ptr<comm::Backend> make_cuda_transport(const World& world, const CommunicatorOptions& options,

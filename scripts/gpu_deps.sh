@@ -21,5 +21,4 @@ copy /usr/include/nlohmann /usr/share/cmake/nlohmann_json
 copy /usr/include/zlib.h /usr/include/zconf.h /usr/lib/"$arch"/libz.so /usr/lib/"$arch"/libz.a
 copy /usr/include/gtest /usr/include/gmock /usr/lib/"$arch"/cmake/GTest /usr/lib/"$arch"/libgtest*.a \
      /usr/lib/"$arch"/libgmock*.a
-[[ -d /usr/lib/$arch/pkgconfig ]] || true
 du -sh "$root/.gpu-deps"

@@ -30,20 +30,12 @@ using namespace std::chrono_literals;
 struct FakeDeviceEvent final : DeviceEvent {
   std::atomic<bool> finished{false};
   mutable std::atomic<int> synchronized{0};
-  mutable std::atomic<int> blocked_current{0};
-  mutable std::vector<void*> blocked_streams;  // guarded by mutex
-  mutable std::mutex mutex;
+  mutable std::atomic<int> blocked_current{0};  // block(null): the caller's current stream
+  mutable std::atomic<int> blocked_other{0};    // block(a given stream)
 
   bool query() const override { return finished.load(); }
   void synchronize() const override { ++synchronized; }
-  void block(void* stream) const override {
-    if (stream == nullptr) {
-      ++blocked_current;
-    } else {
-      std::lock_guard<std::mutex> lock(mutex);
-      blocked_streams.push_back(stream);
-    }
-  }
+  void block(void* stream) const override { ++(stream == nullptr ? blocked_current : blocked_other); }
 };
 
 TEST(DeviceEvents, WaitOrdersTheCallerSynchronizeWaitsForTheDevice) {
