@@ -27,7 +27,7 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_
       -DFLATSHARD_BUILD_EXAMPLES=OFF -DCMAKE_CUDA_ARCHITECTURES="${arch_list/./}" \
       > "$out/configure.log" 2>&1 || { tail -n 40 "$out/configure.log"; exit 1; }
 TORCH_CUDA_ARCH_LIST="$arch_list" cmake --build "$build" -j "$(nproc)" \
-      --target flatshard_cuda_tests bench_gpt_gpu flatshard-run > "$out/build.log" 2>&1 \
+      --target flatshard_cuda_tests bench_gpt_gpu flatshard-run -- -k 0 > "$out/build.log" 2>&1 \
       || { grep -m 20 -B2 -A8 'error' "$out/build.log"; exit 1; }
 echo "== GPU tests"
 status=0

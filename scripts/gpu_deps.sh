@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Gathers, on this (CPU) machine, what scripts/gpu.sh needs on a GPU machine that has
 # CUDA, PyTorch, CMake and ninja but no package registry: the headers, libraries and
-# CMake package files of fmt, nlohmann_json, zlib and GoogleTest from Debian's packages,
+# CMake package files of fmt, nlohmann_json, zlib, GoogleTest and Thrust's C++ back end
+# (the CPU step kernels; the toolkit's own Thrust serves the CUDA ones) from Debian's packages,
 # laid out under .gpu-deps/usr as under /usr (so their CMake files find themselves).
 # Carry .gpu-deps with the call (about 10 MB).
 set -euo pipefail
@@ -21,4 +22,5 @@ copy /usr/include/nlohmann /usr/share/cmake/nlohmann_json
 copy /usr/include/zlib.h /usr/include/zconf.h /usr/lib/"$arch"/libz.so /usr/lib/"$arch"/libz.a
 copy /usr/include/gtest /usr/include/gmock /usr/lib/"$arch"/cmake/GTest /usr/lib/"$arch"/libgtest*.a \
      /usr/lib/"$arch"/libgmock*.a
+copy /usr/include/thrust /usr/include/cub
 du -sh "$root/.gpu-deps"

@@ -372,7 +372,7 @@ void Engine::reduce(int index) {
   pending->input_is_full_grad = reduce_dtype == g.compute_dtype();
   pending->input = pending->input_is_full_grad ? g.full_grad() : g.full_grad().to(reduce_dtype);
   if (!pending->input_is_full_grad) g.free_full_grad();
-  pending->output = at::empty({g.shard_numel()}, at::TensorOptions().dtype(reduce_dtype));
+  pending->output = at::empty({g.shard_numel()}, pending->input.options().dtype(reduce_dtype));
   CollectiveOptions opts;
   opts.stream = StreamRole::ReduceScatter;
   pending->work = comm_->reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
