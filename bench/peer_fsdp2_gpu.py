@@ -21,7 +21,7 @@ from peer_pytorch_modes import GPT  # the CPU peers' model (bench/), with fused 
 def main():
     p = argparse.ArgumentParser()
     for name, default in [("dim", 2048), ("layers", 18), ("heads", 16), ("vocab", 32768), ("context", 1024),
-                          ("batch", 4), ("warmup", 3), ("steps", 10)]:
+                          ("batch", 4), ("warmup", 3), ("steps", 20)]:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--csv", default="")
@@ -77,6 +77,7 @@ def main():
         if a.csv:
             with open(a.csv, "a") as f:
                 f.write(f"fsdp2,{params},{tokens_per_s},{mfu},{stats['allocated_bytes.all.peak'] / gib},"
+                        f"{stats['reserved_bytes.all.current'] / gib},{stats['num_alloc_retries']},"
                         f"{ms / a.steps}\n")
     dist.destroy_process_group()
     if not math.isfinite(loss.item()):

@@ -7,7 +7,9 @@
 #      FullyShard at world 1 over NCCL (fp32 and bf16) and at world 2 over TCP on one GPU,
 #      each against single-process training;
 #   3. benchmarks a 1B-parameter GPT (bf16) under FlatShard's full shard and PyTorch FSDP2
-#      on the same GPU, one after the other: tokens/s, MFU and peak memory, with ratios.
+#      on the same GPU, alternating (FLATSHARD_GPU_RUNS runs each, default 2; the table
+#      gives medians): tokens/s, MFU, peak allocated and reserved memory, allocator
+#      retries, with ratios; then FlatShard with CPU offload.
 # Logs and the CSV go to $OUT (the device tool's) or out/gpu. Extra arguments go to both
 # benchmarks (e.g. --layers 18 --batch 4).
 set -euo pipefail
@@ -15,6 +17,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$root/out/gpu}"
 mkdir -p "$out"
 python="${FLATSHARD_GPU_PYTHON:-python3}"
+runs="${FLATSHARD_GPU_RUNS:-2}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
 torch_prefix="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$out/gpu.txt"
@@ -33,26 +36,35 @@ echo "== GPU tests"
 status=0
 "$build/flatshard_cuda_tests" --gtest_brief=1 2>&1 | tee "$out/tests.log" || status=1
 
-echo "== 1B GPT, bf16, one GPU: FlatShard full shard vs PyTorch FSDP2"
+echo "== 1B GPT, bf16, one GPU: FlatShard full shard vs PyTorch FSDP2 (alternating, $runs runs each), then with CPU offload"
 csv="$out/gpt_gpu.csv"
-echo "impl,params,tokens_per_s,mfu,peak_gib,step_ms" > "$csv"
-"$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" "$@" 2>&1 \
-  | tee "$out/bench_flatshard.log" || status=1
-"$python" -m torch.distributed.run --standalone --nproc-per-node 1 "$root/bench/peer_fsdp2_gpu.py" \
-  --csv "$csv" "$@" 2>&1 | tee "$out/bench_fsdp2.log" || status=1
+echo "impl,params,tokens_per_s,mfu,peak_gib,reserved_gib,retries,step_ms" > "$csv"
+for ((i = 0; i < runs; ++i)); do
+  "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" "$@" 2>&1 \
+    | tee -a "$out/bench_flatshard.log" || status=1
+  (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
+    --csv "$csv" "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
+done
+"$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --offload 1 "$@" 2>&1 \
+  | tee -a "$out/bench_flatshard.log" || status=1
 "$python" - "$csv" <<'PY' | tee "$out/table.md"
-import csv, sys
-rows = {r["impl"]: r for r in csv.DictReader(open(sys.argv[1]))}
-print("| | params | tokens/s | MFU | peak GiB | step ms |")
-print("|---|---|---|---|---|---|")
-for name in ("flatshard", "fsdp2"):
+import csv, statistics, sys
+rows = {}
+for r in csv.DictReader(open(sys.argv[1])):
+    rows.setdefault(r["impl"], []).append(r)
+def med(impl, key):
+    return statistics.median(float(r[key]) for r in rows[impl])
+print("| | params | tokens/s | MFU | peak alloc GiB | reserved GiB | retries | step ms | runs |")
+print("|---|---|---|---|---|---|---|---|---|")
+for name in ("flatshard", "fsdp2", "flatshard-offload"):
     if name in rows:
-        r = rows[name]
-        print(f"| {name} | {int(r['params'])/1e9:.2f}B | {float(r['tokens_per_s']):.0f} | "
-              f"{100*float(r['mfu']):.1f}% | {float(r['peak_gib']):.2f} | {float(r['step_ms']):.1f} |")
-if len(rows) == 2:
-    f, p = rows["flatshard"], rows["fsdp2"]
-    print(f"| ratio flatshard/fsdp2 | | {float(f['tokens_per_s'])/float(p['tokens_per_s']):.2f} | | "
-          f"{float(f['peak_gib'])/float(p['peak_gib']):.2f} | {float(f['step_ms'])/float(p['step_ms']):.2f} |")
+        print(f"| {name} | {int(rows[name][0]['params'])/1e9:.2f}B | {med(name, 'tokens_per_s'):.0f} | "
+              f"{100*med(name, 'mfu'):.1f}% | {med(name, 'peak_gib'):.2f} | {med(name, 'reserved_gib'):.2f} | "
+              f"{max(int(r['retries']) for r in rows[name])} | {med(name, 'step_ms'):.1f} | {len(rows[name])} |")
+if "flatshard" in rows and "fsdp2" in rows:
+    print(f"| ratio flatshard/fsdp2 | | {med('flatshard', 'tokens_per_s')/med('fsdp2', 'tokens_per_s'):.2f} | | "
+          f"{med('flatshard', 'peak_gib')/med('fsdp2', 'peak_gib'):.2f} | "
+          f"{med('flatshard', 'reserved_gib')/med('fsdp2', 'reserved_gib'):.2f} | | "
+          f"{med('flatshard', 'step_ms')/med('fsdp2', 'step_ms'):.2f} | |")
 PY
 exit $status

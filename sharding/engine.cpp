@@ -4,6 +4,7 @@
 #include "sharding/unit_discovery.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 
@@ -127,10 +128,25 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     params[owner.at(impl)].emplace_back(item.key(), item.value());
   }
   const at::ScalarType compute = options_.mixed_precision.param.value_or(model_dtype);
-  // The scheduler's collectives move tensors of the model's device: TCP rings on the
+  device_ = options_.device.value_or(model_device);
+  if (!device_.is_cpu() && !device_.is_cuda()) {
+    throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): device {} is neither the CPU nor a "
+                                      "CUDA device",
+                                      rank_, world_size_, device_.str()));
+  }
+  if (!first_param.empty() && model_device != device_ && !model_device.is_cpu()) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::FullyShard (rank {}/{}): the model is on {} and options.device is {}; build the model on "
+        "the host (the CPU) to have it sharded onto {}, or leave options.device unset",
+        rank_, world_size_, model_device.str(), device_.str(), device_.str()));
+  }
+  FlatParamGroup::Placement placement;
+  placement.compute = device_;
+  placement.offload = options_.cpu_offload;
+  // The scheduler's collectives move tensors of the compute device: TCP rings on the
   // CPU; on CUDA, NCCL on the communicator's high-priority streams.
   CommunicatorOptions comm_options = options_.comm;
-  comm_options.device = model_device;
+  comm_options.device = device_;
   comm_ = Communicator::create(world, comm_options);
   {
     std::vector<std::string> units{"root unit"};
@@ -152,8 +168,8 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     unit->name = i == 0 ? "root" : fmt::format("unit{}", i);
     if (!params[i].empty()) {
       unit->name = i == 0 ? "root" : params[i].front().first.substr(0, params[i].front().first.rfind('.'));
-      unit->group =
-          std::make_unique<FlatParamGroup>(unit->name, std::move(params[i]), world_size_, rank_, compute);
+      unit->group = std::make_unique<FlatParamGroup>(unit->name, std::move(params[i]), world_size_, rank_,
+                                                     compute, placement);
       for (auto& slot : unit->group->slots()) {
         if (slot.accumulator) slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, index));
       }
@@ -164,10 +180,14 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
       unit->declared->attach(unit->driver.get());
     }
     units_.push_back(std::move(unit));
+    // The group starts with views of its gathered buffer: reshard it before the next unit
+    // is flattened, so that the device holds one unit at full size at a time.
+    if (units_.back()->group) units_.back()->gathered = true;
+    reshard(index);
   }
-  for (int u = 0; u < num_units(); ++u) {
-    if (units_[u]->group) units_[u]->gathered = true;  // the group starts with views of its buffer
-    reshard(u);
+  // Buffers (running statistics, masks) are replicated: they go to the compute device.
+  for (auto& b : model_->buffers(/*recurse=*/true)) {
+    if (b.defined() && b.device() != device_) b.set_data(b.to(device_));
   }
   for (auto& u : units_) {
     if (u->group) memory_.param_shard_bytes += u->group->shard_numel() * 4;
@@ -217,10 +237,7 @@ void Engine::issue_gather(int index) {
   Unit& u = *units_[index];
   FlatParamGroup& g = *u.group;
   g.allocate_full();
-  {
-    at::NoGradGuard no_grad;
-    g.full_slot().copy_(g.master());  // the local shard goes into its slot: the gather is in place
-  }
+  g.copy_master_to_slot();  // the local shard goes into its slot: the gather is in place
   CollectiveOptions opts;
   opts.stream = StreamRole::AllGather;
   u.gather = comm_->all_gather(g.full(), g.full_slot(), opts);
@@ -385,6 +402,17 @@ void Engine::finish_pending_reduce() {
   pending->work->wait();
   FlatParamGroup& g = *units_[pending->unit]->group;
   at::NoGradGuard no_grad;
+  if (g.offloaded()) {
+    // Note [Offloaded gradients]: the reduced shard is copied to page-locked host memory
+    // on the compute stream without blocking the host; end_of_backward waits for the
+    // device once and adds every landed shard into the host gradients.
+    auto reduced = pending->output.to(at::kFloat);
+    auto landing = at::empty({g.shard_numel()}, g.master().options().pinned_memory(g.master().is_pinned()));
+    landing.copy_(reduced, /*non_blocking=*/landing.is_pinned());
+    landing_grads_.emplace_back(pending->unit, std::move(landing));
+    if (pending->input_is_full_grad) g.free_full_grad();
+    return;
+  }
   at::Tensor& grad = g.master().mutable_grad();
   if (grad.defined()) {
     grad.add_(pending->output.to(at::kFloat));
@@ -401,6 +429,7 @@ void Engine::end_of_backward() {
     if (units_[i]->pre_backward_done && !units_[i]->post_backward_done) post_backward(i);
   }
   finish_pending_reduce();
+  land_offloaded_grads();
   for (int i = 0; i < num_units(); ++i) {
     reshard(i);
     units_[i]->pre_backward_done = false;
@@ -420,6 +449,22 @@ void Engine::end_of_backward() {
     zero_grad();
     ++skipped_steps_;
   }
+}
+
+void Engine::land_offloaded_grads() {
+  if (landing_grads_.empty()) return;
+  // One host wait for the device-to-host copies queued on the compute stream.
+  if (!device_.is_cpu()) c10::impl::VirtualGuardImpl(device_.type()).getStream(device_).synchronize();
+  at::NoGradGuard no_grad;
+  for (auto& [unit, landed] : landing_grads_) {
+    at::Tensor& grad = units_[unit]->group->master().mutable_grad();
+    if (grad.defined()) {
+      grad.add_(landed);
+    } else {
+      grad = std::move(landed);
+    }
+  }
+  landing_grads_.clear();
 }
 
 // --- the rest -------------------------------------------------------------------

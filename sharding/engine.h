@@ -54,6 +54,7 @@ class Engine {
   void post_backward(int unit);
   void reduce(int unit);
   void finish_pending_reduce();
+  void land_offloaded_grads();
   void end_of_backward();
   void account();
   int gathered_non_root_units() const;
@@ -69,7 +70,10 @@ class Engine {
   bool order_recorded_ = false;               // set after the first forward
   bool backward_active_ = false;              // between the first backward hook and the end callback
   bool no_sync_ = false;
+  c10::Device device_{c10::kCPU};  // the compute device: gathered units, collectives
   std::unique_ptr<PendingReduce> pending_;  // the reduce-scatter in flight (at most one)
+  // Reduced gradient shards copied (or being copied) to host memory under CPU offload.
+  std::vector<std::pair<int, at::Tensor>> landing_grads_;
   ShardMemory memory_;
   int peak_gathered_units_ = 0;
   std::int64_t synced_backwards_ = 0;

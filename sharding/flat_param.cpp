@@ -28,10 +28,12 @@ void allocate_storage(const at::Tensor& t) {
 }  // namespace
 
 FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
-                               int world_size, int rank, at::ScalarType compute_dtype)
+                               int world_size, int rank, at::ScalarType compute_dtype,
+                               const Placement& placement)
     : name_(std::move(name)),
       rank_(rank),
       compute_dtype_(compute_dtype),
+      offload_(placement.offload),
       element_size_(static_cast<std::int64_t>(c10::elementSize(compute_dtype))) {
   for (auto& [pname, p] : params) {
     ParamSlot slot;
@@ -47,15 +49,20 @@ FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::stri
   padded_numel_ = flatshard::padded_numel(numel_, world_size, std::max<std::int64_t>(1, 16 / element_size_));
   shard_numel_ = padded_numel_ / world_size;
 
-  const c10::Device device = slots_.empty() ? c10::Device(c10::kCPU) : slots_.front().param.device();
-  auto flat32 = at::zeros({padded_numel_}, at::TensorOptions().dtype(at::kFloat).device(device));
+  // The unit is flattened where it was built (the host, for a model built there), then
+  // its master shard and gathered buffer go where the placement says.
+  const c10::Device built = slots_.empty() ? placement.compute : slots_.front().param.device();
+  auto flat32 = at::zeros({padded_numel_}, at::TensorOptions().dtype(at::kFloat).device(built));
   {
     at::NoGradGuard no_grad;
     for (auto& s : slots_) flat32.narrow(0, s.offset, s.numel).copy_(s.param.detach().reshape({-1}));
   }
-  master_ = flat32.narrow(0, rank_ * shard_numel_, shard_numel_).clone();
-  full_ = compute_dtype_ == at::kFloat ? flat32 : flat32.to(compute_dtype_);
-  full_grad_ = at::zeros({padded_numel_}, at::TensorOptions().dtype(compute_dtype_).device(device));
+  auto master_options = at::TensorOptions().dtype(at::kFloat).device(offload_ ? c10::kCPU : placement.compute);
+  if (offload_ && placement.compute.is_cuda()) master_options = master_options.pinned_memory(true);
+  master_ = at::empty({shard_numel_}, master_options);
+  master_.copy_(flat32.narrow(0, rank_ * shard_numel_, shard_numel_));
+  full_ = flat32.to(placement.compute, compute_dtype_);  // flat32 itself when nothing changes
+  full_grad_ = at::zeros({padded_numel_}, at::TensorOptions().dtype(compute_dtype_).device(placement.compute));
   free_storage(full_grad_);
 
   // Parameters take their compute dtype now, before their AccumulateGrad nodes are
@@ -70,6 +77,20 @@ bool FlatParamGroup::full_allocated() const { return full_.storage().nbytes() > 
 bool FlatParamGroup::full_grad_allocated() const { return full_grad_.storage().nbytes() > 0; }
 void FlatParamGroup::allocate_full() { allocate_storage(full_); }
 void FlatParamGroup::free_full() { free_storage(full_); }
+
+void FlatParamGroup::copy_master_to_slot() {
+  at::NoGradGuard no_grad;
+  auto slot = full_slot();
+  if (!offload_ || compute_dtype_ == at::kFloat) {
+    slot.copy_(master_, /*non_blocking=*/master_.is_pinned());
+    return;
+  }
+  // fp32 to the device first (a page-locked source copies asynchronously), then convert
+  // there: a converting copy from the host would convert on the host and block.
+  auto staged = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(full_.device()));
+  staged.copy_(master_, /*non_blocking=*/master_.is_pinned());
+  slot.copy_(staged);
+}
 
 void FlatParamGroup::allocate_full_grad() {
   if (full_grad_allocated()) return;

@@ -37,10 +37,17 @@ struct ParamSlot {
 
 class FlatParamGroup {
  public:
+  // Where a group keeps what. The parameters may arrive on another device (the host):
+  // they move to `compute` when the group takes them over.
+  struct Placement {
+    c10::Device compute{c10::kCPU};  // gathered buffer, flat gradient, the parameters' views
+    bool offload = false;            // master shard and its gradient in host memory (CPU offload)
+  };
+
   // Takes over `params` (name, parameter) in this order; copies their values into the
   // master shard. `compute_dtype` is the dtype of the gathered buffer and gradients.
   FlatParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params, int world_size,
-                 int rank, at::ScalarType compute_dtype);
+                 int rank, at::ScalarType compute_dtype, const Placement& placement);
 
   const std::string& name() const { return name_; }
   std::vector<ParamSlot>& slots() { return slots_; }
@@ -57,6 +64,13 @@ class FlatParamGroup {
   at::Tensor& full_grad() { return full_grad_; }
   // This rank's slot of `full`.
   at::Tensor full_slot() const { return full_.narrow(0, rank_ * shard_numel_, shard_numel_); }
+  // The master shard is kept in host memory (page-locked when the compute device is a
+  // GPU) and crosses to the compute device through staging copies (CPU offload). On a
+  // CPU compute device the same path runs, host to host.
+  bool offloaded() const { return offload_; }
+  // Writes the master shard into this rank's slot of `full` (converting to the compute
+  // dtype), on the current stream; from offloaded masters without blocking the host.
+  void copy_master_to_slot();
 
   bool full_allocated() const;
   bool full_grad_allocated() const;
@@ -79,6 +93,7 @@ class FlatParamGroup {
   std::vector<ParamSlot> slots_;
   int rank_;
   at::ScalarType compute_dtype_;
+  bool offload_;
   std::int64_t element_size_;
   std::int64_t numel_ = 0;
   std::int64_t padded_numel_ = 0;

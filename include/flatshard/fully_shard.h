@@ -74,6 +74,16 @@ struct FullyShardOptions {
   CommunicatorOptions comm{std::chrono::minutes(5), "fully_shard"};
   MemoryBudget memory_budget;
   NonFiniteGrads nonfinite_grads = NonFiniteGrads::Ignore;
+  // The device the gathered units, their gradients and the collectives live on (and,
+  // without offload, the master shards and optimizer state). Default: the device of the
+  // model's parameters. A model built on the host may name a GPU here: each unit moves
+  // to it as it is sharded, so the whole model never sits on the GPU.
+  std::optional<c10::Device> device;
+  // CPU offload (FSDP's CPUOffload, DeepSpeed's offload_optimizer): master shards, their
+  // gradients and the optimizer's state stay in host memory (pinned, when `device` is a
+  // GPU) and the optimizer steps on the CPU; each gather copies the updated shard to the
+  // device and each reduced gradient shard is copied back, both without blocking the host.
+  bool cpu_offload = false;
 };
 
 // Byte counts of one rank (see memory accounting in docs/fully-shard.md).

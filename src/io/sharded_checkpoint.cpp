@@ -20,6 +20,7 @@
 #include <set>
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/optim/adam.h>
@@ -211,17 +212,22 @@ std::vector<std::string> list_dir(const std::string& dir) {
 
 // Every rank's string, on every rank (a collective). Carries indexes and failures, so
 // that one rank's error reaches all of them instead of leaving them waiting.
+// The bytes travel through tensors of the communicator's device (a GPU's, for a model
+// sharded there) and are read back on the host.
 std::vector<std::string> exchange_strings(Communicator& comm, const std::string& mine) {
   const int n = comm.world_size();
-  auto lengths = at::empty({n}, at::kLong);
-  auto my_length = at::full({1}, static_cast<std::int64_t>(mine.size()), at::kLong);
+  const auto on_device = at::TensorOptions().device(comm.device());
+  auto lengths = at::empty({n}, on_device.dtype(at::kLong));
+  auto my_length = at::full({1}, static_cast<std::int64_t>(mine.size()), on_device.dtype(at::kLong));
   comm.all_gather(lengths, my_length).wait();
+  lengths = lengths.cpu();
   std::int64_t most = 1;
   for (int r = 0; r < n; ++r) most = std::max(most, lengths[r].item<std::int64_t>());
-  auto all = at::zeros({n * most}, at::kByte);
   auto slot = at::zeros({most}, at::kByte);
   std::memcpy(slot.data_ptr(), mine.data(), mine.size());
-  comm.all_gather(all, slot).wait();
+  auto all = at::zeros({n * most}, on_device.dtype(at::kByte));
+  comm.all_gather(all, slot.to(comm.device())).wait();
+  all = all.cpu();
   std::vector<std::string> out;
   const auto* bytes = reinterpret_cast<const char*>(all.data_ptr());
   for (int r = 0; r < n; ++r)
@@ -248,6 +254,23 @@ struct Piece {
   std::int64_t begin;  // first element within the tensor
 };
 
+// Note [Device shards]
+// Pieces of a model sharded on a GPU are staged into page-locked host memory: every
+// piece's copy is queued on the current stream, then the host waits once, so the device
+// is held for the copies alone. Loading reads into host memory and copies into the
+// device tensors.
+void stage_on_host(std::vector<Piece>& pieces) {
+  std::optional<c10::Device> device;
+  for (auto& p : pieces) {
+    if (p.data.device().is_cpu()) continue;
+    device = p.data.device();
+    auto host = at::empty(p.data.sizes(), p.data.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(p.data, /*non_blocking=*/true);
+    p.data = std::move(host);
+  }
+  if (device) c10::impl::VirtualGuardImpl(device->type()).getStream(*device).synchronize();
+}
+
 std::vector<Piece> pieces_to_write(const Holding& h, int rank) {
   std::vector<Piece> out;
   for (const auto& seg : h.segments) {
@@ -264,6 +287,7 @@ std::vector<Piece> pieces_to_write(const Holding& h, int rank) {
       out.push_back({name, "buffer", t.sizes().vec(), t.detach().contiguous().reshape({-1}), 0});
     }
   }
+  stage_on_host(out);
   return out;
 }
 
@@ -316,19 +340,8 @@ std::string step_dir_name(std::int64_t step) { return fmt::format("step-{:09d}",
 // is replaced atomically by a file naming it, and only then are older checkpoints
 // beyond keep_last removed. A process killed at any point leaves root/latest naming a
 // complete checkpoint (the new one or the previous one).
-// Shards are read and written through host pointers: CUDA-sharded models are refused
-// before anything is written (every rank refuses alike: the device is the same).
-void require_cpu(const Communicator& comm, const std::string& path, const char* what) {
-  if (comm.device().is_cpu()) return;
-  throw InvalidArgument(fmt::format(
-      "flatshard::checkpoint (rank {}/{}): {} '{}': sharded checkpoints hold CPU shards and this model is "
-      "sharded on {}; move the model to the CPU for saving or loading (FullyShard shards where the model is)",
-      comm.rank(), comm.world_size(), what, path, comm.device().str()));
-}
-
 CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& h,
                     const SaveOptions& options) {
-  require_cpu(comm, root, "saving");
   const int rank = comm.rank(), n = comm.world_size();
   const std::string name = step_dir_name(options.step);
   const std::string tmp = fmt::format("{}/.{}.tmp", root, name);
@@ -678,7 +691,6 @@ std::int64_t steps_of(const Checkpoint& c, const std::string& param) {
 CheckpointInfo load(const std::string& path, Communicator& comm,
                     const std::function<Holding(const Checkpoint&)>& hold,
                     const std::function<void(const Checkpoint&)>& finish) {
-  require_cpu(comm, path, "loading");
   std::string failure;
   CheckpointInfo info;
   try {

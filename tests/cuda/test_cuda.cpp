@@ -5,11 +5,17 @@
 //  - the Communicator on CUDA tensors at world 1 over NCCL: results, Work::wait ordering
 //    the caller's stream, argument errors, the caching allocator's figures;
 //  - FullyShard on CUDA against single-process training on the same global batch: world
-//    1 over NCCL (fp32, bf16 compute with fp32 or bf16 reduction), world 2 over the TCP
-//    rings through host memory (two ranks on one GPU, which NCCL refuses).
+//    1 over NCCL (fp32, bf16 compute with fp32 or bf16 reduction; the model moved to the
+//    GPU or built on the host and sharded onto it; CPU offload), world 2 over the TCP
+//    rings through host memory (two ranks on one GPU, which NCCL refuses);
+//  - sharded checkpoints of CUDA shards, loaded on the CPU and on the GPU with offload.
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 #include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
 
 #include "flatshard/flatshard.h"
 #include "flatshard/memory.h"
@@ -107,6 +113,7 @@ TEST(CudaFullyShard, WorldOneOverNcclMatchesSingleProcess) {
   // reference trains in fp32), the masters stay fp32.
   for (const Case& c : {Case{std::nullopt, std::nullopt, 1e-5}, Case{at::kBFloat16, at::kFloat, 3e-2},
                         Case{at::kBFloat16, at::kBFloat16, 3e-2}}) {
+    SCOPED_TRACE(c.param ? "bf16" : "fp32");
     TrainSpec spec;
     spec.optimizer = OptKind::AdamW;
     spec.steps = 6;
@@ -120,6 +127,38 @@ TEST(CudaFullyShard, WorldOneOverNcclMatchesSingleProcess) {
     EXPECT_LE(r.global_rel_weight_diff, c.tolerance) << "worst " << r.worst_param;
     EXPECT_LE(r.max_rel_loss_diff, c.tolerance);
     EXPECT_LE(r.peak_gathered_units, 2);
+  }
+}
+
+// The model built on the host and sharded onto the GPU (options.device), with and
+// without CPU offload: the same training as a model moved to the GPU first. Offloaded
+// master shards are page-locked host memory.
+TEST(CudaFullyShard, BuiltOnTheHostAndOffloadedMatchSingleProcess) {
+  REQUIRE_GPU();
+  flatshard::World world;
+  for (auto param : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kBFloat16}}) {
+    for (bool offload : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << (param ? "bf16" : "fp32") << (offload ? " offload" : ""));
+      TrainSpec spec;
+      spec.optimizer = OptKind::AdamW;
+      spec.steps = 6;
+      spec.global_batch = 8;
+      spec.micro_batches = 2;
+      spec.clip = 0.25;
+      spec.param_dtype = param;
+      spec.reduce_dtype = at::kFloat;
+      spec.device = kGpu;
+      spec.transport = flatshard::Transport::Nccl;
+      spec.build_on_host = true;
+      spec.cpu_offload = offload;
+      const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+          world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+      const double tolerance = param ? 3e-2 : 1e-5;
+      EXPECT_LE(r.global_rel_weight_diff, tolerance) << "worst " << r.worst_param;
+      EXPECT_LE(r.max_rel_loss_diff, tolerance);
+      EXPECT_EQ(r.shard_device, offload ? c10::Device(c10::kCPU) : kGpu);
+      EXPECT_EQ(r.shards_pinned, offload);
+    }
   }
 }
 
@@ -139,6 +178,90 @@ TEST(CudaFullyShard, WorldTwoOverTcpOnOneGpuMatchesSingleProcess) {
       world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
   EXPECT_LE(r.global_rel_weight_diff, 3e-2) << "worst " << r.worst_param;
   EXPECT_LE(r.max_rel_loss_diff, 3e-2);
+  spec.build_on_host = true;
+  spec.cpu_offload = true;
+  const auto off = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+      world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+  EXPECT_LE(off.global_rel_weight_diff, 3e-2) << "offload, worst " << off.worst_param;
+  EXPECT_LE(off.max_rel_loss_diff, 3e-2) << "offload";
+  EXPECT_TRUE(off.shards_pinned);
+}
+
+std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.detach().cpu());
+  return out;
+}
+
+void expect_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const char* what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << what << " shard " << i;
+}
+
+// Sharded checkpoints of CUDA shards: saved from the GPU (staged through page-locked
+// host memory), loaded bit for bit into a model sharded on the CPU and into one on the
+// GPU with CPU offload, with the optimizer's state; training then goes on alike.
+TEST(CudaCheckpoint, DeviceShardsSaveAndLoadOnTheCpuAndTheGpu) {
+  REQUIRE_GPU();
+  flatshard::World world;
+  char dir_template[] = "/tmp/flatshard-cuda-ckpt-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const auto make = [&](std::optional<c10::Device> device, bool offload) {
+    flatshard::FullyShardOptions options;
+    options.device = device;
+    options.cpu_offload = offload;
+    options.mixed_precision.param = at::kBFloat16;
+    options.mixed_precision.reduce = at::kFloat;
+    options.comm.timeout = std::chrono::seconds(60);
+    return std::make_unique<flatshard::FullyShard<flatshard::testing::GPT>>(gpt_factory()(), world, options);
+  };
+  const flatshard::optim::AdamWOptions adamw{1e-3, 0.9, 0.95, 1e-8, 0.1};
+  const auto train = [&](flatshard::FullyShard<flatshard::testing::GPT>& fsdp, flatshard::optim::Adam& opt,
+                         int step) {
+    const auto b = gpt_batch(step, 4);
+    const auto device = fsdp.comm().device();
+    token_loss(fsdp.forward(b.input.to(device)).to(at::kFloat), b.target.to(device)).backward();
+    opt.step();
+    opt.zero_grad();
+  };
+  const auto state = [](flatshard::optim::Adam& opt, std::size_t n) {
+    std::vector<at::Tensor> out;
+    for (std::size_t i = 0; i < n; ++i) {
+      for (const auto& [name, t] : opt.named_state(i)) out.push_back(t.detach().cpu());
+    }
+    return out;
+  };
+
+  auto gpu = make(kGpu, false);
+  flatshard::optim::Adam gpu_opt(gpu->shards(), adamw);
+  for (int s = 0; s < 3; ++s) train(*gpu, gpu_opt, s);
+  const auto info = flatshard::checkpoint::save_sharded(dir, *gpu, &gpu_opt, {.step = 3});
+  EXPECT_EQ(info.step, 3);
+  const auto masters = on_host(gpu->shards());
+  const auto moments = state(gpu_opt, masters.size());
+  ASSERT_FALSE(moments.empty());
+
+  auto cpu = make(std::nullopt, false);  // built on the host, sharded there
+  flatshard::optim::Adam cpu_opt(cpu->shards(), adamw);
+  flatshard::checkpoint::load_sharded(dir, *cpu, &cpu_opt);
+  expect_equal(on_host(cpu->shards()), masters, "CPU masters");
+  expect_equal(state(cpu_opt, masters.size()), moments, "CPU optimizer state");
+
+  auto offloaded = make(kGpu, true);
+  flatshard::optim::Adam off_opt(offloaded->shards(), adamw);
+  flatshard::checkpoint::load_sharded(dir, *offloaded, &off_opt);
+  expect_equal(on_host(offloaded->shards()), masters, "offloaded masters");
+  expect_equal(state(off_opt, masters.size()), moments, "offloaded optimizer state");
+
+  // One more step on the original and on the offloaded copy: the same update.
+  train(*gpu, gpu_opt, 3);
+  train(*offloaded, off_opt, 3);
+  const auto a = on_host(gpu->shards()), b = on_host(offloaded->shards());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_LE((a[i] - b[i]).norm().item<double>(), 1e-5 * a[i].norm().item<double>() + 1e-12) << "shard " << i;
+  }
+  std::system(("rm -rf " + dir).c_str());
 }
 
 }  // namespace

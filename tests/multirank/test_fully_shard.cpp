@@ -333,6 +333,42 @@ TEST(FullyShard, ConsolidatedOptimizerStateMatchesTorchOptim) {
 
 // bf16 parameters and gradients with fp32 master shards and optimizer states, reduced
 // in fp32 or in bf16, against fp32 single-process training. See Note [bf16 tolerance].
+// CPU offload keeps master shards, their gradients and the optimizer's state in host
+// memory and moves shards and reduced gradients through staging copies: the arithmetic
+// is the same, so training is bit for bit what it is without offload (gradient
+// accumulation, clipping, bf16 compute and both strategies included).
+TEST(FullyShard, CpuOffloadTrainsBitForBitAsWithout) {
+  FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    for (auto dtype : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kBFloat16}}) {
+      TrainSpec spec;
+      spec.strategy = strategy;
+      spec.optimizer = OptKind::AdamW;
+      spec.steps = 4;
+      spec.global_batch = 24;
+      spec.micro_batches = 2;
+      spec.clip = 0.25;
+      spec.param_dtype = dtype;
+      spec.reduce_dtype = at::kFloat;
+      const auto batch = [](int s) { return gpt_batch(s, 24); };
+      const auto plain = train_and_compare<GPT>(world, gpt_factory(), batch, token_loss, spec);
+      spec.cpu_offload = true;
+      spec.build_on_host = true;  // options.device = the CPU: the same placement, said explicitly
+      const auto offloaded = train_and_compare<GPT>(world, gpt_factory(), batch, token_loss, spec);
+      SCOPED_TRACE(::testing::Message() << (strategy == Strategy::FullShard ? "full shard" : "shard grad op")
+                                        << (dtype ? " bf16" : " fp32") << " world " << world.world_size());
+      EXPECT_TRUE(offloaded.shard_device.is_cpu());
+      EXPECT_EQ(offloaded.global_rel_weight_diff, plain.global_rel_weight_diff);
+      EXPECT_EQ(offloaded.max_rel_weight_diff, plain.max_rel_weight_diff);
+      EXPECT_EQ(offloaded.max_rel_loss_diff, plain.max_rel_loss_diff);
+      EXPECT_EQ(offloaded.max_grad_norm, plain.max_grad_norm);
+      EXPECT_GT(offloaded.max_grad_norm, spec.clip) << "the test must actually clip";
+      EXPECT_LE(offloaded.global_rel_weight_diff, dtype ? 5e-3 : kFp32Tolerance);
+    }
+  }
+}
+
 TEST(FullyShard, Bf16ParametersWithFp32Masters) {
   FLATSHARD_RUN_RANKS({1, 2, 4}, std::chrono::seconds(180));
   auto world = flatshard::init();

@@ -31,6 +31,10 @@ struct TrainSpec {
   // sharded side's collectives.
   c10::Device device{c10::kCPU};
   Transport transport = Transport::Auto;
+  // The sharded model is built on the host and FullyShardOptions::device names
+  // spec.device (instead of moving the model there before wrapping it).
+  bool build_on_host = false;
+  bool cpu_offload = false;  // FullyShardOptions::cpu_offload
   // Called before each step with the reference and the sharded model (e.g. to make a
   // unit go unused in that step).
   std::function<void(int step, torch::nn::Module& reference, torch::nn::Module& sharded)> before_step;
@@ -50,6 +54,8 @@ struct TrainResult {
   std::int64_t peak_unsharded_param_bytes = 0;
   std::int64_t largest_unit_bytes = 0;  // the largest non-root unit's flat buffer
   std::int64_t root_unit_bytes = 0;
+  c10::Device shard_device{c10::kCPU};  // where FullyShard's master shards live
+  bool shards_pinned = false;
 };
 
 // How the replicated modes train (train_replicated_and_compare).

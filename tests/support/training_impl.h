@@ -188,8 +188,13 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   reference->to(spec.device);
   auto ref_opt = reference_optimizer(spec.optimizer, reference->parameters());
   Holder model = make();
-  model->to(spec.device);
   FullyShardOptions options;
+  if (spec.build_on_host) {
+    options.device = spec.device;
+  } else {
+    model->to(spec.device);
+  }
+  options.cpu_offload = spec.cpu_offload;
   options.strategy = spec.strategy;
   options.prefetch = spec.prefetch;
   options.mixed_precision.param = spec.param_dtype;
@@ -215,6 +220,8 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   result.peak_unsharded_param_bytes = fsdp.memory().peak_unsharded_param_bytes;
   result.largest_unit_bytes = fsdp.largest_unit_bytes();
   result.root_unit_bytes = fsdp.root_unit_bytes();
+  result.shard_device = fsdp.shards().front().device();
+  result.shards_pinned = fsdp.shards().front().is_pinned();
   auto full = fsdp.summon_full_params();
   compare_weights(model, reference, result);
   return result;
