@@ -68,6 +68,16 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
+// The process's peak resident set (VmHWM), GiB: host memory, where offload keeps state.
+double host_peak_gib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::atof(line.c_str() + 6) / (1024.0 * 1024.0);
+  }
+  return 0;
+}
+
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
     std::fprintf(stderr, "bench_gpt_gpu: %s: %s\n", what, cudaGetErrorString(e));
@@ -136,9 +146,9 @@ int main(int argc, char** argv) {
   if (world.rank() == 0) {
     std::printf(
         "flatshard full shard%s: %.3fB params, %.0f tokens/s, MFU %.1f%%, peak %.2f GiB (reserved %.2f GiB, "
-        "%lld retries), step %.1f ms, loss %.3f\n",
+        "%lld retries), host peak %.1f GiB, step %.1f ms, loss %.3f\n",
         a.offload ? " + CPU offload" : "", params / 1e9, tokens_per_s, 100 * mfu, mem.peak_bytes / gib, mem.reserved_bytes / gib,
-        static_cast<long long>(mem.alloc_retries), ms / a.steps, loss.item<double>());
+        static_cast<long long>(mem.alloc_retries), host_peak_gib(), ms / a.steps, loss.item<double>());
     if (!a.csv.empty()) {
       std::ofstream f(a.csv, std::ios::app);
       f << (a.offload ? "flatshard-offload," : "flatshard,") << params << ',' << tokens_per_s << ',' << mfu << ',' << mem.peak_bytes / gib << ','

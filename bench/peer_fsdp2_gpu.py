@@ -1,7 +1,9 @@
 """The peer of bench_gpt_gpu: the same GPT-style model and training step under PyTorch
 FSDP2 (fully_shard per block and at the root, bf16 compute, fp32 reduction, fp32 AdamW
-state), on one GPU with NCCL. Prints tokens/s, MFU and the caching allocator's peak in
-the same form; scripts/gpu.sh runs both and prints the ratios.
+state; fused AdamW where this torch supports it over FSDP2's sharded parameters, else
+foreach), on one GPU with NCCL. --offload 1 adds FSDP2's CPUOffloadPolicy (pinned host
+memory, the optimizer steps on the CPU). Prints tokens/s, MFU and the caching allocator's
+peak in the same form; scripts/gpu.sh runs both and prints the ratios.
 
     torchrun --nproc-per-node 1 bench/peer_fsdp2_gpu.py [--dim 2048 --layers 18 ...]
 """
@@ -13,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from peer_pytorch_modes import GPT  # the CPU peers' model (bench/), with fused attention here
 
@@ -24,6 +26,7 @@ def main():
                           ("batch", 4), ("warmup", 3), ("steps", 20)]:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--offload", type=int, default=0)
     p.add_argument("--csv", default="")
     a = p.parse_args()
 
@@ -35,11 +38,18 @@ def main():
     model = GPT(a.vocab, a.context, a.dim, a.heads, a.layers, fused=True).cuda()
     params = sum(q.numel() for q in model.parameters())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=True) if a.offload else OffloadPolicy()
     for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                            foreach=True)
+        fully_shard(block, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    opt, impl = None, ""
+    for impl in ("fused", "foreach"):
+        try:
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                    **{impl: True})
+            break
+        except (RuntimeError, TypeError) as e:
+            print(f"AdamW({impl}=True) refused: {e}")
 
     tokens = torch.randint(a.vocab, (a.batch, a.context + 1), device="cuda")
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -52,8 +62,16 @@ def main():
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(a.warmup):
-        step()
+    for i in range(a.warmup):
+        try:
+            step()
+        except (RuntimeError, TypeError) as e:  # fused steps refused at the first step
+            if i or impl != "fused":
+                raise
+            print(f"AdamW(fused=True) failed at its first step ({e}); using foreach")
+            impl = "foreach"
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
+                                    weight_decay=0.1, foreach=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -70,13 +88,13 @@ def main():
     stats = torch.cuda.memory_stats()
     gib = 1024.0**3
     if rank == 0:
-        print(f"pytorch fsdp2: {params / 1e9:.3f}B params, {tokens_per_s:.0f} tokens/s, MFU {100 * mfu:.1f}%, "
+        print(f"pytorch fsdp2{' + CPU offload' if a.offload else ''} (AdamW {impl}): {params / 1e9:.3f}B params, {tokens_per_s:.0f} tokens/s, MFU {100 * mfu:.1f}%, "
               f"peak {stats['allocated_bytes.all.peak'] / gib:.2f} GiB (reserved "
               f"{stats['reserved_bytes.all.current'] / gib:.2f} GiB, {stats['num_alloc_retries']} retries), "
               f"step {ms / a.steps:.1f} ms, loss {loss.item():.3f}")
         if a.csv:
             with open(a.csv, "a") as f:
-                f.write(f"fsdp2,{params},{tokens_per_s},{mfu},{stats['allocated_bytes.all.peak'] / gib},"
+                f.write(f"{'fsdp2-offload' if a.offload else 'fsdp2'},{params},{tokens_per_s},{mfu},{stats['allocated_bytes.all.peak'] / gib},"
                         f"{stats['reserved_bytes.all.current'] / gib},{stats['num_alloc_retries']},"
                         f"{ms / a.steps}\n")
     dist.destroy_process_group()
