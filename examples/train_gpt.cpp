@@ -18,6 +18,8 @@
 //                           the measured peak at the end
 //   --log-every N           a progress line every N steps [steps / 10]
 //   --result                print one CSV line for scripts (RESULT,...; see below)
+//   --recompute             every block recomputes its activations in backward (recompute.h)
+//   --dropout P [0]         residual dropout
 //   --memory-every N        every N steps, rank 0 prints MEMORY,step,current_bytes,peak_bytes,rss_bytes
 //                           (counting allocator, resident set; bench/soak.sh watches them for leaks)
 //
@@ -50,7 +52,7 @@ struct Args {
   GPTConfig model{4096, 64, 256, 8, 4};
   int batch = 4, steps = 50, save_every = 0, log_every = 0, memory_every = 0;
   double lr = 3e-4, budget_mib = 0;
-  bool resume = false, result = false;
+  bool resume = false, result = false, recompute = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -93,6 +95,10 @@ Args parse(int argc, char** argv) {
       a.budget_mib = std::stod(next());
     else if (k == "--resume")
       a.resume = true;
+    else if (k == "--recompute")
+      a.recompute = true;
+    else if (k == "--dropout")
+      a.model.dropout = std::stod(next());
     else if (k == "--result")
       a.result = true;
     else
@@ -180,6 +186,7 @@ int main(int argc, char** argv) {
 
     torch::manual_seed(42);
     GPT model(a.model);
+    flatshard::set_recompute(*model, a.recompute);
     const auto shape = plan::shape_of(*model);  // before wrapping: FullyShard empties the parameters
     const std::int64_t params = shape.total();
     flatshard::MemoryBudget budget;

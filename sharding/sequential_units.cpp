@@ -1,6 +1,7 @@
 #include "flatshard/sequential_units.h"
 
 #include "flatshard/errors.h"
+#include "flatshard/recompute.h"
 
 namespace flatshard {
 
@@ -48,7 +49,25 @@ at::Tensor SequentialUnitsImpl::forward(at::Tensor x) {
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     UnitHooks* hooks = groups_[g]->hooks();
     if (hooks) hooks->pre_forward();
-    for (; i < group_end_[g]; ++i, ++module) x = module->forward(x);
+    const std::size_t first = i;
+    if (groups_[g]->recomputes() && at::GradMode::is_enabled()) {
+      auto begin = module;
+      const std::size_t end = group_end_[g];
+      std::vector<at::Tensor> params;
+      for (auto* m : groups_[g]->modules) {
+        for (auto& p : m->parameters(/*recurse=*/true)) params.push_back(p);
+      }
+      RecomputeForward run = [begin, first, end](const std::vector<at::Tensor>& in) {
+        auto y = in[0];
+        auto it = begin;
+        for (std::size_t k = first; k < end; ++k, ++it) y = it->forward(y);
+        return std::vector<at::Tensor>{y};
+      };
+      x = recompute(run, {x}, params)[0];
+      for (; i < end; ++i) ++module;
+    } else {
+      for (; i < group_end_[g]; ++i, ++module) x = module->forward(x);
+    }
     if (hooks) x = hooks->post_forward({x})[0];
   }
   return x;

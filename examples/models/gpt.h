@@ -20,6 +20,8 @@ struct GPTConfig {
   // Attention through at::scaled_dot_product_attention (fused kernels on GPUs) instead of
   // the explicit masked softmax. Same function; the benchmarks use it on GPUs.
   bool fused_attention = false;
+  // Residual dropout (after attention and after the MLP) while training.
+  double dropout = 0.0;
 };
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
@@ -53,7 +55,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
 TORCH_MODULE(CausalSelfAttention);
 
 struct BlockImpl : torch::nn::Module {
-  explicit BlockImpl(const GPTConfig& c) {
+  explicit BlockImpl(const GPTConfig& c) : dropout(c.dropout) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
     attn = register_module("attn", CausalSelfAttention(c));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
@@ -61,9 +63,11 @@ struct BlockImpl : torch::nn::Module {
     out = register_module("out", torch::nn::Linear(4 * c.dim, c.dim));
   }
   at::Tensor forward(at::Tensor x) {
-    x = x + attn(ln1(x));
-    return x + out(torch::gelu(fc(ln2(x))));
+    x = x + drop(attn(ln1(x)));
+    return x + drop(out(torch::gelu(fc(ln2(x)))));
   }
+  at::Tensor drop(const at::Tensor& y) { return dropout > 0 ? torch::dropout(y, dropout, is_training()) : y; }
+  double dropout;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};
   torch::nn::Linear fc{nullptr}, out{nullptr};

@@ -8,6 +8,7 @@
 #include "flatshard/fully_shard.h"
 #include "flatshard/memory.h"
 #include "flatshard/optim.h"
+#include "flatshard/recompute.h"
 #include "flatshard/sequential_units.h"
 #include "flatshard/shard.h"
 #include "flatshard/stream.h"

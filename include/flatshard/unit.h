@@ -23,8 +23,11 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/core/grad_mode.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
+
+#include "flatshard/recompute.h"
 
 namespace flatshard {
 
@@ -46,9 +49,14 @@ class UnitBase {
   virtual std::vector<torch::nn::Module*> unit_modules() = 0;
   void attach(UnitHooks* hooks) { hooks_ = hooks; }
   UnitHooks* hooks() const { return hooks_; }
+  // Activation recomputation (recompute.h): keep only the unit's inputs from forward and
+  // run its forward again in backward.
+  void set_recompute(bool on) { recompute_ = on; }
+  bool recomputes() const { return recompute_; }
 
  private:
   UnitHooks* hooks_ = nullptr;  // the engine's, while one is attached
+  bool recompute_ = false;
 };
 
 // Modules that declare units (Unit<M> declares itself; SequentialUnits its groups).
@@ -79,6 +87,19 @@ std::tuple<T...> rebuild(const std::tuple<T...>&, std::vector<at::Tensor>& v) {
   return std::tuple<T...>{(static_cast<void>(sizeof(T)), v[i++])...};
 }
 
+// Recomputation of a forward with arbitrary arguments: the tensor arguments become the
+// recomputed function's inputs (in order); the others are kept as they were passed.
+template <typename T>
+decltype(auto) substitute(const T& arg, const std::vector<at::Tensor>&, std::size_t&) {
+  return arg;
+}
+inline at::Tensor substitute(const at::Tensor&, const std::vector<at::Tensor>& tensors, std::size_t& next) {
+  return tensors[next++];
+}
+template <typename T>
+void collect_tensor(const T&, std::vector<at::Tensor>&) {}
+inline void collect_tensor(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
+
 template <typename M, typename = void>
 struct ImplOf {
   using type = M;  // already a module type
@@ -102,11 +123,33 @@ class UnitImpl : public Impl, public UnitBase, public UnitProvider {
   template <typename... Args>
   auto forward(Args&&... args) {
     UnitHooks* h = hooks();
-    if (h == nullptr) return Impl::forward(std::forward<Args>(args)...);
+    if (h == nullptr) return run(std::forward<Args>(args)...);
     h->pre_forward();
-    auto out = Impl::forward(std::forward<Args>(args)...);
+    auto out = run(std::forward<Args>(args)...);
     auto wrapped = h->post_forward(detail::tensors_of(out));
     return detail::rebuild(out, wrapped);
+  }
+
+ private:
+  template <typename... Args>
+  auto run(Args&&... args) {
+    using Out = decltype(Impl::forward(std::forward<Args>(args)...));
+    if (!recomputes() || !at::GradMode::is_enabled()) return Impl::forward(std::forward<Args>(args)...);
+    std::vector<at::Tensor> inputs;
+    (detail::collect_tensor(args, inputs), ...);
+    auto kept = std::make_shared<std::tuple<std::decay_t<Args>...>>(std::forward<Args>(args)...);
+    RecomputeForward again = [this, kept](const std::vector<at::Tensor>& tensors) {
+      std::size_t next = 0;
+      // A braced list evaluates left to right: tensors are taken in argument order.
+      auto call = std::apply(
+          [&](const auto&... a) {
+            return std::tuple<std::decay_t<Args>...>{detail::substitute(a, tensors, next)...};
+          },
+          *kept);
+      return detail::tensors_of(std::apply([this](auto&... a) { return Impl::forward(a...); }, call));
+    };
+    auto outputs = recompute(again, inputs, this->parameters(/*recurse=*/true));
+    return detail::rebuild(Out{}, outputs);
   }
 };
 

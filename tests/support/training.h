@@ -2,6 +2,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <string>
 
 #include <torch/torch.h>
@@ -35,6 +36,7 @@ struct TrainSpec {
   // spec.device (instead of moving the model there before wrapping it).
   bool build_on_host = false;
   bool cpu_offload = false;  // FullyShardOptions::cpu_offload
+  bool recompute = false;    // every unit of the distributed model recomputes its activations
   // Called before each step with the reference and the sharded model (e.g. to make a
   // unit go unused in that step).
   std::function<void(int step, torch::nn::Module& reference, torch::nn::Module& sharded)> before_step;
@@ -54,6 +56,8 @@ struct TrainResult {
   std::int64_t peak_unsharded_param_bytes = 0;
   std::int64_t largest_unit_bytes = 0;  // the largest non-root unit's flat buffer
   std::int64_t root_unit_bytes = 0;
+  // The distributed model's parameters after training (host copies, by name).
+  std::map<std::string, at::Tensor> weights;
   c10::Device shard_device{c10::kCPU};  // where FullyShard's master shards live
   bool shards_pinned = false;
 };

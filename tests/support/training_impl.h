@@ -74,6 +74,7 @@ void compare_weights(Holder& model, Holder& reference, TrainResult& result) {
   auto ref_params = reference->named_parameters();
   double delta_sq = 0, ref_sq = 0;
   for (const auto& item : model->named_parameters()) {
+    result.weights[item.key()] = item.value().detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
     const auto& want = ref_params[item.key()];
     const auto delta = item.value().to(at::kFloat) - want;
     const double delta_norm = delta.norm().template item<double>();
@@ -188,6 +189,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   reference->to(spec.device);
   auto ref_opt = reference_optimizer(spec.optimizer, reference->parameters());
   Holder model = make();
+  if (spec.recompute) set_recompute(*model);
   FullyShardOptions options;
   if (spec.build_on_host) {
     options.device = spec.device;
@@ -236,6 +238,7 @@ TrainResult train_replicated_and_compare(
   Holder reference = make();
   auto ref_opt = reference_optimizer(spec.optimizer, reference->parameters());
   Holder model = make();
+  if (spec.recompute) set_recompute(*model);
   DDPOptions options;
   options.find_unused_parameters = replicated.find_unused_parameters;
   options.first_bucket_bytes = replicated.first_bucket_bytes;

@@ -1,0 +1,152 @@
+// Activation recomputation: in every mode, training with every unit recomputed is bit
+// for bit training without it (fp32, residual dropout on: the generators are restored
+// for the second run), and a recomputed unit keeps only its inputs from forward.
+#include <gtest/gtest.h>
+
+#include "flatshard/memory.h"
+#include "tests/support/cases.h"
+#include "tests/support/models.h"
+#include "tests/support/multirank.h"
+#include "tests/support/training.h"
+
+namespace {
+
+using namespace flatshard::testing;
+using flatshard::Strategy;
+
+std::function<GPT()> gpt_with_dropout() {
+  return [] {
+    torch::manual_seed(11);
+    auto c = gpt_config();
+    c.dropout = 0.2;
+    return GPT(c);
+  };
+}
+
+// tolerance 0: bit for bit; else the largest element-wise difference relative to the
+// tensor's largest element.
+void expect_same_weights(const TrainResult& a, const TrainResult& b, const std::string& what,
+                         double tolerance) {
+  ASSERT_EQ(a.weights.size(), b.weights.size()) << what;
+  ASSERT_FALSE(a.weights.empty()) << what;
+  for (const auto& [name, w] : a.weights) {
+    const auto& v = b.weights.at(name);
+    const double diff = (w - v).abs().max().item<double>();
+    if (tolerance == 0) {
+      EXPECT_TRUE(at::equal(w, v)) << what << ": " << name << " differs by " << diff;
+    } else {
+      EXPECT_LE(diff, tolerance * w.abs().max().item<double>()) << what << ": " << name;
+    }
+  }
+}
+
+// Runs `train` without and with recomputation and expects the same weights.
+template <typename Train>
+void expect_recompute_changes_nothing(const std::string& what, TrainSpec spec, const Train& train,
+                                      double tolerance = 0) {
+  spec.recompute = false;
+  const auto plain = train(spec);
+  spec.recompute = true;
+  const auto recomputed = train(spec);
+  expect_same_weights(plain, recomputed, what, tolerance);
+  if (tolerance == 0) EXPECT_EQ(plain.max_rel_loss_diff, recomputed.max_rel_loss_diff) << what;
+}
+
+TEST(Recompute, BitForBitInEveryMode) {
+  FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  const auto batch = [](int s) { return gpt_batch(s, 12); };
+  TrainSpec spec;
+  spec.optimizer = OptKind::AdamW;
+  spec.steps = 4;
+  spec.clip = 0.25;
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    spec.strategy = strategy;
+    expect_recompute_changes_nothing(strategy == Strategy::FullShard ? "full shard" : "shard grad op", spec,
+                                     [&](const TrainSpec& s) {
+                                       return train_and_compare<GPT>(world, gpt_with_dropout(), batch,
+                                                                     token_loss, s);
+                                     });
+  }
+  // Note [Recomputation and DDP's buckets]
+  // A recomputed unit hands all its parameters' gradients over at once, at the end of
+  // its second run, in another order than a unit whose backward runs op by op. DDP
+  // rebuilds its buckets in gradient arrival order after the first step (as PyTorch's
+  // DDP does), so the buckets' layout changes, and with it the order in which a ring of
+  // three or more ranks adds each element's contributions: the same sum, rounded
+  // differently (measured: at most 1.5e-8 absolute after 4 AdamW steps). With one or two
+  // ranks each element's sum has one order, and the weights are bit for bit the same.
+  const double replicated_tolerance = world.world_size() <= 2 ? 0 : 1e-6;
+  for (auto mode : {ReplicatedMode::DDP, ReplicatedMode::ZeroWithDDP, ReplicatedMode::ZeroStandalone}) {
+    ReplicatedSpec replicated;
+    replicated.mode = mode;
+    expect_recompute_changes_nothing(
+        to_string(mode), spec,
+        [&](const TrainSpec& s) {
+          return train_replicated_and_compare<GPT>(world, gpt_with_dropout(), batch, token_loss, s, replicated);
+        },
+        replicated_tolerance);
+  }
+  // A Sequential split by SequentialUnits recomputes its groups.
+  spec.clip = 0;
+  spec.optimizer = OptKind::SGD;
+  expect_recompute_changes_nothing("mlp full shard", spec, [&](const TrainSpec& s) {
+    return train_and_compare<flatshard::SequentialUnits>(
+        world, mlp_units_factory(), [](int st) { return mlp_batch(st, 12); }, mse, s);
+  });
+  // Dropout is really on, and recomputation still matches single-process training
+  // without it (the reference model runs without dropout's randomness only when p = 0).
+  spec.optimizer = OptKind::AdamW;
+  spec.recompute = true;
+  const auto r = train_and_compare<GPT>(world, gpt_factory(), batch, token_loss, spec);
+  EXPECT_LE(r.max_rel_weight_diff, 1e-5) << r.worst_param;
+}
+
+// bf16 compute with recomputation: the second run rounds as the first did.
+TEST(Recompute, Bf16FullShard) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  TrainSpec spec;
+  spec.optimizer = OptKind::AdamW;
+  spec.steps = 3;
+  spec.param_dtype = at::kBFloat16;
+  spec.reduce_dtype = at::kFloat;
+  expect_recompute_changes_nothing("bf16", spec, [&](const TrainSpec& s) {
+    return train_and_compare<GPT>(world, gpt_with_dropout(), [](int st) { return gpt_batch(st, 12); },
+                                  token_loss, s);
+  });
+}
+
+// What forward keeps: with every block recomputed, the activations alive between
+// forward and backward are the blocks' inputs, not their internals.
+TEST(Recompute, KeepsOnlyUnitInputs) {
+  flatshard::memory::install_counting_allocator();
+  auto c = gpt_config();
+  c.dim = 64;
+  c.context = 64;
+  c.layers = 6;
+  const auto tokens = at::randint(c.vocab, {16, c.context});
+  std::int64_t kept[2] = {0, 0};
+  for (bool on : {false, true}) {
+    torch::manual_seed(3);
+    GPT model(c);
+    flatshard::set_recompute(*model, on);
+    const auto before = flatshard::memory::allocator_stats().current_bytes;
+    auto loss = model->forward(tokens).square().mean();
+    kept[on] = flatshard::memory::allocator_stats().current_bytes - before;
+    loss.backward();
+    for (auto& p : model->parameters()) {
+      ASSERT_TRUE(p.grad().defined());
+      EXPECT_GT(p.grad().abs().sum().item<double>(), 0);
+    }
+  }
+  // One block input is 16 x 64 x 64 fp32 = 256 KiB; a block's internals are about 15 of
+  // those (attention scores of 4 heads alone are 1 MiB).
+  const std::int64_t input_bytes = 16 * 64 * 64 * 4;
+  std::printf("kept from forward: %lld bytes without recomputation, %lld with\n",
+              static_cast<long long>(kept[0]), static_cast<long long>(kept[1]));
+  EXPECT_LT(kept[1] * 3, kept[0]);
+  EXPECT_LT(kept[1], (c.layers + 8) * input_bytes);  // inputs of the blocks + the root's own
+}
+
+}  // namespace
