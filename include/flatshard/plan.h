@@ -58,6 +58,10 @@ struct PlanOptions {
   // Activations and backward temporaries of one rank's micro-batch (measure once with
   // measure_activation_bytes, or estimate); added as they are.
   std::int64_t activation_bytes = 0;
+  // Units recompute their activations (recompute.h); activation_bytes then measured with
+  // recomputation on. Moves the sharded modes' peak into a unit's backward (see
+  // Note [Where the peak is] in src/plan/plan.cpp).
+  bool recompute = false;
 };
 
 // Per-rank bytes by kind, and the predicted peak.

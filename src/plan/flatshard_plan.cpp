@@ -2,7 +2,7 @@
 //
 //   flatshard-plan --params 1.3e9 --units 24 --world 1,2,4,8 [--dtype bf16]
 //                  [--optimizer adamw|adam|sgd|sgd-momentum] [--mode full]
-//                  [--activation-mib 512] [--prefetch 1] [--budget-mib 16000]
+//                  [--activation-mib 512] [--recompute 1] [--prefetch 1] [--budget-mib 16000]
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -21,7 +21,7 @@ int usage(const char* why) {
                "usage: flatshard-plan --params N [--units K] [--root N] [--world 1,2,4] [--mode "
                "ddp|zero1|zero2|full]\n"
                "                      [--dtype fp32|bf16] [--optimizer adamw|adam|sgd|sgd-momentum]\n"
-               "                      [--activation-mib M] [--prefetch P] [--budget-mib B]\n"
+               "                      [--activation-mib M] [--recompute 0|1] [--prefetch P] [--budget-mib B]\n"
                "Predicts per-rank peak memory (MiB) of each mode; see docs/memory-model.md.\n");
   return why ? 2 : 0;
 }
@@ -42,6 +42,7 @@ int main(int argc, char** argv) {
   using namespace flatshard::plan;
   double params = 0, root = 0, activation_mib = 0, budget_mib = 0;
   int units = 1, prefetch = 1, param_bytes = 4, state_bytes = 8;
+  bool recompute = false;
   std::vector<int> worlds{1, 2, 4, 8};
   std::vector<Mode> modes{Mode::DDP, Mode::Zero1, Mode::Zero2, Mode::FullShard};
   for (int i = 1; i < argc; ++i) {
@@ -59,6 +60,8 @@ int main(int argc, char** argv) {
       worlds = parse_list(v);
     else if (a == "--prefetch")
       prefetch = std::atoi(v.c_str());
+    else if (a == "--recompute")
+      recompute = std::atoi(v.c_str()) != 0;
     else if (a == "--activation-mib")
       activation_mib = std::atof(v.c_str());
     else if (a == "--budget-mib")
@@ -104,6 +107,7 @@ int main(int argc, char** argv) {
       o.optimizer_state_bytes = state_bytes;
       o.prefetch = prefetch;
       o.activation_bytes = static_cast<std::int64_t>(activation_mib * (1 << 20));
+      o.recompute = recompute;
       const Plan p = predict(shape, o);
       std::printf("%-6s %6d %14.1f %14.1f %14.1f %14.1f %14.1f%s\n", to_string(m), w, mib(p.peak),
                   mib(p.params + p.masters + p.grads), mib(p.optimizer_state),

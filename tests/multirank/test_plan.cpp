@@ -26,10 +26,13 @@ Batch batch_of(int step, int rows) {
 }
 
 // Activations and backward temporaries of one micro-batch: the allocator's peak over a
-// forward and backward of the plain model whose gradients already exist.
-std::int64_t measure_activations(int rows) {
+// forward and backward of the plain model whose gradients already exist (with every
+// block recomputed, when asked: the planner accounts for recomputation through what is
+// measured).
+std::int64_t measure_activations(int rows, bool recompute = false) {
   torch::manual_seed(5);
   GPT model(plan_config());
+  flatshard::set_recompute(*model, recompute);
   for (auto& p : model->parameters()) p.mutable_grad() = at::zeros_like(p);
   const auto b = batch_of(0, rows);
   token_loss(model->forward(b.input), b.target).backward();  // warm-up, as the modes' first step
@@ -42,14 +45,16 @@ std::int64_t measure_activations(int rows) {
 // Peak over steps 2 and 3 (the first allocates optimizer state) of one mode, in bytes
 // above what was allocated before the model was built.
 std::int64_t measure_peak(const flatshard::World& world, plan::Mode mode,
-                          const flatshard::MemoryBudget& budget = {}, int rows = 0) {
+                          const flatshard::MemoryBudget& budget = {}, int rows = 0, bool recompute = false) {
   if (rows == 0) rows = kGlobalBatch / world.world_size();
   const auto base = flatshard::memory::allocator_stats().current_bytes;
   torch::manual_seed(5);
   flatshard::examples::AnyModeOptions o;
   o.fully_shard.memory_budget = budget;
   o.ddp.memory_budget = budget;
-  flatshard::examples::AnyMode<GPT> run(GPT(plan_config()), world, mode, o);
+  GPT model(plan_config());
+  flatshard::set_recompute(*model, recompute);
+  flatshard::examples::AnyMode<GPT> run(model, world, mode, o);
   for (int step = 0; step < 3; ++step) {
     if (step == 1) flatshard::memory::reset_allocator_peak();
     const auto b = batch_of(step, rows * world.world_size());
@@ -80,6 +85,34 @@ TEST(Planner, PredictsMeasuredPeakWithinTenPercent) {
     std::printf("%s world %d: measured %.2f MiB, predicted %.2f MiB (%+.1f%%): %s\n", plan::to_string(mode),
                 world.world_size(), measured / 1048576.0, predicted.peak / 1048576.0, 100 * error,
                 predicted.describe().c_str());
+    EXPECT_LE(std::abs(error), 0.10) << plan::to_string(mode) << " at world " << world.world_size();
+  }
+}
+
+// With every block recomputed, activations are measured the same way (smaller), and the
+// prediction still holds.
+TEST(Planner, PredictsMeasuredPeakWithRecomputation) {
+  FLATSHARD_RUN_RANKS({1, 2, 4}, std::chrono::seconds(300));
+  at::set_num_threads(1);
+  flatshard::memory::install_counting_allocator();
+  auto world = flatshard::init();
+  const auto rows = kGlobalBatch / world.world_size();
+  const auto activations = measure_activations(rows, /*recompute=*/true);
+  EXPECT_LT(activations, measure_activations(rows, /*recompute=*/false));
+  torch::manual_seed(5);
+  const auto shape = plan::shape_of(*GPT(plan_config()));
+  for (plan::Mode mode : {plan::Mode::DDP, plan::Mode::FullShard}) {
+    plan::PlanOptions o;
+    o.mode = mode;
+    o.world_size = world.world_size();
+    o.activation_bytes = activations;
+    o.recompute = true;
+    const auto predicted = plan::predict(shape, o);
+    const auto measured = measure_peak(world, mode, {}, 0, /*recompute=*/true);
+    const double error = static_cast<double>(predicted.peak - measured) / static_cast<double>(measured);
+    std::printf("%s world %d, recomputed: measured %.2f MiB, predicted %.2f MiB (%+.1f%%)\n",
+                plan::to_string(mode), world.world_size(), measured / 1048576.0, predicted.peak / 1048576.0,
+                100 * error);
     EXPECT_LE(std::abs(error), 0.10) << plan::to_string(mode) << " at world " << world.world_size();
   }
 }
