@@ -7,7 +7,7 @@
 //
 //   bench_gpt_gpu [--dim 2048] [--layers 18] [--heads 16] [--vocab 32768] [--context 1024]
 //                 [--batch 4] [--warmup 3] [--steps 20] [--peak-tflops 989] [--offload 0|1]
-//                 [--csv FILE]
+//                 [--recompute 0|1] [--csv FILE]
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -28,7 +28,7 @@ namespace {
 struct Args {
   int dim = 2048, layers = 18, heads = 16, vocab = 32768, context = 1024, batch = 4;
   int warmup = 3, steps = 20;
-  bool offload = false;
+  bool offload = false, recompute = false;
   double peak_tflops = 989;  // H100/H200 SXM dense bf16
   std::string csv;
 };
@@ -54,6 +54,8 @@ Args parse(int argc, char** argv) {
       a.warmup = std::atoi(v);
     else if (k == "--steps")
       a.steps = std::atoi(v);
+    else if (k == "--recompute")
+      a.recompute = std::atoi(v) != 0;
     else if (k == "--offload")
       a.offload = std::atoi(v) != 0;
     else if (k == "--peak-tflops")
@@ -97,6 +99,7 @@ int main(int argc, char** argv) {
   cfg.fused_attention = true;
   torch::manual_seed(0);
   flatshard::examples::GPT model(cfg);
+  flatshard::set_recompute(*model, a.recompute);
   std::int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
 
@@ -145,13 +148,13 @@ int main(int argc, char** argv) {
   const double gib = 1024.0 * 1024.0 * 1024.0;
   if (world.rank() == 0) {
     std::printf(
-        "flatshard full shard%s: %.3fB params, %.0f tokens/s, MFU %.1f%%, peak %.2f GiB (reserved %.2f GiB, "
+        "flatshard full shard%s%s: %.3fB params, %.0f tokens/s, MFU %.1f%%, peak %.2f GiB (reserved %.2f GiB, "
         "%lld retries), host peak %.1f GiB, step %.1f ms, loss %.3f\n",
-        a.offload ? " + CPU offload" : "", params / 1e9, tokens_per_s, 100 * mfu, mem.peak_bytes / gib, mem.reserved_bytes / gib,
+        a.offload ? " + CPU offload" : "", a.recompute ? " + recompute" : "", params / 1e9, tokens_per_s, 100 * mfu, mem.peak_bytes / gib, mem.reserved_bytes / gib,
         static_cast<long long>(mem.alloc_retries), host_peak_gib(), ms / a.steps, loss.item<double>());
     if (!a.csv.empty()) {
       std::ofstream f(a.csv, std::ios::app);
-      f << (a.offload ? "flatshard-offload," : "flatshard,") << params << ',' << tokens_per_s << ',' << mfu << ',' << mem.peak_bytes / gib << ','
+      f << "flatshard" << (a.offload ? "-offload" : "") << (a.recompute ? "-recompute" : "") << ',' << params << ',' << tokens_per_s << ',' << mfu << ',' << mem.peak_bytes / gib << ','
         << mem.reserved_bytes / gib << ',' << mem.alloc_retries << ',' << ms / a.steps << '\n';
     }
   }

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from peer_pytorch_modes import GPT  # the CPU peers' model (bench/), with fused attention here
+from peer_pytorch_modes import GPT, Block  # the CPU peers' model (bench/), with fused attention here
 
 
 def main():
@@ -27,6 +27,7 @@ def main():
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--offload", type=int, default=0)
+    p.add_argument("--recompute", type=int, default=0)
     p.add_argument("--csv", default="")
     a = p.parse_args()
 
@@ -38,6 +39,9 @@ def main():
     model = GPT(a.vocab, a.context, a.dim, a.heads, a.layers, fused=True).cuda()
     params = sum(q.numel() for q in model.parameters())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if a.recompute:  # activation checkpointing of every block (non-reentrant), as FSDP2 users apply it
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     offload = CPUOffloadPolicy(pin_memory=True) if a.offload else OffloadPolicy()
     for block in model.blocks:
         fully_shard(block, mp_policy=mp, offload_policy=offload)
@@ -88,13 +92,15 @@ def main():
     stats = torch.cuda.memory_stats()
     gib = 1024.0**3
     if rank == 0:
-        print(f"pytorch fsdp2{' + CPU offload' if a.offload else ''} (AdamW {impl}): {params / 1e9:.3f}B params, {tokens_per_s:.0f} tokens/s, MFU {100 * mfu:.1f}%, "
+        print(f"pytorch fsdp2{' + CPU offload' if a.offload else ''}{' + recompute' if a.recompute else ''} "
+              f"(AdamW {impl}): {params / 1e9:.3f}B params, {tokens_per_s:.0f} tokens/s, MFU {100 * mfu:.1f}%, "
               f"peak {stats['allocated_bytes.all.peak'] / gib:.2f} GiB (reserved "
               f"{stats['reserved_bytes.all.current'] / gib:.2f} GiB, {stats['num_alloc_retries']} retries), "
               f"step {ms / a.steps:.1f} ms, loss {loss.item():.3f}")
         if a.csv:
             with open(a.csv, "a") as f:
-                f.write(f"{'fsdp2-offload' if a.offload else 'fsdp2'},{params},{tokens_per_s},{mfu},{stats['allocated_bytes.all.peak'] / gib},"
+                name = "fsdp2" + ("-offload" if a.offload else "") + ("-recompute" if a.recompute else "")
+                f.write(f"{name},{params},{tokens_per_s},{mfu},{stats['allocated_bytes.all.peak'] / gib},"
                         f"{stats['reserved_bytes.all.current'] / gib},{stats['num_alloc_retries']},"
                         f"{ms / a.steps}\n")
     dist.destroy_process_group()

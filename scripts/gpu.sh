@@ -9,7 +9,8 @@
 #   3. benchmarks a 1B-parameter GPT (bf16) under FlatShard's full shard and PyTorch FSDP2
 #      on the same GPU, alternating (FLATSHARD_GPU_RUNS runs each, default 2; the table
 #      gives medians): tokens/s, MFU, peak allocated and reserved memory, allocator
-#      retries, with ratios; then both with CPU offload (FLATSHARD_GPU_OFFLOAD=0 skips it).
+#      retries, with ratios; then both with every block recomputed (FLATSHARD_GPU_RECOMPUTE=0
+#      skips it) and with CPU offload (FLATSHARD_GPU_OFFLOAD=0 skips it).
 # Logs and the CSV go to $OUT (the device tool's) or out/gpu. Extra arguments go to both
 # benchmarks (e.g. --layers 18 --batch 4).
 set -euo pipefail
@@ -45,6 +46,15 @@ for ((i = 0; i < runs; ++i)); do
   (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
     --csv "$csv" "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
 done
+# Activation recomputation of every block, both (FSDP2: non-reentrant activation
+# checkpointing of each block).
+if [[ "${FLATSHARD_GPU_RECOMPUTE:-1}" == 1 ]]; then
+  "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --recompute 1 "$@" 2>&1 \
+    | tee -a "$out/bench_flatshard.log" || status=1
+  (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
+    --csv "$csv" --recompute 1 "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
+    | tee -a "$out/bench_fsdp2.log" || status=1
+fi
 # CPU offload: the optimizer steps on the host, on every core (flatshard-run and torchrun
 # would otherwise give the one rank a single thread).
 if [[ "${FLATSHARD_GPU_OFFLOAD:-1}" == 1 ]]; then
@@ -64,7 +74,7 @@ def med(impl, key):
     return statistics.median(float(r[key]) for r in rows[impl])
 print("| | params | tokens/s | MFU | peak alloc GiB | reserved GiB | retries | step ms | runs |")
 print("|---|---|---|---|---|---|---|---|---|")
-for name in ("flatshard", "fsdp2", "flatshard-offload", "fsdp2-offload"):
+for name in ("flatshard", "fsdp2", "flatshard-recompute", "fsdp2-recompute", "flatshard-offload", "fsdp2-offload"):
     if name in rows:
         print(f"| {name} | {int(rows[name][0]['params'])/1e9:.2f}B | {med(name, 'tokens_per_s'):.0f} | "
               f"{100*med(name, 'mfu'):.1f}% | {med(name, 'peak_gib'):.2f} | {med(name, 'reserved_gib'):.2f} | "
@@ -74,9 +84,11 @@ if "flatshard" in rows and "fsdp2" in rows:
           f"{med('flatshard', 'peak_gib')/med('fsdp2', 'peak_gib'):.2f} | "
           f"{med('flatshard', 'reserved_gib')/med('fsdp2', 'reserved_gib'):.2f} | | "
           f"{med('flatshard', 'step_ms')/med('fsdp2', 'step_ms'):.2f} | |")
-if "flatshard-offload" in rows and "fsdp2-offload" in rows:
-    f, p = "flatshard-offload", "fsdp2-offload"
-    print(f"| ratio, both offloaded | | {med(f, 'tokens_per_s')/med(p, 'tokens_per_s'):.2f} | | "
+for f, p, what in (("flatshard-recompute", "fsdp2-recompute", "both recomputed"),
+                   ("flatshard-offload", "fsdp2-offload", "both offloaded")):
+    if f not in rows or p not in rows:
+        continue
+    print(f"| ratio, {what} | | {med(f, 'tokens_per_s')/med(p, 'tokens_per_s'):.2f} | | "
           f"{med(f, 'peak_gib')/med(p, 'peak_gib'):.2f} | {med(f, 'reserved_gib')/med(p, 'reserved_gib'):.2f} | | "
           f"{med(f, 'step_ms')/med(p, 'step_ms'):.2f} | |")
 PY

@@ -8,12 +8,14 @@
 //    1 over NCCL (fp32, bf16 compute with fp32 or bf16 reduction; the model moved to the
 //    GPU or built on the host and sharded onto it; CPU offload), world 2 over the TCP
 //    rings through host memory (two ranks on one GPU, which NCCL refuses);
+//  - activation recomputation with dropout on the GPU;
 //  - sharded checkpoints of CUDA shards, loaded on the CPU and on the GPU with offload.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -185,6 +187,40 @@ TEST(CudaFullyShard, WorldTwoOverTcpOnOneGpuMatchesSingleProcess) {
   EXPECT_LE(off.global_rel_weight_diff, 3e-2) << "offload, worst " << off.worst_param;
   EXPECT_LE(off.max_rel_loss_diff, 3e-2) << "offload";
   EXPECT_TRUE(off.shards_pinned);
+}
+
+// Activation recomputation on the GPU, residual dropout on: the CUDA generator is
+// restored for the second run, so training matches training without recomputation (to
+// the GPU's own run-to-run rounding: embedding backward adds with atomics); a wrong mask
+// would move the weights by far more.
+TEST(CudaRecompute, MatchesTrainingWithoutIt) {
+  REQUIRE_GPU();
+  flatshard::World world;
+  const auto make = [] {
+    torch::manual_seed(11);
+    auto c = flatshard::testing::gpt_config();
+    c.dropout = 0.2;
+    return flatshard::testing::GPT(c);
+  };
+  TrainSpec spec;
+  spec.optimizer = OptKind::AdamW;
+  spec.steps = 4;
+  spec.global_batch = 8;
+  spec.device = kGpu;
+  spec.transport = flatshard::Transport::Nccl;
+  const auto plain = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+      world, make, [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+  spec.recompute = true;
+  const auto recomputed = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+      world, make, [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+  ASSERT_EQ(plain.weights.size(), recomputed.weights.size());
+  double diff_sq = 0, norm_sq = 0;
+  for (const auto& [name, w] : plain.weights) {
+    diff_sq += (w - recomputed.weights.at(name)).square().sum().item<double>();
+    norm_sq += w.square().sum().item<double>();
+  }
+  // Model-wide, as Note [Comparing weights] in test_fully_shard.cpp explains for AdamW.
+  EXPECT_LE(std::sqrt(diff_sq / norm_sq), 1e-4);
 }
 
 std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& ts) {
