@@ -417,7 +417,8 @@ void Engine::finish_pending_reduce() {
   if (grad.defined()) {
     grad.add_(pending->output.to(at::kFloat));
   } else {
-    grad = pending->output.to(at::kFloat).clone();
+    // The reduced shard is this reduction's own buffer: an fp32 one becomes the gradient.
+    grad = pending->output.to(at::kFloat);
   }
   if (pending->input_is_full_grad) g.free_full_grad();
 }
