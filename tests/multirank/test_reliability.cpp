@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include "examples/common/any_mode.h"
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
@@ -150,6 +152,19 @@ void killed_rank_phase() {
     EXPECT_EQ(e.peer(), world.world_size() - 1) << e.what();
     EXPECT_NE(std::string(e.what()).find(fmt::format("rank {}", world.world_size() - 1)), std::string::npos)
         << e.what();
+    // Rank 0 hosts the store in which survivors look up the first lost rank: it stays
+    // until every survivor has caught its error, or a survivor slower to notice would
+    // find rank 0 gone instead (seen under AddressSanitizer).
+    if (world.store) {
+      world.store->add("killed_rank_caught", 1);
+      if (world.rank() == 0) {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+        while (world.store->add("killed_rank_caught", 0) < world.world_size() - 1 &&
+               std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      }
+    }
   }
 }
 
