@@ -148,14 +148,17 @@ int main(int argc, char** argv) {
   const double gib = 1024.0 * 1024.0 * 1024.0;
   if (world.rank() == 0) {
     std::printf(
-        "flatshard full shard%s%s: %.3fB params, %.0f tokens/s, MFU %.1f%%, peak %.2f GiB (reserved %.2f GiB, "
+        "flatshard full shard%s%s: %.3fB params, %.0f tokens/s, MFU %.1f%%, peak %.2f GiB (reserved %.2f "
+        "GiB, "
         "%lld retries), host peak %.1f GiB, step %.1f ms, loss %.3f\n",
-        a.offload ? " + CPU offload" : "", a.recompute ? " + recompute" : "", params / 1e9, tokens_per_s, 100 * mfu, mem.peak_bytes / gib, mem.reserved_bytes / gib,
-        static_cast<long long>(mem.alloc_retries), host_peak_gib(), ms / a.steps, loss.item<double>());
+        a.offload ? " + CPU offload" : "", a.recompute ? " + recompute" : "", params / 1e9, tokens_per_s,
+        100 * mfu, mem.peak_bytes / gib, mem.reserved_bytes / gib, static_cast<long long>(mem.alloc_retries),
+        host_peak_gib(), ms / a.steps, loss.item<double>());
     if (!a.csv.empty()) {
       std::ofstream f(a.csv, std::ios::app);
-      f << "flatshard" << (a.offload ? "-offload" : "") << (a.recompute ? "-recompute" : "") << ',' << params << ',' << tokens_per_s << ',' << mfu << ',' << mem.peak_bytes / gib << ','
-        << mem.reserved_bytes / gib << ',' << mem.alloc_retries << ',' << ms / a.steps << '\n';
+      f << "flatshard" << (a.offload ? "-offload" : "") << (a.recompute ? "-recompute" : "") << ',' << params
+        << ',' << tokens_per_s << ',' << mfu << ',' << mem.peak_bytes / gib << ',' << mem.reserved_bytes / gib
+        << ',' << mem.alloc_retries << ',' << ms / a.steps << '\n';
     }
   }
   return 0;

@@ -130,9 +130,10 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   const at::ScalarType compute = options_.mixed_precision.param.value_or(model_dtype);
   device_ = options_.device.value_or(model_device);
   if (!device_.is_cpu() && !device_.is_cuda()) {
-    throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): device {} is neither the CPU nor a "
-                                      "CUDA device",
-                                      rank_, world_size_, device_.str()));
+    throw InvalidArgument(
+        fmt::format("flatshard::FullyShard (rank {}/{}): device {} is neither the CPU nor a "
+                    "CUDA device",
+                    rank_, world_size_, device_.str()));
   }
   if (!first_param.empty() && model_device != device_ && !model_device.is_cpu()) {
     throw InvalidArgument(fmt::format(

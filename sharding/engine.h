@@ -70,7 +70,7 @@ class Engine {
   bool order_recorded_ = false;               // set after the first forward
   bool backward_active_ = false;              // between the first backward hook and the end callback
   bool no_sync_ = false;
-  c10::Device device_{c10::kCPU};  // the compute device: gathered units, collectives
+  c10::Device device_{c10::kCPU};           // the compute device: gathered units, collectives
   std::unique_ptr<PendingReduce> pending_;  // the reduce-scatter in flight (at most one)
   // Reduced gradient shards copied (or being copied) to host memory under CPU offload.
   std::vector<std::pair<int, at::Tensor>> landing_grads_;

@@ -57,12 +57,14 @@ FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::stri
     at::NoGradGuard no_grad;
     for (auto& s : slots_) flat32.narrow(0, s.offset, s.numel).copy_(s.param.detach().reshape({-1}));
   }
-  auto master_options = at::TensorOptions().dtype(at::kFloat).device(offload_ ? c10::kCPU : placement.compute);
+  auto master_options =
+      at::TensorOptions().dtype(at::kFloat).device(offload_ ? c10::kCPU : placement.compute);
   if (offload_ && placement.compute.is_cuda()) master_options = master_options.pinned_memory(true);
   master_ = at::empty({shard_numel_}, master_options);
   master_.copy_(flat32.narrow(0, rank_ * shard_numel_, shard_numel_));
   full_ = flat32.to(placement.compute, compute_dtype_);  // flat32 itself when nothing changes
-  full_grad_ = at::zeros({padded_numel_}, at::TensorOptions().dtype(compute_dtype_).device(placement.compute));
+  full_grad_ =
+      at::zeros({padded_numel_}, at::TensorOptions().dtype(compute_dtype_).device(placement.compute));
   free_storage(full_grad_);
 
   // Parameters take their compute dtype now, before their AccumulateGrad nodes are

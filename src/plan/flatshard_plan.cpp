@@ -17,12 +17,13 @@ namespace {
 
 int usage(const char* why) {
   if (why) std::fprintf(stderr, "flatshard-plan: %s\n\n", why);
-  std::fprintf(stderr,
-               "usage: flatshard-plan --params N [--units K] [--root N] [--world 1,2,4] [--mode "
-               "ddp|zero1|zero2|full]\n"
-               "                      [--dtype fp32|bf16] [--optimizer adamw|adam|sgd|sgd-momentum]\n"
-               "                      [--activation-mib M] [--recompute 0|1] [--prefetch P] [--budget-mib B]\n"
-               "Predicts per-rank peak memory (MiB) of each mode; see docs/memory-model.md.\n");
+  std::fprintf(
+      stderr,
+      "usage: flatshard-plan --params N [--units K] [--root N] [--world 1,2,4] [--mode "
+      "ddp|zero1|zero2|full]\n"
+      "                      [--dtype fp32|bf16] [--optimizer adamw|adam|sgd|sgd-momentum]\n"
+      "                      [--activation-mib M] [--recompute 0|1] [--prefetch P] [--budget-mib B]\n"
+      "Predicts per-rank peak memory (MiB) of each mode; see docs/memory-model.md.\n");
   return why ? 2 : 0;
 }
 

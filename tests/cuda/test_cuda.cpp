@@ -295,7 +295,8 @@ TEST(CudaCheckpoint, DeviceShardsSaveAndLoadOnTheCpuAndTheGpu) {
   train(*offloaded, off_opt, 3);
   const auto a = on_host(gpu->shards()), b = on_host(offloaded->shards());
   for (std::size_t i = 0; i < a.size(); ++i) {
-    EXPECT_LE((a[i] - b[i]).norm().item<double>(), 1e-5 * a[i].norm().item<double>() + 1e-12) << "shard " << i;
+    EXPECT_LE((a[i] - b[i]).norm().item<double>(), 1e-5 * a[i].norm().item<double>() + 1e-12)
+        << "shard " << i;
   }
   std::system(("rm -rf " + dir).c_str());
 }

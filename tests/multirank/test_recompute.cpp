@@ -62,11 +62,10 @@ TEST(Recompute, BitForBitInEveryMode) {
   spec.clip = 0.25;
   for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
     spec.strategy = strategy;
-    expect_recompute_changes_nothing(strategy == Strategy::FullShard ? "full shard" : "shard grad op", spec,
-                                     [&](const TrainSpec& s) {
-                                       return train_and_compare<GPT>(world, gpt_with_dropout(), batch,
-                                                                     token_loss, s);
-                                     });
+    expect_recompute_changes_nothing(
+        strategy == Strategy::FullShard ? "full shard" : "shard grad op", spec, [&](const TrainSpec& s) {
+          return train_and_compare<GPT>(world, gpt_with_dropout(), batch, token_loss, s);
+        });
   }
   // Note [Recomputation and DDP's buckets]
   // A recomputed unit hands all its parameters' gradients over at once, at the end of
@@ -83,7 +82,8 @@ TEST(Recompute, BitForBitInEveryMode) {
     expect_recompute_changes_nothing(
         to_string(mode), spec,
         [&](const TrainSpec& s) {
-          return train_replicated_and_compare<GPT>(world, gpt_with_dropout(), batch, token_loss, s, replicated);
+          return train_replicated_and_compare<GPT>(world, gpt_with_dropout(), batch, token_loss, s,
+                                                   replicated);
         },
         replicated_tolerance);
   }
@@ -112,8 +112,8 @@ TEST(Recompute, Bf16FullShard) {
   spec.param_dtype = at::kBFloat16;
   spec.reduce_dtype = at::kFloat;
   expect_recompute_changes_nothing("bf16", spec, [&](const TrainSpec& s) {
-    return train_and_compare<GPT>(world, gpt_with_dropout(), [](int st) { return gpt_batch(st, 12); },
-                                  token_loss, s);
+    return train_and_compare<GPT>(
+        world, gpt_with_dropout(), [](int st) { return gpt_batch(st, 12); }, token_loss, s);
   });
 }
 
