@@ -49,6 +49,15 @@ struct Engine::PendingReduce {
 
 namespace {
 
+// Adds a reduced shard into a shard gradient, or makes it the gradient when there is none.
+void accumulate(at::Tensor& grad, at::Tensor reduced) {
+  if (grad.defined()) {
+    grad.add_(reduced);
+  } else {
+    grad = std::move(reduced);
+  }
+}
+
 class Driver final : public UnitHooks {
  public:
   Driver(Engine* engine, int unit) : engine_(engine), unit_(unit) {}
@@ -403,23 +412,17 @@ void Engine::finish_pending_reduce() {
   pending->work->wait();
   FlatParamGroup& g = *units_[pending->unit]->group;
   at::NoGradGuard no_grad;
+  // The reduced shard is this reduction's own buffer: an fp32 one becomes the gradient.
+  auto reduced = pending->output.to(at::kFloat);
   if (g.offloaded()) {
     // Note [Offloaded gradients]: the reduced shard is copied to page-locked host memory
     // on the compute stream without blocking the host; end_of_backward waits for the
     // device once and adds every landed shard into the host gradients.
-    auto reduced = pending->output.to(at::kFloat);
     auto landing = at::empty({g.shard_numel()}, g.master().options().pinned_memory(g.master().is_pinned()));
     landing.copy_(reduced, /*non_blocking=*/landing.is_pinned());
     landing_grads_.emplace_back(pending->unit, std::move(landing));
-    if (pending->input_is_full_grad) g.free_full_grad();
-    return;
-  }
-  at::Tensor& grad = g.master().mutable_grad();
-  if (grad.defined()) {
-    grad.add_(pending->output.to(at::kFloat));
   } else {
-    // The reduced shard is this reduction's own buffer: an fp32 one becomes the gradient.
-    grad = pending->output.to(at::kFloat);
+    accumulate(g.master().mutable_grad(), std::move(reduced));
   }
   if (pending->input_is_full_grad) g.free_full_grad();
 }
@@ -458,14 +461,8 @@ void Engine::land_offloaded_grads() {
   // One host wait for the device-to-host copies queued on the compute stream.
   if (!device_.is_cpu()) c10::impl::VirtualGuardImpl(device_.type()).getStream(device_).synchronize();
   at::NoGradGuard no_grad;
-  for (auto& [unit, landed] : landing_grads_) {
-    at::Tensor& grad = units_[unit]->group->master().mutable_grad();
-    if (grad.defined()) {
-      grad.add_(landed);
-    } else {
-      grad = std::move(landed);
-    }
-  }
+  for (auto& [unit, landed] : landing_grads_)
+    accumulate(units_[unit]->group->master().mutable_grad(), landed);
   landing_grads_.clear();
 }
 
