@@ -190,10 +190,6 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
       unit->declared->attach(unit->driver.get());
     }
     units_.push_back(std::move(unit));
-    // The group starts with views of its gathered buffer: reshard it before the next unit
-    // is flattened, so that the device holds one unit at full size at a time.
-    if (units_.back()->group) units_.back()->gathered = true;
-    reshard(index);
   }
   // Buffers (running statistics, masks) are replicated: they go to the compute device.
   for (auto& b : model_->buffers(/*recurse=*/true)) {

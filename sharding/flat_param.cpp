@@ -1,5 +1,7 @@
 #include "sharding/flat_param.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/variable.h>
@@ -23,6 +25,14 @@ void allocate_storage(const at::Tensor& t) {
   FLATSHARD_ASSERT(s->allocator() != nullptr, "flat buffer storage has no allocator");
   s->set_data_ptr_noswap(s->allocator()->allocate(need));
   s->set_nbytes(need);
+}
+
+// A tensor of `numel` elements whose storage holds no bytes yet (allocate_storage gives
+// it some).
+at::Tensor unallocated(std::int64_t numel, const at::TensorOptions& options) {
+  auto t = at::empty({0}, options);
+  t.unsafeGetTensorImpl()->set_sizes_contiguous({numel});
+  return t;
 }
 
 }  // namespace
@@ -49,30 +59,36 @@ FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::stri
   padded_numel_ = flatshard::padded_numel(numel_, world_size, std::max<std::int64_t>(1, 16 / element_size_));
   shard_numel_ = padded_numel_ / world_size;
 
-  // The unit is flattened where it was built (the host, for a model built there), then
-  // its master shard and gathered buffer go where the placement says.
-  const c10::Device built = slots_.empty() ? placement.compute : slots_.front().param.device();
-  auto flat32 = at::zeros({padded_numel_}, at::TensorOptions().dtype(at::kFloat).device(built));
-  {
-    at::NoGradGuard no_grad;
-    for (auto& s : slots_) flat32.narrow(0, s.offset, s.numel).copy_(s.param.detach().reshape({-1}));
-  }
+  // Only this rank's slice is ever flattened: each parameter's overlap with the shard is
+  // copied straight into the master, so no full-size buffer exists while a unit is taken
+  // over (a unit built on the host reaches the device as its shard only).
   auto master_options =
       at::TensorOptions().dtype(at::kFloat).device(offload_ ? c10::kCPU : placement.compute);
   if (offload_ && placement.compute.is_cuda()) master_options = master_options.pinned_memory(true);
-  master_ = at::empty({shard_numel_}, master_options);
-  master_.copy_(flat32.narrow(0, rank_ * shard_numel_, shard_numel_));
-  full_ = flat32.to(placement.compute, compute_dtype_);  // flat32 itself when nothing changes
-  full_grad_ =
-      at::zeros({padded_numel_}, at::TensorOptions().dtype(compute_dtype_).device(placement.compute));
-  free_storage(full_grad_);
-
-  // Parameters take their compute dtype now, before their AccumulateGrad nodes are
-  // taken: a later set_data that changed the dtype would replace those nodes.
-  use_full_views();
-  for (auto& s : slots_) {
-    if (s.param.requires_grad()) s.accumulator = torch::autograd::impl::grad_accumulator(s.param);
+  master_ = at::zeros({shard_numel_}, master_options);
+  {
+    at::NoGradGuard no_grad;
+    const std::int64_t begin = rank_ * shard_numel_, end = begin + shard_numel_;
+    for (auto& s : slots_) {
+      const std::int64_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + s.numel);
+      if (lo >= hi) continue;
+      master_.narrow(0, lo - begin, hi - lo).copy_(s.param.detach().reshape({-1}).narrow(0, lo - s.offset, hi - lo));
+    }
   }
+  const auto compute_options = at::TensorOptions().dtype(compute_dtype_).device(placement.compute);
+  full_ = unallocated(padded_numel_, compute_options);
+  full_grad_ = unallocated(padded_numel_, compute_options);
+
+  // The parameters take the compute dtype (and their shape, which autograd records for
+  // the gradient) before their AccumulateGrad nodes are taken: a later set_data that
+  // changed the dtype would replace those nodes. Then they give up their values.
+  const auto one = at::empty({1}, compute_options);
+  for (auto& s : slots_) {
+    if (!s.param.requires_grad()) continue;
+    s.param.set_data(one.expand(s.shape));
+    s.accumulator = torch::autograd::impl::grad_accumulator(s.param);
+  }
+  use_empty_views();
 }
 
 bool FlatParamGroup::full_allocated() const { return full_.storage().nbytes() > 0; }

@@ -44,8 +44,10 @@ class FlatParamGroup {
     bool offload = false;            // master shard and its gradient in host memory (CPU offload)
   };
 
-  // Takes over `params` (name, parameter) in this order; copies their values into the
-  // master shard. `compute_dtype` is the dtype of the gathered buffer and gradients.
+  // Takes over `params` (name, parameter) in this order: copies this rank's slice of
+  // their values into the master shard, and leaves them empty (the group starts sharded;
+  // their old values are freed unless someone else holds them). `compute_dtype` is the
+  // dtype of the gathered buffer and gradients.
   FlatParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params, int world_size,
                  int rank, at::ScalarType compute_dtype, const Placement& placement);
 
