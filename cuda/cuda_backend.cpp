@@ -540,6 +540,12 @@ const optim::kernels::DeviceKernels kKernels{&sgd, &adam, &sum_of_squares};
 const bool kRegistered = [] {
   comm::register_device_backend(c10::DeviceType::CUDA, &make_cuda_transport);
   optim::kernels::register_cuda_kernels(kKernels);
+  memory::detail::set_cuda_total_bytes([](int device) -> std::int64_t {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    std::size_t free = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return static_cast<std::int64_t>(total);
+  });
   return true;
 }();
 

@@ -5,14 +5,25 @@
 #include <cmath>
 
 #include "flatshard/ddp.h"
+#include "flatshard/errors.h"
 #include "flatshard/memory.h"
 #include "optim/clip.h"
 #include "sharding/ddp_engine.h"
+#include "sharding/flat_param.h"
 
 namespace flatshard {
 
 DDPBase::DDPBase(std::shared_ptr<torch::nn::Module> model, const World& world, const DDPOptions& options)
     : world_(world) {
+  for (UnitBase* unit : sharding::discover_units(*model).declared) {
+    if (!unit->built_shard()) continue;
+    throw InvalidArgument(fmt::format(
+        "flatshard::DistributedDataParallel (rank {}/{}): the model was built into shards (BuildIntoShards; "
+        "{} holds only this rank's shard), and DDP{} keeps a whole replica on every rank. Wrap it in "
+        "flatshard::FullyShard, or build it without BuildIntoShards",
+        world.rank(), world.world_size(), unit->built_shard()->name(),
+        options.sharded_optimizer ? " with ZeroRedundancyOptimizer" : ""));
+  }
   const auto mode = options.sharded_optimizer ? plan::Mode::Zero1 : plan::Mode::DDP;
   const auto dtype = options.mixed_precision.param;
   sharding::check_memory_budget(*model, world, mode, dtype && *dtype != at::kFloat ? 2 : 4,

@@ -28,7 +28,7 @@ namespace flatshard::sharding {
 // The hook entry points hold hooks_mutex_.
 struct Engine::Unit {
   std::string name;
-  std::unique_ptr<FlatParamGroup> group;  // null for a unit without parameters
+  std::shared_ptr<FlatParamGroup> group;  // null for a unit without parameters
   UnitBase* declared = nullptr;           // null for the root unit
   std::unique_ptr<UnitHooks> driver;
   std::optional<Work> gather;  // an all-gather issued and not yet waited for
@@ -55,6 +55,40 @@ void accumulate(at::Tensor& grad, at::Tensor reduced) {
     grad.add_(reduced);
   } else {
     grad = std::move(reduced);
+  }
+}
+
+// A unit built into shards (build.h) joins this engine only if it was built for the
+// same ranks, dtype and placement, and nobody wrote to its parameters since. Its slots
+// take their names under the root module (`names`).
+void adopt_built(FlatParamGroup& g, int rank, int world_size, at::ScalarType compute,
+                 const FlatParamGroup::Placement& placement,
+                 const std::unordered_map<const c10::TensorImpl*, std::string>& names) {
+  const std::string who = fmt::format("flatshard::FullyShard (rank {}/{})", rank, world_size);
+  auto describe = [](int r, int n, at::ScalarType dtype, c10::Device device, bool offload) {
+    return fmt::format("rank {} of {}, {} on {}{}", r, n, c10::toString(dtype), device.str(),
+                       offload ? ", offloaded" : "");
+  };
+  const bool offload = placement.offload;
+  if (g.world_size() != world_size || g.rank() != rank || g.compute_dtype() != compute ||
+      g.device() != placement.compute || g.offloaded() != offload) {
+    throw InvalidArgument(fmt::format(
+        "{}: {} was built into shards for {}, but this FullyShard runs {}; pass the same World and "
+        "FullyShardOptions to BuildIntoShards and to FullyShard",
+        who, g.name(), describe(g.rank(), g.world_size(), g.compute_dtype(), g.device(), g.offloaded()),
+        describe(rank, world_size, compute, placement.compute, offload)));
+  }
+  for (auto& slot : g.slots()) {
+    auto it = names.find(slot.param.unsafeGetTensorImpl());
+    FLATSHARD_ASSERT(it != names.end(), "built parameter not found in the model");
+    slot.name = it->second;
+    if (slot.param._version() != slot.version) {
+      throw InvalidArgument(fmt::format(
+          "{}: parameter '{}' was written after its unit was built into shards (an initialisation in a "
+          "parent's constructor?), and that write was lost: initialise parameters in their unit's "
+          "constructor, or build the model without BuildIntoShards",
+          who, slot.name));
+    }
   }
 }
 
@@ -103,6 +137,14 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   const auto& declared = membership.declared;
   const auto& owner = membership.owner;
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> params(declared.size() + 1);
+  // Units built into shards (build.h) arrive with their groups: adopted, not flattened.
+  std::vector<std::shared_ptr<FlatParamGroup>> built(declared.size() + 1);
+  std::unordered_map<const c10::TensorImpl*, std::string> built_names;
+  for (std::size_t i = 0; i < declared.size(); ++i) {
+    built[i + 1] = declared[i]->built_shard();
+    if (!built[i + 1]) continue;
+    for (auto& slot : built[i + 1]->slots()) built_names[slot.param.unsafeGetTensorImpl()] = slot.name;
+  }
   std::set<const c10::TensorImpl*> seen;
   at::ScalarType model_dtype = at::kFloat;
   std::string first_param;
@@ -110,6 +152,17 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
     const auto* impl = item.value().unsafeGetTensorImpl();
     if (!seen.insert(impl).second) continue;  // registered twice (tied): once is enough
+    if (auto it = built_names.find(impl); it != built_names.end()) {
+      it->second = item.key();
+      continue;
+    }
+    if (built[owner.at(impl)]) {
+      throw InvalidArgument(fmt::format(
+          "flatshard::FullyShard (rank {}/{}): parameter '{}' belongs to {}, which was built into shards, "
+          "but was not part of it then (registered after the unit was built?); register every parameter "
+          "in its unit's constructor",
+          rank_, world_size_, item.key(), built[owner.at(impl)]->name()));
+    }
     const c10::Device device = item.value().device();
     if (!device.is_cpu() && !device.is_cuda()) {
       throw InvalidArgument(
@@ -136,6 +189,14 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     model_dtype = item.value().scalar_type();
     params[owner.at(impl)].emplace_back(item.key(), item.value());
   }
+  const std::shared_ptr<FlatParamGroup>* any_built = nullptr;
+  for (const auto& b : built) {
+    if (b && !any_built) any_built = &b;
+  }
+  if (first_param.empty() && any_built) {  // every parameter was built into shards
+    model_dtype = (*any_built)->compute_dtype();
+    model_device = (*any_built)->device();
+  }
   const at::ScalarType compute = options_.mixed_precision.param.value_or(model_dtype);
   device_ = options_.device.value_or(model_device);
   if (!device_.is_cpu() && !device_.is_cuda()) {
@@ -153,6 +214,9 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   FlatParamGroup::Placement placement;
   placement.compute = device_;
   placement.offload = options_.cpu_offload;
+  for (const auto& g : built) {
+    if (g) adopt_built(*g, rank_, world_size_, compute, placement, built_names);
+  }
   // The scheduler's collectives move tensors of the compute device: TCP rings on the
   // CPU; on CUDA, NCCL on the communicator's high-priority streams.
   CommunicatorOptions comm_options = options_.comm;
@@ -161,7 +225,11 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   {
     std::vector<std::string> units{"root unit"};
     for (std::size_t i = 0; i < declared.size(); ++i) {
-      units.push_back(fmt::format("unit {} of {} parameters", i + 1, params[i + 1].size()));
+      std::int64_t numel = 0;
+      for (const auto& item : params[i + 1]) numel += item.second.numel();
+      const auto& b = built[i + 1];
+      units.push_back(fmt::format("unit {} of {} parameters, {} elements", i + 1,
+                                  b ? b->slots().size() : params[i + 1].size(), b ? b->numel() : numel));
     }
     check_same_model_everywhere(
         world, *model_, "flatshard::FullyShard",
@@ -176,10 +244,18 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     auto unit = std::make_unique<Unit>();
     const int index = static_cast<int>(units_.size());
     unit->name = i == 0 ? "root" : fmt::format("unit{}", i);
-    if (!params[i].empty()) {
+    if (built[i]) {
+      const std::string& first = built[i]->slots().front().name;
+      unit->name = first.substr(0, first.rfind('.'));
+      built[i]->set_name(unit->name);
+      unit->group = std::move(built[i]);
+      declared[i - 1]->set_built_shard(nullptr);
+    } else if (!params[i].empty()) {
       unit->name = i == 0 ? "root" : params[i].front().first.substr(0, params[i].front().first.rfind('.'));
-      unit->group = std::make_unique<FlatParamGroup>(unit->name, std::move(params[i]), world_size_, rank_,
+      unit->group = std::make_shared<FlatParamGroup>(unit->name, std::move(params[i]), world_size_, rank_,
                                                      compute, placement);
+    }
+    if (unit->group) {
       for (auto& slot : unit->group->slots()) {
         if (slot.accumulator) slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, index));
       }

@@ -72,7 +72,8 @@ FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::stri
     for (auto& s : slots_) {
       const std::int64_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + s.numel);
       if (lo >= hi) continue;
-      master_.narrow(0, lo - begin, hi - lo).copy_(s.param.detach().reshape({-1}).narrow(0, lo - s.offset, hi - lo));
+      master_.narrow(0, lo - begin, hi - lo)
+          .copy_(s.param.detach().reshape({-1}).narrow(0, lo - s.offset, hi - lo));
     }
   }
   const auto compute_options = at::TensorOptions().dtype(compute_dtype_).device(placement.compute);
@@ -89,6 +90,7 @@ FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::stri
     s.accumulator = torch::autograd::impl::grad_accumulator(s.param);
   }
   use_empty_views();
+  for (auto& s : slots_) s.version = s.param._version();
 }
 
 bool FlatParamGroup::full_allocated() const { return full_.storage().nbytes() > 0; }

@@ -33,6 +33,9 @@ struct ParamSlot {
   // The parameter's AccumulateGrad node: autograd holds it weakly; we keep it alive so
   // that our post-hook survives while the parameter is resharded.
   std::shared_ptr<torch::autograd::Node> accumulator;
+  // The parameter's version counter once the group took it over: an in-place write to the
+  // (empty) parameter afterwards changes it.
+  std::int64_t version = 0;
 };
 
 class FlatParamGroup {
@@ -52,6 +55,10 @@ class FlatParamGroup {
                  int rank, at::ScalarType compute_dtype, const Placement& placement);
 
   const std::string& name() const { return name_; }
+  void set_name(std::string name) { name_ = std::move(name); }
+  int world_size() const { return static_cast<int>(padded_numel_ / shard_numel_); }
+  int rank() const { return rank_; }
+  c10::Device device() const { return full_.device(); }
   std::vector<ParamSlot>& slots() { return slots_; }
   std::int64_t numel() const { return numel_; }
   std::int64_t padded_numel() const { return padded_numel_; }

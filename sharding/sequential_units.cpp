@@ -33,6 +33,8 @@ SequentialUnitsImpl::SequentialUnitsImpl(torch::nn::Sequential sequential,
     groups_.back()->modules.push_back(item.value().get());
   }
   group_end_.push_back(children.size());
+  // Under BuildIntoShards each group is sharded now (the Sequential was built whole).
+  for (auto& g : groups_) detail::unit_constructed(*g);
 }
 
 SequentialUnitsImpl::~SequentialUnitsImpl() = default;
@@ -48,7 +50,11 @@ at::Tensor SequentialUnitsImpl::forward(at::Tensor x) {
   std::size_t i = 0;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     UnitHooks* hooks = groups_[g]->hooks();
-    if (hooks) hooks->pre_forward();
+    if (hooks) {
+      hooks->pre_forward();
+    } else {
+      groups_[g]->check_runnable();
+    }
     const std::size_t first = i;
     if (groups_[g]->recomputes() && at::GradMode::is_enabled()) {
       auto begin = module;

@@ -8,6 +8,7 @@
 #include "flatshard/errors.h"
 
 #include "flatshard/plan.h"
+#include "sharding/flat_param.h"
 
 namespace flatshard::sharding {
 
@@ -88,6 +89,16 @@ ModelShape shape_of(torch::nn::Module& model) {
   ModelShape shape;
   shape.unit_numels.assign(m.declared.size(), 0);
   std::set<const c10::TensorImpl*> seen;
+  // A unit built into shards (build.h) has empty parameters: its group knows their sizes.
+  for (std::size_t i = 0; i < m.declared.size(); ++i) {
+    if (const auto& g = m.declared[i]->built_shard()) {
+      shape.unit_numels[i] = g->numel();
+      for (auto& slot : g->slots()) {
+        seen.insert(slot.param.unsafeGetTensorImpl());
+        shape.largest_param_numel = std::max(shape.largest_param_numel, slot.numel);
+      }
+    }
+  }
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
     const auto* impl = item.value().unsafeGetTensorImpl();
     if (!seen.insert(impl).second) continue;

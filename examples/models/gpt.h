@@ -22,6 +22,10 @@ struct GPTConfig {
   bool fused_attention = false;
   // Residual dropout (after attention and after the MLP) while training.
   double dropout = 0.0;
+  // The token embedding and the output head as units of their own (for large
+  // vocabularies): the root unit keeps only the position embedding and the final norm,
+  // so building into shards never holds the vocabulary-sized matrices whole.
+  bool embedding_units = false;
 };
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
@@ -76,26 +80,38 @@ TORCH_MODULE(Block);
 
 struct GPTImpl : torch::nn::Module {
   explicit GPTImpl(const GPTConfig& c) {
-    wte = register_module("wte", torch::nn::Embedding(c.vocab, c.dim));
+    if (c.embedding_units) {
+      wte_unit = register_module("wte", flatshard::Unit<torch::nn::Embedding>(c.vocab, c.dim));
+    } else {
+      wte = register_module("wte", torch::nn::Embedding(c.vocab, c.dim));
+    }
     wpe = register_module("wpe", torch::nn::Embedding(c.context, c.dim));
     for (int i = 0; i < c.layers; ++i) {
       blocks.emplace_back(c);
       register_module("h" + std::to_string(i), blocks.back());
     }
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
-    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)));
+    const auto head_options = torch::nn::LinearOptions(c.dim, c.vocab).bias(false);
+    if (c.embedding_units) {
+      head_unit = register_module("head", flatshard::Unit<torch::nn::Linear>(head_options));
+    } else {
+      head = register_module("head", torch::nn::Linear(head_options));
+    }
   }
   // tokens [B, T] -> logits [B, T, vocab]
   at::Tensor forward(const at::Tensor& tokens) {
     auto pos = at::arange(tokens.size(1), at::TensorOptions().dtype(at::kLong).device(tokens.device()));
-    auto x = wte(tokens) + wpe(pos);
+    auto x = (wte_unit.is_empty() ? wte(tokens) : wte_unit(tokens)) + wpe(pos);
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       if (static_cast<int>(i) == skip_block) continue;
       x = blocks[i](x);
     }
-    return head(ln_f(x));
+    x = ln_f(x);
+    return head_unit.is_empty() ? head(x) : head_unit(x);
   }
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  flatshard::Unit<torch::nn::Embedding> wte_unit{nullptr};  // wte, when embedding_units
+  flatshard::Unit<torch::nn::Linear> head_unit{nullptr};    // head, when embedding_units
   std::vector<flatshard::Unit<Block>> blocks;
   torch::nn::LayerNorm ln_f{nullptr};
   torch::nn::Linear head{nullptr};

@@ -1,6 +1,7 @@
 // FlatShard: fully sharded data-parallel training on LibTorch. The umbrella header.
 #pragma once
 
+#include "flatshard/build.h"
 #include "flatshard/checkpoint.h"
 #include "flatshard/communicator.h"
 #include "flatshard/ddp.h"

@@ -32,4 +32,10 @@ void reset_allocator_peak();
 AllocatorStats cuda_allocator_stats(int device);
 void reset_cuda_allocator_peak(int device);
 
+// Total memory of CUDA device `device`, in bytes; 0 when flatshard::cuda is not linked.
+std::int64_t cuda_total_bytes(int device);
+namespace detail {
+void set_cuda_total_bytes(std::int64_t (*query)(int device));  // flatshard::cuda registers it
+}
+
 }  // namespace flatshard::memory

@@ -18,6 +18,7 @@
 // (sequential_units.h), which needs no edits to the model.
 #pragma once
 
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -30,6 +31,10 @@
 #include "flatshard/recompute.h"
 
 namespace flatshard {
+
+namespace sharding {
+class FlatParamGroup;
+}
 
 // What an engine does around a unit's forward. Implemented by the engines.
 class UnitHooks {
@@ -53,10 +58,16 @@ class UnitBase {
   // run its forward again in backward.
   void set_recompute(bool on) { recompute_ = on; }
   bool recomputes() const { return recompute_; }
+  // The unit's shard, made as it was built (build.h), until a wrapper adopts it.
+  const std::shared_ptr<sharding::FlatParamGroup>& built_shard() const { return built_; }
+  void set_built_shard(std::shared_ptr<sharding::FlatParamGroup> shard) { built_ = std::move(shard); }
+  // Throws InvalidArgument when the unit holds a built shard and no wrapper runs it.
+  void check_runnable() const;
 
  private:
   UnitHooks* hooks_ = nullptr;  // the engine's, while one is attached
   bool recompute_ = false;
+  std::shared_ptr<sharding::FlatParamGroup> built_;
 };
 
 // Modules that declare units (Unit<M> declares itself; SequentialUnits its groups).
@@ -100,6 +111,12 @@ template <typename T>
 void collect_tensor(const T&, std::vector<at::Tensor>&) {}
 inline void collect_tensor(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
 
+// A unit's constructor has run: an active BuildIntoShards (build.h) shards it now.
+void unit_constructed(UnitBase& unit);
+struct ConstructedNotice {
+  explicit ConstructedNotice(UnitBase& unit) { unit_constructed(unit); }
+};
+
 template <typename M, typename = void>
 struct ImplOf {
   using type = M;  // already a module type
@@ -123,7 +140,10 @@ class UnitImpl : public Impl, public UnitBase, public UnitProvider {
   template <typename... Args>
   auto forward(Args&&... args) {
     UnitHooks* h = hooks();
-    if (h == nullptr) return run(std::forward<Args>(args)...);
+    if (h == nullptr) {
+      check_runnable();
+      return run(std::forward<Args>(args)...);
+    }
     h->pre_forward();
     auto out = run(std::forward<Args>(args)...);
     auto wrapped = h->post_forward(detail::tensors_of(out));
@@ -151,6 +171,9 @@ class UnitImpl : public Impl, public UnitBase, public UnitProvider {
     auto outputs = recompute(again, inputs, this->parameters(/*recurse=*/true));
     return detail::rebuild(Out{}, outputs);
   }
+
+  // Initialised after Impl's constructor has run: the unit is complete.
+  detail::ConstructedNotice constructed_{*this};
 };
 
 template <typename M>

@@ -101,4 +101,15 @@ void reset_allocator_peak() {
   if (g_allocator) g_allocator->reset_peak();
 }
 
+namespace {
+std::atomic<std::int64_t (*)(int)> cuda_total_query{nullptr};
+}  // namespace
+
+std::int64_t cuda_total_bytes(int device) {
+  auto* query = cuda_total_query.load();
+  return query ? query(device) : 0;
+}
+
+void detail::set_cuda_total_bytes(std::int64_t (*query)(int device)) { cuda_total_query.store(query); }
+
 }  // namespace flatshard::memory

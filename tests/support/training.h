@@ -35,6 +35,9 @@ struct TrainSpec {
   // The sharded model is built on the host and FullyShardOptions::device names
   // spec.device (instead of moving the model there before wrapping it).
   bool build_on_host = false;
+  // The sharded model is built inside a BuildIntoShards scope (on the host, with
+  // FullyShardOptions::device naming spec.device).
+  bool build_into_shards = false;
   bool cpu_offload = false;  // FullyShardOptions::cpu_offload
   bool recompute = false;    // every unit of the distributed model recomputes its activations
   // Called before each step with the reference and the sharded model (e.g. to make a

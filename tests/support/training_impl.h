@@ -188,14 +188,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   Holder reference = make();
   reference->to(spec.device);
   auto ref_opt = reference_optimizer(spec.optimizer, reference->parameters());
-  Holder model = make();
-  if (spec.recompute) set_recompute(*model);
   FullyShardOptions options;
-  if (spec.build_on_host) {
-    options.device = spec.device;
-  } else {
-    model->to(spec.device);
-  }
   options.cpu_offload = spec.cpu_offload;
   options.strategy = spec.strategy;
   options.prefetch = spec.prefetch;
@@ -204,6 +197,20 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   options.comm.timeout = std::chrono::seconds(60);
   options.comm.name = "test";
   options.comm.transport = spec.transport;
+  Holder model{nullptr};
+  if (spec.build_into_shards) {
+    options.device = spec.device;
+    BuildIntoShards build(world, options);
+    model = make();
+  } else {
+    model = make();
+    if (spec.build_on_host) {
+      options.device = spec.device;
+    } else {
+      model->to(spec.device);
+    }
+  }
+  if (spec.recompute) set_recompute(*model);
   FullyShard<Holder> fsdp(model, world, options);
   auto opt = sharded_optimizer(spec.optimizer, fsdp.shards());
 

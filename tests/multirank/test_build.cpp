@@ -1,0 +1,328 @@
+// Building into shards (build.h): every rank ends with exactly the slice of a whole
+// single-process build, trains as a whole build does, never holds more than its shards
+// plus one unit, and refuses units that differ across ranks or do not fit.
+#include <gtest/gtest.h>
+
+#include "flatshard/memory.h"
+#include "sharding/build_checks.h"
+#include "tests/support/cases.h"
+#include "tests/support/multirank.h"
+
+namespace {
+
+using namespace flatshard::testing;
+using flatshard::Strategy;
+
+std::function<GPT()> gpt_units_factory() {
+  return [] {
+    torch::manual_seed(11);
+    auto c = gpt_config();
+    c.embedding_units = true;
+    return GPT(c);
+  };
+}
+
+// Expects this rank's shards to be its slices of the flat buffers of `whole` (a model
+// built in one process, with every parameter at full size), bit for bit.
+void expect_slices_of(flatshard::FullyShardBase& fsdp, torch::nn::Module& whole, const std::string& what) {
+  std::map<std::string, at::Tensor> params;
+  for (const auto& item : whole.named_parameters()) params[item.key()] = item.value().detach();
+  const auto shards = fsdp.shards();
+  const auto layout = fsdp.layout();
+  ASSERT_EQ(shards.size(), layout.size()) << what;
+  std::size_t covered = 0;
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    auto flat = at::zeros({layout[i].padded_numel});
+    for (const auto& p : layout[i].params) {
+      ASSERT_TRUE(params.count(p.name)) << what << ": " << p.name;
+      flat.narrow(0, p.offset, p.numel).copy_(params.at(p.name).reshape({-1}));
+      ++covered;
+    }
+    const auto mine = flat.narrow(0, fsdp.world().rank() * layout[i].shard_numel, layout[i].shard_numel);
+    EXPECT_TRUE(at::equal(shards[i].cpu(), mine)) << what << ": shard " << i;
+  }
+  EXPECT_EQ(covered, params.size()) << what << ": every parameter is in a shard";
+}
+
+template <typename Holder>
+void expect_built_slices(const flatshard::World& world, const std::string& what,
+                         const std::function<Holder()>& make, int expected_built_units,
+                         flatshard::FullyShardOptions options = {}) {
+  Holder whole = make();
+  Holder model{nullptr};
+  flatshard::BuildReport report;
+  {
+    flatshard::BuildIntoShards build(world, options);
+    model = make();
+    report = build.report();
+  }
+  EXPECT_EQ(report.units, expected_built_units) << what;
+  int holding = 0;
+  for (const auto& m : model->modules(/*include_self=*/true)) {
+    auto* provider = dynamic_cast<flatshard::UnitProvider*>(m.get());
+    if (!provider) continue;
+    for (auto* unit : provider->provided_units()) {
+      ASSERT_TRUE(unit->built_shard()) << what << ": every unit was built into shards";
+      ++holding;
+      for (auto* sub : unit->unit_modules()) {
+        for (const auto& p : sub->parameters())
+          EXPECT_EQ(p.numel(), 0) << what << ": a unit's parameter is whole";
+      }
+    }
+  }
+  EXPECT_EQ(holding, expected_built_units) << what;
+  flatshard::FullyShard<Holder> fsdp(model, world, options);
+  expect_slices_of(fsdp, *whole, what);
+}
+
+TEST(BuildIntoShards, EachRankHoldsItsSliceOfAWholeBuild) {
+  FLATSHARD_RUN_RANKS({1, 2, 3, 4}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const int layers = gpt_config().layers;
+  expect_built_slices<GPT>(world, "gpt", gpt_factory(), layers);
+  expect_built_slices<GPT>(world, "gpt with embedding units", gpt_units_factory(), layers + 2);
+  expect_built_slices<flatshard::SequentialUnits>(world, "mlp", mlp_units_factory(), 4);
+  expect_built_slices<MnistNet>(world, "cnn", cnn_factory(), 2);
+  flatshard::FullyShardOptions bf16;
+  bf16.mixed_precision.param = at::kBFloat16;  // other padding; the masters stay fp32 slices
+  expect_built_slices<GPT>(world, "gpt, bf16 compute", gpt_units_factory(), layers + 2, bf16);
+}
+
+// Training a model built into shards is bit for bit training the whole-built one.
+TEST(BuildIntoShards, TrainsBitForBitAsAWholeBuild) {
+  FLATSHARD_RUN_RANKS({1, 2, 3, 4}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    TrainSpec spec;
+    spec.strategy = strategy;
+    spec.optimizer = OptKind::AdamW;
+    spec.steps = 4;
+    spec.clip = 0.5;
+    const auto batch = [](int s) { return gpt_batch(s, 12); };
+    const auto whole = train_and_compare<GPT>(world, gpt_units_factory(), batch, token_loss, spec);
+    spec.build_into_shards = true;
+    const auto built = train_and_compare<GPT>(world, gpt_units_factory(), batch, token_loss, spec);
+    SCOPED_TRACE(::testing::Message() << (strategy == Strategy::FullShard ? "full shard" : "shard grad op")
+                                      << " world " << world.world_size());
+    ASSERT_EQ(whole.weights.size(), built.weights.size());
+    for (const auto& [name, w] : whole.weights) EXPECT_TRUE(at::equal(w, built.weights.at(name))) << name;
+    EXPECT_EQ(whole.max_rel_loss_diff, built.max_rel_loss_diff);
+    EXPECT_LE(built.max_rel_weight_diff, 1e-5) << "against single-process training: " << built.worst_param;
+  }
+  // The CNN's and the MLP's units, built into shards, against single-process training.
+  TrainSpec spec;
+  spec.build_into_shards = true;
+  spec.steps = 3;
+  const auto cnn = train_and_compare<MnistNet>(
+      world, cnn_factory(), [](int s) { return cnn_batch(s, 12); }, nll, spec);
+  EXPECT_LE(cnn.max_rel_weight_diff, 1e-5) << cnn.worst_param;
+  const auto mlp = train_and_compare<flatshard::SequentialUnits>(
+      world, mlp_units_factory(), [](int s) { return mlp_batch(s, 12); }, mse, spec);
+  EXPECT_LE(mlp.max_rel_weight_diff, 1e-5) << mlp.worst_param;
+}
+
+// From before construction to the wrapper: this rank's shards, the root's parameters
+// and one unit at full size; a whole build holds the whole model.
+TEST(BuildIntoShards, HoldsItsShardsAndOneUnitAtATime) {
+  FLATSHARD_RUN_RANKS({1, 4}, std::chrono::seconds(120));
+  at::set_num_threads(1);
+  flatshard::memory::install_counting_allocator();
+  auto world = flatshard::init();
+  GPTConfig c{512, 32, 128, 4, 6};
+  c.embedding_units = true;
+  const std::int64_t block = 12 * c.dim * c.dim + 10 * c.dim;  // a block's parameters
+  const std::int64_t embedding = static_cast<std::int64_t>(c.vocab) * c.dim;
+  const std::int64_t root = static_cast<std::int64_t>(c.context) * c.dim + 2 * c.dim;  // wpe, ln_f
+  const std::int64_t total = c.layers * block + 2 * embedding + root;
+
+  const auto base = flatshard::memory::allocator_stats().current_bytes;
+  flatshard::memory::reset_allocator_peak();
+  GPT model{nullptr};
+  flatshard::BuildReport report;
+  {
+    flatshard::BuildIntoShards build(world, {});
+    torch::manual_seed(1);
+    model = GPT(c);
+    report = build.report();
+  }
+  flatshard::FullyShard<GPT> fsdp(model, world, {});
+  const auto built_peak = flatshard::memory::allocator_stats().peak_bytes - base;
+  EXPECT_EQ(report.largest_unit_bytes, 4 * block);
+  EXPECT_EQ(report.units, c.layers + 2);
+  const std::int64_t shards = fsdp.memory().param_shard_bytes;
+  const std::int64_t bound = shards + report.largest_unit_bytes + 4 * root;
+  std::printf(
+      "world %d: built into shards, peak %.3f MiB; bound (shards %.3f + one unit %.3f + root %.3f) %.3f MiB; "
+      "whole model %.3f MiB\n",
+      world.world_size(), built_peak / 1048576.0, shards / 1048576.0, report.largest_unit_bytes / 1048576.0,
+      4.0 * root / 1048576.0, bound / 1048576.0, 4.0 * total / 1048576.0);
+  EXPECT_LE(built_peak, bound);
+
+  // A whole build, wrapped the same way, holds the whole model first.
+  const auto before_whole = flatshard::memory::allocator_stats().current_bytes;
+  flatshard::memory::reset_allocator_peak();
+  {
+    torch::manual_seed(1);
+    GPT whole(c);
+    flatshard::FullyShard<GPT> other(whole, world, {});
+  }
+  const auto whole_peak = flatshard::memory::allocator_stats().peak_bytes - before_whole;
+  EXPECT_GE(whole_peak, 4 * total);
+  if (world.world_size() > 1) EXPECT_GT(whole_peak, bound) << "the bound must be below a whole build";
+}
+
+// A rank that builds with another seed or another config is refused while the unit is
+// built, on every rank, naming the unit and the ranks on each side; a new build works.
+TEST(BuildIntoShards, RefusesAUnitBuiltDifferently) {
+  FLATSHARD_RUN_RANKS({2, 3});
+  auto world = flatshard::init();
+  const int last = world.world_size() - 1;
+  auto build_expecting = [&](const GPTConfig& c, int seed, const std::vector<std::string>& needles) {
+    flatshard::BuildIntoShards build(world, {});
+    GPT model{nullptr};
+    try {
+      torch::manual_seed(seed);
+      model = GPT(c);
+      ADD_FAILURE() << "a different build was not refused";
+    } catch (const flatshard::InvalidArgument& e) {
+      const std::string what = e.what();
+      for (const auto& needle : needles) EXPECT_NE(what.find(needle), std::string::npos) << what;
+    }
+    EXPECT_TRUE(model.is_empty()) << "nothing is left half-built";
+    try {
+      model = GPT(c);
+      ADD_FAILURE() << "a failed build must not go on";
+    } catch (const flatshard::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("start another"), std::string::npos) << e.what();
+    }
+  };
+  const std::string others = world.world_size() == 2 ? "rank 0 (" : "ranks 0, 1 (";
+  build_expecting(gpt_config(), world.rank() == last ? 12 : 11,
+                  {"unit #1 (Block", others, "rank " + std::to_string(last) + " (", "seed every rank alike"});
+  auto c = gpt_config();
+  if (world.rank() == last) c.dim = 48;
+  build_expecting(c, 11, {"unit #1 (Block", "names or shapes differ"});
+
+  // The same seed and config everywhere: built and wrapped.
+  GPT model{nullptr};
+  {
+    flatshard::BuildIntoShards build(world, {});
+    model = gpt_factory()();
+  }
+  flatshard::FullyShard<GPT> fsdp(model, world, {});
+  expect_slices_of(fsdp, *gpt_factory()(), "after refused builds");
+}
+
+// A parent that initialises its unit's parameters after the unit was built.
+struct LateInitImpl : torch::nn::Module {
+  LateInitImpl() {
+    block = register_module("block", flatshard::Unit<Block>(gpt_config()));
+    torch::NoGradGuard no_grad;
+    block->fc->weight.normal_(0, 0.02);
+  }
+  at::Tensor forward(const at::Tensor& x) { return block(x); }
+  flatshard::Unit<Block> block{nullptr};
+};
+TORCH_MODULE(LateInit);
+
+template <typename Error, typename Fn>
+void expect_refused(const std::string& what, const std::vector<std::string>& needles, Fn&& fn) {
+  try {
+    fn();
+    ADD_FAILURE() << what << ": not refused";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    for (const auto& needle : needles)
+      EXPECT_NE(message.find(needle), std::string::npos) << what << ": " << message;
+  }
+}
+
+TEST(BuildIntoShards, BadInputIsRefusedAtConstruction) {
+  FLATSHARD_RUN_RANKS({2});
+  auto world = flatshard::init();
+  const int layers = gpt_config().layers;
+  const std::int64_t block_bytes = 4 * (12 * 32 * 32 + 10 * 32);
+
+  // A budget that one unit alone exceeds: refused naming the unit and its bytes.
+  {
+    flatshard::FullyShardOptions o;
+    o.memory_budget.bytes = block_bytes / 2;
+    flatshard::BuildIntoShards build(world, o);
+    GPT model{nullptr};
+    try {
+      model = gpt_factory()();
+      ADD_FAILURE() << "a unit larger than the budget was built";
+    } catch (const flatshard::MemoryBudgetError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("unit #1 (Block"), std::string::npos) << what;
+      EXPECT_NE(what.find("even this unit alone does not fit"), std::string::npos) << what;
+      EXPECT_EQ(e.need_bytes(), block_bytes);
+      EXPECT_EQ(e.budget_bytes(), block_bytes / 2);
+    }
+    EXPECT_TRUE(model.is_empty());
+  }
+  // Shards plus the next unit over the budget: the advice is more ranks.
+  {
+    flatshard::FullyShardOptions o;
+    o.memory_budget.bytes = block_bytes + block_bytes / 4;
+    flatshard::BuildIntoShards build(world, o);
+    expect_refused<flatshard::MemoryBudgetError>("budget", {"unit #2 (Block", "use more ranks"},
+                                                 [&] { gpt_factory()(); });
+  }
+  // Built for bf16, wrapped for fp32.
+  {
+    flatshard::FullyShardOptions bf16;
+    bf16.mixed_precision.param = at::kBFloat16;
+    GPT model{nullptr};
+    {
+      flatshard::BuildIntoShards build(world, bf16);
+      model = gpt_factory()();
+    }
+    expect_refused<flatshard::InvalidArgument>("other options",
+                                               {"was built into shards for", "BFloat16", "Float"},
+                                               [&] { flatshard::FullyShard<GPT> fsdp(model, world, {}); });
+    // DDP and ZeRO-1 keep whole replicas.
+    expect_refused<flatshard::InvalidArgument>(
+        "ddp", {"built into shards", "DDP keeps a whole replica"},
+        [&] { flatshard::DistributedDataParallel<GPT> ddp(model, world, {}); });
+    // Running the unwrapped model.
+    expect_refused<flatshard::InvalidArgument>("unwrapped", {"wrap the model in flatshard::FullyShard"},
+                                               [&] { model->forward(gpt_batch(0, 2).input); });
+  }
+  // A parent's write to a built unit's parameter would be lost.
+  {
+    LateInit model{nullptr};
+    {
+      flatshard::BuildIntoShards build(world, {});
+      model = LateInit();
+    }
+    expect_refused<flatshard::InvalidArgument>("late init", {"'block.fc.weight' was written after"}, [&] {
+      flatshard::FullyShard<LateInit> fsdp(model, world, {});
+    });
+  }
+  // One build at a time.
+  {
+    flatshard::BuildIntoShards build(world, {});
+    expect_refused<flatshard::InvalidArgument>("nested", {"another BuildIntoShards is active"},
+                                               [&] { flatshard::BuildIntoShards inner(world, {}); });
+  }
+  EXPECT_GT(layers, 1);
+}
+
+// A unit too large for its device (the check that guards a GPU), as arithmetic.
+TEST(BuildIntoShards, UnitTooLargeForTheDevice) {
+  flatshard::sharding::UnitFit fit;
+  fit.unit = "unit #3 (Block)";
+  fit.unit_bytes = 3 << 20;
+  fit.gathered_bytes = 6 << 20;
+  fit.device = "cuda:0";
+  fit.device_bytes = 4 << 20;
+  const auto misfit = flatshard::sharding::unit_does_not_fit(fit);
+  ASSERT_TRUE(misfit.has_value());
+  EXPECT_NE(misfit->why.find("unit #3 (Block) needs 6.0 MiB on cuda:0"), std::string::npos) << misfit->why;
+  EXPECT_EQ(misfit->limit, 4 << 20);
+  fit.device_bytes = 8 << 20;
+  EXPECT_FALSE(flatshard::sharding::unit_does_not_fit(fit).has_value());
+}
+
+}  // namespace
