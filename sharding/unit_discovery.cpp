@@ -47,16 +47,22 @@ void check_memory_budget(torch::nn::Module& model, const World& world, plan::Mod
   o.param_bytes = param_bytes;
   o.optimizer_state_bytes = budget.optimizer_state_bytes;
   o.activation_bytes = budget.activation_bytes;
+  for (UnitBase* unit : discover_units(model).declared)
+    o.build_into_shards = o.build_into_shards || unit->built_shard();
   const auto shape = plan::shape_of(model);
   const auto need = plan::predict(shape, o);
   if (need.peak <= budget.bytes) return;
   const auto mib = [](std::int64_t b) { return static_cast<double>(b) / (1 << 20); };
   o.mode = plan::Mode::FullShard;
+  o.build_into_shards = true;
   const auto full = plan::predict(shape, o);
   std::string advice;
-  if (mode != plan::Mode::FullShard && full.peak <= budget.bytes) {
-    advice = fmt::format("FullyShard (full shard) needs about {:.1f} MiB per rank at this world size: use it",
-                         mib(full.peak));
+  if (full.peak <= budget.bytes && (mode != plan::Mode::FullShard || need.construction > budget.bytes)) {
+    advice = fmt::format(
+        "FullyShard (full shard) with the model built into shards (BuildIntoShards) needs about {:.1f} MiB "
+        "per "
+        "rank at this world size: use it",
+        mib(full.peak));
   } else {
     int ranks = world.world_size();
     while (ranks < (1 << 16) && plan::predict(shape,

@@ -62,6 +62,9 @@ struct PlanOptions {
   // recomputation on. Moves the sharded modes' peak into a unit's backward (see
   // Note [Where the peak is] in src/plan/plan.cpp).
   bool recompute = false;
+  // The model is built into shards (build.h; sharded modes only) instead of whole before
+  // wrapping. Decides the construction peak (Plan::construction).
+  bool build_into_shards = false;
 };
 
 // Per-rank bytes by kind, and the predicted peak.
@@ -73,7 +76,16 @@ struct Plan {
   std::int64_t gathered_params = 0;  // unsharded units alive at the peak
   std::int64_t gathered_grads = 0;   // unsharded unit gradients alive at the peak
   std::int64_t activations = 0;
-  std::int64_t peak = 0;  // the sum: what one rank needs
+  // While the model is built and wrapped: the whole model at full size (fp32), or, built
+  // into shards, the fp32 shards with the root unit and the largest unit at full size.
+  // DDP and ZeRO-1 copy the model's parameters into flat buckets when wrapping, so that the
+  // whole model, the parameter buckets and the gradient buckets exist at once.
+  std::int64_t construction = 0;
+  // DDP and ZeRO-1 rebuild their buckets in arrival order after the first backward: old
+  // and new parameter and gradient buckets exist at once.
+  std::int64_t rebuild = 0;
+  std::int64_t training() const;  // the sum of the figures above `construction`
+  std::int64_t peak = 0;          // what one rank needs: the largest of training(), construction, rebuild
   // The ZeRO paper's model-state formula for this mode (fp32 params and grads, K bytes
   // of optimizer state per parameter): DDP (8+K)Ψ, ZeRO-1 8Ψ+KΨ/N, ZeRO-2 4Ψ+(4+K)Ψ/N,
   // full shard (8+K)Ψ/N.

@@ -111,8 +111,32 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
       break;
     }
   }
-  p.peak = p.params + p.masters + p.grads + p.optimizer_state + p.gathered_params + p.gathered_grads +
-           p.activations;
+  // Note [Construction]
+  // Measured from before the model is built (tests/multirank/test_plan.cpp):
+  // - FullyShard, model built whole: every parameter in fp32 before the wrapper takes it
+  //   over (it frees each unit as the unit's shard is copied out).
+  // - FullyShard, built into shards: the fp32 shards, the root unit's parameters and the
+  //   unit being built (at worst the largest) at full size.
+  // - DDP and ZeRO-1: the whole model, then its copy into parameter buckets beside the
+  //   gradient buckets; after the first backward the buckets are rebuilt in arrival order,
+  //   old and new alive together (the rebuild is ZeRO-1's peak: measured 39.97 MiB against
+  //   a training peak of 32.4 at world 4).
+  const bool sharded = o.mode == Mode::Zero2 || o.mode == Mode::FullShard;
+  if (sharded && o.build_into_shards) {
+    std::int64_t largest_unit = 0;
+    for (auto u : shape.unit_numels) largest_unit = std::max(largest_unit, u);
+    p.construction = p.params + (shape.root_numel + largest_unit) * 4;
+  } else if (sharded) {
+    std::int64_t largest_shard = shape.root_numel > 0
+                                     ? padded(shape.root_numel, n, e) / n
+                                     : 0;  // a unit's shard is copied out before its parameters go
+    for (auto u : shape.unit_numels) largest_shard = std::max(largest_shard, padded(u, n, e) / n);
+    p.construction = psi * 4 + largest_shard * 4;
+  } else {
+    p.construction = psi * 4 + p.params + p.grads + p.masters;
+    p.rebuild = 2 * (p.params + p.grads) + p.masters;
+  }
+  p.peak = std::max({p.training(), p.construction, p.rebuild});
   switch (o.mode) {
     case Mode::DDP: p.zero_formula = (8 + k) * psi; break;
     case Mode::Zero1: p.zero_formula = 8 * psi + k * psi / n; break;
@@ -122,12 +146,23 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   return p;
 }
 
+std::int64_t Plan::training() const {
+  return params + masters + grads + optimizer_state + gathered_params + gathered_grads + activations;
+}
+
 std::string Plan::describe() const {
+  const char* when = peak == training()     ? ""
+                     : peak == construction ? " while the model is built"
+                                            : " while the buckets are rebuilt";
   return fmt::format(
-      "peak {:.1f} MiB = params {:.1f} + masters {:.1f} + grads {:.1f} + optimizer state {:.1f} + gathered "
-      "params {:.1f} + gathered grads {:.1f} + activations {:.1f} (ZeRO formula {:.1f})",
-      mib(peak), mib(params), mib(masters), mib(grads), mib(optimizer_state), mib(gathered_params),
-      mib(gathered_grads), mib(activations), mib(zero_formula));
+      "peak {:.1f} MiB{}; in training params {:.1f} + masters {:.1f} + grads {:.1f} + optimizer state {:.1f} "
+      "+ "
+      "gathered params {:.1f} + gathered grads {:.1f} + activations {:.1f} = {:.1f}; construction {:.1f}{} "
+      "(ZeRO "
+      "formula {:.1f})",
+      mib(peak), when, mib(params), mib(masters), mib(grads), mib(optimizer_state), mib(gathered_params),
+      mib(gathered_grads), mib(activations), mib(training()), mib(construction),
+      rebuild > 0 ? fmt::format("; bucket rebuild {:.1f}", mib(rebuild)) : "", mib(zero_formula));
 }
 
 }  // namespace flatshard::plan

@@ -309,6 +309,81 @@ TEST(BuildIntoShards, BadInputIsRefusedAtConstruction) {
   EXPECT_GT(layers, 1);
 }
 
+// Issue-sized proof: a GPT whose fp32 parameters alone exceed the per-rank budget. DDP
+// is refused at construction, full shard over a whole build is refused (the build alone
+// would exceed the budget), and full shard built into shards with recomputation builds
+// and trains it at world 4 with every rank's peak, from before construction to the last
+// step, under the budget.
+TEST(BuildIntoShards, TrainsAModelWhoseParametersExceedTheBudget) {
+  FLATSHARD_RUN_RANKS({4}, std::chrono::seconds(300));
+  at::set_num_threads(1);
+  flatshard::memory::install_counting_allocator();
+  auto world = flatshard::init();
+  GPTConfig c{256, 64, 192, 4, 32};
+  c.embedding_units = true;
+  constexpr int kRows = 2;  // sequences per rank
+  const std::int64_t budget_bytes = std::int64_t{48} << 20;
+  flatshard::FullyShardOptions options;
+  options.memory_budget.bytes = budget_bytes;
+  options.memory_budget.optimizer_state_bytes = 0;  // SGD without momentum
+  options.comm.timeout = std::chrono::seconds(120);
+
+  const auto base = flatshard::memory::allocator_stats().current_bytes;
+  flatshard::memory::reset_allocator_peak();
+  std::int64_t params = 0;
+  {
+    torch::manual_seed(3);
+    GPT whole(c);
+    for (const auto& p : whole->parameters()) params += p.numel();
+    EXPECT_GT(4 * params, budget_bytes) << "the model's fp32 parameters alone must exceed the budget";
+    flatshard::DDPOptions ddp_options;
+    ddp_options.memory_budget = options.memory_budget;
+    expect_refused<flatshard::MemoryBudgetError>(
+        "ddp", {"in mode ddp needs", "memory budget of 48.0 MiB", "built into shards (BuildIntoShards)"},
+        [&] { flatshard::DistributedDataParallel<GPT> ddp(whole, world, ddp_options); });
+    expect_refused<flatshard::MemoryBudgetError>(
+        "full shard over a whole build", {"while the model is built", "BuildIntoShards"},
+        [&] { flatshard::FullyShard<GPT> fsdp(whole, world, options); });
+  }
+
+  flatshard::memory::reset_allocator_peak();
+  GPT model{nullptr};
+  {
+    flatshard::BuildIntoShards build(world, options);
+    torch::manual_seed(3);
+    model = GPT(c);
+  }
+  flatshard::set_recompute(*model);
+  flatshard::FullyShard<GPT> fsdp(model, world, options);
+  flatshard::optim::SGD opt(fsdp.shards(), {0.05});
+  double first_loss = 0, loss = 0;
+  for (int step = 0; step < 3; ++step) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(7);  // the same batch: the loss must fall
+    auto tokens = at::randint(c.vocab, {kRows * world.world_size(), c.context + 1}, g)
+                      .narrow(0, world.rank() * kRows, kRows);
+    auto l = token_loss(fsdp.forward(tokens.narrow(1, 0, c.context)), tokens.narrow(1, 1, c.context));
+    l.backward();
+    opt.step();
+    opt.zero_grad();
+    loss = l.item<double>();
+    if (step == 0) first_loss = loss;
+  }
+  const auto peak = flatshard::memory::allocator_stats().peak_bytes - base;
+  const auto m = fsdp.memory();
+  std::printf(
+      "rank %d: %lld parameters (%.1f MiB in fp32); peak %.1f MiB from before construction, budget %.1f "
+      "MiB; shards %.1f, gathered units at most %.1f + %.1f (grads), the rest (activations, temporaries) "
+      "%.1f; loss %.3f -> %.3f\n",
+      world.rank(), static_cast<long long>(params), 4.0 * params / 1048576.0, peak / 1048576.0,
+      budget_bytes / 1048576.0, 2.0 * m.param_shard_bytes / 1048576.0,
+      m.peak_unsharded_param_bytes / 1048576.0, m.peak_unsharded_grad_bytes / 1048576.0,
+      (peak - 2 * m.param_shard_bytes - m.peak_unsharded_param_bytes - m.peak_unsharded_grad_bytes) /
+          1048576.0,
+      first_loss, loss);
+  EXPECT_LE(peak, budget_bytes);
+  EXPECT_LT(loss, first_loss);
+}
+
 // A unit too large for its device (the check that guards a GPU), as arithmetic.
 TEST(BuildIntoShards, UnitTooLargeForTheDevice) {
   flatshard::sharding::UnitFit fit;

@@ -42,21 +42,30 @@ std::int64_t measure_activations(int rows, bool recompute = false) {
   return flatshard::memory::allocator_stats().peak_bytes - before;
 }
 
-// Peak over steps 2 and 3 (the first allocates optimizer state) of one mode, in bytes
-// above what was allocated before the model was built.
+// Peak of one mode from before the model is built to the end of its third step, in
+// bytes above what was allocated before.
 std::int64_t measure_peak(const flatshard::World& world, plan::Mode mode,
-                          const flatshard::MemoryBudget& budget = {}, int rows = 0, bool recompute = false) {
+                          const flatshard::MemoryBudget& budget = {}, int rows = 0, bool recompute = false,
+                          bool build_into_shards = false) {
   if (rows == 0) rows = kGlobalBatch / world.world_size();
   const auto base = flatshard::memory::allocator_stats().current_bytes;
+  flatshard::memory::reset_allocator_peak();
   torch::manual_seed(5);
   flatshard::examples::AnyModeOptions o;
   o.fully_shard.memory_budget = budget;
   o.ddp.memory_budget = budget;
-  GPT model(plan_config());
+  o.fully_shard.strategy =
+      mode == plan::Mode::Zero2 ? flatshard::Strategy::ShardGradOp : flatshard::Strategy::FullShard;
+  GPT model{nullptr};
+  if (build_into_shards) {
+    flatshard::BuildIntoShards build(world, o.fully_shard);
+    model = GPT(plan_config());
+  } else {
+    model = GPT(plan_config());
+  }
   flatshard::set_recompute(*model, recompute);
   flatshard::examples::AnyMode<GPT> run(model, world, mode, o);
   for (int step = 0; step < 3; ++step) {
-    if (step == 1) flatshard::memory::reset_allocator_peak();
     const auto b = batch_of(step, rows * world.world_size());
     const auto x = b.input.narrow(0, world.rank() * rows, rows),
                y = b.target.narrow(0, world.rank() * rows, rows);
@@ -135,12 +144,48 @@ TEST(Planner, BudgetRefusesDdpAndFullShardTrainsWithinIt) {
     EXPECT_EQ(e.budget_bytes(), budget.bytes);
     EXPECT_NE(what.find("needs 39.2 MiB per rank"), std::string::npos) << what;
     EXPECT_NE(what.find("memory budget of 36.0 MiB"), std::string::npos) << what;
-    EXPECT_NE(what.find("FullyShard (full shard) needs about"), std::string::npos) << what;
+    EXPECT_NE(what.find("FullyShard (full shard) with the model built into shards"), std::string::npos)
+        << what;
   }
   const auto peak = measure_peak(world, plan::Mode::FullShard, budget, /*rows=*/2);
   std::printf("full shard at world %d: measured peak %.1f MiB, budget 36 MiB\n", world.world_size(),
               peak / 1048576.0);
   EXPECT_LE(peak, budget.bytes);
+}
+
+// Building and wrapping alone: the whole model, or (built into shards) the shards with
+// the root and the largest unit at full size.
+TEST(Planner, PredictsTheConstructionPeak) {
+  FLATSHARD_RUN_RANKS({1, 2, 4}, std::chrono::seconds(120));
+  at::set_num_threads(1);
+  flatshard::memory::install_counting_allocator();
+  auto world = flatshard::init();
+  auto config = plan_config();
+  config.embedding_units = true;  // the vocabulary-sized matrices are units: a small root
+  for (bool into_shards : {false, true}) {
+    const auto base = flatshard::memory::allocator_stats().current_bytes;
+    flatshard::memory::reset_allocator_peak();
+    torch::manual_seed(5);
+    GPT model{nullptr};
+    if (into_shards) {
+      flatshard::BuildIntoShards build(world, {});
+      model = GPT(config);
+    } else {
+      model = GPT(config);
+    }
+    const auto shape = plan::shape_of(*model);
+    flatshard::FullyShard<GPT> fsdp(model, world, {});
+    const auto measured = flatshard::memory::allocator_stats().peak_bytes - base;
+    plan::PlanOptions o;
+    o.world_size = world.world_size();
+    o.build_into_shards = into_shards;
+    const auto predicted = plan::predict(shape, o).construction;
+    const double error = static_cast<double>(predicted - measured) / static_cast<double>(measured);
+    std::printf("construction world %d, %s: measured %.2f MiB, predicted %.2f MiB (%+.1f%%)\n",
+                world.world_size(), into_shards ? "built into shards" : "built whole", measured / 1048576.0,
+                predicted / 1048576.0, 100 * error);
+    EXPECT_LE(std::abs(error), 0.10) << (into_shards ? "into shards" : "whole");
+  }
 }
 
 TEST(Planner, ShapeOfFollowsTheUnits) {
