@@ -15,17 +15,22 @@
 //   --resume                continue from DIR's latest checkpoint (any world size or mode)
 //   --budget-mib M          per-rank memory budget: refused at construction if the mode's
 //                           model states need more (MemoryBudgetError); checked against
-//                           the measured peak at the end
+//                           the measured peak at the end, from before construction
 //   --log-every N           a progress line every N steps [steps / 10]
 //   --result                print one CSV line for scripts (RESULT,...; see below)
 //   --recompute             every block recomputes its activations in backward (recompute.h)
+//   --build-into-shards     build the model inside flatshard::BuildIntoShards (full, zero2):
+//                           no rank ever holds it whole (build.h)
+//   --embedding-units       the token embedding and the head are units of their own
+//   --optimizer adamw|sgd [adamw]   sgd: plain SGD (no momentum), no optimizer state
 //   --dropout P [0]         residual dropout
 //   --memory-every N        every N steps, rank 0 prints MEMORY,step,current_bytes,peak_bytes,rss_bytes
 //                           (counting allocator, resident set; bench/soak.sh watches them for leaks)
 //
 // RESULT,mode,world,params,step_ms,peak_bytes,formula_bytes,planned_bytes,rank_peaks
 // (peak: the counting allocator's, largest over ranks, from the second step on;
-// rank_peaks: every rank's, separated by ';').
+// planned: the planner's figure for training, construction aside; rank_peaks: every
+// rank's, separated by ';').
 #include <ATen/Parallel.h>
 
 #include <chrono>
@@ -52,7 +57,7 @@ struct Args {
   GPTConfig model{4096, 64, 256, 8, 4};
   int batch = 4, steps = 50, save_every = 0, log_every = 0, memory_every = 0;
   double lr = 3e-4, budget_mib = 0;
-  bool resume = false, result = false, recompute = false;
+  bool resume = false, result = false, recompute = false, build_into_shards = false, sgd = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -101,7 +106,15 @@ Args parse(int argc, char** argv) {
       a.model.dropout = std::stod(next());
     else if (k == "--result")
       a.result = true;
-    else
+    else if (k == "--build-into-shards")
+      a.build_into_shards = true;
+    else if (k == "--embedding-units")
+      a.model.embedding_units = true;
+    else if (k == "--optimizer") {
+      const auto v = next();
+      if (v != "adamw" && v != "sgd") throw std::invalid_argument("--optimizer is adamw or sgd");
+      a.sgd = v == "sgd";
+    } else
       throw std::invalid_argument("unknown option " + k + " (see the comment at the top of train_gpt.cpp)");
   }
   plan::Mode m;
@@ -183,19 +196,29 @@ int main(int argc, char** argv) {
     plan::parse_mode(a.mode, mode);
     const auto tokens = corpus(a);
     const auto base = flatshard::memory::allocator_stats().current_bytes;
+    flatshard::memory::reset_allocator_peak();  // the whole run's peak: from before construction
 
+    flatshard::MemoryBudget budget;
+    budget.bytes = static_cast<std::int64_t>(a.budget_mib * (1 << 20));
+    budget.optimizer_state_bytes = a.sgd ? 0 : 8;
+    flatshard::examples::AnyModeOptions o;
+    o.adamw = {a.lr, 0.9, 0.95, 1e-8, 0.1};
+    if (a.sgd) o.sgd = flatshard::optim::SGDOptions{a.lr};
+    o.fully_shard.memory_budget = budget;
+    o.fully_shard.strategy =
+        mode == plan::Mode::Zero2 ? flatshard::Strategy::ShardGradOp : flatshard::Strategy::FullShard;
+    o.ddp.memory_budget = budget;
+    GPT model{nullptr};
     torch::manual_seed(42);
-    GPT model(a.model);
+    if (a.build_into_shards) {
+      flatshard::BuildIntoShards build(world, o.fully_shard);
+      model = GPT(a.model);
+    } else {
+      model = GPT(a.model);
+    }
     flatshard::set_recompute(*model, a.recompute);
     const auto shape = plan::shape_of(*model);  // before wrapping: FullyShard empties the parameters
     const std::int64_t params = shape.total();
-    flatshard::MemoryBudget budget;
-    budget.bytes = static_cast<std::int64_t>(a.budget_mib * (1 << 20));
-
-    flatshard::examples::AnyModeOptions o;
-    o.adamw = {a.lr, 0.9, 0.95, 1e-8, 0.1};
-    o.fully_shard.memory_budget = budget;
-    o.ddp.memory_budget = budget;
     flatshard::examples::AnyMode<GPT> run(model, world, mode, o);
     auto& comm = run.comm();
 
@@ -219,8 +242,12 @@ int main(int argc, char** argv) {
     auto loss_sum = at::zeros({1}, at::kDouble);
     double timed_s = 0;
     int timed_steps = 0;
+    std::int64_t whole_run_peak = 0;  // from before construction
     for (int step = first; step < a.steps; ++step) {
-      if (step == first + 1) flatshard::memory::reset_allocator_peak();
+      if (step == first + 1) {
+        whole_run_peak = flatshard::memory::allocator_stats().peak_bytes - base;
+        flatshard::memory::reset_allocator_peak();  // the steady peak: from the second step on
+      }
       const auto t0 = std::chrono::steady_clock::now();
       auto [x, y] = batch_of(tokens, step, rank, n, a);
       auto logits = run.forward(x);
@@ -255,14 +282,22 @@ int main(int argc, char** argv) {
       if (rank == 0) std::printf("saved %s\n", info.path.c_str());
     }
 
-    // Every rank's peak, on every rank.
-    auto mine = at::full({1}, flatshard::memory::allocator_stats().peak_bytes - base, at::kLong);
-    auto peaks = at::empty({n}, at::kLong);
-    comm.all_gather(peaks, mine).wait();
+    // Every rank's peaks (steady, whole run), on every rank.
+    const std::int64_t steady_peak = flatshard::memory::allocator_stats().peak_bytes - base;
+    whole_run_peak = std::max(whole_run_peak, steady_peak);
+    auto mine = at::tensor({steady_peak, whole_run_peak}, at::kLong);
+    auto all_peaks = at::empty({2 * n}, at::kLong);
+    comm.all_gather(all_peaks, mine).wait();
+    auto peaks = all_peaks.view({n, 2}).select(1, 0).contiguous();
+    auto whole_peaks = all_peaks.view({n, 2}).select(1, 1).contiguous();
     const std::int64_t peak = peaks.max().item<std::int64_t>();
+    const std::int64_t whole_peak = whole_peaks.max().item<std::int64_t>();
     plan::PlanOptions po;
     po.mode = mode;
     po.world_size = n;
+    po.optimizer_state_bytes = budget.optimizer_state_bytes;
+    po.recompute = a.recompute;
+    po.build_into_shards = a.build_into_shards;
     const auto planned = plan::predict(shape, po);
     const double step_ms = timed_steps > 0 ? 1000 * timed_s / timed_steps : 0;
     if (rank == 0) {
@@ -272,20 +307,40 @@ int main(int argc, char** argv) {
       std::printf("peak memory per rank (MiB): %s; step %.0f ms; ZeRO formula %.1f MiB\n", per_rank.c_str(),
                   step_ms, mib(planned.zero_formula));
       if (budget.bytes > 0) {
-        std::printf("memory budget %.1f MiB: measured peak %.1f MiB is %s the budget\n", a.budget_mib,
-                    mib(peak), peak <= budget.bytes ? "under" : "OVER");
+        std::string per_rank_whole;
+        for (int r = 0; r < n; ++r)
+          per_rank_whole += fmt::format("{}{:.1f}", r ? ", " : "", mib(whole_peaks[r].item<std::int64_t>()));
+        std::printf(
+            "memory budget %.1f MiB; every rank's peak from before construction to the last step (MiB): "
+            "%s: %s the budget (fp32 parameters alone: %.1f MiB)\n",
+            a.budget_mib, per_rank_whole.c_str(), whole_peak <= budget.bytes ? "under" : "OVER",
+            mib(4 * params));
+        if (auto* fsdp = run.fully_shard()) {
+          const auto m = fsdp->memory();
+          const std::int64_t shards =
+              m.param_shard_bytes + m.param_shard_bytes;  // masters and their gradients
+          const std::int64_t state = run.shard_optimizer()->state_bytes();
+          const std::int64_t gathered = m.peak_unsharded_param_bytes + m.peak_unsharded_grad_bytes;
+          std::printf(
+              "rank 0's peak %.1f MiB = shards %.1f (masters and gradients) + optimizer state %.1f + "
+              "gathered "
+              "units at most %.1f (%.1f parameters, %.1f gradients) + activations and temporaries %.1f\n",
+              mib(whole_peaks[0].item<std::int64_t>()), mib(shards), mib(state), mib(gathered),
+              mib(m.peak_unsharded_param_bytes), mib(m.peak_unsharded_grad_bytes),
+              mib(whole_peaks[0].item<std::int64_t>() - shards - state - gathered));
+        }
       }
       if (a.result) {
         std::string list;
         for (int r = 0; r < n; ++r) list += fmt::format("{}{}", r ? ";" : "", peaks[r].item<std::int64_t>());
         std::printf("RESULT,%s,%d,%lld,%.1f,%lld,%lld,%lld,%s\n", a.mode.c_str(), n,
                     static_cast<long long>(params), step_ms, static_cast<long long>(peak),
-                    static_cast<long long>(planned.zero_formula), static_cast<long long>(planned.peak),
+                    static_cast<long long>(planned.zero_formula), static_cast<long long>(planned.training()),
                     list.c_str());
       }
       std::fflush(stdout);
     }
-    return budget.bytes > 0 && peak > budget.bytes ? 3 : 0;
+    return budget.bytes > 0 && whole_peak > budget.bytes ? 3 : 0;
   } catch (const flatshard::MemoryBudgetError& e) {
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 3;

@@ -6,8 +6,10 @@
 #  3. measures per-rank peak memory and step time of DDP, ZeRO-1, ZeRO-2 and full shard
 #     at world sizes 1..RANKS, prints them next to the ZeRO formulas, and writes
 #     out/memory.csv and out/memory.png;
-#  4. shows a model that does not fit a per-rank memory budget under DDP (refused with
-#     the need and the budget) training under full shard within it.
+#  4. shows a GPT whose fp32 parameters alone exceed a per-rank memory budget: DDP and
+#     full shard over a whole build are refused at construction (need and budget
+#     stated); full shard built into shards with recomputation trains it at 4 ranks with
+#     every rank's peak, from before construction, under the budget (broken down).
 #   scripts/demo.sh [RANKS]       (FLATSHARD_OUT: where out/ goes)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,12 +42,23 @@ done
 "$FLATSHARD_VENV/bin/python" "$root/scripts/memory_report.py" "$results" "$out"
 
 echo
-echo "== 4. a 33M-parameter model with a per-rank budget of 400 MiB"
-big=(--layers 8 --dim 512 --vocab 8192 --context 64 --batch 2 --steps 6 --log-every 3 --budget-mib 400)
-echo "-- DDP at 2 ranks (expected: refused)"
-if "$run" -n 2 "$gpt" --mode ddp "${big[@]}"; then
+echo "== 4. a GPT whose fp32 parameters alone (54.7 MiB) exceed a per-rank budget of 48 MiB, at 4 ranks"
+big=(--layers 32 --dim 192 --heads 4 --vocab 256 --context 64 --embedding-units --batch 2 --steps 6
+     --log-every 3 --optimizer sgd --lr 0.05 --budget-mib 48)
+echo "-- DDP (expected: refused at construction, need and budget stated)"
+if "$run" -n 4 "$gpt" --mode ddp "${big[@]}"; then
   echo "demo: DDP was expected to be refused" >&2
   exit 1
 fi
-echo "-- full shard at 2 ranks"
-"$run" -n 2 "$gpt" --mode full "${big[@]}"
+echo "-- full shard over a model built whole (expected: refused: the build alone exceeds the budget)"
+if "$run" -n 4 "$gpt" --mode full "${big[@]}"; then
+  echo "demo: full shard over a whole build was expected to be refused" >&2
+  exit 1
+fi
+echo "-- full shard, built into shards, without recomputation (expected: activations take it over the budget)"
+if "$run" -n 4 "$gpt" --mode full --build-into-shards "${big[@]}" --steps 2; then
+  echo "demo: without recomputation the run was expected to exceed the budget" >&2
+  exit 1
+fi
+echo "-- full shard, built into shards, every block recomputed"
+"$run" -n 4 "$gpt" --mode full --build-into-shards --recompute "${big[@]}"

@@ -13,6 +13,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <torch/torch.h>
@@ -24,8 +25,9 @@ namespace flatshard::examples {
 
 struct AnyModeOptions {
   optim::AdamWOptions adamw{1e-3, 0.9, 0.999, 1e-8, 0.1};
-  FullyShardOptions fully_shard;  // strategy is set from the mode
-  DDPOptions ddp;                 // sharded_optimizer is set from the mode
+  std::optional<optim::SGDOptions> sgd;  // set: SGD instead of AdamW in every mode
+  FullyShardOptions fully_shard;         // strategy is set from the mode
+  DDPOptions ddp;                        // sharded_optimizer is set from the mode
 };
 
 template <typename Holder>
@@ -36,18 +38,27 @@ class AnyMode {
     if (mode == plan::Mode::FullShard || mode == plan::Mode::Zero2) {
       o.fully_shard.strategy = mode == plan::Mode::FullShard ? Strategy::FullShard : Strategy::ShardGradOp;
       fsdp_ = std::make_unique<FullyShard<Holder>>(model, world, o.fully_shard);
-      shard_opt_ = std::make_unique<optim::Adam>(fsdp_->shards(), o.adamw);
+      if (o.sgd) {
+        shard_opt_ = std::make_unique<optim::SGD>(fsdp_->shards(), *o.sgd);
+      } else {
+        shard_opt_ = std::make_unique<optim::Adam>(fsdp_->shards(), o.adamw);
+      }
     } else {
       o.ddp.sharded_optimizer = mode == plan::Mode::Zero1;
       ddp_ = std::make_unique<DistributedDataParallel<Holder>>(model, world, o.ddp);
-      if (mode == plan::Mode::DDP) {
+      if (mode == plan::Mode::DDP && o.sgd) {
+        torch_opt_ = std::make_unique<torch::optim::SGD>(
+            ddp_->optimizer_params(),
+            torch::optim::SGDOptions(o.sgd->lr).momentum(o.sgd->momentum).weight_decay(o.sgd->weight_decay));
+      } else if (mode == plan::Mode::DDP) {
         torch_opt_ = std::make_unique<torch::optim::AdamW>(ddp_->optimizer_params(),
                                                            torch::optim::AdamWOptions(o.adamw.lr)
                                                                .betas({o.adamw.beta1, o.adamw.beta2})
                                                                .eps(o.adamw.eps)
                                                                .weight_decay(o.adamw.weight_decay));
       } else {
-        zero_ = std::make_unique<ZeroRedundancyOptimizer>(*ddp_, o.adamw);
+        zero_ = o.sgd ? std::make_unique<ZeroRedundancyOptimizer>(*ddp_, *o.sgd)
+                      : std::make_unique<ZeroRedundancyOptimizer>(*ddp_, o.adamw);
       }
     }
   }
@@ -123,9 +134,9 @@ class AnyMode {
   Holder model_;
   plan::Mode mode_;
   std::unique_ptr<FullyShard<Holder>> fsdp_;
-  std::unique_ptr<optim::Adam> shard_opt_;
+  std::unique_ptr<optim::ShardOptimizer> shard_opt_;
   std::unique_ptr<DistributedDataParallel<Holder>> ddp_;
-  std::unique_ptr<torch::optim::AdamW> torch_opt_;
+  std::unique_ptr<torch::optim::Optimizer> torch_opt_;
   std::unique_ptr<ZeroRedundancyOptimizer> zero_;
 };
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "flatshard/memory.h"
+#include "flatshard/plan.h"
 #include "sharding/build_checks.h"
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
@@ -346,6 +347,24 @@ TEST(BuildIntoShards, TrainsAModelWhoseParametersExceedTheBudget) {
         [&] { flatshard::FullyShard<GPT> fsdp(whole, world, options); });
   }
 
+  // The planner, with one rank's activations measured on the plain model (recomputed).
+  std::int64_t activations = 0;
+  {
+    torch::manual_seed(3);
+    GPT plain(c);
+    flatshard::set_recompute(*plain);
+    for (auto& p : plain->parameters()) p.mutable_grad() = at::zeros_like(p);
+    auto tokens = at::randint(c.vocab, {kRows, c.context + 1});
+    auto pass = [&] {
+      token_loss(plain->forward(tokens.narrow(1, 0, c.context)), tokens.narrow(1, 1, c.context)).backward();
+    };
+    pass();
+    flatshard::memory::reset_allocator_peak();
+    const auto before = flatshard::memory::allocator_stats().current_bytes;
+    pass();
+    activations = flatshard::memory::allocator_stats().peak_bytes - before;
+  }
+
   flatshard::memory::reset_allocator_peak();
   GPT model{nullptr};
   {
@@ -354,6 +373,7 @@ TEST(BuildIntoShards, TrainsAModelWhoseParametersExceedTheBudget) {
     model = GPT(c);
   }
   flatshard::set_recompute(*model);
+  const auto shape = flatshard::plan::shape_of(*model);
   flatshard::FullyShard<GPT> fsdp(model, world, options);
   flatshard::optim::SGD opt(fsdp.shards(), {0.05});
   double first_loss = 0, loss = 0;
@@ -382,6 +402,17 @@ TEST(BuildIntoShards, TrainsAModelWhoseParametersExceedTheBudget) {
       first_loss, loss);
   EXPECT_LE(peak, budget_bytes);
   EXPECT_LT(loss, first_loss);
+  flatshard::plan::PlanOptions po;
+  po.world_size = world.world_size();
+  po.optimizer_state_bytes = 0;
+  po.recompute = true;
+  po.build_into_shards = true;
+  po.activation_bytes = activations;
+  const auto predicted = flatshard::plan::predict(shape, po);
+  const double error = static_cast<double>(predicted.peak - peak) / static_cast<double>(peak);
+  std::printf("rank %d: planner %.1f MiB (%+.1f%%): %s\n", world.rank(), predicted.peak / 1048576.0,
+              100 * error, predicted.describe().c_str());
+  EXPECT_LE(std::abs(error), 0.10);
 }
 
 // A unit too large for its device (the check that guards a GPU), as arithmetic.
