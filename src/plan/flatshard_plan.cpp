@@ -2,7 +2,9 @@
 //
 //   flatshard-plan --params 1.3e9 --units 24 --world 1,2,4,8 [--dtype bf16]
 //                  [--optimizer adamw|adam|sgd|sgd-momentum] [--mode full]
-//                  [--activation-mib 512] [--recompute 1] [--prefetch 1] [--budget-mib 16000]
+//                  [--activation-mib 512] [--recompute 1] [--build-into-shards 1] [--prefetch 1]
+//                  [--budget-mib 16000]
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -17,13 +19,14 @@ namespace {
 
 int usage(const char* why) {
   if (why) std::fprintf(stderr, "flatshard-plan: %s\n\n", why);
-  std::fprintf(
-      stderr,
-      "usage: flatshard-plan --params N [--units K] [--root N] [--world 1,2,4] [--mode "
-      "ddp|zero1|zero2|full]\n"
-      "                      [--dtype fp32|bf16] [--optimizer adamw|adam|sgd|sgd-momentum]\n"
-      "                      [--activation-mib M] [--recompute 0|1] [--prefetch P] [--budget-mib B]\n"
-      "Predicts per-rank peak memory (MiB) of each mode; see docs/memory-model.md.\n");
+  std::fprintf(stderr,
+               "usage: flatshard-plan --params N [--units K] [--root N] [--world 1,2,4] [--mode "
+               "ddp|zero1|zero2|full]\n"
+               "                      [--dtype fp32|bf16] [--optimizer adamw|adam|sgd|sgd-momentum]\n"
+               "                      [--activation-mib M] [--recompute 0|1] [--build-into-shards 0|1] "
+               "[--prefetch P]\n"
+               "                      [--budget-mib B]\n"
+               "Predicts per-rank peak memory (MiB) of each mode; see docs/memory-model.md.\n");
   return why ? 2 : 0;
 }
 
@@ -43,7 +46,7 @@ int main(int argc, char** argv) {
   using namespace flatshard::plan;
   double params = 0, root = 0, activation_mib = 0, budget_mib = 0;
   int units = 1, prefetch = 1, param_bytes = 4, state_bytes = 8;
-  bool recompute = false;
+  bool recompute = false, build_into_shards = false;
   std::vector<int> worlds{1, 2, 4, 8};
   std::vector<Mode> modes{Mode::DDP, Mode::Zero1, Mode::Zero2, Mode::FullShard};
   for (int i = 1; i < argc; ++i) {
@@ -63,6 +66,8 @@ int main(int argc, char** argv) {
       prefetch = std::atoi(v.c_str());
     else if (a == "--recompute")
       recompute = std::atoi(v.c_str()) != 0;
+    else if (a == "--build-into-shards")
+      build_into_shards = std::atoi(v.c_str()) != 0;
     else if (a == "--activation-mib")
       activation_mib = std::atof(v.c_str());
     else if (a == "--budget-mib")
@@ -97,8 +102,8 @@ int main(int argc, char** argv) {
                           params, units, root > 0 ? fmt::format(" + {:.0f} in the root", root) : "",
                           param_bytes == 2 ? "bf16 compute with fp32 masters" : "fp32", state_bytes)
                   .c_str());
-  std::printf("%-6s %6s %14s %14s %14s %14s %14s%s\n", "mode", "world", "peak MiB", "params+grads",
-              "optim state", "gathered", "ZeRO formula", budget_mib > 0 ? "  fits" : "");
+  std::printf("%-6s %6s %14s %14s %14s %14s %14s %14s%s\n", "mode", "world", "peak MiB", "params+grads",
+              "optim state", "gathered", "construction", "ZeRO formula", budget_mib > 0 ? "  fits" : "");
   for (Mode m : modes) {
     for (int w : worlds) {
       PlanOptions o;
@@ -109,11 +114,12 @@ int main(int argc, char** argv) {
       o.prefetch = prefetch;
       o.activation_bytes = static_cast<std::int64_t>(activation_mib * (1 << 20));
       o.recompute = recompute;
+      o.build_into_shards = build_into_shards;
       const Plan p = predict(shape, o);
-      std::printf("%-6s %6d %14.1f %14.1f %14.1f %14.1f %14.1f%s\n", to_string(m), w, mib(p.peak),
+      std::printf("%-6s %6d %14.1f %14.1f %14.1f %14.1f %14.1f %14.1f%s\n", to_string(m), w, mib(p.peak),
                   mib(p.params + p.masters + p.grads), mib(p.optimizer_state),
-                  mib(p.gathered_params + p.gathered_grads), mib(p.zero_formula),
-                  budget_mib > 0 ? (mib(p.peak) <= budget_mib ? "  yes" : "  no") : "");
+                  mib(p.gathered_params + p.gathered_grads), mib(std::max(p.construction, p.rebuild)),
+                  mib(p.zero_formula), budget_mib > 0 ? (mib(p.peak) <= budget_mib ? "  yes" : "  no") : "");
     }
   }
   return 0;
