@@ -8,6 +8,7 @@
 //    1 over NCCL (fp32, bf16 compute with fp32 or bf16 reduction; the model moved to the
 //    GPU or built on the host and sharded onto it; CPU offload), world 2 over the TCP
 //    rings through host memory (two ranks on one GPU, which NCCL refuses);
+//  - a model built into shards onto the GPU (and offloaded), at worlds 1 and 2;
 //  - activation recomputation with dropout on the GPU;
 //  - sharded checkpoints of CUDA shards, loaded on the CPU and on the GPU with offload.
 #include <cuda_runtime.h>
@@ -187,6 +188,31 @@ TEST(CudaFullyShard, WorldTwoOverTcpOnOneGpuMatchesSingleProcess) {
   EXPECT_LE(off.global_rel_weight_diff, 3e-2) << "offload, worst " << off.worst_param;
   EXPECT_LE(off.max_rel_loss_diff, 3e-2) << "offload";
   EXPECT_TRUE(off.shards_pinned);
+}
+
+// Built into shards (build.h) with the shards on the GPU (and, offloaded, in pinned host
+// memory): world 1 over NCCL, world 2 over the TCP rings on one GPU.
+TEST(CudaBuildIntoShards, ShardsOnTheGpuMatchSingleProcess) {
+  REQUIRE_GPU();
+  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  for (bool offload : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "world " << world.world_size() << (offload ? " offload" : ""));
+    TrainSpec spec;
+    spec.optimizer = OptKind::AdamW;
+    spec.steps = 4;
+    spec.global_batch = 8;
+    spec.device = kGpu;
+    spec.transport = world.world_size() == 1 ? flatshard::Transport::Nccl : flatshard::Transport::Tcp;
+    spec.build_into_shards = true;
+    spec.cpu_offload = offload;
+    const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+        world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+    EXPECT_LE(r.global_rel_weight_diff, 1e-5) << "worst " << r.worst_param;
+    EXPECT_LE(r.max_rel_loss_diff, 1e-5);
+    EXPECT_EQ(r.shard_device, offload ? c10::Device(c10::kCPU) : kGpu);
+    EXPECT_EQ(r.shards_pinned, offload);
+  }
 }
 
 // Activation recomputation on the GPU, residual dropout on: the CUDA generator is
