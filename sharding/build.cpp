@@ -223,7 +223,7 @@ void shard_unit(BuildIntoShards::State* s, UnitBase& unit) {
   compare_across_ranks(*s, fingerprint(params), name);
   if (params.empty()) return;
 
-  std::int64_t unit_bytes = 0;
+  std::int64_t unit_bytes = 0, numel = 0;
   for (const auto& [pname, p] : params) {
     if (!at::isFloatingType(p.scalar_type()))
       throw InvalidArgument(
@@ -233,6 +233,7 @@ void shard_unit(BuildIntoShards::State* s, UnitBase& unit) {
       throw InvalidArgument(fmt::format("{}: parameters of {} sit on {} and {}; build a unit on one device",
                                         who, name, p.device().str(), params.front().second.device().str()));
     unit_bytes += p.numel() * static_cast<std::int64_t>(p.element_size());
+    numel += p.numel();
   }
   const c10::Device device = s->options.device.value_or(params.front().second.device());
   if (!device.is_cpu() && !device.is_cuda())
@@ -250,8 +251,6 @@ void shard_unit(BuildIntoShards::State* s, UnitBase& unit) {
   fit.unit_bytes = unit_bytes;
   fit.shard_bytes_before = s->report.shard_bytes;
   fit.budget = s->options.memory_budget.bytes;
-  std::int64_t numel = 0;
-  for (const auto& item : params) numel += item.second.numel();
   fit.gathered_bytes = 2 * padded_numel(numel, n, std::max<std::int64_t>(1, 16 / elem)) * elem;
   fit.device = device.str();
   if (device.is_cuda()) {

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <set>
@@ -189,13 +190,11 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     model_dtype = item.value().scalar_type();
     params[owner.at(impl)].emplace_back(item.key(), item.value());
   }
-  const std::shared_ptr<FlatParamGroup>* any_built = nullptr;
-  for (const auto& b : built) {
-    if (b && !any_built) any_built = &b;
-  }
-  if (first_param.empty() && any_built) {  // every parameter was built into shards
-    model_dtype = (*any_built)->compute_dtype();
-    model_device = (*any_built)->device();
+  const auto first_built =
+      std::find_if(built.begin(), built.end(), [](const auto& b) { return b != nullptr; });
+  if (first_param.empty() && first_built != built.end()) {  // every parameter was built into shards
+    model_dtype = (*first_built)->compute_dtype();
+    model_device = (*first_built)->device();
   }
   const at::ScalarType compute = options_.mixed_precision.param.value_or(model_dtype);
   device_ = options_.device.value_or(model_device);
