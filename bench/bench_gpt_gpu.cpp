@@ -7,16 +7,25 @@
 //
 //   bench_gpt_gpu [--dim 2048] [--layers 18] [--heads 16] [--vocab 32768] [--context 1024]
 //                 [--batch 4] [--warmup 3] [--steps 20] [--peak-tflops 989] [--offload 0|1]
-//                 [--recompute 0|1] [--csv FILE]
+//                 [--recompute 0|1] [--csv FILE] [--profile TRACE.json] [--mode full|ddp]
+//
+// --mode ddp runs FlatShard's DistributedDataParallel instead (bf16 parameters and
+// gradients, fp32 all-reduce and masters, flatshard::optim::Adam over the masters; the
+// model moved to the GPU whole); peer_fsdp2_gpu.py --mode ddp is PyTorch DDP's run.
+//
+// --profile writes a Chrome trace (LibTorch's Kineto profiler, CPU and CUDA activity) of
+// three more steps after the timed ones; bench/trace_summary.py breaks it down by kernel kind.
 #include <cuda_runtime.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <string>
 
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
 #include "examples/models/gpt.h"
@@ -30,7 +39,7 @@ struct Args {
   int warmup = 3, steps = 20;
   bool offload = false, recompute = false;
   double peak_tflops = 989;  // H100/H200 SXM dense bf16
-  std::string csv;
+  std::string csv, profile, mode = "full";
 };
 
 Args parse(int argc, char** argv) {
@@ -62,6 +71,10 @@ Args parse(int argc, char** argv) {
       a.peak_tflops = std::atof(v);
     else if (k == "--csv")
       a.csv = v;
+    else if (k == "--profile")
+      a.profile = v;
+    else if (k == "--mode")
+      a.mode = v;
     else {
       std::fprintf(stderr, "bench_gpt_gpu: unknown option %s\n", k.c_str());
       std::exit(2);
@@ -103,20 +116,40 @@ int main(int argc, char** argv) {
   std::int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
 
-  flatshard::FullyShardOptions options;
-  options.device = gpu;  // built on the host, sharded onto the GPU unit by unit
-  options.cpu_offload = a.offload;
-  options.strategy = flatshard::Strategy::FullShard;
-  options.mixed_precision.param = at::kBFloat16;
-  options.mixed_precision.reduce = at::kFloat;
-  flatshard::FullyShard<flatshard::examples::GPT> fsdp(model, world, options);
-  flatshard::optim::Adam opt(fsdp.shards(), flatshard::optim::AdamWOptions{3e-4, 0.9, 0.95, 1e-8, 0.1});
+  if (a.mode != "full" && a.mode != "ddp") {
+    std::fprintf(stderr, "bench_gpt_gpu: --mode is full or ddp, not %s\n", a.mode.c_str());
+    return 2;
+  }
+  const bool ddp_mode = a.mode == "ddp";
+  std::unique_ptr<flatshard::FullyShard<flatshard::examples::GPT>> fsdp;
+  std::unique_ptr<flatshard::DistributedDataParallel<flatshard::examples::GPT>> ddp;
+  std::unique_ptr<flatshard::optim::Adam> adam;
+  const flatshard::optim::AdamWOptions adamw{3e-4, 0.9, 0.95, 1e-8, 0.1};
+  if (ddp_mode) {
+    model->to(gpu);
+    flatshard::DDPOptions options;
+    options.mixed_precision.param = at::kBFloat16;
+    options.mixed_precision.reduce = at::kFloat;
+    ddp =
+        std::make_unique<flatshard::DistributedDataParallel<flatshard::examples::GPT>>(model, world, options);
+    adam = std::make_unique<flatshard::optim::Adam>(ddp->optimizer_params(), adamw);
+  } else {
+    flatshard::FullyShardOptions options;
+    options.device = gpu;  // built on the host, sharded onto the GPU unit by unit
+    options.cpu_offload = a.offload;
+    options.strategy = flatshard::Strategy::FullShard;
+    options.mixed_precision.param = at::kBFloat16;
+    options.mixed_precision.reduce = at::kFloat;
+    fsdp = std::make_unique<flatshard::FullyShard<flatshard::examples::GPT>>(model, world, options);
+    adam = std::make_unique<flatshard::optim::Adam>(fsdp->shards(), adamw);
+  }
+  auto& opt = *adam;
 
   auto tokens =
       at::randint(a.vocab, {a.batch, a.context + 1}, at::TensorOptions().dtype(at::kLong).device(gpu));
   auto x = tokens.narrow(1, 0, a.context).contiguous(), y = tokens.narrow(1, 1, a.context).contiguous();
   auto step = [&] {
-    auto logits = fsdp.forward(x);
+    auto logits = ddp ? ddp->forward(x) : fsdp->forward(x);
     auto loss = torch::cross_entropy_loss(logits.reshape({-1, a.vocab}).to(at::kFloat), y.reshape({-1}));
     loss.backward();
     opt.step();
@@ -148,18 +181,31 @@ int main(int argc, char** argv) {
   const double gib = 1024.0 * 1024.0 * 1024.0;
   if (world.rank() == 0) {
     std::printf(
-        "flatshard full shard%s%s: %.3fB params, %.0f tokens/s, MFU %.1f%%, peak %.2f GiB (reserved %.2f "
+        "flatshard %s%s%s: %.3fB params, %.0f tokens/s, MFU %.1f%%, peak %.2f GiB (reserved %.2f "
         "GiB, "
         "%lld retries), host peak %.1f GiB, step %.1f ms, loss %.3f\n",
-        a.offload ? " + CPU offload" : "", a.recompute ? " + recompute" : "", params / 1e9, tokens_per_s,
-        100 * mfu, mem.peak_bytes / gib, mem.reserved_bytes / gib, static_cast<long long>(mem.alloc_retries),
-        host_peak_gib(), ms / a.steps, loss.item<double>());
+        ddp_mode ? "DDP" : "full shard", a.offload ? " + CPU offload" : "", a.recompute ? " + recompute" : "",
+        params / 1e9, tokens_per_s, 100 * mfu, mem.peak_bytes / gib, mem.reserved_bytes / gib,
+        static_cast<long long>(mem.alloc_retries), host_peak_gib(), ms / a.steps, loss.item<double>());
     if (!a.csv.empty()) {
       std::ofstream f(a.csv, std::ios::app);
-      f << "flatshard" << (a.offload ? "-offload" : "") << (a.recompute ? "-recompute" : "") << ',' << params
-        << ',' << tokens_per_s << ',' << mfu << ',' << mem.peak_bytes / gib << ',' << mem.reserved_bytes / gib
-        << ',' << mem.alloc_retries << ',' << ms / a.steps << '\n';
+      f << "flatshard" << (ddp_mode ? "-ddp" : "") << (a.offload ? "-offload" : "")
+        << (a.recompute ? "-recompute" : "") << ',' << params << ',' << tokens_per_s << ',' << mfu << ','
+        << mem.peak_bytes / gib << ',' << mem.reserved_bytes / gib << ',' << mem.alloc_retries << ','
+        << ms / a.steps << '\n';
     }
+  }
+  if (!a.profile.empty()) {
+    namespace prof = torch::autograd::profiler;
+    using torch::profiler::impl::ActivityType;
+    const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    const std::set<ActivityType> activities{ActivityType::CPU, ActivityType::CUDA};
+    prof::prepareProfiler(config, activities);
+    prof::enableProfiler(config, activities);
+    for (int i = 0; i < 3; ++i) step();
+    check(cudaDeviceSynchronize(), "profiled steps");
+    prof::disableProfiler()->save(a.profile +
+                                  (world.world_size() > 1 ? "." + std::to_string(world.rank()) : ""));
   }
   return 0;
 }

@@ -2,7 +2,9 @@
 FSDP2 (fully_shard per block and at the root, bf16 compute, fp32 reduction, fp32 AdamW
 state; fused AdamW where this torch supports it over FSDP2's sharded parameters, else
 foreach), on one GPU with NCCL. --offload 1 adds FSDP2's CPUOffloadPolicy (pinned host
-memory, the optimizer steps on the CPU). Prints tokens/s, MFU and the caching allocator's
+memory, the optimizer steps on the CPU). --mode ddp runs PyTorch DDP instead, as its users
+run it in bf16: fp32 parameters, torch.autocast(bfloat16), gradient_as_bucket_view=True,
+fused AdamW. Prints tokens/s, MFU and the caching allocator's
 peak in the same form; scripts/gpu.sh runs both and prints the ratios.
 
     torchrun --nproc-per-node 1 bench/peer_fsdp2_gpu.py [--dim 2048 --layers 18 ...]
@@ -29,6 +31,8 @@ def main():
     p.add_argument("--offload", type=int, default=0)
     p.add_argument("--recompute", type=int, default=0)
     p.add_argument("--csv", default="")
+    p.add_argument("--mode", default="fsdp2", choices=["fsdp2", "ddp"])
+    p.add_argument("--profile", default="", help="Chrome trace of three more steps (torch.profiler)")
     a = p.parse_args()
 
     dist.init_process_group("nccl")
@@ -38,14 +42,21 @@ def main():
     torch.manual_seed(0)
     model = GPT(a.vocab, a.context, a.dim, a.heads, a.layers, fused=True).cuda()
     params = sum(q.numel() for q in model.parameters())
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if a.recompute:  # activation checkpointing of every block (non-reentrant), as FSDP2 users apply it
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
-    offload = CPUOffloadPolicy(pin_memory=True) if a.offload else OffloadPolicy()
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    if a.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        if a.recompute:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        model = DDP(model, device_ids=[local], gradient_as_bucket_view=True)
+    else:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if a.recompute:  # activation checkpointing of every block (non-reentrant), as FSDP2 users apply it
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        offload = CPUOffloadPolicy(pin_memory=True) if a.offload else OffloadPolicy()
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mp_policy=mp, offload_policy=offload)
     opt, impl = None, ""
     for impl in ("fused", "foreach"):
         try:
@@ -59,7 +70,8 @@ def main():
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def step():
-        logits = model(x)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.mode == "ddp"):
+            logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, a.vocab).float(), y.reshape(-1))
         loss.backward()
         opt.step()
@@ -92,17 +104,25 @@ def main():
     stats = torch.cuda.memory_stats()
     gib = 1024.0**3
     if rank == 0:
-        print(f"pytorch fsdp2{' + CPU offload' if a.offload else ''}{' + recompute' if a.recompute else ''} "
+        print(f"pytorch {a.mode}{' + CPU offload' if a.offload else ''}{' + recompute' if a.recompute else ''} "
               f"(AdamW {impl}): {params / 1e9:.3f}B params, {tokens_per_s:.0f} tokens/s, MFU {100 * mfu:.1f}%, "
               f"peak {stats['allocated_bytes.all.peak'] / gib:.2f} GiB (reserved "
               f"{stats['reserved_bytes.all.current'] / gib:.2f} GiB, {stats['num_alloc_retries']} retries), "
               f"step {ms / a.steps:.1f} ms, loss {loss.item():.3f}")
         if a.csv:
             with open(a.csv, "a") as f:
-                name = "fsdp2" + ("-offload" if a.offload else "") + ("-recompute" if a.recompute else "")
+                name = ("fsdp2" if a.mode == "fsdp2" else "pytorch-ddp") + ("-offload" if a.offload else "")
+                name += "-recompute" if a.recompute else ""
                 f.write(f"{name},{params},{tokens_per_s},{mfu},{stats['allocated_bytes.all.peak'] / gib},"
                         f"{stats['reserved_bytes.all.current'] / gib},{stats['num_alloc_retries']},"
                         f"{ms / a.steps}\n")
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(a.profile + (f".{rank}" if world > 1 else ""))
     dist.destroy_process_group()
     if not math.isfinite(loss.item()):
         raise SystemExit("non-finite loss")

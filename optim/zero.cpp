@@ -63,9 +63,9 @@ void ZeroRedundancyOptimizer::ensure_slices() {
   places_.clear();
   bucket_numels_.clear();
   for (int b = 0; b < static_cast<int>(engine_->buckets().size()); ++b) {
-    const auto range = shard_range(engine_->buckets()[b].numel, engine_->world_size(), engine_->rank());
+    const auto range = engine_->slice(b);
     slices_.push_back(engine_->step_values(b).narrow(0, range.offset, range.numel).detach());
-    bucket_numels_.push_back(engine_->buckets()[b].numel);
+    bucket_numels_.push_back(engine_->buckets()[b].padded_numel);
   }
   for (const auto& p : engine_->params()) places_.emplace_back(p.bucket, p.offset);
   optimizer_ = make_optimizer(optimizer_options_, slices_);
@@ -102,7 +102,7 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroRedundancyOptimizer::state_b
   const auto base = parameter_bases(params);
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& name : optimizer_->state_names()) {
-    auto full = at::zeros({base.back()}, at::kFloat);
+    auto full = at::zeros({base.back()}, at::TensorOptions().dtype(at::kFloat).device(engine_->device()));
     for (int b = 0; b < static_cast<int>(slices_.size()); ++b) {
       const auto range = shard_range(bucket_numels_[b], engine_->world_size(), engine_->rank());
       at::Tensor state;
@@ -152,7 +152,7 @@ void ZeroRedundancyOptimizer::step() {
   if (engine_->take_dropped()) return;  // NaN/Inf gradients, NonFiniteGrads::Skip
   ensure_slices();
   for (int b = 0; b < static_cast<int>(slices_.size()); ++b) {
-    const auto range = shard_range(engine_->buckets()[b].numel, engine_->world_size(), engine_->rank());
+    const auto range = engine_->slice(b);
     slices_[b].mutable_grad() = engine_->step_grads(b).narrow(0, range.offset, range.numel);
   }
   optimizer_->step();
@@ -178,7 +178,7 @@ double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
   reduce_if_standalone();
   std::vector<at::Tensor> owned;
   for (int b = 0; b < static_cast<int>(engine_->buckets().size()); ++b) {
-    const auto range = shard_range(engine_->buckets()[b].numel, engine_->world_size(), engine_->rank());
+    const auto range = engine_->slice(b);
     owned.push_back(engine_->step_grads(b).narrow(0, range.offset, range.numel));
   }
   return optim::clip_by_global_norm(owned, max_norm, &engine_->comm());
@@ -204,24 +204,22 @@ std::int64_t ZeroRedundancyOptimizer::largest_bucket_bytes() const {
 std::map<std::string, at::Tensor> ZeroRedundancyOptimizer::consolidated_state_dict(int to) {
   ensure_slices();
   std::map<std::string, at::Tensor> out;
-  const int n = engine_->world_size();
   for (int b = 0; b < static_cast<int>(slices_.size()); ++b) {
     const auto& bucket = engine_->buckets()[b];
     for (const auto& [name, slice] : optimizer_->named_state(b)) {
-      auto mine = slice.defined() ? slice : at::zeros({slices_[b].numel()}, at::kFloat);
-      auto full = at::empty({bucket.numel}, at::kFloat);
+      auto mine = slice.defined() ? slice : at::zeros({slices_[b].numel()}, slices_[b].options());
+      auto full = at::empty({bucket.padded_numel}, mine.options());
       engine_->comm().all_gather(full, mine).wait();
       if (engine_->rank() != to) continue;
       for (int i : bucket.params) {
         const auto& p = engine_->params()[i];
-        out[p.name + "." + name] = full.narrow(0, p.offset, p.numel).view(p.shape).clone();
+        out[p.name + "." + name] = full.narrow(0, p.offset, p.numel).view(p.shape).cpu().clone();
       }
     }
   }
   std::int64_t steps = 0;
   for (std::size_t b = 0; b < slices_.size(); ++b) steps = std::max(steps, optimizer_->steps(b));
   if (engine_->rank() == to) out["step"] = at::full({}, steps, at::kLong);
-  (void)n;
   return out;
 }
 

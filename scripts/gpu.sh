@@ -10,9 +10,11 @@
 #      on the same GPU, alternating (FLATSHARD_GPU_RUNS runs each, default 2; the table
 #      gives medians): tokens/s, MFU, peak allocated and reserved memory, allocator
 #      retries, with ratios; then both with every block recomputed (FLATSHARD_GPU_RECOMPUTE=0
-#      skips it) and with CPU offload (FLATSHARD_GPU_OFFLOAD=0 skips it).
+#      skips it) and with CPU offload (FLATSHARD_GPU_OFFLOAD=0 skips it); and FlatShard's DDP
+#      against PyTorch DDP (FLATSHARD_GPU_DDP=0 skips it).
 # Logs and the CSV go to $OUT (the device tool's) or out/gpu. Extra arguments go to both
-# benchmarks (e.g. --layers 18 --batch 4).
+# benchmarks (e.g. --layers 18 --batch 4). FLATSHARD_GPU_BUILD_ONLY=1 stops after the build
+# (scripts/gpu_profile.sh uses it).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$root/out/gpu}"
@@ -33,6 +35,7 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_
 TORCH_CUDA_ARCH_LIST="$arch_list" cmake --build "$build" -j "$(nproc)" \
       --target flatshard_cuda_tests bench_gpt_gpu flatshard-run -- -k 0 > "$out/build.log" 2>&1 \
       || { grep -m 20 -B2 -A8 'error' "$out/build.log"; exit 1; }
+[[ "${FLATSHARD_GPU_BUILD_ONLY:-0}" == 1 ]] && exit 0
 echo "== GPU tests"
 status=0
 "$build/flatshard_cuda_tests" --gtest_brief=1 2>&1 | tee "$out/tests.log" || status=1
@@ -46,6 +49,14 @@ for ((i = 0; i < runs; ++i)); do
   (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
     --csv "$csv" "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
 done
+# DDP, both: FlatShard's (bf16 parameters, fp32 all-reduce and masters) against PyTorch
+# DDP with autocast(bf16), gradient_as_bucket_view and fused AdamW (FLATSHARD_GPU_DDP=0 skips).
+if [[ "${FLATSHARD_GPU_DDP:-1}" == 1 ]]; then
+  "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --mode ddp "$@" 2>&1 \
+    | tee -a "$out/bench_flatshard.log" || status=1
+  (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
+    --csv "$csv" --mode ddp "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
+fi
 # Activation recomputation of every block, both (FSDP2: non-reentrant activation
 # checkpointing of each block).
 if [[ "${FLATSHARD_GPU_RECOMPUTE:-1}" == 1 ]]; then
@@ -74,7 +85,7 @@ def med(impl, key):
     return statistics.median(float(r[key]) for r in rows[impl])
 print("| | params | tokens/s | MFU | peak alloc GiB | reserved GiB | retries | step ms | runs |")
 print("|---|---|---|---|---|---|---|---|---|")
-for name in ("flatshard", "fsdp2", "flatshard-recompute", "fsdp2-recompute", "flatshard-offload", "fsdp2-offload"):
+for name in ("flatshard", "fsdp2", "flatshard-ddp", "pytorch-ddp", "flatshard-recompute", "fsdp2-recompute", "flatshard-offload", "fsdp2-offload"):
     if name in rows:
         print(f"| {name} | {int(rows[name][0]['params'])/1e9:.2f}B | {med(name, 'tokens_per_s'):.0f} | "
               f"{100*med(name, 'mfu'):.1f}% | {med(name, 'peak_gib'):.2f} | {med(name, 'reserved_gib'):.2f} | "
@@ -84,7 +95,8 @@ if "flatshard" in rows and "fsdp2" in rows:
           f"{med('flatshard', 'peak_gib')/med('fsdp2', 'peak_gib'):.2f} | "
           f"{med('flatshard', 'reserved_gib')/med('fsdp2', 'reserved_gib'):.2f} | | "
           f"{med('flatshard', 'step_ms')/med('fsdp2', 'step_ms'):.2f} | |")
-for f, p, what in (("flatshard-recompute", "fsdp2-recompute", "both recomputed"),
+for f, p, what in (("flatshard-ddp", "pytorch-ddp", "DDP against PyTorch DDP"),
+                   ("flatshard-recompute", "fsdp2-recompute", "both recomputed"),
                    ("flatshard-offload", "fsdp2-offload", "both offloaded")):
     if f not in rows or p not in rows:
         continue

@@ -65,14 +65,29 @@ DdpEngine::DdpEngine(std::shared_ptr<torch::nn::Module> model, const World& worl
                     "positive",
                     rank_, world_size_));
   }
-  comm_ = Communicator::create(world, options_.comm);
+  std::string first_param;
   for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
-    if (!item.value().device().is_cpu() || !at::isFloatingType(item.value().scalar_type())) {
+    const at::Tensor& t = item.value();
+    const bool placed = t.device().is_cpu() || t.device().is_cuda();
+    if (!placed || !at::isFloatingType(t.scalar_type()) || (!first_param.empty() && t.device() != device_)) {
       throw InvalidArgument(fmt::format(
-          "flatshard::DistributedDataParallel (rank {}/{}): parameter {} is on {}: the CPU engine "
-          "needs floating CPU parameters; move the model to the CPU, keep integer tensors as buffers",
-          rank_, world_size_, describe(item.key(), item.value()), item.value().device().str()));
+          "flatshard::DistributedDataParallel (rank {}/{}): parameter {} is on {}: DDP needs floating "
+          "parameters, all on the CPU or all on one CUDA device{}; move the model there (model->to(device)), "
+          "keep integer tensors as buffers",
+          rank_, world_size_, describe(item.key(), t), t.device().str(),
+          first_param.empty() ? "" : fmt::format(" ('{}' is on {})", first_param, device_.str())));
     }
+    if (first_param.empty()) {
+      first_param = item.key();
+      device_ = t.device();
+    }
+  }
+  // The collectives move tensors of the parameters' device: TCP rings on the CPU; on
+  // CUDA, NCCL on the communicator's high-priority streams.
+  CommunicatorOptions comm_options = options_.comm;
+  comm_options.device = device_;
+  comm_ = Communicator::create(world, comm_options);
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) continue;
     DdpParam p;
     p.name = item.key();
@@ -131,11 +146,13 @@ void DdpEngine::build_buckets(const std::vector<int>& order) {
     DdpBucket& bucket = fresh[b];
     bucket.params = assignment[b];
     for (int i : bucket.params) bucket.numel += params_[i].numel;
-    bucket.flat = at::empty({bucket.numel}, at::TensorOptions().dtype(compute_dtype_));
-    bucket.grad = at::zeros({bucket.numel}, at::TensorOptions().dtype(compute_dtype_));
+    bucket.padded_numel = (bucket.numel + world_size_ - 1) / world_size_ * world_size_;
+    const auto options = at::TensorOptions().dtype(compute_dtype_).device(device_);
+    bucket.flat = at::zeros({bucket.padded_numel}, options);
+    bucket.grad = at::zeros({bucket.padded_numel}, options);
     if (mixed()) {
-      bucket.master = at::empty({bucket.numel}, at::kFloat);
-      bucket.master_grad = at::zeros({bucket.numel}, at::kFloat);
+      bucket.master = at::zeros({bucket.padded_numel}, options.dtype(at::kFloat));
+      bucket.master_grad = at::zeros({bucket.padded_numel}, options.dtype(at::kFloat));
     }
     std::int64_t offset = 0;
     for (int i : bucket.params) {
@@ -233,7 +250,7 @@ void DdpEngine::launch(int index) {
   // the rebuild moves parameters between buckets, and a rank's reduced slice under the
   // old layout is not its slice under the new one.
   if (reduce_ == GradReduce::ReduceScatter && rebuilt_) {
-    const auto slot = shard_range(bucket.numel, world_size_, rank_);
+    const auto slot = slice(index);
     bucket.work = comm_->reduce_scatter(bucket.reduce_buffer.narrow(0, slot.offset, slot.numel),
                                         bucket.reduce_buffer, ReduceOp::Avg, opts);
   } else {
@@ -280,7 +297,9 @@ void DdpEngine::end_of_backward() {
   if (options_.find_unused_parameters) {
     auto used = at::zeros({static_cast<std::int64_t>(params_.size())}, at::kInt);
     for (std::size_t i = 0; i < params_.size(); ++i) used[i] = params_[i].used ? 1 : 0;
+    used = used.to(device_);
     comm_->all_reduce(used, ReduceOp::Sum).wait();
+    used = used.cpu();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       if (used[i].item<int>() == 0) globally_unused.push_back(static_cast<int>(i));
     }
@@ -299,8 +318,9 @@ void DdpEngine::end_of_backward() {
     for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {
       if (!seen.count(i)) order.push_back(i);
     }
-    auto shared = at::tensor(std::vector<std::int64_t>(order.begin(), order.end()), at::kLong);
+    auto shared = at::tensor(std::vector<std::int64_t>(order.begin(), order.end()), at::kLong).to(device_);
     comm_->broadcast(shared, 0).wait();
+    shared = shared.cpu();
     order.assign(shared.data_ptr<std::int64_t>(), shared.data_ptr<std::int64_t>() + shared.numel());
     build_buckets(order);
     for (int i : globally_unused) {
@@ -314,9 +334,8 @@ void DdpEngine::end_of_backward() {
   // this rank's slice only: check what this rank holds, then agree.
   std::vector<at::Tensor> grads;
   for (int b = 0; b < static_cast<int>(buckets_.size()); ++b) {
-    const auto mine = reduce_ == GradReduce::ReduceScatter && rebuilt_
-                          ? shard_range(buckets_[b].numel, world_size_, rank_)
-                          : ShardRange{0, buckets_[b].numel};
+    const auto mine =
+        reduce_ == GradReduce::ReduceScatter && rebuilt_ ? slice(b) : ShardRange{0, buckets_[b].numel};
     grads.push_back(step_grads(b).narrow(0, mine.offset, mine.numel));
   }
   const auto bad = optim::nonfinite_ranks(grads, *comm_);
@@ -329,6 +348,10 @@ void DdpEngine::end_of_backward() {
     dropped_ = true;
     ++skipped_steps_;
   }
+}
+
+ShardRange DdpEngine::slice(int bucket) const {
+  return shard_range(buckets_[bucket].padded_numel, world_size_, rank_);
 }
 
 std::vector<int> DdpEngine::rebuilt_order() const {

@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include "flatshard/ddp.h"
+#include "flatshard/shard.h"
 
 namespace flatshard::sharding {
 
@@ -29,6 +30,9 @@ struct DdpParam {
 struct DdpBucket {
   std::vector<int> params;  // indices into DdpEngine::params()
   std::int64_t numel = 0;
+  // numel rounded up to a multiple of the world size (zeros after numel), so that every
+  // rank's slice has the same size: NCCL gathers and scatters only equal slices.
+  std::int64_t padded_numel = 0;
   at::Tensor flat;         // compute dtype: the parameters are views of it
   at::Tensor grad;         // compute dtype: the parameters' .grad() are views of it
   at::Tensor master;       // fp32 masters (mixed precision)
@@ -70,6 +74,9 @@ class DdpEngine {
   Communicator& comm() { return *comm_; }
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
+  c10::Device device() const { return device_; }
+  // This rank's slice of bucket b (ZeroRedundancyOptimizer's share; equal on every rank).
+  ShardRange slice(int bucket) const;
   // The parameter order the buckets were rebuilt in after the first synced backward
   // (parameter indices; empty before it), and restoring it before any backward (a run
   // resumed from a checkpoint then steps in the same buckets as the run that saved it).
@@ -92,6 +99,7 @@ class DdpEngine {
   int rank_, world_size_;
   DDPOptions options_;
   std::unique_ptr<Communicator> comm_;
+  c10::Device device_{c10::kCPU};  // of every parameter, the buckets and the collectives
   at::ScalarType compute_dtype_ = at::kFloat;
   std::vector<DdpParam> params_;  // parameters that require grad, in registration order
   std::vector<at::Tensor> buffers_;

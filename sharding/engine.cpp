@@ -470,6 +470,13 @@ void Engine::reduce(int index) {
   pending->input_is_full_grad = reduce_dtype == g.compute_dtype();
   pending->input = pending->input_is_full_grad ? g.full_grad() : g.full_grad().to(reduce_dtype);
   if (!pending->input_is_full_grad) g.free_full_grad();
+  if (world_size_ == 1) {
+    // Over one rank the average is the gradient itself: no collective, and no copy when
+    // the conversion to the reduce dtype already made one.
+    pending->output = pending->input_is_full_grad ? g.full_grad().clone() : pending->input;
+    pending_ = std::move(pending);
+    return;
+  }
   pending->output = at::empty({g.shard_numel()}, pending->input.options().dtype(reduce_dtype));
   CollectiveOptions opts;
   opts.stream = StreamRole::ReduceScatter;
@@ -480,7 +487,7 @@ void Engine::reduce(int index) {
 void Engine::finish_pending_reduce() {
   if (!pending_) return;
   auto pending = std::move(pending_);
-  pending->work->wait();
+  if (pending->work) pending->work->wait();
   FlatParamGroup& g = *units_[pending->unit]->group;
   at::NoGradGuard no_grad;
   // The reduced shard is this reduction's own buffer: an fp32 one becomes the gradient.

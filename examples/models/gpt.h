@@ -28,6 +28,14 @@ struct GPTConfig {
   bool embedding_units = false;
 };
 
+// y = x W^T + b through at::linear, which folds the bias into the matrix product for
+// inputs of any rank (as Python's nn.Linear does). The C++ frontend's Linear::forward
+// adds the bias in a separate broadcast kernel for inputs of three or more dimensions,
+// a pass over the activations in forward and another in backward.
+inline at::Tensor linear(const torch::nn::Linear& l, const at::Tensor& x) {
+  return at::linear(x, l->weight, l->bias);
+}
+
 struct CausalSelfAttentionImpl : torch::nn::Module {
   // No bias on qkv: a key bias gets an exactly-zero gradient (softmax ignores a constant
   // added to every key), and Adam-type optimizers blow its rounding noise up to
@@ -38,19 +46,19 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) {
     const auto b = x.size(0), t = x.size(1), d = x.size(2);
-    auto parts = qkv(x).split(d, 2);
+    auto parts = linear(qkv, x).split(d, 2);
     auto shape = [&](const at::Tensor& y) { return y.view({b, t, heads, d / heads}).transpose(1, 2); };
     auto q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
     if (fused) {
       auto y =
           at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
-      return proj(y.transpose(1, 2).contiguous().view({b, t, d}));
+      return linear(proj, y.transpose(1, 2).contiguous().view({b, t, d}));
     }
     auto att = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(d / heads));
     auto mask = at::ones({t, t}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
     att = att.masked_fill(mask, -std::numeric_limits<float>::infinity()).softmax(-1);
     auto y = at::matmul(att, v).transpose(1, 2).contiguous().view({b, t, d});
-    return proj(y);
+    return linear(proj, y);
   }
   int heads;
   bool fused;
@@ -68,7 +76,7 @@ struct BlockImpl : torch::nn::Module {
   }
   at::Tensor forward(at::Tensor x) {
     x = x + drop(attn(ln1(x)));
-    return x + drop(out(torch::gelu(fc(ln2(x)))));
+    return x + drop(linear(out, torch::gelu(linear(fc, ln2(x)))));
   }
   at::Tensor drop(const at::Tensor& y) { return dropout > 0 ? torch::dropout(y, dropout, is_training()) : y; }
   double dropout;

@@ -764,7 +764,7 @@ Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool 
 void hold_buckets(Holding& h, sharding::DdpEngine& e, int rank, int n) {
   for (int i : e.rebuilt_order()) h.bucket_order.push_back(e.params()[i].name);
   for (int b = 0; b < static_cast<int>(e.buckets().size()); ++b) {
-    const auto share = shard_range(e.buckets()[b].numel, n, rank);
+    const auto share = shard_range(e.buckets()[b].padded_numel, n, rank);
     h.segments.push_back(
         {e.step_values(b), 0, share.offset, share.offset + share.numel, bucket_spans(e, b), "param"});
   }
@@ -957,7 +957,7 @@ CheckpointInfo save_sharded(const std::string& root, ZeroRedundancyOptimizer& ze
   h.has_optimizer = opt.state_bytes() > 0 || opt.state_names().empty();
   h.state_names = opt.state_names();
   for (int b = 0; b < static_cast<int>(e.buckets().size()); ++b) {
-    const auto share = shard_range(e.buckets()[b].numel, n, rank);
+    const auto share = shard_range(e.buckets()[b].padded_numel, n, rank);
     const auto spans = bucket_spans(e, b);
     for (const auto& [name, t] : opt.named_state(b)) {
       if (!t.defined()) continue;
@@ -984,7 +984,7 @@ CheckpointInfo load_sharded(const std::string& path, ZeroRedundancyOptimizer& ze
         hold_buckets(h, e, e.rank(), e.world_size());
         const auto names = states_to_load(c, opt.state_names());
         for (int b = 0; b < static_cast<int>(e.buckets().size()); ++b) {
-          const auto share = shard_range(e.buckets()[b].numel, e.world_size(), e.rank());
+          const auto share = e.slice(b);
           const auto spans = bucket_spans(e, b);
           for (const auto& name : names) {
             h.segments.push_back(

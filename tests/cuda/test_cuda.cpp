@@ -8,6 +8,9 @@
 //    1 over NCCL (fp32, bf16 compute with fp32 or bf16 reduction; the model moved to the
 //    GPU or built on the host and sharded onto it; CPU offload), world 2 over the TCP
 //    rings through host memory (two ranks on one GPU, which NCCL refuses);
+//  - DDP and ZeroRedundancyOptimizer (with DDP, reduce-scattering, and alone) on CUDA
+//    against single-process training: world 1 over NCCL and world 2 over the TCP rings,
+//    fp32 and bf16 compute with fp32 masters;
 //  - a model built into shards onto the GPU (and offloaded), at worlds 1 and 2;
 //  - activation recomputation with dropout on the GPU;
 //  - sharded checkpoints of CUDA shards, loaded on the CPU and on the GPU with offload.
@@ -188,6 +191,41 @@ TEST(CudaFullyShard, WorldTwoOverTcpOnOneGpuMatchesSingleProcess) {
   EXPECT_LE(off.global_rel_weight_diff, 3e-2) << "offload, worst " << off.worst_param;
   EXPECT_LE(off.max_rel_loss_diff, 3e-2) << "offload";
   EXPECT_TRUE(off.shards_pinned);
+}
+
+// DDP and ZeRO-1 on CUDA parameters, every replicated mode, fp32 and bf16 compute with
+// fp32 masters, small buckets (several per model, one rebuilt after the first backward):
+// world 1 over NCCL, world 2 over the TCP rings on one GPU.
+TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
+  REQUIRE_GPU();
+  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(300));
+  auto world = flatshard::init();
+  using flatshard::testing::ReplicatedMode;
+  for (auto mode : {ReplicatedMode::DDP, ReplicatedMode::ZeroWithDDP, ReplicatedMode::ZeroWithDDPScatter,
+                    ReplicatedMode::ZeroStandalone}) {
+    for (auto param : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kBFloat16}}) {
+      if (param && mode == ReplicatedMode::ZeroStandalone) continue;  // mixed precision comes with DDP
+      SCOPED_TRACE(::testing::Message() << flatshard::testing::to_string(mode) << (param ? " bf16" : " fp32")
+                                        << " world " << world.world_size());
+      TrainSpec spec;
+      spec.optimizer = OptKind::AdamW;
+      spec.steps = 4;
+      spec.global_batch = 8;
+      spec.param_dtype = param;
+      spec.reduce_dtype = param ? std::optional<at::ScalarType>{at::kFloat} : std::nullopt;
+      spec.device = kGpu;
+      spec.transport = world.world_size() == 1 ? flatshard::Transport::Nccl : flatshard::Transport::Tcp;
+      flatshard::testing::ReplicatedSpec replicated;
+      replicated.mode = mode;
+      replicated.first_bucket_bytes = 64 << 10;
+      replicated.bucket_bytes = 256 << 10;
+      const auto r = flatshard::testing::train_replicated_and_compare<flatshard::testing::GPT>(
+          world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec, replicated);
+      const double tolerance = param ? 3e-2 : 1e-5;
+      EXPECT_LE(r.global_rel_weight_diff, tolerance) << "worst " << r.worst_param;
+      EXPECT_LE(r.max_rel_loss_diff, tolerance);
+    }
+  }
 }
 
 // Built into shards (build.h) with the shards on the GPU (and, offloaded, in pinned host

@@ -243,10 +243,13 @@ TrainResult train_replicated_and_compare(
     const ReplicatedSpec& replicated) {
   TrainResult result;
   Holder reference = make();
+  reference->to(spec.device);
   auto ref_opt = reference_optimizer(spec.optimizer, reference->parameters());
   Holder model = make();
+  model->to(spec.device);
   if (spec.recompute) set_recompute(*model);
   DDPOptions options;
+  options.comm.transport = spec.transport;
   options.find_unused_parameters = replicated.find_unused_parameters;
   options.first_bucket_bytes = replicated.first_bucket_bytes;
   options.bucket_bytes = replicated.bucket_bytes;
@@ -257,6 +260,7 @@ TrainResult train_replicated_and_compare(
   zero_options.first_bucket_bytes = replicated.first_bucket_bytes;
   zero_options.bucket_bytes = replicated.bucket_bytes;
   zero_options.comm.timeout = std::chrono::seconds(60);
+  zero_options.comm.transport = spec.transport;
   zero_options.reduce_scatter = replicated.mode == ReplicatedMode::ZeroWithDDPScatter;
 
   std::unique_ptr<DistributedDataParallel<Holder>> ddp;
