@@ -251,7 +251,9 @@ void shard_unit(BuildIntoShards::State* s, UnitBase& unit) {
   fit.unit_bytes = unit_bytes;
   fit.shard_bytes_before = s->report.shard_bytes;
   fit.budget = s->options.memory_budget.bytes;
-  fit.gathered_bytes = 2 * padded_numel(numel, n, std::max<std::int64_t>(1, 16 / elem)) * elem;
+  // Shards over the shard group (the world, or HybridShard's group).
+  const ShardGroup shard = shard_group(s->world, s->options);
+  fit.gathered_bytes = 2 * padded_numel(numel, shard.size, std::max<std::int64_t>(1, 16 / elem)) * elem;
   fit.device = device.str();
   if (device.is_cuda()) {
     try {
@@ -274,8 +276,8 @@ void shard_unit(BuildIntoShards::State* s, UnitBase& unit) {
                                         who, misfit->why));
   }
 
-  auto group =
-      std::make_shared<sharding::FlatParamGroup>(name, std::move(params), n, rank, compute, placement);
+  auto group = std::make_shared<sharding::FlatParamGroup>(name, std::move(params), shard.size, shard.rank,
+                                                          compute, placement);
   // Buffers (running statistics) follow to the device, as the wrapper would move them.
   for (torch::nn::Module* m : unit.unit_modules()) {
     for (auto& b : m->buffers(/*recurse=*/true)) {

@@ -243,7 +243,17 @@ void DdpEngine::launch(int index) {
   DdpBucket& bucket = buckets_[index];
   bucket.launched = true;
   const at::ScalarType reduce_dtype = options_.mixed_precision.reduce.value_or(compute_dtype_);
-  bucket.reduce_buffer = reduce_dtype == compute_dtype_ ? bucket.grad : bucket.grad.to(reduce_dtype);
+  if (reduce_dtype == compute_dtype_) {
+    bucket.reduce_buffer = bucket.grad;
+  } else if (mixed() && reduce_dtype == at::kFloat) {
+    // Reduced in the masters' gradient itself: converted into it, then reduced in place.
+    at::NoGradGuard no_grad;
+    bucket.master_grad.copy_(bucket.grad);
+    bucket.reduce_buffer = bucket.master_grad;
+  } else {
+    bucket.reduce_buffer = bucket.grad.to(reduce_dtype);
+  }
+  if (world_size_ == 1) return;  // the average over one rank is the gradient itself
   CollectiveOptions opts;
   opts.stream = StreamRole::AllReduce;
   // Until the buckets are rebuilt (end of the first backward) gradients are all-reduced:
@@ -260,14 +270,17 @@ void DdpEngine::launch(int index) {
 
 void DdpEngine::finish(int index) {
   DdpBucket& bucket = buckets_[index];
-  if (!bucket.work) return;
-  bucket.work->wait();
-  bucket.work.reset();
+  if (!bucket.reduce_buffer.defined()) return;  // not launched
+  if (bucket.work) {
+    bucket.work->wait();
+    bucket.work.reset();
+  }
   at::NoGradGuard no_grad;
   if (mixed()) {
     // The masters' gradient is the gradient now; the compute-dtype buffer was consumed
     // (the optimizer never sees it, so nothing else would zero it).
-    bucket.master_grad.copy_(bucket.reduce_buffer);
+    if (bucket.reduce_buffer.data_ptr() != bucket.master_grad.data_ptr())
+      bucket.master_grad.copy_(bucket.reduce_buffer);
     bucket.grad.zero_();
   } else if (bucket.reduce_buffer.data_ptr() != bucket.grad.data_ptr()) {
     bucket.grad.copy_(bucket.reduce_buffer);

@@ -62,22 +62,22 @@ void accumulate(at::Tensor& grad, at::Tensor reduced) {
 // A unit built into shards (build.h) joins this engine only if it was built for the
 // same ranks, dtype and placement, and nobody wrote to its parameters since. Its slots
 // take their names under the root module (`names`).
-void adopt_built(FlatParamGroup& g, int rank, int world_size, at::ScalarType compute,
+void adopt_built(FlatParamGroup& g, int rank, int world_size, const ShardGroup& shard, at::ScalarType compute,
                  const FlatParamGroup::Placement& placement,
                  const std::unordered_map<const c10::TensorImpl*, std::string>& names) {
   const std::string who = fmt::format("flatshard::FullyShard (rank {}/{})", rank, world_size);
   auto describe = [](int r, int n, at::ScalarType dtype, c10::Device device, bool offload) {
-    return fmt::format("rank {} of {}, {} on {}{}", r, n, c10::toString(dtype), device.str(),
+    return fmt::format("shard {} of {}, {} on {}{}", r, n, c10::toString(dtype), device.str(),
                        offload ? ", offloaded" : "");
   };
   const bool offload = placement.offload;
-  if (g.world_size() != world_size || g.rank() != rank || g.compute_dtype() != compute ||
+  if (g.world_size() != shard.size || g.rank() != shard.rank || g.compute_dtype() != compute ||
       g.device() != placement.compute || g.offloaded() != offload) {
     throw InvalidArgument(fmt::format(
         "{}: {} was built into shards for {}, but this FullyShard runs {}; pass the same World and "
         "FullyShardOptions to BuildIntoShards and to FullyShard",
         who, g.name(), describe(g.rank(), g.world_size(), g.compute_dtype(), g.device(), g.offloaded()),
-        describe(rank, world_size, compute, placement.compute, offload)));
+        describe(shard.rank, shard.size, compute, placement.compute, offload)));
   }
   for (auto& slot : g.slots()) {
     auto it = names.find(slot.param.unsafeGetTensorImpl());
@@ -129,7 +129,8 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
       world_size_(world.world_size()),
       options_(options),
       reshard_after_forward_(
-          options.reshard_after_forward.value_or(options.strategy == Strategy::FullShard)) {
+          options.reshard_after_forward.value_or(options.strategy != Strategy::ShardGradOp)),
+      shard_(flatshard::shard_group(world, options)) {
   if (options_.prefetch < 0) {
     throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): prefetch must be >= 0, got {}",
                                       rank_, world_size_, options_.prefetch));
@@ -214,7 +215,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   placement.compute = device_;
   placement.offload = options_.cpu_offload;
   for (const auto& g : built) {
-    if (g) adopt_built(*g, rank_, world_size_, compute, placement, built_names);
+    if (g) adopt_built(*g, rank_, world_size_, shard_, compute, placement, built_names);
   }
   // The scheduler's collectives move tensors of the compute device: TCP rings on the
   // CPU; on CUDA, NCCL on the communicator's high-priority streams.
@@ -232,11 +233,23 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     }
     check_same_model_everywhere(
         world, *model_, "flatshard::FullyShard",
-        {fmt::format("strategy {}, reshard after forward {}, prefetch {}",
-                     options_.strategy == Strategy::FullShard ? "FullShard" : "ShardGradOp",
-                     reshard_after_forward_, options_.prefetch),
+        {fmt::format("strategy {}, shard groups of {} ranks, reshard after forward {}, prefetch {}",
+                     to_string(options_.strategy), shard_.size, reshard_after_forward_, options_.prefetch),
          fmt::format("units: {}", fmt::join(units, "; ")),
          fmt::format("compute dtype {}", c10::toString(compute))});
+  }
+  if (shard_.size < world_size_) {
+    // Note [Shard groups]: group k is ranks [k G, (k + 1) G); replica set j is the ranks
+    // j, G + j, 2 G + j, ... that hold shard j. Made after the check above (a rank with
+    // other groups would wait in rendezvous), by every rank in the same order.
+    std::vector<int> group, replicas;
+    for (int r = 0; r < shard_.size; ++r) group.push_back(shard_.replica * shard_.size + r);
+    for (int k = 0; k < shard_.replicas; ++k) replicas.push_back(k * shard_.size + shard_.rank);
+    CommunicatorOptions shard_options = comm_options, replica_options = comm_options;
+    shard_options.name += "/shard";
+    replica_options.name += "/replica";
+    shard_comm_ = Communicator::create(subworld(world, group, shard_options.name), shard_options);
+    replica_comm_ = Communicator::create(subworld(world, replicas, replica_options.name), replica_options);
   }
 
   for (std::size_t i = 0; i <= declared.size(); ++i) {
@@ -251,8 +264,8 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
       declared[i - 1]->set_built_shard(nullptr);
     } else if (!params[i].empty()) {
       unit->name = i == 0 ? "root" : params[i].front().first.substr(0, params[i].front().first.rfind('.'));
-      unit->group = std::make_shared<FlatParamGroup>(unit->name, std::move(params[i]), world_size_, rank_,
-                                                     compute, placement);
+      unit->group = std::make_shared<FlatParamGroup>(unit->name, std::move(params[i]), shard_.size,
+                                                     shard_.rank, compute, placement);
     }
     if (unit->group) {
       for (auto& slot : unit->group->slots()) {
@@ -321,7 +334,7 @@ void Engine::issue_gather(int index) {
   g.copy_master_to_slot();  // the local shard goes into its slot: the gather is in place
   CollectiveOptions opts;
   opts.stream = StreamRole::AllGather;
-  u.gather = comm_->all_gather(g.full(), g.full_slot(), opts);
+  u.gather = shard_comm().all_gather(g.full(), g.full_slot(), opts);
   account();
 }
 
@@ -470,17 +483,26 @@ void Engine::reduce(int index) {
   pending->input_is_full_grad = reduce_dtype == g.compute_dtype();
   pending->input = pending->input_is_full_grad ? g.full_grad() : g.full_grad().to(reduce_dtype);
   if (!pending->input_is_full_grad) g.free_full_grad();
-  if (world_size_ == 1) {
+  CollectiveOptions opts;
+  opts.stream = StreamRole::ReduceScatter;
+  std::optional<Work> scattered;
+  if (shard_.size == 1) {
     // Over one rank the average is the gradient itself: no collective, and no copy when
     // the conversion to the reduce dtype already made one.
     pending->output = pending->input_is_full_grad ? g.full_grad().clone() : pending->input;
-    pending_ = std::move(pending);
-    return;
+  } else {
+    pending->output = at::empty({g.shard_numel()}, pending->input.options().dtype(reduce_dtype));
+    scattered = shard_comm().reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
+    pending->work = scattered;
   }
-  pending->output = at::empty({g.shard_numel()}, pending->input.options().dtype(reduce_dtype));
-  CollectiveOptions opts;
-  opts.stream = StreamRole::ReduceScatter;
-  pending->work = comm_->reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
+  if (replica_comm_) {
+    // Note [Shard groups]: the group's average, averaged over the groups that hold the
+    // same shard, is the world's average (the groups are the same size).
+    CollectiveOptions across;
+    across.stream = StreamRole::AllReduce;
+    if (scattered) across.wait_for.push_back(scattered->event());
+    pending->work = replica_comm_->all_reduce(pending->output, ReduceOp::Avg, across);
+  }
   pending_ = std::move(pending);
 }
 
@@ -551,7 +573,8 @@ double Engine::clip_grad_norm(double max_norm) {
   for (auto& u : units_) {
     if (u->group) grads.push_back(u->group->master().grad());
   }
-  return optim::clip_by_global_norm(grads, max_norm, comm_.get());
+  // One group's shards make the whole model once (the other groups hold the same).
+  return optim::clip_by_global_norm(grads, max_norm, &shard_comm());
 }
 
 void Engine::zero_grad() {

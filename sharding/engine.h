@@ -41,6 +41,7 @@ class Engine {
   // The root unit's gathered bytes (root), or the largest other unit's.
   std::int64_t unit_bytes(bool root) const;
   Communicator& comm() { return *comm_; }
+  const ShardGroup& shard_group() const { return shard_; }
   static constexpr int kRoot = 0;
 
  private:
@@ -64,7 +65,14 @@ class Engine {
   int world_size_;
   FullyShardOptions options_;
   bool reshard_after_forward_;
-  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Communicator> comm_;  // every rank
+  // Note [Shard groups]: the ranks a unit is sharded over, with their own communicator
+  // when they are not the whole world (HybridShard), and the ranks holding the same
+  // shard in the other groups (null when there is one group).
+  ShardGroup shard_;
+  std::unique_ptr<Communicator> shard_comm_;
+  std::unique_ptr<Communicator> replica_comm_;
+  Communicator& shard_comm() { return shard_comm_ ? *shard_comm_ : *comm_; }
   std::vector<std::unique_ptr<Unit>> units_;  // [0] is the root unit
   std::vector<int> forward_order_;            // non-root units in the order the first forward ran them
   bool order_recorded_ = false;               // set after the first forward

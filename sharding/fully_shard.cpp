@@ -3,18 +3,50 @@
 
 #include <fmt/format.h>
 
+#include "flatshard/errors.h"
 #include "flatshard/memory.h"
 #include "sharding/engine.h"
 
 namespace flatshard {
 
+const char* to_string(Strategy s) {
+  switch (s) {
+    case Strategy::FullShard: return "FullShard";
+    case Strategy::ShardGradOp: return "ShardGradOp";
+    case Strategy::HybridShard: return "HybridShard";
+  }
+  return "unknown";
+}
+
+ShardGroup shard_group(const World& world, const FullyShardOptions& options) {
+  const int n = world.world_size();
+  ShardGroup g;
+  g.size = n;
+  g.rank = world.rank();
+  if (options.strategy != Strategy::HybridShard) return g;
+  const int size = options.shard_group_size > 0 ? options.shard_group_size : world.local_world_size();
+  if (options.shard_group_size < 0 || size < 1 || n % size != 0) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::FullyShard (rank {}/{}): HybridShard needs a shard group size that divides the world "
+        "size {}, got {}{}; set FullyShardOptions::shard_group_size (for example the ranks per machine)",
+        world.rank(), n, n, options.shard_group_size,
+        options.shard_group_size == 0 ? fmt::format(" (0: the local world size, {})", size) : ""));
+  }
+  g.size = size;
+  g.rank = world.rank() % size;
+  g.replicas = n / size;
+  g.replica = world.rank() / size;
+  return g;
+}
+
 FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const World& world,
                                const FullyShardOptions& options)
     : world_(world) {
-  const auto mode = options.strategy == Strategy::FullShard ? plan::Mode::FullShard : plan::Mode::Zero2;
+  const bool reshards = options.reshard_after_forward.value_or(options.strategy != Strategy::ShardGradOp);
+  const auto mode = reshards ? plan::Mode::FullShard : plan::Mode::Zero2;
   const auto dtype = options.mixed_precision.param;
   sharding::check_memory_budget(*model, world, mode, dtype && *dtype != at::kFloat ? 2 : 4,
-                                options.memory_budget, "FullyShard");
+                                options.memory_budget, "FullyShard", flatshard::shard_group(world, options).size);
   engine_ = std::make_unique<sharding::Engine>(std::move(model), world, options);
 }
 
@@ -32,6 +64,7 @@ int FullyShardBase::num_units() const { return engine_->num_units(); }
 std::int64_t FullyShardBase::largest_unit_bytes() const { return engine_->unit_bytes(false); }
 std::int64_t FullyShardBase::root_unit_bytes() const { return engine_->unit_bytes(true); }
 Communicator& FullyShardBase::comm() { return engine_->comm(); }
+ShardGroup FullyShardBase::shard_group() const { return engine_->shard_group(); }
 torch::nn::Module& FullyShardBase::root_module() { return engine_->model(); }
 
 void FullyShardBase::root_pre_forward() { engine_->pre_forward(sharding::Engine::kRoot); }

@@ -39,11 +39,12 @@ UnitMembership discover_units(torch::nn::Module& model) {
 }
 
 void check_memory_budget(torch::nn::Module& model, const World& world, plan::Mode mode, int param_bytes,
-                         const MemoryBudget& budget, const char* who) {
+                         const MemoryBudget& budget, const char* who, int shard_group_size) {
   if (budget.bytes <= 0) return;
   plan::PlanOptions o;
   o.mode = mode;
   o.world_size = world.world_size();
+  o.shard_group_size = shard_group_size < world.world_size() ? shard_group_size : 0;
   o.param_bytes = param_bytes;
   o.optimizer_state_bytes = budget.optimizer_state_bytes;
   o.activation_bytes = budget.activation_bytes;

@@ -1,10 +1,13 @@
 // flatshard::init(): resolve the world, then meet the other ranks through a LibTorch
 // store (TCPStore served by rank 0, or FileStore on a shared file system).
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "flatshard/errors.h"
@@ -96,6 +99,30 @@ World init(const InitOptions& options) {
       log::Level::Info, "joined the world through {} ({})", to_string(spec.source),
       spec.store_kind == "file" ? spec.file_path : fmt::format("{}:{}", spec.master_addr, spec.master_port));
   return world;
+}
+
+World subworld(const World& world, const std::vector<int>& ranks, const std::string& name) {
+  const int n = world.world_size();
+  bool sorted = !ranks.empty();
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    sorted = sorted && ranks[i] >= 0 && ranks[i] < n && (i == 0 || ranks[i] > ranks[i - 1]);
+  }
+  const auto me = std::find(ranks.begin(), ranks.end(), world.rank());
+  if (!sorted || me == ranks.end() || name.empty()) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::subworld (rank {}/{}): ranks {} must be distinct, increasing, within [0, {}) and include "
+        "this rank, and the name must not be empty (got '{}')",
+        world.rank(), n, fmt::join(ranks, ","), n, name));
+  }
+  World sub;
+  sub.spec = world.spec;
+  sub.spec.rank = static_cast<int>(me - ranks.begin());
+  sub.spec.world_size = static_cast<int>(ranks.size());
+  if (sub.spec.world_size > 1) {
+    sub.store = c10::make_intrusive<c10d::PrefixStore>(
+        fmt::format("subworld/{}/{}", name, fmt::join(ranks, ",")), world.store);
+  }
+  return sub;
 }
 
 }  // namespace flatshard

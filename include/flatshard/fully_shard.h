@@ -35,7 +35,13 @@ namespace flatshard {
 enum class Strategy {
   FullShard,    // parameters resharded after forward and gathered again for backward
   ShardGradOp,  // parameters gathered once per step, kept until backward ends (ZeRO-2)
+  // Full shard within groups of shard_group_size ranks (one machine, say), replicated
+  // across the groups: parameters gathered within the group, gradients reduce-scattered
+  // within it and then all-reduced across the groups (FSDP's HYBRID_SHARD, FSDP2's 2-D
+  // mesh). With reshard_after_forward = false it is ShardGradOp within the group.
+  HybridShard,
 };
+const char* to_string(Strategy s);
 
 struct MixedPrecision {
   // dtype of gathered parameters, activations' weights and gradients (default: as the
@@ -65,6 +71,10 @@ enum class NonFiniteGrads {
 
 struct FullyShardOptions {
   Strategy strategy = Strategy::FullShard;
+  // HybridShard: ranks per shard group; they are consecutive (ranks [k G, (k + 1) G) form
+  // group k) and the world size must divide by G. 0: the ranks of one machine
+  // (World::local_world_size()). Ignored by the other strategies (they shard over the world).
+  int shard_group_size = 0;
   // Default: true for FullShard, false for ShardGradOp.
   std::optional<bool> reshard_after_forward;
   // Units gathered ahead of the one running (forward: the next; backward: the
@@ -85,6 +95,18 @@ struct FullyShardOptions {
   // device and each reduced gradient shard is copied back, both without blocking the host.
   bool cpu_offload = false;
 };
+
+// The ranks a FullyShard shards over: all of them, or under HybridShard this rank's
+// group of `size` consecutive ranks, one of `replicas` groups that hold the same shards.
+struct ShardGroup {
+  int size = 1;      // ranks sharing one copy of the model (the shards' world size)
+  int rank = 0;      // this rank's place in its group (its shard index)
+  int replicas = 1;  // groups (world size / size)
+  int replica = 0;   // this rank's group
+};
+// The shard group `options` give on `world`; throws InvalidArgument when HybridShard's
+// group size does not divide the world size.
+ShardGroup shard_group(const World& world, const FullyShardOptions& options);
 
 // Byte counts of one rank (see memory accounting in docs/fully-shard.md).
 struct ShardMemory {
@@ -175,8 +197,10 @@ class FullyShardBase {
   // Bytes of the largest non-root unit's gathered flat buffer, and of the root unit's.
   std::int64_t largest_unit_bytes() const;
   std::int64_t root_unit_bytes() const;
+  // A communicator over every rank (checkpoints, loss averaging, your own collectives).
   Communicator& comm();
   const World& world() const { return world_; }
+  ShardGroup shard_group() const;
   torch::nn::Module& root_module();
 
  protected:

@@ -48,6 +48,10 @@ ModelShape uniform_shape(std::int64_t params, int units);
 struct PlanOptions {
   Mode mode = Mode::FullShard;
   int world_size = 1;
+  // Hybrid sharding (Strategy::HybridShard): Zero2 and FullShard shard over groups of this
+  // many ranks and replicate across them, so per-rank figures are those of a world of
+  // this size. 0: the whole world.
+  int shard_group_size = 0;
   // Bytes per element of the compute dtype (4: fp32, 2: bf16). Below 4, fp32 masters
   // are kept (FullyShard: sharded; DDP: replicated).
   int param_bytes = 4;

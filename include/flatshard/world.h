@@ -12,6 +12,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -69,5 +70,13 @@ struct World {
 // resolve_world() on this process's environment, then rendezvous through a LibTorch
 // store. Throws InitError for bad settings, RendezvousError when the ranks cannot meet.
 World init(const InitOptions& options = {});
+
+// The ranks `ranks` of `world` (increasing, this rank among them) as a World of their own:
+// rank = this rank's index in `ranks`, the same store under a prefix made of `name` and
+// the ranks, so communicators over several subworlds never share keys. Local rank and
+// rendezvous facts stay the world's. Every rank of a subworld calls it with the same
+// arguments; it touches no network (Communicator::create does). Hybrid sharding makes its
+// shard groups and replica groups so.
+World subworld(const World& world, const std::vector<int>& ranks, const std::string& name);
 
 }  // namespace flatshard

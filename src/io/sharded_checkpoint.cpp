@@ -724,18 +724,21 @@ std::vector<Span> bucket_spans(sharding::DdpEngine& e, int b) {
   return out;
 }
 
-// FullyShard: shard i of unit i holds [rank * shard_numel, (rank + 1) * shard_numel).
+// FullyShard: shard i of unit i holds [rank * shard_numel, (rank + 1) * shard_numel), rank
+// being this rank's place in its shard group. Under HybridShard every group holds the
+// same shards: the first group writes them, and every group reads its own.
 Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool loading,
                          const std::vector<std::string>& load_states) {
   Holding h;
   h.mode = "fully_shard";
   const auto layout = fsdp.layout();
   const auto shards = fsdp.shards();
-  const int rank = fsdp.world().rank();
+  const ShardGroup group = fsdp.shard_group();
   for (std::size_t i = 0; i < layout.size(); ++i) {
-    const std::int64_t begin = rank * layout[i].shard_numel;
+    const std::int64_t begin = group.rank * layout[i].shard_numel;
+    const std::int64_t end = group.replica == 0 ? begin + layout[i].shard_numel : begin;  // written
     const auto spans = unit_spans(layout[i]);
-    h.segments.push_back({shards[i].detach(), begin, begin, begin + layout[i].shard_numel, spans, "param"});
+    h.segments.push_back({shards[i].detach(), begin, begin, end, spans, "param"});
     if (!opt) continue;
     std::vector<std::pair<std::string, at::Tensor>> states;
     if (loading) {
@@ -745,8 +748,7 @@ Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool 
     }
     for (const auto& [name, t] : states) {
       if (!t.defined()) continue;
-      h.segments.push_back(
-          {t, begin, begin, begin + layout[i].shard_numel, spans_of(spans, "." + name), "state"});
+      h.segments.push_back({t, begin, begin, end, spans_of(spans, "." + name), "state"});
     }
     for (const auto& s : spans) h.steps[s.key] = opt->steps(i);
   }

@@ -3,7 +3,7 @@
 //   flatshard-plan --params 1.3e9 --units 24 --world 1,2,4,8 [--dtype bf16]
 //                  [--optimizer adamw|adam|sgd|sgd-momentum] [--mode full]
 //                  [--activation-mib 512] [--recompute 1] [--build-into-shards 1] [--prefetch 1]
-//                  [--budget-mib 16000]
+//                  [--budget-mib 16000] [--shard-group-size G]
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -25,7 +25,8 @@ int usage(const char* why) {
                "                      [--dtype fp32|bf16] [--optimizer adamw|adam|sgd|sgd-momentum]\n"
                "                      [--activation-mib M] [--recompute 0|1] [--build-into-shards 0|1] "
                "[--prefetch P]\n"
-               "                      [--budget-mib B]\n"
+               "                      [--budget-mib B] [--shard-group-size G (hybrid: zero2/full shard "
+               "within groups of G ranks)]\n"
                "Predicts per-rank peak memory (MiB) of each mode; see docs/memory-model.md.\n");
   return why ? 2 : 0;
 }
@@ -45,7 +46,7 @@ double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
 int main(int argc, char** argv) {
   using namespace flatshard::plan;
   double params = 0, root = 0, activation_mib = 0, budget_mib = 0;
-  int units = 1, prefetch = 1, param_bytes = 4, state_bytes = 8;
+  int units = 1, prefetch = 1, param_bytes = 4, state_bytes = 8, shard_group_size = 0;
   bool recompute = false, build_into_shards = false;
   std::vector<int> worlds{1, 2, 4, 8};
   std::vector<Mode> modes{Mode::DDP, Mode::Zero1, Mode::Zero2, Mode::FullShard};
@@ -64,6 +65,8 @@ int main(int argc, char** argv) {
       worlds = parse_list(v);
     else if (a == "--prefetch")
       prefetch = std::atoi(v.c_str());
+    else if (a == "--shard-group-size")
+      shard_group_size = std::atoi(v.c_str());
     else if (a == "--recompute")
       recompute = std::atoi(v.c_str()) != 0;
     else if (a == "--build-into-shards")
@@ -112,6 +115,7 @@ int main(int argc, char** argv) {
       o.param_bytes = param_bytes;
       o.optimizer_state_bytes = state_bytes;
       o.prefetch = prefetch;
+      o.shard_group_size = shard_group_size;
       o.activation_bytes = static_cast<std::int64_t>(activation_mib * (1 << 20));
       o.recompute = recompute;
       o.build_into_shards = build_into_shards;

@@ -72,7 +72,10 @@ ModelShape uniform_shape(std::int64_t params, int units) {
 // under-predicts the full-shard peak by 11-17%).
 Plan predict(const ModelShape& shape, const PlanOptions& o) {
   Plan p;
-  const int n = std::max(o.world_size, 1);
+  const int world = std::max(o.world_size, 1);
+  const bool sharded_mode = o.mode == Mode::Zero2 || o.mode == Mode::FullShard;
+  // The ranks one copy of the model is sharded over (hybrid: a shard group).
+  const int n = sharded_mode && o.shard_group_size > 0 ? std::min(o.shard_group_size, world) : world;
   const int e = o.param_bytes;
   const std::int64_t psi = shape.total();
   const std::int64_t k = o.optimizer_state_bytes;

@@ -11,6 +11,7 @@
 //  - DDP and ZeroRedundancyOptimizer (with DDP, reduce-scattering, and alone) on CUDA
 //    against single-process training: world 1 over NCCL and world 2 over the TCP rings,
 //    fp32 and bf16 compute with fp32 masters;
+//  - hybrid sharding at world 2 over TCP on one GPU, groups of 1 and 2;
 //  - a model built into shards onto the GPU (and offloaded), at worlds 1 and 2;
 //  - activation recomputation with dropout on the GPU;
 //  - sharded checkpoints of CUDA shards, loaded on the CPU and on the GPU with offload.
@@ -119,20 +120,24 @@ TEST(CudaFullyShard, WorldOneOverNcclMatchesSingleProcess) {
   // reference trains in fp32), the masters stay fp32.
   for (const Case& c : {Case{std::nullopt, std::nullopt, 1e-5}, Case{at::kBFloat16, at::kFloat, 3e-2},
                         Case{at::kBFloat16, at::kBFloat16, 3e-2}}) {
-    SCOPED_TRACE(c.param ? "bf16" : "fp32");
-    TrainSpec spec;
-    spec.optimizer = OptKind::AdamW;
-    spec.steps = 6;
-    spec.global_batch = 8;
-    spec.param_dtype = c.param;
-    spec.reduce_dtype = c.reduce;
-    spec.device = kGpu;
-    spec.transport = flatshard::Transport::Nccl;
-    const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
-        world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
-    EXPECT_LE(r.global_rel_weight_diff, c.tolerance) << "worst " << r.worst_param;
-    EXPECT_LE(r.max_rel_loss_diff, c.tolerance);
-    EXPECT_LE(r.peak_gathered_units, 2);
+    for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::ShardGradOp}) {
+      SCOPED_TRACE(::testing::Message()
+                   << (c.param ? "bf16" : "fp32") << " " << flatshard::to_string(strategy));
+      TrainSpec spec;
+      spec.strategy = strategy;
+      spec.optimizer = OptKind::AdamW;
+      spec.steps = 6;
+      spec.global_batch = 8;
+      spec.param_dtype = c.param;
+      spec.reduce_dtype = c.reduce;
+      spec.device = kGpu;
+      spec.transport = flatshard::Transport::Nccl;
+      const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+          world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+      EXPECT_LE(r.global_rel_weight_diff, c.tolerance) << "worst " << r.worst_param;
+      EXPECT_LE(r.max_rel_loss_diff, c.tolerance);
+      if (strategy == flatshard::Strategy::FullShard) EXPECT_LE(r.peak_gathered_units, 2);
+    }
   }
 }
 
@@ -176,14 +181,23 @@ TEST(CudaFullyShard, WorldTwoOverTcpOnOneGpuMatchesSingleProcess) {
   spec.optimizer = OptKind::AdamW;
   spec.steps = 4;
   spec.global_batch = 8;
-  spec.param_dtype = at::kBFloat16;
-  spec.reduce_dtype = at::kFloat;
   spec.device = kGpu;
   spec.transport = flatshard::Transport::Tcp;
-  const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
-      world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
-  EXPECT_LE(r.global_rel_weight_diff, 3e-2) << "worst " << r.worst_param;
-  EXPECT_LE(r.max_rel_loss_diff, 3e-2);
+  for (bool bf16 : {false, true}) {
+    for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::ShardGradOp}) {
+      SCOPED_TRACE(::testing::Message() << (bf16 ? "bf16 " : "fp32 ") << flatshard::to_string(strategy));
+      spec.strategy = strategy;
+      spec.param_dtype = bf16 ? std::optional<at::ScalarType>{at::kBFloat16} : std::nullopt;
+      spec.reduce_dtype = bf16 ? std::optional<at::ScalarType>{at::kFloat} : std::nullopt;
+      const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+          world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+      EXPECT_LE(r.global_rel_weight_diff, bf16 ? 3e-2 : 1e-5) << "worst " << r.worst_param;
+      EXPECT_LE(r.max_rel_loss_diff, bf16 ? 3e-2 : 1e-5);
+    }
+  }
+  spec.strategy = flatshard::Strategy::FullShard;
+  spec.param_dtype = at::kBFloat16;
+  spec.reduce_dtype = at::kFloat;
   spec.build_on_host = true;
   spec.cpu_offload = true;
   const auto off = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
@@ -225,6 +239,31 @@ TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
       EXPECT_LE(r.global_rel_weight_diff, tolerance) << "worst " << r.worst_param;
       EXPECT_LE(r.max_rel_loss_diff, tolerance);
     }
+  }
+}
+
+// Hybrid sharding on the GPU: at world 2 over the TCP rings on one GPU, groups of 1 (each
+// rank holds the model; gradient shards all-reduced across the two groups) and of 2.
+TEST(CudaHybrid, MatchesSingleProcess) {
+  REQUIRE_GPU();
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  for (int group : {1, 2}) {
+    SCOPED_TRACE(::testing::Message() << "groups of " << group);
+    TrainSpec spec;
+    spec.strategy = flatshard::Strategy::HybridShard;
+    spec.shard_group_size = group;
+    spec.optimizer = OptKind::AdamW;
+    spec.steps = 4;
+    spec.global_batch = 8;
+    spec.param_dtype = at::kBFloat16;
+    spec.reduce_dtype = at::kFloat;
+    spec.device = kGpu;
+    spec.transport = flatshard::Transport::Tcp;
+    const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+        world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+    EXPECT_LE(r.global_rel_weight_diff, 3e-2) << "worst " << r.worst_param;
+    EXPECT_LE(r.max_rel_loss_diff, 3e-2);
   }
 }
 

@@ -39,7 +39,7 @@ void expect_slices_of(flatshard::FullyShardBase& fsdp, torch::nn::Module& whole,
       flat.narrow(0, p.offset, p.numel).copy_(params.at(p.name).reshape({-1}));
       ++covered;
     }
-    const auto mine = flat.narrow(0, fsdp.world().rank() * layout[i].shard_numel, layout[i].shard_numel);
+    const auto mine = flat.narrow(0, fsdp.shard_group().rank * layout[i].shard_numel, layout[i].shard_numel);
     EXPECT_TRUE(at::equal(shards[i].cpu(), mine)) << what << ": shard " << i;
   }
   EXPECT_EQ(covered, params.size()) << what << ": every parameter is in a shard";
@@ -87,6 +87,12 @@ TEST(BuildIntoShards, EachRankHoldsItsSliceOfAWholeBuild) {
   flatshard::FullyShardOptions bf16;
   bf16.mixed_precision.param = at::kBFloat16;  // other padding; the masters stay fp32 slices
   expect_built_slices<GPT>(world, "gpt, bf16 compute", gpt_units_factory(), layers + 2, bf16);
+  if (world.world_size() % 2 == 0) {
+    flatshard::FullyShardOptions hybrid;  // shards of the group of 2 this rank is in
+    hybrid.strategy = Strategy::HybridShard;
+    hybrid.shard_group_size = 2;
+    expect_built_slices<GPT>(world, "gpt, hybrid groups of 2", gpt_units_factory(), layers + 2, hybrid);
+  }
 }
 
 // Training a model built into shards is bit for bit training the whole-built one.

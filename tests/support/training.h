@@ -20,6 +20,7 @@ struct Batch {
 
 struct TrainSpec {
   Strategy strategy = Strategy::FullShard;
+  int shard_group_size = 0;  // FullyShardOptions::shard_group_size (HybridShard)
   OptKind optimizer = OptKind::SGD;
   int steps = 10;
   int global_batch = 12;

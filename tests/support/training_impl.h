@@ -191,6 +191,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   FullyShardOptions options;
   options.cpu_offload = spec.cpu_offload;
   options.strategy = spec.strategy;
+  options.shard_group_size = spec.shard_group_size;
   options.prefetch = spec.prefetch;
   options.mixed_precision.param = spec.param_dtype;
   options.mixed_precision.reduce = spec.reduce_dtype;
