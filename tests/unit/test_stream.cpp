@@ -63,15 +63,17 @@ TEST(Stream, WaitEventOrdersWorkAcrossStreams) {
 
 TEST(Stream, TwoStreamsRunConcurrently) {
   Stream a("a"), b("b");
-  std::atomic<bool> b_ran{false};
-  // a's work can only finish once b's work has run: a single worker would deadlock.
+  std::atomic<bool> b_ran{false}, a_saw_b{false};
+  // a's work waits (up to a deadline) for b's work to run, and records whether it saw it
+  // while a was still running: run one after the other, a would give up first.
   auto ea = a.submit([&] {
     const auto until = std::chrono::steady_clock::now() + 5s;
     while (!b_ran && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+    a_saw_b = b_ran.load();
   });
   b.submit([&] { b_ran = true; }).synchronize();
   ea.synchronize();
-  EXPECT_TRUE(b_ran);
+  EXPECT_TRUE(a_saw_b) << "b's work ran only after a's finished: the streams did not run concurrently";
 }
 
 TEST(Stream, DestructorDrainsQueuedWork) {

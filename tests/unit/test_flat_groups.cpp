@@ -1,0 +1,157 @@
+// The flat groups every sharded mode is made of (sharding/flat_param.h), and which unit
+// each parameter belongs to (sharding/unit_discovery.h), without any communication.
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include "flatshard/unit.h"
+#include "sharding/flat_param.h"
+#include "sharding/unit_discovery.h"
+
+namespace {
+
+using flatshard::sharding::FlatParamGroup;
+
+// Three parameters of 3, 5 (shaped 5x1) and 7 elements with known values.
+std::vector<std::pair<std::string, at::Tensor>> three_params() {
+  return {{"a", at::arange(3, at::kFloat).add_(1).requires_grad_()},
+          {"b", at::arange(5, at::kFloat).add_(10).view({5, 1}).clone().requires_grad_()},
+          {"c", at::arange(7, at::kFloat).add_(100).requires_grad_()}};
+}
+
+at::Tensor concatenated() {
+  return at::cat({at::arange(3).add(1), at::arange(5).add(10), at::arange(7).add(100)}).to(at::kFloat);
+}
+
+// Shards are equal, a multiple of 16 bytes, and the padding is as small as that allows.
+TEST(FlatParamGroup, PaddingSplitsEvenlyInSixteenByteShards) {
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (int world : {1, 2, 3, 4, 8}) {
+      SCOPED_TRACE(::testing::Message() << c10::toString(dtype) << " world " << world);
+      FlatParamGroup g("g", three_params(), world, world - 1, dtype, {});
+      const std::int64_t elem = c10::elementSize(dtype);
+      EXPECT_EQ(g.numel(), 15);
+      EXPECT_EQ(g.padded_numel(), g.shard_numel() * world);
+      EXPECT_EQ(g.shard_numel() * elem % 16, 0);
+      EXPECT_GE(g.padded_numel(), 15);
+      // One 16-byte step less per shard would not hold the parameters.
+      EXPECT_LT((g.shard_numel() - 16 / elem) * world, 15);
+      EXPECT_EQ(g.world_size(), world);
+      EXPECT_EQ(g.full_bytes(), g.padded_numel() * elem);
+    }
+  }
+}
+
+// Each rank's master shard is its slice of the concatenated values, zeros in the padding,
+// in fp32 whatever the compute dtype; the parameters start empty.
+TEST(FlatParamGroup, MasterIsThisRanksSliceAndParametersStartEmpty) {
+  const int world = 4;
+  for (int rank = 0; rank < world; ++rank) {
+    auto params = three_params();
+    auto b = params[1].second;
+    FlatParamGroup g("g", params, world, rank, at::kBFloat16, {});
+    auto flat = at::zeros({g.padded_numel()});
+    flat.narrow(0, 0, 15).copy_(concatenated());
+    EXPECT_TRUE(at::equal(g.master(), flat.narrow(0, rank * g.shard_numel(), g.shard_numel()))) << rank;
+    EXPECT_EQ(g.master().scalar_type(), at::kFloat);
+    EXPECT_EQ(b.numel(), 0) << "the parameter gave up its values";
+    EXPECT_FALSE(g.full_allocated());
+    ASSERT_EQ(g.slots().size(), 3u);
+    EXPECT_EQ(g.slots()[1].offset, 3);
+    EXPECT_EQ(g.slots()[2].offset, 8);
+    EXPECT_EQ(g.slots()[1].shape, (std::vector<std::int64_t>{5, 1}));
+  }
+}
+
+// Gathered, the parameters are views of the flat buffer (a write to it is a write to
+// them); freed, the buffer's bytes go while its storage object stays for the next gather.
+TEST(FlatParamGroup, ViewsOfTheFlatBufferAndFreeingIt) {
+  auto params = three_params();
+  at::Tensor a = params[0].second, c = params[2].second;
+  FlatParamGroup g("g", params, 1, 0, at::kFloat, {});
+  g.allocate_full();
+  ASSERT_TRUE(g.full_allocated());
+  g.copy_master_to_slot();
+  g.use_full_views();
+  EXPECT_TRUE(at::equal(c, at::arange(7, at::kFloat).add(100)));
+  EXPECT_EQ(a.data_ptr<float>(), g.full().data_ptr<float>());
+  g.full()[9].fill_(-1);
+  EXPECT_EQ(c[1].item<float>(), -1.0f) << "c is a view of the flat buffer at offset 8";
+  const auto* storage = g.full().storage().unsafeGetStorageImpl();
+  g.use_empty_views();
+  g.free_full();
+  EXPECT_EQ(c.numel(), 0);
+  EXPECT_FALSE(g.full_allocated());
+  EXPECT_EQ(g.full().storage().nbytes(), 0u);
+  g.allocate_full();
+  EXPECT_EQ(g.full().storage().unsafeGetStorageImpl(), storage) << "the same storage, refilled";
+  EXPECT_EQ(g.full().storage().nbytes(), static_cast<std::size_t>(g.full_bytes()));
+}
+
+// Gradient views: each parameter's .grad() is its slice of the zeroed flat gradient, so
+// accumulation lands in place; dropped, they are undefined again.
+TEST(FlatParamGroup, GradientViewsAccumulateInTheFlatGradient) {
+  auto params = three_params();
+  at::Tensor b = params[1].second;
+  FlatParamGroup g("g", params, 2, 1, at::kFloat, {});
+  g.allocate_full();
+  g.use_full_views();
+  g.allocate_full_grad();
+  EXPECT_EQ(g.full_grad().abs().sum().item<float>(), 0.0f);
+  g.use_grad_views();
+  ASSERT_TRUE(b.grad().defined());
+  b.mutable_grad().add_(2);
+  EXPECT_EQ(g.full_grad().narrow(0, 3, 5).sum().item<float>(), 10.0f);
+  EXPECT_EQ(g.full_grad().sum().item<float>(), 10.0f) << "nothing outside b's slice";
+  g.drop_param_grads();
+  EXPECT_FALSE(b.grad().defined());
+  g.free_full_grad();
+  EXPECT_FALSE(g.full_grad_allocated());
+}
+
+struct InnerImpl : torch::nn::Module {
+  InnerImpl() { w = register_parameter("w", at::zeros({2})); }
+  at::Tensor forward(const at::Tensor& x) { return x + w; }
+  at::Tensor w;
+};
+TORCH_MODULE(Inner);
+
+struct OuterImpl : torch::nn::Module {
+  OuterImpl() {
+    v = register_parameter("v", at::zeros({3}));
+    inner = register_module("inner", flatshard::Unit<Inner>());
+  }
+  at::Tensor forward(const at::Tensor& x) { return inner(x) + v.sum(); }
+  at::Tensor v;
+  flatshard::Unit<Inner> inner{nullptr};
+};
+TORCH_MODULE(Outer);
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    emb = register_parameter("emb", at::zeros({4}));
+    first = register_module("first", flatshard::Unit<Outer>());
+    second = register_module("second", flatshard::Unit<torch::nn::Linear>(2, 2));
+  }
+  at::Tensor emb;
+  flatshard::Unit<Outer> first{nullptr};
+  flatshard::Unit<torch::nn::Linear> second{nullptr};
+};
+TORCH_MODULE(Net);
+
+// A parameter belongs to the innermost unit holding it, the root unit (0) otherwise;
+// units come in declaration (pre-order) order.
+TEST(UnitDiscovery, InnermostUnitOwnsEachParameterInPreOrder) {
+  Net net;
+  const auto m = flatshard::sharding::discover_units(*net);
+  ASSERT_EQ(m.declared.size(), 3u);  // first, first.inner, second
+  auto owner = [&](const at::Tensor& t) { return m.owner.at(t.unsafeGetTensorImpl()); };
+  EXPECT_EQ(owner(net->emb), 0);
+  EXPECT_EQ(owner(net->first->v), 1);
+  EXPECT_EQ(owner(net->first->inner->w), 2);
+  EXPECT_EQ(owner(net->second->weight), 3);
+  EXPECT_EQ(owner(net->second->bias), 3);
+  EXPECT_EQ(m.owner.size(), 5u);
+}
+
+}  // namespace
