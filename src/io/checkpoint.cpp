@@ -8,7 +8,7 @@
 
 #include <fmt/format.h>
 
-#include "src/io/atomic_file.h"
+#include "src/io/files.h"
 
 namespace flatshard::checkpoint {
 namespace {

@@ -1,5 +1,6 @@
-#include "src/io/atomic_file.h"
+#include "src/io/files.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -87,6 +88,73 @@ std::vector<char> read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(path, "opening", errno != 0 ? errno : ENOENT);
   return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+std::string errno_reason(int err) {
+  switch (err) {
+    case ENOSPC:
+    case EDQUOT:
+      return fmt::format("{} (the disk or quota is full: free space or save elsewhere)", std::strerror(err));
+    case EFBIG: return fmt::format("{} (over the file-size limit, ulimit -f)", std::strerror(err));
+    case EACCES:
+    case EPERM:
+    case EROFS: return fmt::format("{} (no permission: choose a writable directory)", std::strerror(err));
+    default: return std::strerror(err);
+  }
+}
+
+bool exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+void make_dirs(const std::string& dir) {
+  std::string sofar;
+  std::size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = dir.find('/', pos + 1);
+    sofar = dir.substr(0, pos);
+    if (sofar.empty() || exists(sofar)) continue;
+    if (::mkdir(sofar.c_str(), 0755) != 0 && errno != EEXIST) {
+      throw checkpoint::CheckpointError(
+          dir,
+          fmt::format("flatshard::checkpoint: cannot create directory '{}': {}", sofar, errno_reason(errno)));
+    }
+  }
+}
+
+void remove_tree(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return;
+  if (S_ISDIR(st.st_mode)) {
+    if (DIR* d = ::opendir(path.c_str())) {
+      while (dirent* e = ::readdir(d)) {
+        const std::string name = e->d_name;
+        if (name != "." && name != "..") remove_tree(path + "/" + name);
+      }
+      ::closedir(d);
+    }
+    ::rmdir(path.c_str());
+  } else {
+    ::unlink(path.c_str());
+  }
+}
+
+std::vector<std::string> list_dir(const std::string& dir) {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d)) out.emplace_back(e->d_name);
+    ::closedir(d);
+  }
+  return out;
 }
 
 }  // namespace flatshard::io

@@ -1,0 +1,108 @@
+// Sharded checkpoints, the part that knows no modes: what a rank holds (segments of flat
+// spaces laid out by spans), the shard files and metadata.json that save() writes, and the
+// reader that load() fills a holding from. The modes' adapters (sharded_checkpoint.cpp)
+// make the holdings. See docs/checkpoints.md for the format.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "flatshard/checkpoint.h"
+#include "flatshard/communicator.h"
+
+namespace flatshard::checkpoint::shards {
+
+constexpr int kFormatVersion = 1;
+constexpr const char* kFormat = "flatshard-sharded-checkpoint";
+
+// --- what a rank holds -----------------------------------------------------------
+
+// A tensor's place in a flat space: elements [offset, offset + numel).
+struct Span {
+  std::string key;  // "<parameter>", "<parameter>.<state>"
+  std::vector<std::int64_t> shape;
+  std::int64_t offset = 0;
+  std::int64_t numel = 0;
+};
+
+// A 1-D tensor holding elements [begin, begin + values.numel()) of a flat space that
+// spans lay out. On save this rank writes [write_begin, write_end) of it; on load it
+// reads all of it.
+struct Segment {
+  at::Tensor values;
+  std::int64_t begin = 0;
+  std::int64_t write_begin = 0, write_end = 0;
+  std::vector<Span> spans;
+  std::string kind;  // "param", "state"
+};
+
+struct Holding {
+  std::string mode;
+  std::vector<Segment> segments;
+  std::vector<std::pair<std::string, at::Tensor>> buffers;  // written whole by rank 0
+  std::map<std::string, std::int64_t> steps;                // optimizer steps per parameter
+  std::vector<std::string> state_names;                     // the optimizer's
+  bool has_optimizer = false;
+  std::vector<std::string> bucket_order;  // DDP's rebuilt bucket order, by name
+};
+
+// --- what a checkpoint holds (metadata.json) ---------------------------------------------
+
+struct Entry {
+  std::string kind;
+  std::vector<std::int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+  struct Part {
+    std::string file;
+    std::int64_t byte_offset, begin, numel;
+    std::uint32_t crc;
+  };
+  std::vector<Part> parts;  // by begin
+};
+
+struct Checkpoint {
+  std::string dir;
+  int world_size = 0;
+  std::string mode;
+  std::int64_t step = 0;
+  bool has_optimizer = false;
+  std::set<std::string> state_names;
+  std::map<std::string, std::int64_t> steps;
+  std::vector<std::string> bucket_order;
+  std::map<std::string, Entry> tensors;
+};
+
+// --- shared by saving and loading (shard_save.cpp) -----------------------------------------
+
+[[noreturn]] void fail(const std::string& path, const std::string& what);
+std::string dtype_name(at::ScalarType t);
+std::optional<at::ScalarType> dtype_of(const std::string& name);
+std::uint32_t crc32_of(const void* data, std::size_t n);
+std::string shard_file_name(int rank, int world_size);
+// Every rank's string, on every rank (a collective).
+std::vector<std::string> exchange_strings(Communicator& comm, const std::string& mine);
+// Throws on every rank when any rank's `failure` is not empty.
+void agree(Communicator& comm, const std::string& path, const std::string& what, const std::string& failure);
+
+// Writes `h` as step options.step under `root` (shard_save.cpp; Note [Checkpoint directories]).
+CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& h,
+                    const SaveOptions& options);
+
+// Opens the checkpoint at `path`, asks `hold` what this rank holds, checks names and
+// shapes, reads it and calls `finish`; a failure on any rank fails all (shard_load.cpp).
+CheckpointInfo load(const std::string& path, Communicator& comm,
+                    const std::function<Holding(const Checkpoint&)>& hold,
+                    const std::function<void(const Checkpoint&)>& finish);
+// The optimizer state names to load (every one the optimizer keeps must be there).
+std::vector<std::string> states_to_load(const Checkpoint& c, const std::vector<std::string>& wanted);
+std::int64_t steps_of(const Checkpoint& c, const std::string& param);
+
+}  // namespace flatshard::checkpoint::shards

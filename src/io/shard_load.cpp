@@ -1,0 +1,269 @@
+// Sharded checkpoints: loading. Each rank reads, for every element range it now holds,
+// the overlapping pieces of the files, whatever world size or mode wrote them, checking
+// each piece's CRC-32.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstring>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "src/io/files.h"
+#include "src/io/shard_files.h"
+
+namespace flatshard::checkpoint::shards {
+
+using json = nlohmann::json;
+using io::exists;
+
+namespace {
+
+std::string trim(std::string s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+  return s;
+}
+
+Checkpoint open_checkpoint(const std::string& path) {
+  std::string dir = path;
+  if (!exists(dir + "/metadata.json")) {
+    if (!exists(dir + "/latest")) {
+      fail(path, fmt::format("no checkpoint at '{}': it holds neither metadata.json (a step directory) nor "
+                             "latest (a checkpoint root)",
+                             path));
+    }
+    const auto bytes = io::read_file(dir + "/latest");
+    dir = path + "/" + trim(std::string(bytes.begin(), bytes.end()));
+    if (!exists(dir + "/metadata.json")) {
+      fail(path,
+           fmt::format("'{}/latest' names '{}', which holds no metadata.json: the checkpoint was removed",
+                       path, dir));
+    }
+  }
+  const std::string meta_path = dir + "/metadata.json";
+  const auto bytes = io::read_file(meta_path);
+  Checkpoint c;
+  c.dir = dir;
+  try {
+    const auto meta = json::parse(bytes.begin(), bytes.end());
+    if (meta.value("format", "") != kFormat)
+      fail(meta_path, fmt::format("'{}' is not a FlatShard checkpoint", meta_path));
+    const int version = meta.at("version").get<int>();
+    if (version > kFormatVersion) {
+      fail(meta_path,
+           fmt::format("'{}' has format version {}; this FlatShard reads up to {}: upgrade FlatShard",
+                       meta_path, version, kFormatVersion));
+    }
+    c.world_size = meta.at("world_size").get<int>();
+    c.mode = meta.at("mode").get<std::string>();
+    c.step = meta.at("step").get<std::int64_t>();
+    c.has_optimizer = !meta.at("optimizer_state").is_null();
+    if (c.has_optimizer) {
+      for (const auto& s : meta.at("optimizer_state")) c.state_names.insert(s.get<std::string>());
+    }
+    c.steps = meta.at("optimizer_steps").get<std::map<std::string, std::int64_t>>();
+    c.bucket_order = meta.value("bucket_order", std::vector<std::string>{});
+    for (const auto& [key, t] : meta.at("tensors").items()) {
+      Entry e;
+      e.kind = t.at("kind").get<std::string>();
+      e.shape = t.at("shape").get<std::vector<std::int64_t>>();
+      const auto dtype = dtype_of(t.at("dtype").get<std::string>());
+      if (!dtype) fail(meta_path, fmt::format("'{}': tensor '{}' has an unknown dtype", meta_path, key));
+      e.dtype = *dtype;
+      for (const auto& p : t.at("pieces")) {
+        e.parts.push_back({p.at("file").get<std::string>(), p.at("byte_offset").get<std::int64_t>(),
+                           p.at("begin").get<std::int64_t>(), p.at("numel").get<std::int64_t>(),
+                           p.at("crc32").get<std::uint32_t>()});
+      }
+      std::sort(e.parts.begin(), e.parts.end(),
+                [](const auto& a, const auto& b) { return a.begin < b.begin; });
+      c.tensors.emplace(key, std::move(e));
+    }
+  } catch (const json::exception& e) {
+    fail(meta_path, fmt::format("'{}' is corrupt ({}): load an earlier checkpoint", meta_path, e.what()));
+  }
+  return c;
+}
+
+std::string shape_str(const std::vector<std::int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+// Names the first difference between what the model holds and what was saved.
+void check_names_and_shapes(const Checkpoint& c, const Holding& h) {
+  std::set<std::string> model_params;
+  for (const auto& seg : h.segments) {
+    if (seg.kind != "param") continue;
+    for (const auto& span : seg.spans) {
+      model_params.insert(span.key);
+      auto it = c.tensors.find(span.key);
+      if (it == c.tensors.end() || it->second.kind != "param") {
+        fail(c.dir, fmt::format("the model's parameter '{}' is not in the checkpoint '{}' (saved under {} at "
+                                "world size {}): is it the same model?",
+                                span.key, c.dir, c.mode, c.world_size));
+      }
+      if (it->second.shape != span.shape) {
+        fail(c.dir, fmt::format("parameter '{}' has shape {} in the model but {} in the checkpoint '{}'",
+                                span.key, shape_str(span.shape), shape_str(it->second.shape), c.dir));
+      }
+    }
+  }
+  for (const auto& [key, e] : c.tensors) {
+    if (e.kind == "param" && !model_params.count(key)) {
+      fail(c.dir, fmt::format("the checkpoint '{}' has parameter '{}', which the model lacks", c.dir, key));
+    }
+  }
+  for (const auto& [name, t] : h.buffers) {
+    auto it = c.tensors.find(name);
+    if (it == c.tensors.end())
+      fail(c.dir, fmt::format("the model's buffer '{}' is not in the checkpoint '{}'", name, c.dir));
+    if (it->second.shape != t.sizes().vec()) {
+      fail(c.dir, fmt::format("buffer '{}' has shape {} in the model but {} in the checkpoint '{}'", name,
+                              shape_str(t.sizes().vec()), shape_str(it->second.shape), c.dir));
+    }
+  }
+}
+
+class Reader {
+ public:
+  explicit Reader(std::string dir) : dir_(std::move(dir)) {}
+  ~Reader() {
+    for (auto& [name, fd] : fds_) ::close(fd);
+  }
+
+  // Copies elements [lo, hi) of tensor `key` into dst (1-D, hi - lo elements).
+  void read(const std::string& key, const Entry& e, std::int64_t lo, std::int64_t hi, const at::Tensor& dst) {
+    std::int64_t covered = 0;
+    for (const auto& part : e.parts) {
+      const std::int64_t a = std::max(lo, part.begin), b = std::min(hi, part.begin + part.numel);
+      if (a >= b) continue;
+      const at::Tensor& data = load_part(key, e, part);
+      dst.narrow(0, a - lo, b - a).copy_(data.narrow(0, a - part.begin, b - a));
+      covered += b - a;
+    }
+    if (covered != hi - lo) {
+      fail(dir_, fmt::format("the checkpoint '{}' holds {} of elements [{}, {}) of '{}': files are missing "
+                             "pieces; load an earlier checkpoint",
+                             dir_, covered, lo, hi, key));
+    }
+  }
+
+ private:
+  const at::Tensor& load_part(const std::string& key, const Entry& e, const Entry::Part& part) {
+    if (cached_key_ == key && cached_begin_ == part.begin && cached_file_ == part.file) return cached_;
+    const std::string path = dir_ + "/" + part.file;
+    auto it = fds_.find(part.file);
+    if (it == fds_.end()) {
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0)
+        fail(path,
+             fmt::format("cannot open '{}': {}; the checkpoint is incomplete", path, std::strerror(errno)));
+      it = fds_.emplace(part.file, fd).first;
+    }
+    auto data = at::empty({part.numel}, at::TensorOptions().dtype(e.dtype));
+    auto* bytes = static_cast<char*>(data.data_ptr());
+    const std::size_t n = data.nbytes();
+    std::size_t done = 0;
+    while (done < n) {
+      const ssize_t r =
+          ::pread(it->second, bytes + done, n - done, part.byte_offset + static_cast<off_t>(done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        fail(path,
+             fmt::format("'{}' is truncated: piece of '{}' at byte {} is missing; load an earlier checkpoint",
+                         path, key, part.byte_offset));
+      }
+      done += static_cast<std::size_t>(r);
+    }
+    if (crc32_of(bytes, n) != part.crc) {
+      fail(path,
+           fmt::format("checksum mismatch in '{}' (elements [{}, {}) of '{}'): the file is corrupt; load "
+                       "an earlier checkpoint",
+                       path, part.begin, part.begin + part.numel, key));
+    }
+    cached_ = data;
+    cached_key_ = key;
+    cached_begin_ = part.begin;
+    cached_file_ = part.file;
+    return cached_;
+  }
+
+  std::string dir_;
+  std::map<std::string, int> fds_;
+  at::Tensor cached_;
+  std::string cached_key_, cached_file_;
+  std::int64_t cached_begin_ = -1;
+};
+
+// Reads every segment (whole) and buffer. Parameters are all there
+// (check_names_and_shapes); optimizer state the checkpoint lacks stays zero.
+void read_holding(const Checkpoint& c, Holding& h) {
+  at::NoGradGuard no_grad;
+  Reader reader(c.dir);
+  for (auto& seg : h.segments) {
+    const std::int64_t seg_end = seg.begin + seg.values.numel();
+    for (const auto& span : seg.spans) {
+      const std::int64_t lo = std::max(span.offset, seg.begin);
+      const std::int64_t hi = std::min(span.offset + span.numel, seg_end);
+      if (lo >= hi) continue;
+      auto it = c.tensors.find(span.key);
+      if (it == c.tensors.end()) continue;  // optimizer state never created (its unit never stepped): zeros
+      reader.read(span.key, it->second, lo - span.offset, hi - span.offset,
+                  seg.values.narrow(0, lo - seg.begin, hi - lo));
+    }
+  }
+  for (auto& [name, t] : h.buffers) {
+    auto flat = at::empty({t.numel()}, t.options());
+    reader.read(name, c.tensors.at(name), 0, t.numel(), flat);
+    t.detach().copy_(flat.view(t.sizes()));
+  }
+}
+
+}  // namespace
+
+// The optimizer state names to load: the checkpoint must hold every one the optimizer
+// keeps (none when it was saved without optimizer state).
+std::vector<std::string> states_to_load(const Checkpoint& c, const std::vector<std::string>& wanted) {
+  if (!c.has_optimizer) return {};
+  for (const auto& name : wanted) {
+    if (!c.state_names.count(name)) {
+      fail(c.dir,
+           fmt::format("the optimizer keeps '{}', which the checkpoint '{}' does not hold (it holds: {}); "
+                       "load with the optimizer it was saved with",
+                       name, c.dir, fmt::join(c.state_names, ", ")));
+    }
+  }
+  return wanted;
+}
+
+std::int64_t steps_of(const Checkpoint& c, const std::string& param) {
+  auto it = c.steps.find(param);
+  return it == c.steps.end() ? 0 : it->second;
+}
+
+// Loads h on every rank; a failure on any rank fails all of them.
+CheckpointInfo load(const std::string& path, Communicator& comm,
+                    const std::function<Holding(const Checkpoint&)>& hold,
+                    const std::function<void(const Checkpoint&)>& finish) {
+  std::string failure;
+  CheckpointInfo info;
+  try {
+    const auto c = open_checkpoint(path);
+    auto h = hold(c);
+    check_names_and_shapes(c, h);
+    read_holding(c, h);
+    finish(c);
+    info = CheckpointInfo{c.dir, c.step, c.world_size, c.mode};
+  } catch (const Error& e) {
+    failure = e.what();
+  }
+  agree(comm, path, "loading", failure);
+  return info;
+}
+
+}  // namespace flatshard::checkpoint::shards

@@ -1,0 +1,318 @@
+// Sharded checkpoints: saving. Every rank writes the pieces of parameters and optimizer
+// state it owns into its own file; rank 0 writes metadata.json, which says, for every
+// tensor, which file holds which element range (with a CRC-32 per piece). Also the
+// format's small helpers and the agreement every collective step ends with.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstring>
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <fmt/format.h>
+#include <zlib.h>
+#include <nlohmann/json.hpp>
+
+#include "src/io/files.h"
+#include "src/io/shard_files.h"
+
+namespace flatshard::checkpoint::shards {
+
+using json = nlohmann::json;
+using io::errno_reason;
+using io::exists;
+using io::fsync_dir;
+using io::list_dir;
+using io::make_dirs;
+using io::remove_tree;
+
+// --- dtypes, checksums, names -------------------------------------------------------------
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default:
+      throw InvalidArgument(fmt::format("flatshard::checkpoint: cannot save dtype {}", c10::toString(t)));
+  }
+}
+
+std::optional<at::ScalarType> dtype_of(const std::string& name) {
+  static const std::map<std::string, at::ScalarType> names = {
+      {"float32", at::kFloat}, {"float64", at::kDouble}, {"float16", at::kHalf}, {"bfloat16", at::kBFloat16},
+      {"int64", at::kLong},    {"int32", at::kInt},      {"int16", at::kShort},  {"int8", at::kChar},
+      {"uint8", at::kByte},    {"bool", at::kBool}};
+  auto it = names.find(name);
+  if (it == names.end()) return std::nullopt;
+  return it->second;
+}
+
+std::uint32_t crc32_of(const void* data, std::size_t n) {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  const auto* p = static_cast<const Bytef*>(data);
+  while (n > 0) {
+    const auto chunk = static_cast<uInt>(std::min<std::size_t>(n, std::size_t{1} << 30));
+    crc = ::crc32(crc, p, chunk);
+    p += chunk;
+    n -= chunk;
+  }
+  return static_cast<std::uint32_t>(crc);
+}
+
+std::string shard_file_name(int rank, int world_size) {
+  return fmt::format("shard-{:05d}-of-{:05d}.bin", rank, world_size);
+}
+
+[[noreturn]] void fail(const std::string& path, const std::string& what) {
+  throw CheckpointError(path, "flatshard::checkpoint: " + what);
+}
+
+// --- agreement ---------------------------------------------------------------------------
+
+// Every rank's string, on every rank (a collective). Carries indexes and failures, so
+// that one rank's error reaches all of them instead of leaving them waiting.
+// The bytes travel through tensors of the communicator's device (a GPU's, for a model
+// sharded there) and are read back on the host.
+std::vector<std::string> exchange_strings(Communicator& comm, const std::string& mine) {
+  const int n = comm.world_size();
+  const auto on_device = at::TensorOptions().device(comm.device());
+  auto lengths = at::empty({n}, on_device.dtype(at::kLong));
+  auto my_length = at::full({1}, static_cast<std::int64_t>(mine.size()), on_device.dtype(at::kLong));
+  comm.all_gather(lengths, my_length).wait();
+  lengths = lengths.cpu();
+  std::int64_t most = 1;
+  for (int r = 0; r < n; ++r) most = std::max(most, lengths[r].item<std::int64_t>());
+  auto slot = at::zeros({most}, at::kByte);
+  std::memcpy(slot.data_ptr(), mine.data(), mine.size());
+  auto all = at::zeros({n * most}, on_device.dtype(at::kByte));
+  comm.all_gather(all, slot.to(comm.device())).wait();
+  all = all.cpu();
+  std::vector<std::string> out;
+  const auto* bytes = reinterpret_cast<const char*>(all.data_ptr());
+  for (int r = 0; r < n; ++r)
+    out.emplace_back(bytes + r * most, static_cast<std::size_t>(lengths[r].item<std::int64_t>()));
+  return out;
+}
+
+// Throws on every rank when any rank failed (its message starts with "!").
+void agree(Communicator& comm, const std::string& path, const std::string& what, const std::string& failure) {
+  const auto all = exchange_strings(comm, failure.empty() ? std::string() : "!" + failure);
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (all[r].empty()) continue;
+    if (r == comm.rank()) fail(path, all[r].substr(1));
+    fail(path, fmt::format("{} failed on rank {}: {}", what, r, all[r].substr(1)));
+  }
+}
+
+// --- saving ----------------------------------------------------------------------------
+
+namespace {
+
+struct Piece {
+  std::string key, kind;
+  std::vector<std::int64_t> shape;
+  at::Tensor data;     // contiguous
+  std::int64_t begin;  // first element within the tensor
+};
+
+// Note [Device shards]
+// Pieces of a model sharded on a GPU are staged into page-locked host memory: every
+// piece's copy is queued on the current stream, then the host waits once, so the device
+// is held for the copies alone. Loading reads into host memory and copies into the
+// device tensors.
+void stage_on_host(std::vector<Piece>& pieces) {
+  std::optional<c10::Device> device;
+  for (auto& p : pieces) {
+    if (p.data.device().is_cpu()) continue;
+    device = p.data.device();
+    auto host = at::empty(p.data.sizes(), p.data.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(p.data, /*non_blocking=*/true);
+    p.data = std::move(host);
+  }
+  if (device) c10::impl::VirtualGuardImpl(device->type()).getStream(*device).synchronize();
+}
+
+std::vector<Piece> pieces_to_write(const Holding& h, int rank) {
+  std::vector<Piece> out;
+  for (const auto& seg : h.segments) {
+    for (const auto& span : seg.spans) {
+      const std::int64_t lo = std::max(span.offset, seg.write_begin);
+      const std::int64_t hi = std::min(span.offset + span.numel, seg.write_end);
+      if (lo >= hi) continue;
+      out.push_back({span.key, seg.kind, span.shape,
+                     seg.values.narrow(0, lo - seg.begin, hi - lo).contiguous(), lo - span.offset});
+    }
+  }
+  if (rank == 0) {
+    for (const auto& [name, t] : h.buffers) {
+      out.push_back({name, "buffer", t.sizes().vec(), t.detach().contiguous().reshape({-1}), 0});
+    }
+  }
+  stage_on_host(out);
+  return out;
+}
+
+// Writes this rank's pieces into `path` and returns its index (JSON).
+json write_shard_file(const std::vector<Piece>& pieces, const std::string& path, const std::string& file) {
+  ::signal(SIGXFSZ, SIG_IGN);  // a write past ulimit -f then fails with EFBIG
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail(path, fmt::format("cannot create '{}': {}", path, errno_reason(errno)));
+  json index = json::array();
+  std::int64_t offset = 0;
+  for (const auto& p : pieces) {
+    const auto* bytes = static_cast<const char*>(p.data.data_ptr());
+    const std::size_t n = p.data.nbytes();
+    std::size_t done = 0;
+    while (done < n) {
+      const ssize_t w = ::write(fd, bytes + done, n - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        const int err = w < 0 ? errno : ENOSPC;
+        ::close(fd);
+        fail(path, fmt::format("writing '{}' failed: {}", path, errno_reason(err)));
+      }
+      done += static_cast<std::size_t>(w);
+    }
+    index.push_back({{"key", p.key},
+                     {"kind", p.kind},
+                     {"shape", p.shape},
+                     {"dtype", dtype_name(p.data.scalar_type())},
+                     {"file", file},
+                     {"byte_offset", offset},
+                     {"begin", p.begin},
+                     {"numel", p.data.numel()},
+                     {"crc32", crc32_of(bytes, n)}});
+    offset += static_cast<std::int64_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    fail(path, fmt::format("flushing '{}' failed: {}", path, errno_reason(err)));
+  }
+  ::close(fd);
+  return index;
+}
+
+std::string step_dir_name(std::int64_t step) { return fmt::format("step-{:09d}", step); }
+
+}  // namespace
+
+// Note [Checkpoint directories]
+// root/step-<S>/ is written as root/.step-<S>.tmp/ (every rank's shard file, fsynced,
+// then rank 0's metadata.json) and renamed into place when complete; then root/latest
+// is replaced atomically by a file naming it, and only then are older checkpoints
+// beyond keep_last removed. A process killed at any point leaves root/latest naming a
+// complete checkpoint (the new one or the previous one).
+CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& h,
+                    const SaveOptions& options) {
+  const int rank = comm.rank(), n = comm.world_size();
+  const std::string name = step_dir_name(options.step);
+  const std::string tmp = fmt::format("{}/.{}.tmp", root, name);
+  const std::string final_dir = root + "/" + name;
+  std::string failure;
+  if (rank == 0) {
+    try {
+      make_dirs(root);
+      remove_tree(tmp);
+      if (::mkdir(tmp.c_str(), 0755) != 0)
+        fail(tmp, fmt::format("cannot create '{}': {}", tmp, errno_reason(errno)));
+    } catch (const CheckpointError& e) {
+      failure = e.what();
+    }
+  }
+  agree(comm, root, "creating the checkpoint directory", failure);
+
+  std::string index;
+  try {
+    const std::string file = shard_file_name(rank, n);
+    index = write_shard_file(pieces_to_write(h, rank), tmp + "/" + file, file).dump();
+  } catch (const Error& e) {
+    failure = e.what();
+  }
+  if (!failure.empty()) index.clear();
+  const auto indexes = exchange_strings(comm, failure.empty() ? index : "!" + failure);
+  for (int r = 0; r < n; ++r) {
+    if (!indexes[r].empty() && indexes[r][0] == '!') {
+      if (rank == 0) remove_tree(tmp);
+      if (r == rank) fail(root, indexes[r].substr(1));
+      fail(root, fmt::format("saving step {} failed on rank {}: {}; the previous checkpoint is intact",
+                             options.step, r, indexes[r].substr(1)));
+    }
+  }
+
+  if (rank == 0) {
+    try {
+      json meta;
+      meta["format"] = kFormat;
+      meta["version"] = kFormatVersion;
+      meta["world_size"] = n;
+      meta["mode"] = h.mode;
+      meta["step"] = options.step;
+      meta["optimizer_state"] = h.has_optimizer ? json(h.state_names) : json(nullptr);
+      meta["optimizer_steps"] = h.steps;
+      meta["bucket_order"] = h.bucket_order;
+      json tensors = json::object();
+      for (int r = 0; r < n; ++r) {
+        for (auto& piece : json::parse(indexes[r])) {
+          auto& t = tensors[piece["key"].get<std::string>()];
+          if (t.is_null())
+            t = {{"kind", piece["kind"]},
+                 {"shape", piece["shape"]},
+                 {"dtype", piece["dtype"]},
+                 {"pieces", json::array()}};
+          t["pieces"].push_back({{"file", piece["file"]},
+                                 {"byte_offset", piece["byte_offset"]},
+                                 {"begin", piece["begin"]},
+                                 {"numel", piece["numel"]},
+                                 {"crc32", piece["crc32"]}});
+        }
+      }
+      meta["tensors"] = std::move(tensors);
+      const auto text = meta.dump(1);
+      io::write_file_atomically(tmp + "/metadata.json", std::vector<char>(text.begin(), text.end()));
+      fsync_dir(tmp);
+      std::string old;
+      if (exists(final_dir)) {  // saving the same step again: the older copy goes last
+        old = fmt::format("{}/.{}.old", root, name);
+        remove_tree(old);
+        if (::rename(final_dir.c_str(), old.c_str()) != 0)
+          fail(final_dir,
+               fmt::format("cannot move the older '{}' aside: {}", final_dir, errno_reason(errno)));
+      }
+      if (::rename(tmp.c_str(), final_dir.c_str()) != 0)
+        fail(final_dir, fmt::format("cannot rename '{}' to '{}': {}", tmp, final_dir, errno_reason(errno)));
+      fsync_dir(root);
+      const std::string latest = name + "\n";
+      io::write_file_atomically(root + "/latest", std::vector<char>(latest.begin(), latest.end()));
+      if (!old.empty()) remove_tree(old);
+      if (options.keep_last > 0) {
+        std::vector<std::string> steps;
+        for (const auto& entry : list_dir(root)) {
+          if (entry.rfind("step-", 0) == 0 && entry != name) steps.push_back(entry);
+          if (entry.rfind(".step-", 0) == 0) remove_tree(root + "/" + entry);  // left by a killed save
+        }
+        std::sort(steps.begin(), steps.end());
+        const int drop = static_cast<int>(steps.size()) - (options.keep_last - 1);
+        for (int i = 0; i < drop; ++i) remove_tree(root + "/" + steps[i]);
+      }
+    } catch (const Error& e) {
+      failure = e.what();
+      remove_tree(tmp);
+    }
+  }
+  agree(comm, root, "writing the checkpoint's metadata", failure);
+  return CheckpointInfo{final_dir, options.step, n, h.mode};
+}
+
+}  // namespace flatshard::checkpoint::shards
