@@ -9,6 +9,8 @@
 //                 [--batch 4] [--warmup 3] [--steps 20] [--peak-tflops 989] [--offload 0|1]
 //                 [--recompute 0|1] [--csv FILE] [--profile TRACE.json] [--mode full|ddp]
 //
+// --step-in-backward 1 (full shard) steps each unit's shard in backward
+// (FullyShardBase::step_in_backward): the fp32 gradients never exist together.
 // --mode ddp runs FlatShard's DistributedDataParallel instead (bf16 parameters and
 // gradients, fp32 all-reduce and masters, flatshard::optim::Adam over the masters; the
 // model moved to the GPU whole); peer_fsdp2_gpu.py --mode ddp is PyTorch DDP's run.
@@ -37,7 +39,7 @@ namespace {
 struct Args {
   int dim = 2048, layers = 18, heads = 16, vocab = 32768, context = 1024, batch = 4;
   int warmup = 3, steps = 20;
-  bool offload = false, recompute = false;
+  bool offload = false, recompute = false, step_in_backward = false;
   double peak_tflops = 989;  // H100/H200 SXM dense bf16
   std::string csv, profile, mode = "full";
 };
@@ -75,6 +77,8 @@ Args parse(int argc, char** argv) {
       a.profile = v;
     else if (k == "--mode")
       a.mode = v;
+    else if (k == "--step-in-backward")
+      a.step_in_backward = std::atoi(v) != 0;
     else {
       std::fprintf(stderr, "bench_gpt_gpu: unknown option %s\n", k.c_str());
       std::exit(2);
@@ -142,6 +146,7 @@ int main(int argc, char** argv) {
     options.mixed_precision.reduce = at::kFloat;
     fsdp = std::make_unique<flatshard::FullyShard<flatshard::examples::GPT>>(model, world, options);
     adam = std::make_unique<flatshard::optim::Adam>(fsdp->shards(), adamw);
+    if (a.step_in_backward) fsdp->step_in_backward(adam.get());
   }
   auto& opt = *adam;
 
@@ -184,15 +189,16 @@ int main(int argc, char** argv) {
         "flatshard %s%s%s: %.3fB params, %.0f tokens/s, MFU %.1f%%, peak %.2f GiB (reserved %.2f "
         "GiB, "
         "%lld retries), host peak %.1f GiB, step %.1f ms, loss %.3f\n",
-        ddp_mode ? "DDP" : "full shard", a.offload ? " + CPU offload" : "", a.recompute ? " + recompute" : "",
-        params / 1e9, tokens_per_s, 100 * mfu, mem.peak_bytes / gib, mem.reserved_bytes / gib,
-        static_cast<long long>(mem.alloc_retries), host_peak_gib(), ms / a.steps, loss.item<double>());
+        ddp_mode ? "DDP" : (a.step_in_backward ? "full shard, step in backward" : "full shard"),
+        a.offload ? " + CPU offload" : "", a.recompute ? " + recompute" : "", params / 1e9, tokens_per_s,
+        100 * mfu, mem.peak_bytes / gib, mem.reserved_bytes / gib, static_cast<long long>(mem.alloc_retries),
+        host_peak_gib(), ms / a.steps, loss.item<double>());
     if (!a.csv.empty()) {
       std::ofstream f(a.csv, std::ios::app);
-      f << "flatshard" << (ddp_mode ? "-ddp" : "") << (a.offload ? "-offload" : "")
-        << (a.recompute ? "-recompute" : "") << ',' << params << ',' << tokens_per_s << ',' << mfu << ','
-        << mem.peak_bytes / gib << ',' << mem.reserved_bytes / gib << ',' << mem.alloc_retries << ','
-        << ms / a.steps << '\n';
+      f << "flatshard" << (ddp_mode ? "-ddp" : "") << (a.step_in_backward ? "-stepinbwd" : "")
+        << (a.offload ? "-offload" : "") << (a.recompute ? "-recompute" : "") << ',' << params << ','
+        << tokens_per_s << ',' << mfu << ',' << mem.peak_bytes / gib << ',' << mem.reserved_bytes / gib << ','
+        << mem.alloc_retries << ',' << ms / a.steps << '\n';
     }
   }
   if (!a.profile.empty()) {

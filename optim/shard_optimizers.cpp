@@ -25,6 +25,10 @@ ShardOptimizer::ShardOptimizer(std::vector<at::Tensor> shards) : shards_(std::mo
   check_shards(shards_);
 }
 
+void ShardOptimizer::step() {
+  for (std::size_t i = 0; i < shards_.size(); ++i) step_shard(i);
+}
+
 void ShardOptimizer::zero_grad() {
   for (auto& s : shards_) s.mutable_grad().reset();
 }
@@ -39,28 +43,26 @@ SGD::SGD(std::vector<at::Tensor> shards, const SGDOptions& options)
   }
 }
 
-void SGD::step() {
-  for (std::size_t i = 0; i < shards_.size(); ++i) {
-    const at::Tensor& grad = shards_[i].grad();
-    if (!grad.defined()) continue;
-    kernels::SgdHyper h;
-    h.lr = static_cast<float>(options_.lr);
-    h.momentum = static_cast<float>(options_.momentum);
-    h.dampening = static_cast<float>(options_.dampening);
-    h.weight_decay = static_cast<float>(options_.weight_decay);
-    h.nesterov = options_.nesterov;
-    h.first_step = !momentum_[i].defined();
-    ++steps_[i];
-    if (options_.momentum != 0 && h.first_step) momentum_[i] = at::empty_like(shards_[i]);
-    const auto g = grad.contiguous();
-    float* momentum = momentum_[i].defined() ? momentum_[i].data_ptr<float>() : nullptr;
-    if (shards_[i].is_cuda()) {
-      kernels::cuda_kernels("optim::SGD")
-          .sgd_step(shards_[i].data_ptr<float>(), g.data_ptr<float>(), momentum, shards_[i].numel(), h,
-                    nullptr);
-    } else {
-      kernels::sgd_step(shards_[i].data_ptr<float>(), g.data_ptr<float>(), momentum, shards_[i].numel(), h);
-    }
+void SGD::step_shard(std::size_t i) {
+  const at::Tensor& grad = shards_[i].grad();
+  if (!grad.defined()) return;
+  kernels::SgdHyper h;
+  h.lr = static_cast<float>(options_.lr);
+  h.momentum = static_cast<float>(options_.momentum);
+  h.dampening = static_cast<float>(options_.dampening);
+  h.weight_decay = static_cast<float>(options_.weight_decay);
+  h.nesterov = options_.nesterov;
+  h.first_step = !momentum_[i].defined();
+  ++steps_[i];
+  if (options_.momentum != 0 && h.first_step) momentum_[i] = at::empty_like(shards_[i]);
+  const auto g = grad.contiguous();
+  float* momentum = momentum_[i].defined() ? momentum_[i].data_ptr<float>() : nullptr;
+  if (shards_[i].is_cuda()) {
+    kernels::cuda_kernels("optim::SGD")
+        .sgd_step(shards_[i].data_ptr<float>(), g.data_ptr<float>(), momentum, shards_[i].numel(), h,
+                  nullptr);
+  } else {
+    kernels::sgd_step(shards_[i].data_ptr<float>(), g.data_ptr<float>(), momentum, shards_[i].numel(), h);
   }
 }
 
@@ -103,31 +105,29 @@ Adam::Adam(std::vector<at::Tensor> shards, const AdamWOptions& options)
   decoupled_ = true;
 }
 
-void Adam::step() {
-  for (std::size_t i = 0; i < shards_.size(); ++i) {
-    const at::Tensor& grad = shards_[i].grad();
-    if (!grad.defined()) continue;
-    if (!exp_avg_[i].defined()) {
-      exp_avg_[i] = at::zeros_like(shards_[i]);
-      exp_avg_sq_[i] = at::zeros_like(shards_[i]);
-    }
-    kernels::AdamHyper h;
-    h.lr = static_cast<float>(options_.lr);
-    h.beta1 = static_cast<float>(options_.beta1);
-    h.beta2 = static_cast<float>(options_.beta2);
-    h.eps = static_cast<float>(options_.eps);
-    h.weight_decay = static_cast<float>(options_.weight_decay);
-    h.decoupled_weight_decay = decoupled_;
-    h.step = ++steps_[i];
-    const auto g = grad.contiguous();
-    if (shards_[i].is_cuda()) {
-      kernels::cuda_kernels("optim::Adam")
-          .adam_step(shards_[i].data_ptr<float>(), g.data_ptr<float>(), exp_avg_[i].data_ptr<float>(),
-                     exp_avg_sq_[i].data_ptr<float>(), shards_[i].numel(), h, nullptr);
-    } else {
-      kernels::adam_step(shards_[i].data_ptr<float>(), g.data_ptr<float>(), exp_avg_[i].data_ptr<float>(),
-                         exp_avg_sq_[i].data_ptr<float>(), shards_[i].numel(), h);
-    }
+void Adam::step_shard(std::size_t i) {
+  const at::Tensor& grad = shards_[i].grad();
+  if (!grad.defined()) return;
+  if (!exp_avg_[i].defined()) {
+    exp_avg_[i] = at::zeros_like(shards_[i]);
+    exp_avg_sq_[i] = at::zeros_like(shards_[i]);
+  }
+  kernels::AdamHyper h;
+  h.lr = static_cast<float>(options_.lr);
+  h.beta1 = static_cast<float>(options_.beta1);
+  h.beta2 = static_cast<float>(options_.beta2);
+  h.eps = static_cast<float>(options_.eps);
+  h.weight_decay = static_cast<float>(options_.weight_decay);
+  h.decoupled_weight_decay = decoupled_;
+  h.step = ++steps_[i];
+  const auto g = grad.contiguous();
+  if (shards_[i].is_cuda()) {
+    kernels::cuda_kernels("optim::Adam")
+        .adam_step(shards_[i].data_ptr<float>(), g.data_ptr<float>(), exp_avg_[i].data_ptr<float>(),
+                   exp_avg_sq_[i].data_ptr<float>(), shards_[i].numel(), h, nullptr);
+  } else {
+    kernels::adam_step(shards_[i].data_ptr<float>(), g.data_ptr<float>(), exp_avg_[i].data_ptr<float>(),
+                       exp_avg_sq_[i].data_ptr<float>(), shards_[i].numel(), h);
   }
 }
 

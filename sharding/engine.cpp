@@ -18,6 +18,7 @@
 #include <fmt/ranges.h>
 
 #include "flatshard/errors.h"
+#include "flatshard/optim.h"
 #include "optim/clip.h"
 #include "src/errors.h"
 #include "src/logging.h"
@@ -523,6 +524,7 @@ void Engine::finish_pending_reduce() {
     landing_grads_.emplace_back(pending->unit, std::move(landing));
   } else {
     accumulate(g.master().mutable_grad(), std::move(reduced));
+    step_now(pending->unit);
   }
   if (pending->input_is_full_grad) g.free_full_grad();
 }
@@ -561,14 +563,65 @@ void Engine::land_offloaded_grads() {
   // One host wait for the device-to-host copies queued on the compute stream.
   if (!device_.is_cpu()) c10::impl::VirtualGuardImpl(device_.type()).getStream(device_).synchronize();
   at::NoGradGuard no_grad;
-  for (auto& [unit, landed] : landing_grads_)
+  for (auto& [unit, landed] : landing_grads_) {
     accumulate(units_[unit]->group->master().mutable_grad(), landed);
+    step_now(unit);
+  }
   landing_grads_.clear();
 }
 
 // --- the rest -------------------------------------------------------------------
 
+// Note [Step in backward]
+// With an optimizer registered by step_in_backward, each unit's master shard steps as soon
+// as its gradient shard is final (reduced, or landed on the host), and the gradient shard
+// is freed at once: the fp32 gradients of all units never exist together. The arithmetic
+// is the step's after backward (each shard steps independently); what it rules out is
+// whatever needs every gradient first: clipping the global norm, and skipping a step for
+// NaN/Inf.
+void Engine::set_step_in_backward(optim::ShardOptimizer* optimizer) {
+  step_in_backward_ = nullptr;
+  shard_of_unit_.clear();
+  if (!optimizer) return;
+  const std::string who =
+      fmt::format("flatshard::FullyShard::step_in_backward (rank {}/{})", rank_, world_size_);
+  if (options_.nonfinite_grads != NonFiniteGrads::Ignore) {
+    throw InvalidArgument(fmt::format(
+        "{}: nonfinite_grads must be Ignore: a step in backward cannot be skipped once a unit has stepped",
+        who));
+  }
+  const auto mine = shards();
+  const auto& theirs = optimizer->shards();
+  bool same = mine.size() == theirs.size();
+  for (std::size_t i = 0; same && i < mine.size(); ++i) same = mine[i].is_same(theirs[i]);
+  if (!same) {
+    throw InvalidArgument(fmt::format(
+        "{}: the optimizer does not step this FullyShard's shards (it has {}, this has {}); make it over "
+        "fsdp.shards()",
+        who, theirs.size(), mine.size()));
+  }
+  shard_of_unit_.assign(units_.size(), -1);
+  int next = 0;
+  for (std::size_t i = 0; i < units_.size(); ++i) {
+    if (units_[i]->group) shard_of_unit_[i] = next++;
+  }
+  step_in_backward_ = optimizer;
+}
+
+void Engine::step_now(int unit) {
+  if (!step_in_backward_ || shard_of_unit_[unit] < 0) return;
+  at::NoGradGuard no_grad;
+  step_in_backward_->step_shard(static_cast<std::size_t>(shard_of_unit_[unit]));
+  units_[unit]->group->master().mutable_grad().reset();
+}
+
 double Engine::clip_grad_norm(double max_norm) {
+  if (step_in_backward_) {
+    throw InvalidArgument(
+        fmt::format("flatshard::FullyShard::clip_grad_norm (rank {}/{}): the optimizer steps in backward "
+                    "(step_in_backward), so no gradient is left to clip; clip without stepping in backward",
+                    rank_, world_size_));
+  }
   std::vector<at::Tensor> grads;
   for (auto& u : units_) {
     if (u->group) grads.push_back(u->group->master().grad());

@@ -12,6 +12,10 @@
 #include "flatshard/fully_shard.h"
 #include "sharding/flat_param.h"
 
+namespace flatshard::optim {
+class ShardOptimizer;
+}
+
 namespace flatshard::sharding {
 
 class Engine {
@@ -29,6 +33,8 @@ class Engine {
   std::vector<at::Tensor> shards() const;
   std::vector<ShardLayout> layout() const;
   double clip_grad_norm(double max_norm);
+  // Note [Step in backward]; nullptr: step after backward, as usual.
+  void set_step_in_backward(optim::ShardOptimizer* optimizer);
   void set_no_sync(bool on) { no_sync_ = on; }
   void zero_grad();
   void gather_all();
@@ -57,6 +63,7 @@ class Engine {
   void finish_pending_reduce();
   void land_offloaded_grads();
   void end_of_backward();
+  void step_now(int unit);
   void account();
   int gathered_non_root_units() const;
 
@@ -86,6 +93,8 @@ class Engine {
   int peak_gathered_units_ = 0;
   std::int64_t synced_backwards_ = 0;
   std::int64_t skipped_steps_ = 0;
+  optim::ShardOptimizer* step_in_backward_ = nullptr;
+  std::vector<int> shard_of_unit_;    // unit -> index in shards(), -1 without parameters
   std::recursive_mutex hooks_mutex_;  // forward and backward hooks (see Engine::Unit)
 };
 

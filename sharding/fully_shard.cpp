@@ -56,6 +56,9 @@ std::vector<at::Tensor> FullyShardBase::shards() const { return engine_->shards(
 std::vector<ShardLayout> FullyShardBase::layout() const { return engine_->layout(); }
 double FullyShardBase::clip_grad_norm(double max_norm) { return engine_->clip_grad_norm(max_norm); }
 void FullyShardBase::zero_grad() { engine_->zero_grad(); }
+void FullyShardBase::step_in_backward(optim::ShardOptimizer* optimizer) {
+  engine_->set_step_in_backward(optimizer);
+}
 ShardMemory FullyShardBase::memory() const { return engine_->memory(); }
 int FullyShardBase::peak_gathered_units() const { return engine_->peak_gathered_units(); }
 void FullyShardBase::reset_peaks() { engine_->reset_peaks(); }

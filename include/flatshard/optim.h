@@ -40,7 +40,11 @@ class ShardOptimizer {
  public:
   explicit ShardOptimizer(std::vector<at::Tensor> shards);
   virtual ~ShardOptimizer() = default;
-  virtual void step() = 0;
+  // Steps every shard that has a gradient.
+  void step();
+  // Steps shard i if it has a gradient (FullyShardBase::step_in_backward calls it as
+  // each unit's gradient shard is ready).
+  virtual void step_shard(std::size_t i) = 0;
   void zero_grad();
   // Bytes of optimizer state held by this rank.
   virtual std::int64_t state_bytes() const = 0;
@@ -63,7 +67,7 @@ class ShardOptimizer {
 class SGD final : public ShardOptimizer {
  public:
   SGD(std::vector<at::Tensor> shards, const SGDOptions& options);
-  void step() override;
+  void step_shard(std::size_t i) override;
   std::int64_t state_bytes() const override;
   std::vector<std::pair<std::string, at::Tensor>> named_state(std::size_t i) const override;
   std::int64_t steps(std::size_t i) const override { return steps_[i]; }
@@ -81,7 +85,7 @@ class Adam final : public ShardOptimizer {
  public:
   Adam(std::vector<at::Tensor> shards, const AdamOptions& options);
   Adam(std::vector<at::Tensor> shards, const AdamWOptions& options);
-  void step() override;
+  void step_shard(std::size_t i) override;
   std::int64_t state_bytes() const override;
   std::vector<std::pair<std::string, at::Tensor>> named_state(std::size_t i) const override;
   std::int64_t steps(std::size_t i) const override { return steps_[i]; }

@@ -14,7 +14,8 @@
 //  - hybrid sharding at world 2 over TCP on one GPU, groups of 1 and 2;
 //  - a model built into shards onto the GPU (and offloaded), at worlds 1 and 2;
 //  - activation recomputation with dropout on the GPU;
-//  - sharded checkpoints of CUDA shards, loaded on the CPU and on the GPU with offload.
+//  - sharded checkpoints of CUDA shards, loaded on the CPU and on the GPU with offload;
+//    DDP's and ZeRO-1's saved on the GPU and loaded on the CPU.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -400,6 +401,79 @@ TEST(CudaCheckpoint, DeviceShardsSaveAndLoadOnTheCpuAndTheGpu) {
   for (std::size_t i = 0; i < a.size(); ++i) {
     EXPECT_LE((a[i] - b[i]).norm().item<double>(), 1e-5 * a[i].norm().item<double>() + 1e-12)
         << "shard " << i;
+  }
+  std::system(("rm -rf " + dir).c_str());
+}
+
+// DDP (torch::optim AdamW over the masters) and ZeRO-1 on the GPU save sharded
+// checkpoints that load into the same modes on the CPU: the same parameters and
+// optimizer state, bit for bit.
+TEST(CudaCheckpoint, ReplicatedModesSaveOnTheGpuAndLoadOnTheCpu) {
+  REQUIRE_GPU();
+  flatshard::World world;
+  char dir_template[] = "/tmp/flatshard-cuda-ddp-ckpt-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  using Ddp = flatshard::DistributedDataParallel<flatshard::testing::GPT>;
+  const auto make = [&](c10::Device device) {
+    auto model = gpt_factory()();
+    model->to(device);
+    flatshard::DDPOptions options;
+    options.mixed_precision.param = at::kBFloat16;
+    options.mixed_precision.reduce = at::kFloat;
+    options.first_bucket_bytes = 64 << 10;
+    options.bucket_bytes = 256 << 10;
+    options.comm.timeout = std::chrono::seconds(60);
+    return std::make_unique<Ddp>(model, world, options);
+  };
+  const auto params = [](Ddp& ddp) {
+    std::vector<at::Tensor> out;
+    for (const auto& p : ddp.optimizer_params()) out.push_back(p.detach().cpu());
+    return out;
+  };
+  const auto backward = [](Ddp& ddp, int step) {
+    const auto b = gpt_batch(step, 4);
+    const auto device = ddp.comm().device();
+    token_loss(ddp.forward(b.input.to(device)).to(at::kFloat), b.target.to(device)).backward();
+  };
+  const auto train = [&](Ddp& ddp, auto& opt) {
+    for (int s = 0; s < 3; ++s) {
+      backward(ddp, s);
+      opt.step();
+      opt.zero_grad();
+    }
+  };
+  flatshard::checkpoint::SaveOptions at_step;
+  at_step.step = 3;
+  // DDP with torch::optim::AdamW.
+  {
+    auto gpu = make(kGpu);
+    torch::optim::AdamW opt(gpu->optimizer_params(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    train(*gpu, opt);
+    flatshard::checkpoint::save_sharded(dir + "/ddp", *gpu, &opt, at_step);
+    auto cpu = make(c10::Device(c10::kCPU));
+    torch::optim::AdamW cpu_opt(cpu->optimizer_params(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    flatshard::checkpoint::load_sharded(dir + "/ddp", *cpu, &cpu_opt);
+    expect_equal(params(*cpu), params(*gpu), "DDP masters on the CPU");
+  }
+  // ZeRO-1 with DDP.
+  {
+    auto gpu = make(kGpu);
+    flatshard::ZeroRedundancyOptimizer opt(*gpu, flatshard::optim::AdamWOptions{1e-3, 0.9, 0.999, 1e-8, 0.1});
+    train(*gpu, opt);
+    flatshard::checkpoint::save_sharded(dir + "/zero", opt, at_step);
+    const auto state = opt.consolidated_state_dict();
+    auto cpu = make(c10::Device(c10::kCPU));
+    flatshard::ZeroRedundancyOptimizer cpu_opt(*cpu,
+                                               flatshard::optim::AdamWOptions{1e-3, 0.9, 0.999, 1e-8, 0.1});
+    flatshard::checkpoint::load_sharded(dir + "/zero", cpu_opt);
+    expect_equal(params(*cpu), params(*gpu), "ZeRO-1 masters on the CPU");
+    const auto loaded = cpu_opt.consolidated_state_dict();
+    ASSERT_EQ(loaded.size(), state.size());
+    for (const auto& [name, t] : state) {
+      ASSERT_TRUE(loaded.count(name)) << name;
+      EXPECT_TRUE(at::equal(loaded.at(name).cpu(), t.cpu())) << "ZeRO-1 state " << name;
+    }
   }
   std::system(("rm -rf " + dir).c_str());
 }

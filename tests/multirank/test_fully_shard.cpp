@@ -369,6 +369,56 @@ TEST(FullyShard, CpuOffloadTrainsBitForBitAsWithout) {
   }
 }
 
+// Stepping in backward (Note [Step in backward]) is the step after backward, bit for bit,
+// with gradient accumulation, under both strategies and with offload; it leaves no
+// gradient shard behind, and refuses what needs every gradient first.
+TEST(FullyShard, StepInBackwardTrainsBitForBitAsAStepAfter) {
+  FLATSHARD_RUN_RANKS({1, 2, 4}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    for (bool offload : {false, true}) {
+      TrainSpec spec;
+      spec.strategy = strategy;
+      spec.optimizer = OptKind::AdamW;
+      spec.steps = 4;
+      spec.global_batch = 8;
+      spec.micro_batches = 2;
+      spec.param_dtype = at::kBFloat16;
+      spec.reduce_dtype = at::kFloat;
+      spec.cpu_offload = offload;
+      spec.build_on_host = offload;
+      const auto batch = [](int s) { return gpt_batch(s, 8); };
+      const auto after = train_and_compare<GPT>(world, gpt_factory(), batch, token_loss, spec);
+      spec.step_in_backward = true;
+      const auto in = train_and_compare<GPT>(world, gpt_factory(), batch, token_loss, spec);
+      SCOPED_TRACE(::testing::Message()
+                   << to_string(strategy) << (offload ? " offload" : "") << " world " << world.world_size());
+      ASSERT_EQ(after.weights.size(), in.weights.size());
+      for (const auto& [name, w] : after.weights) EXPECT_TRUE(at::equal(w, in.weights.at(name))) << name;
+      EXPECT_EQ(after.max_rel_loss_diff, in.max_rel_loss_diff);
+      EXPECT_LE(in.global_rel_weight_diff, 5e-3);
+    }
+  }
+  // No gradient shard outlives backward; clipping and a skipping policy are refused.
+  auto model = gpt_factory()();
+  flatshard::FullyShard<GPT> fsdp(model, world);
+  flatshard::optim::AdamW opt(fsdp.shards(), {});
+  fsdp.step_in_backward(&opt.base());
+  const auto b = gpt_batch(0, 4 * world.world_size());
+  token_loss(fsdp.forward(b.input.narrow(0, 4 * world.rank(), 4)), b.target.narrow(0, 4 * world.rank(), 4))
+      .backward();
+  EXPECT_EQ(fsdp.memory().grad_shard_bytes, 0);
+  EXPECT_GT(opt.base().steps(0), 0) << "the root unit stepped in backward";
+  EXPECT_THROW(fsdp.clip_grad_norm(1.0), flatshard::InvalidArgument);
+  flatshard::optim::AdamW other(std::vector<at::Tensor>{fsdp.shards().front()}, {});
+  EXPECT_THROW(fsdp.step_in_backward(&other.base()), flatshard::InvalidArgument);
+  flatshard::FullyShardOptions skipping;
+  skipping.nonfinite_grads = flatshard::NonFiniteGrads::Skip;
+  flatshard::FullyShard<GPT> guarded(gpt_factory()(), world, skipping);
+  flatshard::optim::AdamW guarded_opt(guarded.shards(), {});
+  EXPECT_THROW(guarded.step_in_backward(&guarded_opt.base()), flatshard::InvalidArgument);
+}
+
 TEST(FullyShard, Bf16ParametersWithFp32Masters) {
   FLATSHARD_RUN_RANKS({1, 2, 4}, std::chrono::seconds(180));
   auto world = flatshard::init();

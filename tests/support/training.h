@@ -41,6 +41,9 @@ struct TrainSpec {
   bool build_into_shards = false;
   bool cpu_offload = false;  // FullyShardOptions::cpu_offload
   bool recompute = false;    // every unit of the distributed model recomputes its activations
+  // The sharded side's optimizer steps inside backward (FullyShardBase::step_in_backward);
+  // it still calls step() after backward, which then finds no gradient.
+  bool step_in_backward = false;
   // Called before each step with the reference and the sharded model (e.g. to make a
   // unit go unused in that step).
   std::function<void(int step, torch::nn::Module& reference, torch::nn::Module& sharded)> before_step;

@@ -214,6 +214,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   if (spec.recompute) set_recompute(*model);
   FullyShard<Holder> fsdp(model, world, options);
   auto opt = sharded_optimizer(spec.optimizer, fsdp.shards());
+  if (spec.step_in_backward) fsdp.step_in_backward(opt.opt.get());
 
   DistributedSide side;
   side.forward = [&](const at::Tensor& x) { return fsdp.forward(x); };
