@@ -129,8 +129,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
       rank_(world.rank()),
       world_size_(world.world_size()),
       options_(options),
-      reshard_after_forward_(
-          options.reshard_after_forward.value_or(options.strategy != Strategy::ShardGradOp)),
+      reshard_after_forward_(reshards_after_forward(options)),
       shard_(flatshard::shard_group(world, options)) {
   if (options_.prefetch < 0) {
     throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): prefetch must be >= 0, got {}",

@@ -49,6 +49,10 @@ class Engine {
   Communicator& comm() { return *comm_; }
   const ShardGroup& shard_group() const { return shard_; }
   static constexpr int kRoot = 0;
+  // The options' choice, or the strategy's default (every strategy but ShardGradOp).
+  static bool reshards_after_forward(const FullyShardOptions& options) {
+    return options.reshard_after_forward.value_or(options.strategy != Strategy::ShardGradOp);
+  }
 
  private:
   struct Unit;

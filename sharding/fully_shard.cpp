@@ -42,11 +42,12 @@ ShardGroup shard_group(const World& world, const FullyShardOptions& options) {
 FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const World& world,
                                const FullyShardOptions& options)
     : world_(world) {
-  const bool reshards = options.reshard_after_forward.value_or(options.strategy != Strategy::ShardGradOp);
-  const auto mode = reshards ? plan::Mode::FullShard : plan::Mode::Zero2;
+  const auto mode =
+      sharding::Engine::reshards_after_forward(options) ? plan::Mode::FullShard : plan::Mode::Zero2;
   const auto dtype = options.mixed_precision.param;
   sharding::check_memory_budget(*model, world, mode, dtype && *dtype != at::kFloat ? 2 : 4,
-                                options.memory_budget, "FullyShard", flatshard::shard_group(world, options).size);
+                                options.memory_budget, "FullyShard",
+                                flatshard::shard_group(world, options).size);
   engine_ = std::make_unique<sharding::Engine>(std::move(model), world, options);
 }
 
