@@ -4,8 +4,8 @@
 //   bench_modes --mode ddp|zero1|zero2|full [--layers 6 --dim 256 --heads 8 --vocab 4096
 //               --context 64 --batch 4 --steps 6]
 //
-// ddp: DistributedDataParallel + AdamW; zero1: DDP + ZeroRedundancyOptimizer(AdamW);
-// zero2: FullyShard shard-grad-op; full: FullyShard full shard. Rank 0 prints one CSV
+// FullyShard with optim::AdamW under the mode's strategy: ddp NoShard, zero1
+// ShardOptimizerState, zero2 ShardGradOp, full FullShard. Rank 0 prints one CSV
 // line: mode,world,params,step_ms,alloc_peak_bytes,rss_growth_bytes,param_shard,
 // grad_shard,optim_state,peak_unsharded_params,peak_unsharded_grads,formula_bytes
 // (figures are the largest over ranks; peaks are measured from the second step on).
@@ -69,27 +69,14 @@ int main(int argc, char** argv) {
   std::int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
 
-  std::unique_ptr<flatshard::FullyShard<GPT>> fsdp;
-  std::unique_ptr<flatshard::DistributedDataParallel<GPT>> ddp;
-  std::unique_ptr<flatshard::optim::AdamW> shard_opt;
-  std::unique_ptr<torch::optim::AdamW> torch_opt;
-  std::unique_ptr<flatshard::ZeroRedundancyOptimizer> zero;
-  if (mode == "full" || mode == "zero2") {
-    flatshard::FullyShardOptions options;
-    options.strategy = mode == "full" ? flatshard::Strategy::FullShard : flatshard::Strategy::ShardGradOp;
-    fsdp = std::make_unique<flatshard::FullyShard<GPT>>(model, world, options);
-    shard_opt =
-        std::make_unique<flatshard::optim::AdamW>(fsdp->shards(), flatshard::optim::AdamWOptions{3e-4});
-  } else {
-    ddp = std::make_unique<flatshard::DistributedDataParallel<GPT>>(model, world);
-    if (mode == "ddp") {
-      torch_opt =
-          std::make_unique<torch::optim::AdamW>(ddp->optimizer_params(), torch::optim::AdamWOptions(3e-4));
-    } else {
-      zero = std::make_unique<flatshard::ZeroRedundancyOptimizer>(*ddp, flatshard::optim::AdamWOptions{3e-4});
-    }
-  }
-  flatshard::Communicator& comm = fsdp ? fsdp->comm() : ddp->comm();
+  flatshard::FullyShardOptions options;
+  options.strategy = mode == "full"    ? flatshard::Strategy::FullShard
+                     : mode == "zero2" ? flatshard::Strategy::ShardGradOp
+                     : mode == "zero1" ? flatshard::Strategy::ShardOptimizerState
+                                       : flatshard::Strategy::NoShard;
+  flatshard::FullyShard<GPT> fsdp(model, world, options);
+  flatshard::optim::AdamW opt(fsdp.shards(), flatshard::optim::AdamWOptions{3e-4});
+  flatshard::Communicator& comm = fsdp.comm();
 
   auto g = at::make_generator<at::CPUGeneratorImpl>(world.rank());
   double total_ms = 0;
@@ -97,41 +84,24 @@ int main(int argc, char** argv) {
     auto tokens = at::randint(cfg.vocab, {batch, cfg.context + 1}, g);
     if (step == 1) {  // the first step allocates optimizer state: measure from the second on
       flatshard::memory::reset_allocator_peak();
-      if (fsdp) fsdp->reset_peaks();
+      fsdp.reset_peaks();
       comm.barrier().wait();
     }
     const auto start = std::chrono::steady_clock::now();
     auto input = tokens.narrow(1, 0, cfg.context);
-    auto logits = fsdp ? fsdp->forward(input) : ddp->forward(input);
+    auto logits = fsdp.forward(input);
     auto loss = torch::cross_entropy_loss(logits.reshape({-1, cfg.vocab}),
                                           tokens.narrow(1, 1, cfg.context).reshape({-1}));
     loss.backward();
-    if (shard_opt) {
-      shard_opt->step();
-      shard_opt->zero_grad();
-    } else if (torch_opt) {
-      torch_opt->step();
-      torch_opt->zero_grad();
-    } else {
-      zero->step();
-      zero->zero_grad();
-    }
+    opt.step();
+    opt.zero_grad();
     if (step >= 1)
       total_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   }
   const std::int64_t rss_growth = rss_bytes("VmHWM:") - rss_before;
-  flatshard::ShardMemory m;
-  std::int64_t state = 0, param_bytes = 0, grad_bytes = 0;
-  if (fsdp) {
-    m = fsdp->memory();
-    state = shard_opt->state_bytes();
-    param_bytes = m.param_shard_bytes;
-    grad_bytes = m.param_shard_bytes;
-  } else {
-    param_bytes = params * 4;
-    grad_bytes = params * 4;
-    state = zero ? zero->state_bytes() : params * 8;
-  }
+  const flatshard::ShardMemory m = fsdp.memory();
+  const std::int64_t state = opt.state_bytes(), param_bytes = m.param_shard_bytes,
+                     grad_bytes = m.param_shard_bytes;
   auto figures =
       at::tensor({static_cast<double>(flatshard::memory::allocator_stats().peak_bytes), total_ms / steps,
                   static_cast<double>(rss_growth), static_cast<double>(m.peak_unsharded_param_bytes),

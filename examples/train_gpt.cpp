@@ -205,9 +205,7 @@ int main(int argc, char** argv) {
     o.adamw = {a.lr, 0.9, 0.95, 1e-8, 0.1};
     if (a.sgd) o.sgd = flatshard::optim::SGDOptions{a.lr};
     o.fully_shard.memory_budget = budget;
-    o.fully_shard.strategy =
-        mode == plan::Mode::Zero2 ? flatshard::Strategy::ShardGradOp : flatshard::Strategy::FullShard;
-    o.ddp.memory_budget = budget;
+    o.fully_shard.strategy = flatshard::examples::strategy_of(mode);  // BuildIntoShards needs it first
     GPT model{nullptr};
     torch::manual_seed(42);
     if (a.build_into_shards) {

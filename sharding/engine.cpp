@@ -1,5 +1,6 @@
 #include "sharding/engine.h"
 
+#include "sharding/buckets.h"
 #include "sharding/model_check.h"
 #include "sharding/unit_discovery.h"
 
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <numeric>
 #include <set>
 #include <unordered_map>
 
@@ -46,7 +48,13 @@ struct Engine::PendingReduce {
   std::optional<Work> work;
   at::Tensor input;   // what is being reduce-scattered (owned until the work completes)
   at::Tensor output;  // this rank's reduced shard, in the reduce dtype
-  bool input_is_full_grad;
+  bool input_is_full_grad = false;
+  // A bucket of a replicated group (Note [Replicated strategies]): its index, and where
+  // the reduced values go when they were not reduced in place (copied, or added to a
+  // gradient an earlier backward left).
+  int segment = -1;
+  at::Tensor target;
+  bool add = false;
 };
 
 namespace {
@@ -110,17 +118,30 @@ class Driver final : public UnitHooks {
 // Runs after AccumulateGrad has added a parameter's gradient into its flat view.
 class AccumulatedHook final : public torch::autograd::FunctionPostHook {
  public:
-  AccumulatedHook(Engine* engine, int unit) : engine_(engine), unit_(unit) {}
+  AccumulatedHook(Engine* engine, int unit, int param) : engine_(engine), unit_(unit), param_(param) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list& /*inputs*/) override {
-    engine_->on_grad_accumulated(unit_);
+    engine_->on_grad_accumulated(unit_, param_);
     return outputs;
   }
 
  private:
   Engine* engine_;
   int unit_;
+  int param_;
 };
+
+// Adds gradients that did not land in their flat views (they reached a parameter before
+// its unit's backward began) into the flat gradient.
+void fold_strays(FlatParamGroup& g, int first_slot, int end_slot) {
+  at::NoGradGuard no_grad;
+  for (int i = first_slot; i < end_slot; ++i) {
+    auto& slot = g.slots()[i];
+    const at::Tensor& grad = slot.param.grad();
+    auto view = g.slot_grad(slot);
+    if (grad.defined() && grad.data_ptr() != view.data_ptr()) view.add_(grad.reshape({-1}));
+  }
+}
 
 }  // namespace
 
@@ -131,6 +152,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
       options_(options),
       reshard_after_forward_(reshards_after_forward(options)),
       shard_(flatshard::shard_group(world, options)) {
+  replicated_ = replicates(options_.strategy);
   if (options_.prefetch < 0) {
     throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): prefetch must be >= 0, got {}",
                                       rank_, world_size_, options_.prefetch));
@@ -145,6 +167,13 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   for (std::size_t i = 0; i < declared.size(); ++i) {
     built[i + 1] = declared[i]->built_shard();
     if (!built[i + 1]) continue;
+    if (replicated_) {
+      throw InvalidArgument(fmt::format(
+          "flatshard::FullyShard (rank {}/{}): the model was built into shards (BuildIntoShards; {} holds "
+          "only this rank's shard), and strategy {} keeps a whole replica on every rank. Use FullShard, "
+          "ShardGradOp or HybridShard, or build the model without BuildIntoShards",
+          rank_, world_size_, built[i + 1]->name(), to_string(options_.strategy)));
+    }
     for (auto& slot : built[i + 1]->slots()) built_names[slot.param.unsafeGetTensorImpl()] = slot.name;
   }
   std::set<const c10::TensorImpl*> seen;
@@ -189,7 +218,8 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
                       rank_, world_size_, item.key(), c10::toString(item.value().scalar_type())));
     }
     model_dtype = item.value().scalar_type();
-    params[owner.at(impl)].emplace_back(item.key(), item.value());
+    // The replicated strategies keep every parameter in the root's group.
+    params[replicated_ ? 0 : owner.at(impl)].emplace_back(item.key(), item.value());
   }
   const auto first_built =
       std::find_if(built.begin(), built.end(), [](const auto& b) { return b != nullptr; });
@@ -238,7 +268,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
          fmt::format("units: {}", fmt::join(units, "; ")),
          fmt::format("compute dtype {}", c10::toString(compute))});
   }
-  if (shard_.size < world_size_) {
+  if (shard_.size < world_size_ && !replicated_) {
     // Note [Shard groups]: group k is ranks [k G, (k + 1) G); replica set j is the ranks
     // j, G + j, 2 G + j, ... that hold shard j. Made after the check above (a rank with
     // other groups would wait in rendezvous), by every rank in the same order.
@@ -252,6 +282,10 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     replica_comm_ = Communicator::create(subworld(world, replicas, replica_options.name), replica_options);
   }
 
+  if (replicated_) {
+    make_replicated_group(std::move(params[0]), compute, placement);
+    return;
+  }
   for (std::size_t i = 0; i <= declared.size(); ++i) {
     auto unit = std::make_unique<Unit>();
     const int index = static_cast<int>(units_.size());
@@ -269,7 +303,8 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     }
     if (unit->group) {
       for (auto& slot : unit->group->slots()) {
-        if (slot.accumulator) slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, index));
+        if (slot.accumulator)
+          slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, index, slot.id));
       }
     }
     if (i > 0) {
@@ -287,6 +322,97 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     if (u->group) memory_.param_shard_bytes += u->group->shard_numel() * 4;
   }
   log::at(log::Level::Info, "FullyShard: {} units, {} parameters", units_.size(), owner.size());
+}
+
+// Note [Replicated strategies]
+// NoShard (DDP) and ShardOptimizerState (ZeRO-1) are the engine's strategies whose
+// parameters stay gathered: the whole model is one persistent group (no unit is
+// gathered or freed), cut into segments that are DDP's buckets: the first up to
+// first_bucket_bytes, the rest up to bucket_bytes, in reverse registration order. Every
+// rank starts from rank 0's values. A bucket's gradient is reduced as soon as all its
+// parameters' gradients have arrived, in bucket order on every rank, one reduction in
+// flight (Note [One reduce-scatter in flight]): by all-reduce under NoShard (each rank is
+// a shard group of one), by reduce-scatter under ShardOptimizerState (each rank receives
+// its slice of the bucket, which is its part of the master shard). The first synced
+// backward records the order gradients arrive in, reduces nothing until it ends, and
+// then lays the group out again in rank 0's arrival order (DDP's rebuild). After a synced
+// backward the optimizer steps the master shard; before the next forward (or
+// summon_full_params) the parameters are refreshed from it: copied, and under
+// ShardOptimizerState all-gathered bucket by bucket. Without mixed precision, NoShard's
+// master shard is the flat buffer and its gradient the flat gradient: nothing is copied.
+void Engine::make_replicated_group(std::vector<std::pair<std::string, at::Tensor>> params,
+                                   at::ScalarType compute, const FlatParamGroup::Placement& given) {
+  if (options_.first_bucket_bytes <= 0 || options_.bucket_bytes <= 0) {
+    throw InvalidArgument(
+        fmt::format("flatshard::FullyShard (rank {}/{}): bucket sizes must be positive, got "
+                    "{} and {}",
+                    rank_, world_size_, options_.first_bucket_bytes, options_.bucket_bytes));
+  }
+  if (options_.cpu_offload) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::FullyShard (rank {}/{}): cpu_offload needs a sharded strategy (FullShard, ShardGradOp or "
+        "HybridShard); {} keeps the parameters gathered on the device",
+        rank_, world_size_, to_string(options_.strategy)));
+  }
+  for (auto& b : model_->buffers(/*recurse=*/true)) {
+    if (b.defined() && b.device() != device_) b.set_data(b.to(device_));
+  }
+  if (world_size_ > 1) {
+    // Every rank starts from rank 0's parameters and buffers (a model built on the host
+    // crosses to the compute device for it).
+    at::NoGradGuard no_grad;
+    for (auto& [name, p] : params) {
+      auto t = p.detach().to(device_);
+      comm_->broadcast(t, 0).wait();
+      if (t.data_ptr() != p.data_ptr()) p.detach().copy_(t);
+    }
+    for (auto& b : model_->buffers(/*recurse=*/true)) comm_->broadcast(b, 0).wait();
+  }
+  // Reverse registration order: roughly the order backward produces gradients.
+  std::reverse(params.begin(), params.end());
+  for (const auto& [name, p] : params) {
+    param_names_.push_back(name);
+    param_bytes_.push_back(p.numel() * static_cast<std::int64_t>(c10::elementSize(compute)));
+  }
+  std::vector<int> ids(params.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  const auto sizes = bucket_sizes(ids);
+  FlatParamGroup::Placement placement = given;
+  placement.persistent = true;
+  auto unit = std::make_unique<Unit>();
+  unit->name = "root";
+  if (!params.empty()) {
+    unit->group = std::make_shared<FlatParamGroup>("model", std::move(params), shard_.size, shard_.rank,
+                                                   compute, placement, sizes);
+    for (auto& slot : unit->group->slots()) {
+      if (slot.accumulator)
+        slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, kRoot, slot.id));
+    }
+    unit->gathered = true;
+    memory_.param_shard_bytes += unit->group->shard_numel() * 4;
+    master_version_ = unit->group->master()._version();
+  }
+  units_.push_back(std::move(unit));
+  segment_of_param_.assign(param_names_.size(), 0);
+  used_.assign(param_names_.size(), false);
+  if (units_[kRoot]->group) {
+    const auto& g = *units_[kRoot]->group;
+    for (int k = 0; k < static_cast<int>(g.segments().size()); ++k) {
+      for (int i = g.segments()[k].first_slot; i < g.segments()[k].end_slot; ++i)
+        segment_of_param_[g.slots()[i].id] = k;
+    }
+    pending_.assign(g.segments().size(), 0);
+  }
+  log::at(log::Level::Info, "FullyShard ({}): {} parameters in {} buckets", to_string(options_.strategy),
+          param_names_.size(), pending_.size());
+}
+
+std::vector<int> Engine::bucket_sizes(const std::vector<int>& ids) const {
+  std::vector<int> sizes;
+  for (const auto& bucket :
+       assign_buckets(param_bytes_, ids, options_.first_bucket_bytes, options_.bucket_bytes))
+    sizes.push_back(static_cast<int>(bucket.size()));
+  return sizes;
 }
 
 Engine::~Engine() {
@@ -318,6 +444,8 @@ std::vector<ShardLayout> Engine::layout() const {
     ShardLayout l;
     l.padded_numel = u->group->padded_numel();
     l.shard_numel = u->group->shard_numel();
+    for (const auto& seg : u->group->segments())
+      l.segments.push_back({seg.offset, seg.padded_numel, seg.slice, seg.master_offset});
     for (const auto& slot : u->group->slots())
       l.params.push_back({slot.name, slot.shape, slot.offset, slot.numel});
     out.push_back(std::move(l));
@@ -350,7 +478,7 @@ void Engine::unshard(int index) {
 
 void Engine::reshard(int index) {
   Unit& u = *units_[index];
-  if (!u.group) return;
+  if (!u.group || u.group->persistent()) return;
   if (u.gather) {  // a prefetch nobody used: let it land before freeing its buffer
     u.gather->wait();
     u.gather.reset();
@@ -384,6 +512,13 @@ void Engine::prefetch(int index) {
 void Engine::pre_forward(int index) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   Unit& u = *units_[index];
+  if (replicated_) {
+    refresh_replicas();
+    if (options_.broadcast_buffers && world_size_ > 1) {
+      for (auto& b : model_->buffers(/*recurse=*/true)) comm_->broadcast(b, 0).wait();
+    }
+    return;
+  }
   if (!order_recorded_ && index != kRoot && u.forward_position < 0) {
     u.forward_position = static_cast<int>(forward_order_.size());
     forward_order_.push_back(index);
@@ -425,6 +560,24 @@ void Engine::pre_backward(int index) {
   if (u.pre_backward_done) return;  // several outputs: once per backward
   u.pre_backward_done = true;
   if (!u.group) return;
+  if (u.group->persistent()) {
+    FlatParamGroup& g = *u.group;
+    // NoShard without mixed precision keeps its gradient in the flat gradient: it starts
+    // from zero unless an earlier backward's is still there (no zero_grad, or no_sync).
+    if (g.master_aliases_full() && g.full_grad_allocated() && !accumulating_ && !g.master().grad().defined())
+      g.full_grad().zero_();
+    g.allocate_full_grad();
+    g.use_grad_views();
+    account();
+    std::fill(pending_.begin(), pending_.end(), 0);
+    for (auto& slot : g.slots()) {
+      if (slot.accumulator) ++pending_[segment_of_param_[slot.id]];
+    }
+    std::fill(used_.begin(), used_.end(), false);
+    next_segment_ = 0;
+    fresh_grad_ = false;
+    return;
+  }
   unshard(index);
   u.group->allocate_full_grad();  // kept, not zeroed, while accumulating under no_sync
   u.group->use_grad_views();
@@ -439,7 +592,7 @@ void Engine::pre_backward(int index) {
   }
 }
 
-void Engine::on_grad_accumulated(int index) {
+void Engine::on_grad_accumulated(int index, int param) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   Unit& u = *units_[index];
   if (!u.pre_backward_done) {
@@ -447,7 +600,69 @@ void Engine::on_grad_accumulated(int index) {
     // outside its unit's forward). It landed in a fresh tensor; post_backward adds it in.
     pre_backward(index);
   }
-  if (--u.pending_grads == 0) post_backward(index);
+  if (!replicated_) {
+    if (--u.pending_grads == 0) post_backward(index);
+    return;
+  }
+  if (used_[param]) return;  // counted once per backward
+  used_[param] = true;
+  if (!rebuilt_ && !arrival_recorded_) arrival_.push_back(param);
+  --pending_[segment_of_param_[param]];
+  // The first synced backward reduces nothing until it has laid the buckets out again.
+  if (!no_sync_ && rebuilt_) launch_ready_segments();
+}
+
+void Engine::launch_ready_segments() {
+  while (next_segment_ < static_cast<int>(pending_.size()) && pending_[next_segment_] == 0)
+    reduce_segment(next_segment_++);
+}
+
+void Engine::reduce_segment(int s) {
+  finish_pending_reduce();
+  FlatParamGroup& g = *units_[kRoot]->group;
+  const FlatSegment& seg = g.segments()[s];
+  fold_strays(g, seg.first_slot, seg.end_slot);
+  at::NoGradGuard no_grad;
+  const at::ScalarType reduce_dtype = options_.mixed_precision.reduce.value_or(g.compute_dtype());
+  const at::Tensor grads = g.segment_grad(s);
+  auto pending = std::make_unique<PendingReduce>();
+  pending->unit = kRoot;
+  pending->segment = s;
+  at::Tensor& master_grad = g.master().mutable_grad();
+  if (!g.master_aliases_full() && !master_grad.defined()) {
+    master_grad = at::empty({g.shard_numel()}, g.master().options());
+    fresh_grad_ = true;
+  }
+  CollectiveOptions opts;
+  if (shard_.size == 1) {
+    // NoShard: every rank averages the whole bucket, in place.
+    at::Tensor target = g.master_aliases_full() ? grads : g.master_part(master_grad, s);
+    if (g.master_aliases_full() ? reduce_dtype == g.compute_dtype()
+                                : fresh_grad_ && reduce_dtype == at::kFloat) {
+      if (!target.is_same(grads)) target.copy_(grads);  // converted straight into the master's gradient
+      pending->input = target;
+    } else {
+      pending->input = grads.to(reduce_dtype);
+      pending->target = target;
+      pending->add = !g.master_aliases_full() && !fresh_grad_;
+    }
+    pending->output = pending->input;
+    opts.stream = StreamRole::AllReduce;
+    if (shard_.replicas > 1) pending->work = comm_->all_reduce(pending->input, ReduceOp::Avg, opts);
+  } else {
+    // ShardOptimizerState: each rank receives its slice, its part of the master shard.
+    pending->input = reduce_dtype == g.compute_dtype() ? grads : grads.to(reduce_dtype);
+    if (fresh_grad_ && reduce_dtype == at::kFloat) {
+      pending->output = g.master_part(master_grad, s);
+    } else {
+      pending->output = at::empty({seg.slice}, pending->input.options());
+      pending->target = g.master_part(master_grad, s);
+      pending->add = !fresh_grad_;
+    }
+    opts.stream = StreamRole::ReduceScatter;
+    pending->work = comm_->reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
+  }
+  in_flight_ = std::move(pending);
 }
 
 void Engine::post_backward(int index) {
@@ -503,13 +718,28 @@ void Engine::reduce(int index) {
     if (scattered) across.wait_for.push_back(scattered->event());
     pending->work = replica_comm_->all_reduce(pending->output, ReduceOp::Avg, across);
   }
-  pending_ = std::move(pending);
+  in_flight_ = std::move(pending);
 }
 
 void Engine::finish_pending_reduce() {
-  if (!pending_) return;
-  auto pending = std::move(pending_);
+  if (!in_flight_) return;
+  auto pending = std::move(in_flight_);
   if (pending->work) pending->work->wait();
+  const int pending_segment = pending->segment;
+  if (pending->segment >= 0) {  // a bucket of a replicated group
+    FlatParamGroup& g = *units_[pending->unit]->group;
+    if (pending->target.defined()) {
+      at::NoGradGuard no_grad;
+      if (pending->add) {
+        pending->target.add_(pending->output);
+      } else {
+        pending->target.copy_(pending->output);
+      }
+    }
+    pending.reset();
+    g.free_segment_grad(pending_segment);
+    return;
+  }
   FlatParamGroup& g = *units_[pending->unit]->group;
   at::NoGradGuard no_grad;
   // The reduced shard is this reduction's own buffer: an fp32 one becomes the gradient.
@@ -528,8 +758,159 @@ void Engine::finish_pending_reduce() {
   if (pending->input_is_full_grad) g.free_full_grad();
 }
 
+void Engine::end_of_replicated_backward() {
+  Unit& root = *units_[kRoot];
+  root.pre_backward_done = false;
+  if (!root.group) return;
+  FlatParamGroup& g = *root.group;
+  if (!rebuilt_) arrival_recorded_ = true;
+  if (no_sync_) {
+    fold_strays(g, 0, static_cast<int>(g.slots().size()));
+    g.drop_param_grads();
+    return;
+  }
+  std::vector<std::string> missing;
+  for (const auto& slot : g.slots()) {
+    if (slot.accumulator && !used_[slot.id]) missing.push_back(slot.name);
+  }
+  if (!missing.empty() && !options_.find_unused_parameters) {
+    g.drop_param_grads();
+    g.free_full_grad();
+    throw InvalidArgument(fmt::format(
+        "flatshard::FullyShard (rank {}/{}): {} parameter(s) got no gradient in this backward: {}. Set "
+        "FullyShardOptions::find_unused_parameters = true if parameters may go unused, or make the loss "
+        "depend on them.",
+        rank_, world_size_, missing.size(), fmt::join(missing, ", ")));
+  }
+  if (!rebuilt_) {
+    // Rank 0's arrival order (then the parameters that got no gradient), so that every
+    // rank lays out the same buckets.
+    std::vector<int> order = arrival_;
+    std::set<int> seen(order.begin(), order.end());
+    for (int id = 0; id < static_cast<int>(param_names_.size()); ++id) {
+      if (!seen.count(id)) order.push_back(id);
+    }
+    rebuild_buckets(std::move(order));
+  }
+  // What is left: buckets holding unused parameters (their slices hold zeros).
+  for (int k = next_segment_; k < static_cast<int>(pending_.size()); ++k) reduce_segment(k);
+  next_segment_ = static_cast<int>(pending_.size());
+  finish_pending_reduce();
+  if (g.master_aliases_full()) {
+    g.alias_master_grad();
+  } else {
+    g.free_full_grad();
+  }
+  g.drop_param_grads();
+  stale_ = true;  // the optimizer steps the master shard next
+  account();
+}
+
+void Engine::rebuild_buckets(std::vector<int> order) {
+  FlatParamGroup& g = *units_[kRoot]->group;
+  if (world_size_ > 1) {
+    auto shared = at::tensor(std::vector<std::int64_t>(order.begin(), order.end()), at::kLong).to(device_);
+    comm_->broadcast(shared, 0).wait();
+    shared = shared.cpu();
+    order.assign(shared.data_ptr<std::int64_t>(), shared.data_ptr<std::int64_t>() + shared.numel());
+  }
+  std::vector<int> slot_of_id(g.slots().size());
+  for (int k = 0; k < static_cast<int>(g.slots().size()); ++k) slot_of_id[g.slots()[k].id] = k;
+  std::vector<int> slot_order;
+  for (int id : order) slot_order.push_back(slot_of_id[id]);
+  at::Tensor values;  // every rank's master slices, in the layout before
+  if (!g.master_aliases_full()) {
+    if (shard_.size == 1) {
+      values = g.master().detach();  // one rank's slices are the whole buffer
+    } else {
+      values = at::empty({g.padded_numel()}, g.master().options());
+      for (int k = 0; k < static_cast<int>(g.segments().size()); ++k)
+        comm_->all_gather(g.segment_of(values, k), g.master_part(g.master(), k)).wait();
+    }
+  }
+  g.relayout(slot_order, bucket_sizes(order), values);
+  for (int k = 0; k < static_cast<int>(g.segments().size()); ++k) {
+    for (int i = g.segments()[k].first_slot; i < g.segments()[k].end_slot; ++i)
+      segment_of_param_[g.slots()[i].id] = k;
+  }
+  pending_.assign(g.segments().size(), 0);
+  next_segment_ = 0;
+  master_version_ = g.master()._version();
+  rebuilt_ = true;
+}
+
+void Engine::refresh_replicas() {
+  const auto& group = units_[kRoot]->group;
+  if (!group || (!stale_ && group->master()._version() == master_version_)) return;
+  FlatParamGroup& g = *group;
+  g.copy_master_to_slot();
+  if (shard_.size > 1) {
+    CollectiveOptions opts;
+    opts.stream = StreamRole::AllGather;
+    std::vector<Work> gathers;
+    for (int k = 0; k < static_cast<int>(g.segments().size()); ++k)
+      gathers.push_back(comm_->all_gather(g.segment_of(g.full(), k), g.slot_of(g.full(), k), opts));
+    for (auto& w : gathers) w.wait();
+  }
+  stale_ = false;
+  master_version_ = g.master()._version();
+}
+
+std::vector<std::vector<std::string>> Engine::bucket_layout() const {
+  std::vector<std::vector<std::string>> out;
+  if (!replicated_ || !units_[kRoot]->group) return out;
+  const auto& g = *units_[kRoot]->group;
+  for (const auto& seg : g.segments()) {
+    out.emplace_back();
+    for (int i = seg.first_slot; i < seg.end_slot; ++i) out.back().push_back(g.slots()[i].name);
+  }
+  return out;
+}
+
+std::vector<std::string> Engine::bucket_order() const {
+  std::vector<std::string> out;
+  if (!rebuilt_) return out;
+  for (const auto& names : bucket_layout()) out.insert(out.end(), names.begin(), names.end());
+  return out;
+}
+
+void Engine::restore_bucket_order(const std::vector<std::string>& names) {
+  if (!replicated_ || !units_[kRoot]->group || rebuilt_ || backward_active_) return;
+  // Whatever the saved order, the layout is fixed from here: state loaded into the master
+  // shard must not move under a later rebuild.
+  if (names.empty()) {
+    rebuilt_ = true;
+    return;
+  }
+  std::map<std::string, int> id_of;
+  for (int id = 0; id < static_cast<int>(param_names_.size()); ++id) id_of[param_names_[id]] = id;
+  std::vector<int> order;
+  for (const auto& name : names) {
+    auto it = id_of.find(name);
+    if (it == id_of.end()) {  // another model's order: keep ours
+      rebuilt_ = true;
+      return;
+    }
+    order.push_back(it->second);
+  }
+  if (order.size() != param_names_.size()) {
+    rebuilt_ = true;
+    return;
+  }
+  rebuild_buckets(std::move(order));
+}
+
 void Engine::end_of_backward() {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
+  if (replicated_) {
+    backward_active_ = false;
+    end_of_replicated_backward();
+    accumulating_ = no_sync_;
+    if (no_sync_) return;
+    ++synced_backwards_;
+    check_nonfinite();
+    return;
+  }
   // Units whose hooks did not all fire (parameters that got no gradient this step).
   for (int i = num_units() - 1; i >= 0; --i) {
     if (units_[i]->pre_backward_done && !units_[i]->post_backward_done) post_backward(i);
@@ -544,6 +925,10 @@ void Engine::end_of_backward() {
   backward_active_ = false;
   if (no_sync_) return;
   ++synced_backwards_;
+  check_nonfinite();
+}
+
+void Engine::check_nonfinite() {
   if (options_.nonfinite_grads == NonFiniteGrads::Ignore) return;
   std::vector<at::Tensor> grads;
   for (auto& u : units_) {
@@ -589,6 +974,12 @@ void Engine::set_step_in_backward(optim::ShardOptimizer* optimizer) {
         "{}: nonfinite_grads must be Ignore: a step in backward cannot be skipped once a unit has stepped",
         who));
   }
+  if (replicated_) {
+    throw InvalidArgument(fmt::format(
+        "{}: strategy {} keeps the whole model's gradient until backward ends (its buckets are laid out "
+        "again after the first); step in backward under FullShard, ShardGradOp or HybridShard",
+        who, to_string(options_.strategy)));
+  }
   const auto mine = shards();
   const auto& theirs = optimizer->shards();
   bool same = mine.size() == theirs.size();
@@ -625,8 +1016,9 @@ double Engine::clip_grad_norm(double max_norm) {
   for (auto& u : units_) {
     if (u->group) grads.push_back(u->group->master().grad());
   }
-  // One group's shards make the whole model once (the other groups hold the same).
-  return optim::clip_by_global_norm(grads, max_norm, &shard_comm());
+  // One group's shards make the whole model once (the other groups hold the same); a
+  // group of one rank (NoShard) holds all of it.
+  return optim::clip_by_global_norm(grads, max_norm, shard_.size > 1 ? &shard_comm() : nullptr);
 }
 
 void Engine::zero_grad() {
@@ -636,6 +1028,7 @@ void Engine::zero_grad() {
 }
 
 void Engine::gather_all() {
+  if (replicated_) refresh_replicas();
   for (int i = 0; i < num_units(); ++i) unshard(i);
 }
 
@@ -648,7 +1041,7 @@ void Engine::account() {
   for (auto& u : units_) {
     if (!u->group) continue;
     params += static_cast<std::int64_t>(u->group->full().storage().nbytes());
-    grads += static_cast<std::int64_t>(u->group->full_grad().storage().nbytes());
+    grads += u->group->full_grad_bytes();
   }
   memory_.unsharded_param_bytes = params;
   memory_.unsharded_grad_bytes = grads;
@@ -665,7 +1058,7 @@ ShardMemory Engine::memory() const {
   for (auto& u : units_) {
     if (!u->group) continue;
     m.unsharded_param_bytes += static_cast<std::int64_t>(u->group->full().storage().nbytes());
-    m.unsharded_grad_bytes += static_cast<std::int64_t>(u->group->full_grad().storage().nbytes());
+    m.unsharded_grad_bytes += u->group->full_grad_bytes();
     if (u->group->master().grad().defined()) m.grad_shard_bytes += u->group->master().grad().nbytes();
   }
   return m;

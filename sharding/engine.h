@@ -28,7 +28,8 @@ class Engine {
   void pre_forward(int unit);
   std::vector<at::Tensor> post_forward(int unit, std::vector<at::Tensor> outputs);
   void pre_backward(int unit);
-  void on_grad_accumulated(int unit);
+  // `param`: the parameter's index in its group's slots when the group was made.
+  void on_grad_accumulated(int unit, int param);
 
   std::vector<at::Tensor> shards() const;
   std::vector<ShardLayout> layout() const;
@@ -48,11 +49,18 @@ class Engine {
   std::int64_t unit_bytes(bool root) const;
   Communicator& comm() { return *comm_; }
   const ShardGroup& shard_group() const { return shard_; }
+  // The replicated strategies' buckets (see FullyShardBase).
+  std::vector<std::vector<std::string>> bucket_layout() const;
+  std::vector<std::string> bucket_order() const;
+  void restore_bucket_order(const std::vector<std::string>& names);
   static constexpr int kRoot = 0;
   // The options' choice, or the strategy's default (every strategy but ShardGradOp).
   static bool reshards_after_forward(const FullyShardOptions& options) {
-    return options.reshard_after_forward.value_or(options.strategy != Strategy::ShardGradOp);
+    return !replicates(options.strategy) &&
+           options.reshard_after_forward.value_or(options.strategy != Strategy::ShardGradOp);
   }
+  // Note [Replicated strategies]: parameters kept gathered in one group of buckets.
+  static bool replicates(Strategy s) { return s == Strategy::NoShard || s == Strategy::ShardOptimizerState; }
 
  private:
   struct Unit;
@@ -65,6 +73,16 @@ class Engine {
   void post_backward(int unit);
   void reduce(int unit);
   void finish_pending_reduce();
+  // Note [Replicated strategies]
+  void make_replicated_group(std::vector<std::pair<std::string, at::Tensor>> params, at::ScalarType compute,
+                             const FlatParamGroup::Placement& placement);
+  std::vector<int> bucket_sizes(const std::vector<int>& ids) const;
+  void launch_ready_segments();
+  void reduce_segment(int segment);
+  void rebuild_buckets(std::vector<int> order);
+  void end_of_replicated_backward();
+  void check_nonfinite();
+  void refresh_replicas();
   void land_offloaded_grads();
   void end_of_backward();
   void step_now(int unit);
@@ -89,8 +107,8 @@ class Engine {
   bool order_recorded_ = false;               // set after the first forward
   bool backward_active_ = false;              // between the first backward hook and the end callback
   bool no_sync_ = false;
-  c10::Device device_{c10::kCPU};           // the compute device: gathered units, collectives
-  std::unique_ptr<PendingReduce> pending_;  // the reduce-scatter in flight (at most one)
+  c10::Device device_{c10::kCPU};             // the compute device: gathered units, collectives
+  std::unique_ptr<PendingReduce> in_flight_;  // the reduction in flight (at most one)
   // Reduced gradient shards copied (or being copied) to host memory under CPU offload.
   std::vector<std::pair<int, at::Tensor>> landing_grads_;
   ShardMemory memory_;
@@ -98,6 +116,21 @@ class Engine {
   std::int64_t synced_backwards_ = 0;
   std::int64_t skipped_steps_ = 0;
   optim::ShardOptimizer* step_in_backward_ = nullptr;
+  // The replicated strategies (Note [Replicated strategies]).
+  bool replicated_ = false;
+  std::vector<std::string> param_names_;   // by parameter id (the group's first order)
+  std::vector<std::int64_t> param_bytes_;  // in the compute dtype, by parameter id
+  std::vector<int> segment_of_param_;      // by parameter id
+  std::vector<bool> used_;                 // by parameter id: got a gradient this backward
+  std::vector<int> pending_;               // by segment: gradients not yet accumulated
+  int next_segment_ = 0;                   // segments are reduced in order on every rank
+  std::vector<int> arrival_;               // parameter ids in the first backward's order
+  bool rebuilt_ = false;
+  bool arrival_recorded_ = false;  // after the first backward
+  bool accumulating_ = false;      // gradients of a backward under no_sync wait in the flat gradient
+  bool fresh_grad_ = false;        // this backward made the master's gradient
+  bool stale_ = false;             // the master shard changed since the parameters were refreshed
+  std::int64_t master_version_ = 0;
   std::vector<int> shard_of_unit_;    // unit -> index in shards(), -1 without parameters
   std::recursive_mutex hooks_mutex_;  // forward and backward hooks (see Engine::Unit)
 };

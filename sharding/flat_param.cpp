@@ -35,90 +35,240 @@ at::Tensor unallocated(std::int64_t numel, const at::TensorOptions& options) {
   return t;
 }
 
+// A tensor over `flat`'s storage that autograd does not treat as a view (a master shard
+// aliasing the flat buffer must be a leaf the optimizer can give a gradient).
+at::Tensor alias_of(const at::Tensor& flat) {
+  return at::empty({0}, flat.options()).set_(flat.storage(), flat.storage_offset(), {flat.numel()}, {1});
+}
+
 }  // namespace
 
 FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
                                int world_size, int rank, at::ScalarType compute_dtype,
-                               const Placement& placement)
+                               const Placement& placement, const std::vector<int>& segment_sizes)
     : name_(std::move(name)),
       rank_(rank),
       compute_dtype_(compute_dtype),
       offload_(placement.offload),
-      element_size_(static_cast<std::int64_t>(c10::elementSize(compute_dtype))) {
+      element_size_(static_cast<std::int64_t>(c10::elementSize(compute_dtype))),
+      persistent_(placement.persistent) {
   for (auto& [pname, p] : params) {
     ParamSlot slot;
+    slot.id = static_cast<int>(slots_.size());
     slot.name = pname;
     slot.param = p;
     slot.shape = p.sizes().vec();
-    slot.offset = numel_;
     slot.numel = p.numel();
-    numel_ += p.numel();
     slots_.push_back(std::move(slot));
   }
-  // Shards of a multiple of 16 bytes in the compute dtype (fp32 masters then are too).
-  padded_numel_ = flatshard::padded_numel(numel_, world_size, std::max<std::int64_t>(1, 16 / element_size_));
-  shard_numel_ = padded_numel_ / world_size;
+  lay_out(segment_sizes, world_size);
+  aliased_ = persistent_ && world_size == 1 && compute_dtype_ == at::kFloat && !offload_;
+  segmented_grads_ = persistent_ && !aliased_;
+  segment_grads_.resize(segments_.size());
 
-  // Only this rank's slice is ever flattened: each parameter's overlap with the shard is
-  // copied straight into the master, so no full-size buffer exists while a unit is taken
-  // over (a unit built on the host reaches the device as its shard only).
-  auto master_options =
-      at::TensorOptions().dtype(at::kFloat).device(offload_ ? c10::kCPU : placement.compute);
-  if (offload_ && placement.compute.is_cuda()) master_options = master_options.pinned_memory(true);
-  master_ = at::zeros({shard_numel_}, master_options);
-  {
-    at::NoGradGuard no_grad;
-    const std::int64_t begin = rank_ * shard_numel_, end = begin + shard_numel_;
-    for (auto& s : slots_) {
-      const std::int64_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + s.numel);
-      if (lo >= hi) continue;
-      master_.narrow(0, lo - begin, hi - lo)
-          .copy_(s.param.detach().reshape({-1}).narrow(0, lo - s.offset, hi - lo));
-    }
-  }
   const auto compute_options = at::TensorOptions().dtype(compute_dtype_).device(placement.compute);
   full_ = unallocated(padded_numel_, compute_options);
   full_grad_ = unallocated(padded_numel_, compute_options);
+  auto master_options =
+      at::TensorOptions().dtype(at::kFloat).device(offload_ ? c10::kCPU : placement.compute);
+  if (offload_ && placement.compute.is_cuda()) master_options = master_options.pinned_memory(true);
+  {
+    at::NoGradGuard no_grad;
+    if (persistent_) {
+      // Gathered for good: the whole model's values go into the buffer.
+      allocate_storage(full_);
+      full_.zero_();
+      for (auto& s : slots_) full_.narrow(0, s.offset, s.numel).copy_(s.param.detach().reshape({-1}));
+    }
+    if (aliased_) {
+      master_ = alias_of(full_);
+    } else {
+      // Only this rank's slices are flattened: each parameter's overlap with them is
+      // copied straight into the master (from the parameter, not from a converted buffer:
+      // fp32 masters keep every bit), so no full-size buffer exists while a unit is taken
+      // over (a unit built on the host reaches the device as its shard only).
+      master_ = at::zeros({shard_numel_}, master_options);
+      for (std::size_t k = 0; k < segments_.size(); ++k) {
+        const FlatSegment& seg = segments_[k];
+        const std::int64_t begin = seg.offset + rank_ * seg.slice, end = begin + seg.slice;
+        for (int i = seg.first_slot; i < seg.end_slot; ++i) {
+          const ParamSlot& s = slots_[i];
+          const std::int64_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + s.numel);
+          if (lo >= hi) continue;
+          master_.narrow(0, seg.master_offset + lo - begin, hi - lo)
+              .copy_(s.param.detach().reshape({-1}).narrow(0, lo - s.offset, hi - lo));
+        }
+      }
+    }
+  }
 
   // The parameters take the compute dtype (and their shape, which autograd records for
   // the gradient) before their AccumulateGrad nodes are taken: a later set_data that
-  // changed the dtype would replace those nodes. Then they give up their values.
+  // changed the dtype would replace those nodes. Then they give up their values (or
+  // become views of the buffer for good).
   const auto one = at::empty({1}, compute_options);
   for (auto& s : slots_) {
     if (!s.param.requires_grad()) continue;
     s.param.set_data(one.expand(s.shape));
     s.accumulator = torch::autograd::impl::grad_accumulator(s.param);
   }
-  use_empty_views();
+  if (persistent_) {
+    use_full_views();
+  } else {
+    use_empty_views();
+  }
   for (auto& s : slots_) s.version = s.param._version();
 }
 
+void FlatParamGroup::lay_out(const std::vector<int>& segment_sizes, int world_size) {
+  std::vector<int> sizes = segment_sizes;
+  if (sizes.empty()) sizes.push_back(static_cast<int>(slots_.size()));
+  segments_.clear();
+  numel_ = padded_numel_ = shard_numel_ = 0;
+  int next = 0;
+  for (int count : sizes) {
+    FlatSegment seg;
+    seg.first_slot = next;
+    seg.end_slot = next + count;
+    seg.offset = padded_numel_;
+    for (int i = seg.first_slot; i < seg.end_slot; ++i) {
+      slots_[i].offset = seg.offset + seg.numel;
+      seg.numel += slots_[i].numel;
+    }
+    // Slices of a multiple of 16 bytes in the compute dtype (fp32 masters then are too).
+    seg.padded_numel =
+        flatshard::padded_numel(seg.numel, world_size, std::max<std::int64_t>(1, 16 / element_size_));
+    seg.slice = seg.padded_numel / world_size;
+    seg.master_offset = shard_numel_;
+    numel_ += seg.numel;
+    padded_numel_ += seg.padded_numel;
+    shard_numel_ += seg.slice;
+    next = seg.end_slot;
+    segments_.push_back(seg);
+  }
+  FLATSHARD_ASSERT(next == static_cast<int>(slots_.size()), "segment sizes do not cover the group");
+}
+
+void FlatParamGroup::relayout(const std::vector<int>& order, const std::vector<int>& segment_sizes,
+                              const at::Tensor& master_values) {
+  FLATSHARD_ASSERT(persistent_ && order.size() == slots_.size(),
+                   "relayout of a group that is not persistent");
+  at::NoGradGuard no_grad;
+  const int world_size = this->world_size();
+  const bool grads = full_grad_allocated();
+  std::vector<at::Tensor> old_grads;  // each slot's gradient, in the old order
+  if (grads) {
+    for (const auto& slot : slots_) old_grads.push_back(slot_grad(slot));
+  }
+  std::vector<ParamSlot> old = std::move(slots_);
+  slots_.clear();
+  for (int i : order) slots_.push_back(old[i]);
+  lay_out(segment_sizes, world_size);
+  auto moved = [&](const at::Tensor& from, const at::TensorOptions& options) {
+    auto to = at::zeros({padded_numel_}, options);
+    for (std::size_t k = 0; k < slots_.size(); ++k) {
+      const ParamSlot& before = old[order[k]];
+      to.narrow(0, slots_[k].offset, slots_[k].numel).copy_(from.narrow(0, before.offset, before.numel));
+    }
+    return to;
+  };
+  auto full = moved(full_, full_.options());
+  full_.set_(full.storage(), 0, {padded_numel_}, {1});
+  full_grad_ = unallocated(padded_numel_, full_.options());
+  segment_grads_.assign(segments_.size(), at::Tensor());
+  if (grads) {
+    allocate_full_grad();
+    for (std::size_t k = 0; k < slots_.size(); ++k) slot_grad(slots_[k]).copy_(old_grads[order[k]]);
+  }
+  // The parameters' gradients point into the new buffers (or nowhere).
+  if (grads) {
+    use_grad_views();
+  } else {
+    drop_param_grads();
+  }
+  master_.mutable_grad().reset();
+  if (aliased_) {
+    master_.set_(full_.storage(), 0, {padded_numel_}, {1});
+  } else {
+    // This rank's new slices, cut from the whole model's fp32 values in the old layout.
+    auto values = moved(master_values.to(master_.device()), master_values.options().device(master_.device()));
+    auto shard = at::empty({shard_numel_}, master_.options());
+    for (int k = 0; k < static_cast<int>(segments_.size()); ++k)
+      master_part(shard, k).copy_(slot_of(values, k));
+    master_.set_data(shard);
+  }
+  use_full_views();
+}
+
 bool FlatParamGroup::full_allocated() const { return full_.storage().nbytes() > 0; }
-bool FlatParamGroup::full_grad_allocated() const { return full_grad_.storage().nbytes() > 0; }
+bool FlatParamGroup::full_grad_allocated() const {
+  if (!segmented_grads_) return full_grad_.storage().nbytes() > 0;
+  return std::any_of(segment_grads_.begin(), segment_grads_.end(),
+                     [](const at::Tensor& t) { return t.defined(); });
+}
+
+std::int64_t FlatParamGroup::full_grad_bytes() const {
+  std::int64_t bytes = static_cast<std::int64_t>(full_grad_.storage().nbytes());
+  for (const auto& t : segment_grads_) bytes += t.defined() ? static_cast<std::int64_t>(t.nbytes()) : 0;
+  return bytes;
+}
+
+int FlatParamGroup::segment_of_slot(const ParamSlot& slot) const {
+  const auto it =
+      std::upper_bound(segments_.begin(), segments_.end(), slot.offset,
+                       [](std::int64_t offset, const FlatSegment& seg) { return offset < seg.offset; });
+  return static_cast<int>(it - segments_.begin()) - 1;
+}
+
+at::Tensor FlatParamGroup::slot_grad(const ParamSlot& slot) const {
+  if (!segmented_grads_) return full_grad_.narrow(0, slot.offset, slot.numel);
+  const int s = segment_of_slot(slot);
+  return segment_grads_[s].narrow(0, slot.offset - segments_[s].offset, slot.numel);
+}
+
+void FlatParamGroup::free_segment_grad(int s) {
+  if (!segmented_grads_) return;
+  for (int i = segments_[s].first_slot; i < segments_[s].end_slot; ++i)
+    slots_[i].param.mutable_grad().reset();
+  segment_grads_[s] = at::Tensor();
+}
 void FlatParamGroup::allocate_full() { allocate_storage(full_); }
-void FlatParamGroup::free_full() { free_storage(full_); }
+void FlatParamGroup::free_full() {
+  if (!persistent_) free_storage(full_);
+}
 
 void FlatParamGroup::copy_master_to_slot() {
+  if (aliased_) return;
   at::NoGradGuard no_grad;
-  auto slot = full_slot();
-  if (!offload_ || compute_dtype_ == at::kFloat) {
-    slot.copy_(master_, /*non_blocking=*/master_.is_pinned());
-    return;
+  at::Tensor source = master_;
+  if (offload_ && compute_dtype_ != at::kFloat) {
+    // fp32 to the device first (a page-locked source copies asynchronously), then convert
+    // there: a converting copy from the host would convert on the host and block.
+    source = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(full_.device()));
+    source.copy_(master_, /*non_blocking=*/master_.is_pinned());
   }
-  // fp32 to the device first (a page-locked source copies asynchronously), then convert
-  // there: a converting copy from the host would convert on the host and block.
-  auto staged = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(full_.device()));
-  staged.copy_(master_, /*non_blocking=*/master_.is_pinned());
-  slot.copy_(staged);
+  const bool async = source.is_pinned();
+  for (int k = 0; k < static_cast<int>(segments_.size()); ++k)
+    slot_of(full_, k).copy_(master_part(source, k), /*non_blocking=*/async);
 }
 
 void FlatParamGroup::allocate_full_grad() {
+  if (segmented_grads_) {
+    for (std::size_t k = 0; k < segments_.size(); ++k) {
+      if (!segment_grads_[k].defined())
+        segment_grads_[k] = at::zeros({segments_[k].padded_numel}, full_.options());
+    }
+    return;
+  }
   if (full_grad_allocated()) return;
   allocate_storage(full_grad_);
   full_grad_.zero_();
 }
 
-void FlatParamGroup::free_full_grad() { free_storage(full_grad_); }
+void FlatParamGroup::free_full_grad() {
+  free_storage(full_grad_);
+  for (auto& t : segment_grads_) t = at::Tensor();
+}
 
 void FlatParamGroup::use_full_views() {
   for (auto& s : slots_) s.param.set_data(full_.narrow(0, s.offset, s.numel).view(s.shape));
@@ -130,9 +280,15 @@ void FlatParamGroup::use_empty_views() {
 
 void FlatParamGroup::use_grad_views() {
   for (auto& s : slots_) {
-    if (s.param.requires_grad())
-      s.param.mutable_grad() = full_grad_.narrow(0, s.offset, s.numel).view(s.shape);
+    if (s.param.requires_grad()) s.param.mutable_grad() = slot_grad(s).view(s.shape);
   }
+}
+
+void FlatParamGroup::alias_master_grad() {
+  FLATSHARD_ASSERT(aliased_ && full_grad_allocated(), "the master's gradient is not the flat gradient");
+  const at::Tensor& grad = master_.grad();
+  if (grad.defined() && grad.data_ptr() == full_grad_.data_ptr()) return;
+  master_.mutable_grad() = alias_of(full_grad_);
 }
 
 void FlatParamGroup::drop_param_grads() {

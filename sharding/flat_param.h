@@ -14,10 +14,13 @@
 namespace flatshard::sharding {
 
 // Note [Flat parameter layout]
-// A unit's parameters are concatenated, in registration order, into one flat buffer of
-// `padded_numel` elements: numel rounded up so that it splits into world_size equal
-// shards of a multiple of 16 bytes. Rank r owns [r * shard_numel, (r+1) * shard_numel).
-// The padding is zero and stays zero (its gradient is zero).
+// A group's parameters are concatenated, in the order given, into one flat buffer made
+// of segments: a unit is one segment; the replicated strategies cut the whole model into
+// several (DDP's gradient buckets), each reduced by its own collective. A segment's
+// parameters are padded so that it splits into world_size equal slices of a multiple of
+// 16 bytes; rank r owns slice r of every segment, and its master shard is those slices,
+// one after the other (for one segment: [r * shard_numel, (r+1) * shard_numel) of the
+// buffer). The padding is zero and stays zero (its gradient is zero).
 //
 // The module keeps its own parameter objects. Their data is swapped with set_data():
 // views into `full` while the unit is gathered, empty tensors while it is sharded. The
@@ -25,6 +28,7 @@ namespace flatshard::sharding {
 // autograd saved for backward do not keep them alive; the storage object stays, and
 // the next gather writes into it again.
 struct ParamSlot {
+  int id = 0;        // its index in the group as it was made (relayout keeps it)
   std::string name;  // the name under the root module
   at::Tensor param;  // the module's own parameter (same TensorImpl)
   std::vector<std::int64_t> shape;
@@ -38,6 +42,16 @@ struct ParamSlot {
   std::int64_t version = 0;
 };
 
+// One segment of a group's flat buffer (Note [Flat parameter layout]).
+struct FlatSegment {
+  int first_slot = 0, end_slot = 0;  // its parameters: slots [first_slot, end_slot)
+  std::int64_t offset = 0;           // in the flat buffer, elements
+  std::int64_t numel = 0;            // its parameters' elements
+  std::int64_t padded_numel = 0;     // world_size slices
+  std::int64_t slice = 0;            // padded_numel / world_size
+  std::int64_t master_offset = 0;    // where this rank's slice sits in the master shard
+};
+
 class FlatParamGroup {
  public:
   // Where a group keeps what. The parameters may arrive on another device (the host):
@@ -45,14 +59,21 @@ class FlatParamGroup {
   struct Placement {
     c10::Device compute{c10::kCPU};  // gathered buffer, flat gradient, the parameters' views
     bool offload = false;            // master shard and its gradient in host memory (CPU offload)
+    // The parameters stay gathered for the group's life (the replicated strategies): the
+    // flat buffer is allocated once and never freed. The master shard then aliases it when
+    // one rank holds the whole group in fp32 on the compute device (DDP without mixed
+    // precision: the optimizer steps the parameters themselves).
+    bool persistent = false;
   };
 
   // Takes over `params` (name, parameter) in this order: copies this rank's slice of
   // their values into the master shard, and leaves them empty (the group starts sharded;
-  // their old values are freed unless someone else holds them). `compute_dtype` is the
-  // dtype of the gathered buffer and gradients.
+  // their old values are freed unless someone else holds them), or, when persistent, views
+  // of the gathered buffer. `compute_dtype` is the dtype of the gathered buffer and
+  // gradients. `segment_sizes`: parameters per segment, in order (empty: one segment).
   FlatParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params, int world_size,
-                 int rank, at::ScalarType compute_dtype, const Placement& placement);
+                 int rank, at::ScalarType compute_dtype, const Placement& placement,
+                 const std::vector<int>& segment_sizes = {});
 
   const std::string& name() const { return name_; }
   void set_name(std::string name) { name_ = std::move(name); }
@@ -60,6 +81,11 @@ class FlatParamGroup {
   int rank() const { return rank_; }
   c10::Device device() const { return full_.device(); }
   std::vector<ParamSlot>& slots() { return slots_; }
+  const std::vector<ParamSlot>& slots() const { return slots_; }
+  const std::vector<FlatSegment>& segments() const { return segments_; }
+  bool persistent() const { return persistent_; }
+  // The master shard is the flat buffer itself (see Placement::persistent).
+  bool master_aliases_full() const { return aliased_; }
   std::int64_t numel() const { return numel_; }
   std::int64_t padded_numel() const { return padded_numel_; }
   std::int64_t shard_numel() const { return shard_numel_; }
@@ -71,15 +97,45 @@ class FlatParamGroup {
   // compute dtype, padded_numel elements; bytes present only while allocated.
   at::Tensor& full() { return full_; }
   at::Tensor& full_grad() { return full_grad_; }
-  // This rank's slot of `full`.
-  at::Tensor full_slot() const { return full_.narrow(0, rank_ * shard_numel_, shard_numel_); }
+  // Segment s's flat gradient. A persistent group whose master does not alias the buffer
+  // keeps one gradient buffer per segment, freed as soon as that segment is reduced
+  // (free_segment_grad): the model's whole gradient need not exist at once.
+  at::Tensor segment_grad(int s) const {
+    return segmented_grads_ ? segment_grads_[s] : segment_of(full_grad_, s);
+  }
+  // A slot's flat gradient (wherever its segment keeps it).
+  at::Tensor slot_grad(const ParamSlot& slot) const;
+  void free_segment_grad(int s);
+  // Bytes of flat gradient allocated now.
+  std::int64_t full_grad_bytes() const;
+  // Segment s of `full` (or of `full_grad`), this rank's slice of it, and where that
+  // slice sits in the master shard (or in any tensor laid out like it).
+  at::Tensor segment_of(const at::Tensor& flat, int s) const {
+    return flat.narrow(0, segments_[s].offset, segments_[s].padded_numel);
+  }
+  at::Tensor slot_of(const at::Tensor& flat, int s) const {
+    return flat.narrow(0, segments_[s].offset + rank_ * segments_[s].slice, segments_[s].slice);
+  }
+  at::Tensor master_part(const at::Tensor& shard, int s) const {
+    return shard.narrow(0, segments_[s].master_offset, segments_[s].slice);
+  }
+  // This rank's slot of `full` (a group of one segment).
+  at::Tensor full_slot() const { return slot_of(full_, 0); }
   // The master shard is kept in host memory (page-locked when the compute device is a
   // GPU) and crosses to the compute device through staging copies (CPU offload). On a
   // CPU compute device the same path runs, host to host.
   bool offloaded() const { return offload_; }
-  // Writes the master shard into this rank's slot of `full` (converting to the compute
+  // Writes the master shard into this rank's slots of `full` (converting to the compute
   // dtype), on the current stream; from offloaded masters without blocking the host.
+  // Nothing to do when the master aliases `full`.
   void copy_master_to_slot();
+  // Persistent groups: lays the parameters out again in `order` (slot indices) with new
+  // segments, keeping their values, the unreduced gradient and the master shard's
+  // identity (the optimizer's tensor; its gradient is dropped). `master_values`: every
+  // rank's master slices in the old layout (fp32, padded_numel; unused when the master
+  // aliases the buffer), from which this rank's new slices are cut. DDP's bucket rebuild.
+  void relayout(const std::vector<int>& order, const std::vector<int>& segment_sizes,
+                const at::Tensor& master_values);
 
   bool full_allocated() const;
   bool full_grad_allocated() const;
@@ -96,8 +152,14 @@ class FlatParamGroup {
   // in place; or is dropped.
   void use_grad_views();
   void drop_param_grads();
+  // The master shard's gradient becomes the flat gradient itself (master_aliases_full()).
+  void alias_master_grad();
 
  private:
+  int segment_of_slot(const ParamSlot& slot) const;
+  // Offsets and segments for the slots in their current order; the sizes follow.
+  void lay_out(const std::vector<int>& segment_sizes, int world_size);
+
   std::string name_;
   std::vector<ParamSlot> slots_;
   int rank_;
@@ -107,6 +169,11 @@ class FlatParamGroup {
   std::int64_t numel_ = 0;
   std::int64_t padded_numel_ = 0;
   std::int64_t shard_numel_ = 0;
+  std::vector<FlatSegment> segments_;
+  bool persistent_ = false;
+  bool aliased_ = false;
+  bool segmented_grads_ = false;
+  std::vector<at::Tensor> segment_grads_;  // segmented_grads_: per segment, undefined when freed
   at::Tensor master_;
   at::Tensor full_;
   at::Tensor full_grad_;

@@ -14,6 +14,8 @@ const char* to_string(Strategy s) {
     case Strategy::FullShard: return "FullShard";
     case Strategy::ShardGradOp: return "ShardGradOp";
     case Strategy::HybridShard: return "HybridShard";
+    case Strategy::NoShard: return "NoShard";
+    case Strategy::ShardOptimizerState: return "ShardOptimizerState";
   }
   return "unknown";
 }
@@ -23,6 +25,7 @@ ShardGroup shard_group(const World& world, const FullyShardOptions& options) {
   ShardGroup g;
   g.size = n;
   g.rank = world.rank();
+  if (options.strategy == Strategy::NoShard) return ShardGroup{1, 0, n, world.rank()};
   if (options.strategy != Strategy::HybridShard) return g;
   const int size = options.shard_group_size > 0 ? options.shard_group_size : world.local_world_size();
   if (options.shard_group_size < 0 || size < 1 || n % size != 0) {
@@ -42,12 +45,14 @@ ShardGroup shard_group(const World& world, const FullyShardOptions& options) {
 FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const World& world,
                                const FullyShardOptions& options)
     : world_(world) {
-  const auto mode =
-      sharding::Engine::reshards_after_forward(options) ? plan::Mode::FullShard : plan::Mode::Zero2;
+  const auto mode = options.strategy == Strategy::NoShard               ? plan::Mode::DDP
+                    : options.strategy == Strategy::ShardOptimizerState ? plan::Mode::Zero1
+                    : sharding::Engine::reshards_after_forward(options) ? plan::Mode::FullShard
+                                                                        : plan::Mode::Zero2;
   const auto dtype = options.mixed_precision.param;
-  sharding::check_memory_budget(*model, world, mode, dtype && *dtype != at::kFloat ? 2 : 4,
-                                options.memory_budget, "FullyShard",
-                                flatshard::shard_group(world, options).size);
+  sharding::check_memory_budget(
+      *model, world, mode, dtype && *dtype != at::kFloat ? 2 : 4, options.memory_budget, "FullyShard",
+      options.strategy == Strategy::HybridShard ? flatshard::shard_group(world, options).size : 0);
   engine_ = std::make_unique<sharding::Engine>(std::move(model), world, options);
 }
 
@@ -70,6 +75,13 @@ std::int64_t FullyShardBase::root_unit_bytes() const { return engine_->unit_byte
 Communicator& FullyShardBase::comm() { return engine_->comm(); }
 ShardGroup FullyShardBase::shard_group() const { return engine_->shard_group(); }
 torch::nn::Module& FullyShardBase::root_module() { return engine_->model(); }
+std::vector<std::vector<std::string>> FullyShardBase::bucket_layout() const {
+  return engine_->bucket_layout();
+}
+std::vector<std::string> FullyShardBase::bucket_order() const { return engine_->bucket_order(); }
+void FullyShardBase::restore_bucket_order(const std::vector<std::string>& names) {
+  engine_->restore_bucket_order(names);
+}
 
 void FullyShardBase::root_pre_forward() { engine_->pre_forward(sharding::Engine::kRoot); }
 

@@ -40,6 +40,16 @@ enum class Strategy {
   // within it and then all-reduced across the groups (FSDP's HYBRID_SHARD, FSDP2's 2-D
   // mesh). With reshard_after_forward = false it is ShardGradOp within the group.
   HybridShard,
+  // Parameters replicated and kept gathered on every rank; gradients averaged by all-reduce
+  // of buckets as they fill during backward; every rank steps the whole model (DDP,
+  // FSDP's NO_SHARD). Without mixed precision the master shard is the parameters' own
+  // flat buffer: nothing is copied.
+  NoShard,
+  // Parameters replicated and kept gathered; gradients reduce-scattered by buckets as they
+  // fill, each rank stepping its slice of every bucket (optimizer state and reduced
+  // gradients / N); the updated slices are all-gathered before the next forward
+  // (ZeroRedundancyOptimizer, DeepSpeed ZeRO stages 1 and 2).
+  ShardOptimizerState,
 };
 const char* to_string(Strategy s);
 
@@ -89,6 +99,20 @@ struct FullyShardOptions {
   // model's parameters. A model built on the host may name a GPU here: each unit moves
   // to it as it is sharded, so the whole model never sits on the GPU.
   std::optional<c10::Device> device;
+  // NoShard and ShardOptimizerState reduce gradients in buckets: segments of the model's
+  // flat buffer, filled in reverse registration order (the first up to
+  // first_bucket_bytes, the rest up to bucket_bytes; a larger parameter gets its own) and
+  // laid out again after the first backward in the order gradients arrived (DDP's
+  // bucket_cap_mb and rebuild).
+  std::int64_t first_bucket_bytes = std::int64_t{1} << 20;
+  std::int64_t bucket_bytes = std::int64_t{25} << 20;
+  // NoShard and ShardOptimizerState: parameters may get no gradient in a backward (they are
+  // then stepped with a zero gradient). Off: a parameter without a gradient is an error
+  // naming it (DDP's find_unused_parameters).
+  bool find_unused_parameters = false;
+  // NoShard and ShardOptimizerState: rank 0's buffers (batch-norm statistics, ...) are
+  // broadcast before each forward (DDP's broadcast_buffers).
+  bool broadcast_buffers = true;
   // CPU offload (FSDP's CPUOffload, DeepSpeed's offload_optimizer): master shards, their
   // gradients and the optimizer's state stay in host memory (pinned, when `device` is a
   // GPU) and the optimizer steps on the CPU; each gather copies the updated shard to the
@@ -98,6 +122,7 @@ struct FullyShardOptions {
 
 // The ranks a FullyShard shards over: all of them, or under HybridShard this rank's
 // group of `size` consecutive ranks, one of `replicas` groups that hold the same shards.
+// Under NoShard every rank is a group of one: a whole replica.
 struct ShardGroup {
   int size = 1;      // ranks sharing one copy of the model (the shards' world size)
   int rank = 0;      // this rank's place in its group (its shard index)
@@ -118,17 +143,27 @@ struct ShardMemory {
   std::int64_t peak_unsharded_grad_bytes = 0;
 };
 
-// Where each parameter sits in a shard's flat buffer (see FullyShardBase::layout()).
+// Where each parameter sits in a shard's flat buffer (see FullyShardBase::layout()). The
+// buffer is one or more segments (a unit is one; NoShard and ShardOptimizerState cut the
+// model into buckets), each padded to shard-group-size equal slices; the shard is this
+// rank's slice of every segment, one after the other.
 struct ShardLayout {
   struct Param {
     std::string name;
     std::vector<std::int64_t> shape;
-    std::int64_t offset = 0;  // in the unit's unpadded flat buffer, elements
+    std::int64_t offset = 0;  // in the flat buffer, elements
     std::int64_t numel = 0;
   };
+  struct Segment {
+    std::int64_t offset = 0;        // in the flat buffer
+    std::int64_t padded_numel = 0;  // shard-group-size slices
+    std::int64_t slice = 0;         // elements of it in each shard
+    std::int64_t shard_offset = 0;  // where this rank's slice sits in the shard
+  };
   std::vector<Param> params;
-  std::int64_t padded_numel = 0;  // the flat buffer: world_size shards of shard_numel
-  std::int64_t shard_numel = 0;
+  std::vector<Segment> segments;
+  std::int64_t padded_numel = 0;  // the flat buffer: every segment
+  std::int64_t shard_numel = 0;   // the shard: one slice of every segment
 };
 
 namespace sharding {
@@ -178,9 +213,9 @@ class FullyShardBase {
   // fp32 gradients of all units never exist together (for a model whose states are most
   // of its memory: about 4 bytes per parameter less at the peak, divided by the ranks).
   // backward() then does the optimizer's work; optimizer.step() after it finds no
-  // gradient and does nothing. Not with clip_grad_norm (it throws) or with
-  // nonfinite_grads other than Ignore (refused here). Gradient accumulation works: the
-  // step happens in the backward that reduces. nullptr turns it off.
+  // gradient and does nothing. Not with clip_grad_norm (it throws), with nonfinite_grads
+  // other than Ignore, or under NoShard and ShardOptimizerState (refused here). Gradient accumulation works:
+  // the step happens in the backward that reduces. nullptr turns it off.
   void step_in_backward(optim::ShardOptimizer* optimizer);
 
   // While the guard lives, every unit is gathered: the module's parameters hold the
@@ -214,6 +249,13 @@ class FullyShardBase {
   Communicator& comm();
   const World& world() const { return world_; }
   ShardGroup shard_group() const;
+  // NoShard and ShardOptimizerState: the parameter names of each bucket, in bucket order.
+  std::vector<std::vector<std::string>> bucket_layout() const;
+  // NoShard and ShardOptimizerState: the parameter order of the buckets after the first
+  // backward's rebuild (empty before it), and setting it before any backward (a run
+  // resumed from a checkpoint then reduces in the same buckets as the run that saved it).
+  std::vector<std::string> bucket_order() const;
+  void restore_bucket_order(const std::vector<std::string>& names);
   torch::nn::Module& root_module();
 
  protected:

@@ -62,17 +62,25 @@ std::map<std::string, at::Tensor> full_state_dict(DDPBase& ddp, torch::nn::Modul
 std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp,
                                                             const optim::ShardOptimizer& optimizer, int to) {
   const auto layout = fsdp.layout();
+  const ShardGroup group = fsdp.shard_group();
   const bool keep = to < 0 || fsdp.world().rank() == to;
   std::map<std::string, at::Tensor> out;
   std::int64_t steps = 0;
   for (std::size_t i = 0; i < layout.size(); ++i) {
     steps = std::max(steps, optimizer.steps(i));
     for (const auto& [name, shard] : optimizer.named_state(i)) {
-      // Every rank takes part, with zeros for a state not created yet (no step taken).
+      // Every rank takes part: the first shard group's slices, each in its place and zeros
+      // elsewhere, summed over the world (each element has one owner). A state not created
+      // yet (no step taken) is zeros.
       const auto options = at::TensorOptions().dtype(at::kFloat).device(fsdp.comm().device());
-      auto mine = shard.defined() ? shard : at::zeros({layout[i].shard_numel}, options);
-      auto full = at::empty({layout[i].padded_numel}, options);
-      fsdp.comm().all_gather(full, mine).wait();
+      auto full = at::zeros({layout[i].padded_numel}, options);
+      if (group.replica == 0 && shard.defined()) {
+        for (const auto& seg : layout[i].segments) {
+          full.narrow(0, seg.offset + group.rank * seg.slice, seg.slice)
+              .copy_(shard.narrow(0, seg.shard_offset, seg.slice));
+        }
+      }
+      fsdp.comm().all_reduce(full, ReduceOp::Sum).wait();
       if (!keep) continue;
       for (const auto& p : layout[i].params) {
         out[p.name + "." + name] = full.narrow(0, p.offset, p.numel).view(p.shape).to(at::kCPU, false, true);

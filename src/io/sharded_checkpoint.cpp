@@ -63,9 +63,10 @@ std::vector<Span> bucket_spans(sharding::DdpEngine& e, int b) {
   return out;
 }
 
-// FullyShard: shard i of unit i holds [rank * shard_numel, (rank + 1) * shard_numel), rank
-// being this rank's place in its shard group. Under HybridShard every group holds the
-// same shards: the first group writes them, and every group reads its own.
+// FullyShard: shard i is this rank's slice of every segment of group i: segment k's slice
+// starts at its offset + rank * slice in the group's flat space, rank being this rank's
+// place in its shard group. Groups that hold the same shards (HybridShard's groups,
+// NoShard's ranks) each write a share of them, and every group reads its own.
 Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool loading,
                          const std::vector<std::string>& load_states) {
   Holding h;
@@ -73,11 +74,19 @@ Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool 
   const auto layout = fsdp.layout();
   const auto shards = fsdp.shards();
   const ShardGroup group = fsdp.shard_group();
+  h.bucket_order = fsdp.bucket_order();
+  auto hold = [&](const at::Tensor& shard, const ShardLayout& l, const std::vector<Span>& spans,
+                  const std::string& kind) {
+    for (const auto& seg : l.segments) {
+      const std::int64_t begin = seg.offset + group.rank * seg.slice;
+      const auto share = shard_range(seg.slice, group.replicas, group.replica);
+      h.segments.push_back({shard.narrow(0, seg.shard_offset, seg.slice), begin, begin + share.offset,
+                            begin + share.offset + share.numel, spans, kind});
+    }
+  };
   for (std::size_t i = 0; i < layout.size(); ++i) {
-    const std::int64_t begin = group.rank * layout[i].shard_numel;
-    const std::int64_t end = group.replica == 0 ? begin + layout[i].shard_numel : begin;  // written
     const auto spans = unit_spans(layout[i]);
-    h.segments.push_back({shards[i].detach(), begin, begin, end, spans, "param"});
+    hold(shards[i].detach(), layout[i], spans, "param");
     if (!opt) continue;
     std::vector<std::pair<std::string, at::Tensor>> states;
     if (loading) {
@@ -86,8 +95,7 @@ Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool 
       states = opt->named_state(i);
     }
     for (const auto& [name, t] : states) {
-      if (!t.defined()) continue;
-      h.segments.push_back({t, begin, begin, end, spans_of(spans, "." + name), "state"});
+      if (t.defined()) hold(t, layout[i], spans_of(spans, "." + name), "state");
     }
     for (const auto& s : spans) h.steps[s.key] = opt->steps(i);
   }
@@ -201,6 +209,7 @@ CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim
   return load(
       path, fsdp.comm(),
       [&](const Checkpoint& c) {
+        fsdp.restore_bucket_order(c.bucket_order);
         const auto states =
             optimizer ? states_to_load(c, optimizer->state_names()) : std::vector<std::string>{};
         return hold_fully_shard(fsdp, optimizer && c.has_optimizer ? optimizer : nullptr, true, states);

@@ -46,9 +46,8 @@ flatshard::examples::AnyModeOptions test_options() {
   flatshard::examples::AnyModeOptions o;
   o.adamw = {kLr, 0.9, 0.999, 1e-8, kWeightDecay};
   o.fully_shard.comm.timeout = std::chrono::seconds(60);
-  o.ddp.first_bucket_bytes = 2 << 10;  // several buckets
-  o.ddp.bucket_bytes = 16 << 10;
-  o.ddp.comm.timeout = std::chrono::seconds(60);
+  o.fully_shard.first_bucket_bytes = 2 << 10;  // several buckets
+  o.fully_shard.bucket_bytes = 16 << 10;
   return o;
 }
 

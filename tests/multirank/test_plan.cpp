@@ -53,9 +53,7 @@ std::int64_t measure_peak(const flatshard::World& world, plan::Mode mode,
   torch::manual_seed(5);
   flatshard::examples::AnyModeOptions o;
   o.fully_shard.memory_budget = budget;
-  o.ddp.memory_budget = budget;
-  o.fully_shard.strategy =
-      mode == plan::Mode::Zero2 ? flatshard::Strategy::ShardGradOp : flatshard::Strategy::FullShard;
+  o.fully_shard.strategy = flatshard::examples::strategy_of(mode);  // BuildIntoShards needs it first
   GPT model{nullptr};
   if (build_into_shards) {
     flatshard::BuildIntoShards build(world, o.fully_shard);

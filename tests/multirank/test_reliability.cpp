@@ -39,10 +39,8 @@ struct Trainer : flatshard::examples::AnyMode<GPT> {
     flatshard::examples::AnyModeOptions o;
     o.fully_shard.nonfinite_grads = policy;
     o.fully_shard.comm.timeout = std::chrono::seconds(20);
-    o.ddp.nonfinite_grads = policy;
-    o.ddp.first_bucket_bytes = 2 << 10;
-    o.ddp.bucket_bytes = 16 << 10;
-    o.ddp.comm.timeout = std::chrono::seconds(20);
+    o.fully_shard.first_bucket_bytes = 2 << 10;
+    o.fully_shard.bucket_bytes = 16 << 10;
     return o;
   }
 

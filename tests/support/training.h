@@ -21,6 +21,11 @@ struct Batch {
 struct TrainSpec {
   Strategy strategy = Strategy::FullShard;
   int shard_group_size = 0;  // FullyShardOptions::shard_group_size (HybridShard)
+  // NoShard and ShardOptimizerState: FullyShardOptions' buckets and unused parameters
+  // (small buckets by default, so that every model spans several).
+  std::int64_t first_bucket_bytes = 2 << 10;
+  std::int64_t bucket_bytes = 16 << 10;
+  bool find_unused_parameters = false;
   OptKind optimizer = OptKind::SGD;
   int steps = 10;
   int global_batch = 12;

@@ -192,6 +192,9 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   options.cpu_offload = spec.cpu_offload;
   options.strategy = spec.strategy;
   options.shard_group_size = spec.shard_group_size;
+  options.first_bucket_bytes = spec.first_bucket_bytes;
+  options.bucket_bytes = spec.bucket_bytes;
+  options.find_unused_parameters = spec.find_unused_parameters;
   options.prefetch = spec.prefetch;
   options.mixed_precision.param = spec.param_dtype;
   options.mixed_precision.reduce = spec.reduce_dtype;
@@ -225,6 +228,10 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
     opt.zero_grad();
   };
   side.comm = &fsdp.comm();
+  // One master shard holds every parameter: those no rank used step with a zero gradient.
+  side.unused_get_zero_grads =
+      spec.find_unused_parameters &&
+      (spec.strategy == Strategy::NoShard || spec.strategy == Strategy::ShardOptimizerState);
   run_steps(world, reference, *ref_opt, model, side, batch, loss, spec, result);
 
   result.peak_gathered_units = fsdp.peak_gathered_units();
