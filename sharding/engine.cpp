@@ -132,14 +132,22 @@ class AccumulatedHook final : public torch::autograd::FunctionPostHook {
 };
 
 // Adds gradients that did not land in their flat views (they reached a parameter before
-// its unit's backward began) into the flat gradient.
+// its unit's backward began, or before its bucket had a gradient buffer) into the flat
+// gradient, and points the parameter's .grad() at its view.
 void fold_strays(FlatParamGroup& g, int first_slot, int end_slot) {
   at::NoGradGuard no_grad;
   for (int i = first_slot; i < end_slot; ++i) {
     auto& slot = g.slots()[i];
-    const at::Tensor& grad = slot.param.grad();
+    const at::Tensor grad = slot.param.grad();
+    if (!grad.defined()) continue;
     auto view = g.slot_grad(slot);
-    if (grad.defined() && grad.data_ptr() != view.data_ptr()) view.add_(grad.reshape({-1}));
+    if (!view.defined()) {
+      g.allocate_segment_grad(g.segment_of_slot(slot));
+      view = g.slot_grad(slot);
+    }
+    if (grad.data_ptr() == view.data_ptr()) continue;
+    view.add_(grad.reshape({-1}));
+    slot.param.mutable_grad() = view.view(slot.shape);
   }
 }
 
@@ -564,9 +572,11 @@ void Engine::pre_backward(int index) {
     FlatParamGroup& g = *u.group;
     // NoShard without mixed precision keeps its gradient in the flat gradient: it starts
     // from zero unless an earlier backward's is still there (no zero_grad, or no_sync).
-    if (g.master_aliases_full() && g.full_grad_allocated() && !accumulating_ && !g.master().grad().defined())
-      g.full_grad().zero_();
-    g.allocate_full_grad();
+    if (g.master_aliases_full()) {
+      if (g.full_grad_allocated() && !accumulating_ && !g.master().grad().defined()) g.full_grad().zero_();
+      g.allocate_full_grad();
+    }
+    // Buckets' gradient buffers are allocated as their first gradients arrive.
     g.use_grad_views();
     account();
     std::fill(pending_.begin(), pending_.end(), 0);
@@ -606,8 +616,16 @@ void Engine::on_grad_accumulated(int index, int param) {
   }
   if (used_[param]) return;  // counted once per backward
   used_[param] = true;
+  FlatParamGroup& g = *u.group;
+  const int s = segment_of_param_[param];
+  if (!g.segment_grad_allocated(s)) {
+    // The bucket's first gradient (it landed in a tensor of its own): the bucket gets its
+    // buffer now, and the rest of its gradients accumulate there in place.
+    g.allocate_segment_grad(s);
+    fold_strays(g, g.segments()[s].first_slot, g.segments()[s].end_slot);
+  }
   if (!rebuilt_ && !arrival_recorded_) arrival_.push_back(param);
-  --pending_[segment_of_param_[param]];
+  --pending_[s];
   // The first synced backward reduces nothing until it has laid the buckets out again.
   if (!no_sync_ && rebuilt_) launch_ready_segments();
 }
@@ -621,6 +639,7 @@ void Engine::reduce_segment(int s) {
   finish_pending_reduce();
   FlatParamGroup& g = *units_[kRoot]->group;
   const FlatSegment& seg = g.segments()[s];
+  g.allocate_segment_grad(s);  // a bucket no parameter got a gradient in reduces zeros
   fold_strays(g, seg.first_slot, seg.end_slot);
   at::NoGradGuard no_grad;
   const at::ScalarType reduce_dtype = options_.mixed_precision.reduce.value_or(g.compute_dtype());
@@ -822,6 +841,8 @@ void Engine::rebuild_buckets(std::vector<int> order) {
   if (!g.master_aliases_full()) {
     if (shard_.size == 1) {
       values = g.master().detach();  // one rank's slices are the whole buffer
+    } else if (g.compute_dtype() == at::kFloat && !stale_ && g.master()._version() == master_version_) {
+      values = g.full().detach();  // the parameters hold the masters' values, bit for bit
     } else {
       values = at::empty({g.padded_numel()}, g.master().options());
       for (int k = 0; k < static_cast<int>(g.segments().size()); ++k)

@@ -149,6 +149,8 @@ void FlatParamGroup::lay_out(const std::vector<int>& segment_sizes, int world_si
   FLATSHARD_ASSERT(next == static_cast<int>(slots_.size()), "segment sizes do not cover the group");
 }
 
+// One buffer at a time is laid out again (gradients, master, parameters), so that old and
+// new copies of only one of them exist together.
 void FlatParamGroup::relayout(const std::vector<int>& order, const std::vector<int>& segment_sizes,
                               const at::Tensor& master_values) {
   FLATSHARD_ASSERT(persistent_ && order.size() == slots_.size(),
@@ -156,47 +158,51 @@ void FlatParamGroup::relayout(const std::vector<int>& order, const std::vector<i
   at::NoGradGuard no_grad;
   const int world_size = this->world_size();
   const bool grads = full_grad_allocated();
-  std::vector<at::Tensor> old_grads;  // each slot's gradient, in the old order
+  std::vector<at::Tensor> old_grads;  // each slot's gradient, in the old order (undefined: none)
   if (grads) {
     for (const auto& slot : slots_) old_grads.push_back(slot_grad(slot));
   }
+  drop_param_grads();
+  master_.mutable_grad().reset();
   std::vector<ParamSlot> old = std::move(slots_);
   slots_.clear();
   for (int i : order) slots_.push_back(old[i]);
   lay_out(segment_sizes, world_size);
-  auto moved = [&](const at::Tensor& from, const at::TensorOptions& options) {
-    auto to = at::zeros({padded_numel_}, options);
-    for (std::size_t k = 0; k < slots_.size(); ++k) {
-      const ParamSlot& before = old[order[k]];
-      to.narrow(0, slots_[k].offset, slots_[k].numel).copy_(from.narrow(0, before.offset, before.numel));
-    }
-    return to;
-  };
-  auto full = moved(full_, full_.options());
-  full_.set_(full.storage(), 0, {padded_numel_}, {1});
+
   full_grad_ = unallocated(padded_numel_, full_.options());
   segment_grads_.assign(segments_.size(), at::Tensor());
   if (grads) {
     allocate_full_grad();
-    for (std::size_t k = 0; k < slots_.size(); ++k) slot_grad(slots_[k]).copy_(old_grads[order[k]]);
-  }
-  // The parameters' gradients point into the new buffers (or nowhere).
-  if (grads) {
+    for (std::size_t k = 0; k < slots_.size(); ++k) {
+      if (old_grads[order[k]].defined()) slot_grad(slots_[k]).copy_(old_grads[order[k]]);
+    }
+    old_grads.clear();  // the old gradient buffers go now
     use_grad_views();
-  } else {
-    drop_param_grads();
   }
-  master_.mutable_grad().reset();
-  if (aliased_) {
-    master_.set_(full_.storage(), 0, {padded_numel_}, {1});
-  } else {
-    // This rank's new slices, cut from the whole model's fp32 values in the old layout.
-    auto values = moved(master_values.to(master_.device()), master_values.options().device(master_.device()));
-    auto shard = at::empty({shard_numel_}, master_.options());
-    for (int k = 0; k < static_cast<int>(segments_.size()); ++k)
-      master_part(shard, k).copy_(slot_of(values, k));
+  if (!aliased_) {
+    // This rank's new slices, cut straight from the whole model's values in the old
+    // layout (no permuted copy of the model is made).
+    auto shard = at::zeros({shard_numel_}, master_.options());
+    for (const FlatSegment& seg : segments_) {
+      const std::int64_t begin = seg.offset + rank_ * seg.slice, end = begin + seg.slice;
+      for (int i = seg.first_slot; i < seg.end_slot; ++i) {
+        const ParamSlot& slot = slots_[i];
+        const std::int64_t lo = std::max(begin, slot.offset), hi = std::min(end, slot.offset + slot.numel);
+        if (lo >= hi) continue;
+        const std::int64_t before = old[order[i]].offset;
+        shard.narrow(0, seg.master_offset + lo - begin, hi - lo)
+            .copy_(master_values.narrow(0, before + lo - slot.offset, hi - lo));
+      }
+    }
     master_.set_data(shard);
   }
+  auto full = at::zeros({padded_numel_}, full_.options());
+  for (std::size_t k = 0; k < slots_.size(); ++k) {
+    const ParamSlot& before = old[order[k]];
+    full.narrow(0, slots_[k].offset, slots_[k].numel).copy_(full_.narrow(0, before.offset, before.numel));
+  }
+  full_.set_(full.storage(), 0, {padded_numel_}, {1});
+  if (aliased_) master_.set_(full_.storage(), 0, {padded_numel_}, {1});
   use_full_views();
 }
 
@@ -223,7 +229,18 @@ int FlatParamGroup::segment_of_slot(const ParamSlot& slot) const {
 at::Tensor FlatParamGroup::slot_grad(const ParamSlot& slot) const {
   if (!segmented_grads_) return full_grad_.narrow(0, slot.offset, slot.numel);
   const int s = segment_of_slot(slot);
+  if (!segment_grads_[s].defined()) return at::Tensor();
   return segment_grads_[s].narrow(0, slot.offset - segments_[s].offset, slot.numel);
+}
+
+void FlatParamGroup::allocate_segment_grad(int s) {
+  if (!segmented_grads_ || segment_grads_[s].defined()) return;
+  segment_grads_[s] = at::zeros({segments_[s].padded_numel}, full_.options());
+  for (int i = segments_[s].first_slot; i < segments_[s].end_slot; ++i) {
+    auto& slot = slots_[i];
+    if (slot.param.requires_grad() && !slot.param.grad().defined())
+      slot.param.mutable_grad() = slot_grad(slot).view(slot.shape);
+  }
 }
 
 void FlatParamGroup::free_segment_grad(int s) {
@@ -280,7 +297,9 @@ void FlatParamGroup::use_empty_views() {
 
 void FlatParamGroup::use_grad_views() {
   for (auto& s : slots_) {
-    if (s.param.requires_grad()) s.param.mutable_grad() = slot_grad(s).view(s.shape);
+    if (!s.param.requires_grad()) continue;
+    auto view = slot_grad(s);
+    if (view.defined()) s.param.mutable_grad() = view.view(s.shape);
   }
 }
 

@@ -98,14 +98,20 @@ class FlatParamGroup {
   at::Tensor& full() { return full_; }
   at::Tensor& full_grad() { return full_grad_; }
   // Segment s's flat gradient. A persistent group whose master does not alias the buffer
-  // keeps one gradient buffer per segment, freed as soon as that segment is reduced
-  // (free_segment_grad): the model's whole gradient need not exist at once.
+  // keeps one gradient buffer per segment, allocated when the segment's first gradient
+  // arrives (allocate_segment_grad) and freed as soon as the segment is reduced
+  // (free_segment_grad): the model's whole gradient never exists at once.
   at::Tensor segment_grad(int s) const {
     return segmented_grads_ ? segment_grads_[s] : segment_of(full_grad_, s);
   }
-  // A slot's flat gradient (wherever its segment keeps it).
+  // A slot's flat gradient (wherever its segment keeps it; undefined while it has none).
   at::Tensor slot_grad(const ParamSlot& slot) const;
+  bool segment_grad_allocated(int s) const { return !segmented_grads_ || segment_grads_[s].defined(); }
+  // Allocates segment s's gradient (zeroed) if it has none, and points its parameters'
+  // .grad() into it.
+  void allocate_segment_grad(int s);
   void free_segment_grad(int s);
+  int segment_of_slot(const ParamSlot& slot) const;
   // Bytes of flat gradient allocated now.
   std::int64_t full_grad_bytes() const;
   // Segment s of `full` (or of `full_grad`), this rank's slice of it, and where that
@@ -148,15 +154,14 @@ class FlatParamGroup {
   // Parameters become views of `full` (it must be allocated) / empty tensors.
   void use_full_views();
   void use_empty_views();
-  // Each parameter's .grad() becomes its view of `full_grad`, so AccumulateGrad adds
-  // in place; or is dropped.
+  // Each parameter's .grad() becomes its view of `full_grad` (of its segment's gradient,
+  // when that has one), so AccumulateGrad adds in place; or is dropped.
   void use_grad_views();
   void drop_param_grads();
   // The master shard's gradient becomes the flat gradient itself (master_aliases_full()).
   void alias_master_grad();
 
  private:
-  int segment_of_slot(const ParamSlot& slot) const;
   // Offsets and segments for the slots in their current order; the sizes follow.
   void lay_out(const std::vector<int>& segment_sizes, int world_size);
 

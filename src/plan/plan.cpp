@@ -63,8 +63,9 @@ ModelShape uniform_shape(std::int64_t params, int units) {
 //   `prefetch` units gathered ahead for backward; under shard-grad-op every unit. The
 //   root unit's unsharded gradient (the output layer's comes first) lives through
 //   backward.
-// - DDP and ZeRO-1: replicated parameters and gradient buckets (gradients alias them),
-//   fp32 masters under mixed precision, the optimizer state (whole or 1/N).
+// - DDP and ZeRO-1 (NoShard, ShardOptimizerState): the replicated flat buffer and the
+//   buckets' gradients (allocated when backward begins), fp32 masters (DDP: under mixed
+//   precision, whole; ZeRO-1: this rank's slices), the optimizer state (whole or 1/N).
 // With recomputation the activations alive at the start of backward are the units'
 // inputs only, and the sharded modes peak inside a unit's recomputed backward instead:
 // there the unit's unsharded gradient and the previous unit's, still being
@@ -93,7 +94,11 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
     case Mode::Zero1: {
       p.params = psi * e;
       p.grads = psi * e;
-      if (e != 4) p.masters = 2 * psi * 4;  // fp32 masters and their gradients
+      if (o.mode == Mode::DDP && e != 4) p.masters = 2 * psi * 4;  // fp32 masters and their gradients
+      // ZeRO-1: this rank's fp32 slices of the masters (their reduced gradient slices come
+      // after the peak, as the buckets' gradients are freed); on one rank in fp32 the
+      // masters are the parameters themselves.
+      if (o.mode == Mode::Zero1 && (n > 1 || e != 4)) p.masters = (psi * 4 + n - 1) / n;
       p.optimizer_state = o.mode == Mode::DDP ? psi * k : (psi * k + n - 1) / n;
       break;
     }
@@ -132,10 +137,9 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   //   over (it frees each unit as the unit's shard is copied out).
   // - FullyShard, built into shards: the fp32 shards, the root unit's parameters and the
   //   unit being built (at worst the largest) at full size.
-  // - DDP and ZeRO-1: the whole model, then its copy into parameter buckets beside the
-  //   gradient buckets; after the first backward the buckets are rebuilt in arrival order,
-  //   old and new alive together (the rebuild is ZeRO-1's peak: measured 39.97 MiB against
-  //   a training peak of 32.4 at world 4).
+  // - DDP and ZeRO-1 (NoShard, ShardOptimizerState): the whole model, then its copy into
+  //   the persistent flat buffer and the masters; after the first backward the buckets
+  //   are laid out again in arrival order, old and new buffers alive together.
   const bool sharded = o.mode == Mode::Zero2 || o.mode == Mode::FullShard;
   if (sharded && o.build_into_shards) {
     std::int64_t largest_unit = 0;
@@ -148,8 +152,12 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
     for (auto u : shape.unit_numels) largest_shard = std::max(largest_shard, padded(u, n, e) / n);
     p.construction = psi * 4 + largest_shard * 4;
   } else {
-    p.construction = psi * 4 + p.params + p.grads + p.masters;
-    p.rebuild = 2 * (p.params + p.grads) + p.masters;
+    p.construction = psi * 4 + p.params + p.masters;
+    // One buffer at a time is laid out again, its old and new copies side by side (the
+    // parameters' is the largest); ZeRO-1's master slices are cut from every rank's
+    // masters, gathered in fp32 under mixed precision.
+    p.rebuild = 2 * p.params + p.grads + p.masters;
+    if (o.mode == Mode::Zero1 && e != 4) p.rebuild += psi * 4;
   }
   p.peak = std::max({p.training(), p.construction, p.rebuild});
   if (late_backward > p.peak) {  // Note [Late in backward]
