@@ -11,7 +11,7 @@
 //
 // --step-in-backward 1 (full shard) steps each unit's shard in backward
 // (FullyShardBase::step_in_backward): the fp32 gradients never exist together.
-// --mode ddp runs FlatShard's DistributedDataParallel instead (bf16 parameters and
+// --mode ddp runs the NoShard strategy instead (bf16 parameters and
 // gradients, fp32 all-reduce and masters, flatshard::optim::Adam over the masters; the
 // model moved to the GPU whole); peer_fsdp2_gpu.py --mode ddp is PyTorch DDP's run.
 //
@@ -125,36 +125,28 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool ddp_mode = a.mode == "ddp";
-  std::unique_ptr<flatshard::FullyShard<flatshard::examples::GPT>> fsdp;
-  std::unique_ptr<flatshard::DistributedDataParallel<flatshard::examples::GPT>> ddp;
-  std::unique_ptr<flatshard::optim::Adam> adam;
   const flatshard::optim::AdamWOptions adamw{3e-4, 0.9, 0.95, 1e-8, 0.1};
+  flatshard::FullyShardOptions options;
+  options.mixed_precision.param = at::kBFloat16;
+  options.mixed_precision.reduce = at::kFloat;
   if (ddp_mode) {
-    model->to(gpu);
-    flatshard::DDPOptions options;
-    options.mixed_precision.param = at::kBFloat16;
-    options.mixed_precision.reduce = at::kFloat;
-    ddp =
-        std::make_unique<flatshard::DistributedDataParallel<flatshard::examples::GPT>>(model, world, options);
-    adam = std::make_unique<flatshard::optim::Adam>(ddp->optimizer_params(), adamw);
+    model->to(gpu);  // a whole replica on the GPU, as DDP
+    options.strategy = flatshard::Strategy::NoShard;
   } else {
-    flatshard::FullyShardOptions options;
     options.device = gpu;  // built on the host, sharded onto the GPU unit by unit
     options.cpu_offload = a.offload;
     options.strategy = flatshard::Strategy::FullShard;
-    options.mixed_precision.param = at::kBFloat16;
-    options.mixed_precision.reduce = at::kFloat;
-    fsdp = std::make_unique<flatshard::FullyShard<flatshard::examples::GPT>>(model, world, options);
-    adam = std::make_unique<flatshard::optim::Adam>(fsdp->shards(), adamw);
-    if (a.step_in_backward) fsdp->step_in_backward(adam.get());
   }
+  flatshard::FullyShard<flatshard::examples::GPT> fsdp(model, world, options);
+  auto adam = std::make_unique<flatshard::optim::Adam>(fsdp.shards(), adamw);
+  if (a.step_in_backward) fsdp.step_in_backward(adam.get());
   auto& opt = *adam;
 
   auto tokens =
       at::randint(a.vocab, {a.batch, a.context + 1}, at::TensorOptions().dtype(at::kLong).device(gpu));
   auto x = tokens.narrow(1, 0, a.context).contiguous(), y = tokens.narrow(1, 1, a.context).contiguous();
   auto step = [&] {
-    auto logits = ddp ? ddp->forward(x) : fsdp->forward(x);
+    auto logits = fsdp.forward(x);
     auto loss = torch::cross_entropy_loss(logits.reshape({-1, a.vocab}).to(at::kFloat), y.reshape({-1}));
     loss.backward();
     opt.step();

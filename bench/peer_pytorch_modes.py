@@ -89,15 +89,18 @@ def main():
         for b in model.blocks:
             fully_shard(b, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
         run = model
     else:
-        run = nn.parallel.DistributedDataParallel(model)
+        # The strongest settings: gradients are views of the buckets (no copy in or out),
+        # ZeRO's parameters views of its buckets, fused AdamW.
+        run = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         if a.mode == "torch_zero1":
             from torch.distributed.optim import ZeroRedundancyOptimizer
-            opt = ZeroRedundancyOptimizer(run.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-4)
+            opt = ZeroRedundancyOptimizer(run.parameters(), optimizer_class=torch.optim.AdamW,
+                                          parameters_as_bucket_view=True, lr=3e-4, fused=True)
         else:
-            opt = torch.optim.AdamW(run.parameters(), lr=3e-4, foreach=False)
+            opt = torch.optim.AdamW(run.parameters(), lr=3e-4, fused=True)
     g = torch.Generator().manual_seed(rank)
     total = 0.0
     for step in range(a.steps + 1):

@@ -2,7 +2,7 @@
 // dataset-fashion-mnist) under full shard, with a distributed sampler.
 //
 //   flatshard-run -n 2 build/examples/train_fashion_mnist [--epochs 1] [--batch 32]
-//       [--lr 1e-3] [--mode full|zero2|ddp] [--data /usr/share/datasets/fashion-mnist]
+//       [--lr 1e-3] [--mode full|zero2|zero1|ddp] [--data /usr/share/datasets/fashion-mnist]
 //       [--train-limit N] [--min-accuracy PERCENT]
 //
 // With --min-accuracy the program exits 4 when the last epoch's test accuracy is lower
@@ -104,22 +104,15 @@ int main(int argc, char** argv) {
 
     torch::manual_seed(1);
     MnistNet model(/*dropout=*/0.5);
-    std::unique_ptr<flatshard::FullyShard<MnistNet>> fsdp;
-    std::unique_ptr<flatshard::optim::Adam> shard_opt;
-    std::unique_ptr<flatshard::DistributedDataParallel<MnistNet>> ddp;
-    std::unique_ptr<torch::optim::Adam> torch_opt;
-    if (mode == "ddp") {
-      ddp = std::make_unique<flatshard::DistributedDataParallel<MnistNet>>(model, world);
-      torch_opt =
-          std::make_unique<torch::optim::Adam>(ddp->optimizer_params(), torch::optim::AdamOptions(lr));
-    } else {
-      flatshard::FullyShardOptions o;
-      o.strategy = mode == "zero2" ? flatshard::Strategy::ShardGradOp : flatshard::Strategy::FullShard;
-      fsdp = std::make_unique<flatshard::FullyShard<MnistNet>>(model, world, o);
-      shard_opt = std::make_unique<flatshard::optim::Adam>(fsdp->shards(), flatshard::optim::AdamOptions{lr});
-    }
-    auto forward = [&](const at::Tensor& x) { return fsdp ? fsdp->forward(x) : ddp->forward(x); };
-    auto& comm = fsdp ? fsdp->comm() : ddp->comm();
+    flatshard::FullyShardOptions o;
+    o.strategy = mode == "ddp"     ? flatshard::Strategy::NoShard
+                 : mode == "zero1" ? flatshard::Strategy::ShardOptimizerState
+                 : mode == "zero2" ? flatshard::Strategy::ShardGradOp
+                                   : flatshard::Strategy::FullShard;
+    flatshard::FullyShard<MnistNet> fsdp(model, world, o);
+    flatshard::optim::Adam opt(fsdp.shards(), flatshard::optim::AdamOptions{lr});
+    auto forward = [&](const at::Tensor& x) { return fsdp.forward(x); };
+    auto& comm = fsdp.comm();
 
     double accuracy = 0;
     for (int epoch = 1; epoch <= epochs; ++epoch) {
@@ -131,13 +124,8 @@ int main(int argc, char** argv) {
         const auto idx = mine.narrow(0, s * batch, std::min<std::int64_t>(batch, mine.numel() - s * batch));
         auto loss = torch::nll_loss(forward(train_x.index_select(0, idx)), train_y.index_select(0, idx));
         loss.backward();
-        if (shard_opt) {
-          shard_opt->step();
-          shard_opt->zero_grad();
-        } else {
-          torch_opt->step();
-          torch_opt->zero_grad();
-        }
+        opt.step();
+        opt.zero_grad();
         if (rank == 0 && (s + 1) % 100 == 0) {
           std::printf("epoch %d  step %lld/%lld  loss %.4f\n", epoch, static_cast<long long>(s + 1),
                       static_cast<long long>(steps), loss.item<double>());

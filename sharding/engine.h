@@ -49,6 +49,7 @@ class Engine {
   std::int64_t unit_bytes(bool root) const;
   Communicator& comm() { return *comm_; }
   const ShardGroup& shard_group() const { return shard_; }
+  Strategy strategy() const { return options_.strategy; }
   // The replicated strategies' buckets (see FullyShardBase).
   std::vector<std::vector<std::string>> bucket_layout() const;
   std::vector<std::string> bucket_order() const;

@@ -74,6 +74,7 @@ std::int64_t FullyShardBase::largest_unit_bytes() const { return engine_->unit_b
 std::int64_t FullyShardBase::root_unit_bytes() const { return engine_->unit_bytes(true); }
 Communicator& FullyShardBase::comm() { return engine_->comm(); }
 ShardGroup FullyShardBase::shard_group() const { return engine_->shard_group(); }
+Strategy FullyShardBase::strategy() const { return engine_->strategy(); }
 torch::nn::Module& FullyShardBase::root_module() { return engine_->model(); }
 std::vector<std::vector<std::string>> FullyShardBase::bucket_layout() const {
   return engine_->bucket_layout();

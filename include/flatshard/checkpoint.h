@@ -21,18 +21,9 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
-#include "flatshard/ddp.h"
 #include "flatshard/errors.h"
 #include "flatshard/fully_shard.h"
 #include "flatshard/optim.h"
-
-namespace torch::optim {
-class Optimizer;
-}
-
-namespace flatshard {
-class ZeroRedundancyOptimizer;
-}
 
 namespace flatshard::checkpoint {
 
@@ -51,7 +42,6 @@ class CheckpointError : public Error {
 // parameters' dtype, on rank `to` (every rank when to == -1; empty elsewhere). A
 // collective: every rank calls it.
 std::map<std::string, at::Tensor> full_state_dict(FullyShardBase& fsdp, torch::nn::Module& model, int to = 0);
-std::map<std::string, at::Tensor> full_state_dict(DDPBase& ddp, torch::nn::Module& model, int to = 0);
 
 // The optimizer's state over FullyShard's shards, consolidated: "<parameter>.<state>"
 // (exp_avg, exp_avg_sq, momentum_buffer) at the parameter's shape, plus "step", on rank
@@ -77,32 +67,24 @@ struct CheckpointInfo {
   std::string path;  // the step directory
   std::int64_t step = 0;
   int world_size = 0;  // of the run that saved it
-  std::string mode;    // "fully_shard", "ddp" or "zero"
+  std::string mode;    // the saving run's strategy ("FullShard", "NoShard", ...)
 };
 
 // Sharded checkpoint under `root`: root/step-<step>/ holds metadata.json (names, shapes,
-// dtypes, element ranges, files, CRC-32s, world size, mode, step, format version) and
-// one shard file per rank; root/latest names the newest complete one. Each rank writes
-// what it owns: FullyShard its shards, ZeRO its slices, DDP a 1/N share of each
-// (replicated) bucket; rank 0 also the buffers. Parameters are saved in fp32 (the
-// masters, under mixed precision). A collective; a failure on any rank throws
-// CheckpointError on every rank and leaves the previous checkpoint as it was.
+// dtypes, element ranges, files, CRC-32s, world size, strategy, step, the buckets' order,
+// format version) and one shard file per rank; root/latest names the newest complete
+// one. Each rank writes what it owns: its slice of every flat group (ranks holding the
+// same slice, under HybridShard and NoShard, write a share of it each); rank 0 also the
+// buffers. Parameters are saved in fp32 (the masters). A collective; a failure on any
+// rank throws CheckpointError on every rank and leaves the previous checkpoint as it was.
 CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
                             const optim::ShardOptimizer* optimizer, const SaveOptions& options = {});
-// DDP with a torch::optim SGD, Adam or AdamW over ddp.optimizer_params() (or none).
-CheckpointInfo save_sharded(const std::string& root, DDPBase& ddp, torch::optim::Optimizer* optimizer,
-                            const SaveOptions& options = {});
-// ZeroRedundancyOptimizer (with DDP or alone): the model and the optimizer's slices.
-CheckpointInfo save_sharded(const std::string& root, ZeroRedundancyOptimizer& zero,
-                            const SaveOptions& options = {});
 
-// Loads a sharded checkpoint saved at any world size and under any mode. `path` is a
+// Loads a sharded checkpoint saved at any world size and under any strategy. `path` is a
 // root (its latest checkpoint) or a step directory. Names and shapes must match the
 // model: the first mismatch is named. Every piece read is checked against its CRC-32.
 // The optimizer (may be null) must keep the kinds of state that were saved; without
 // optimizer state in the checkpoint it is left as it is. A collective.
 CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim::ShardOptimizer* optimizer);
-CheckpointInfo load_sharded(const std::string& path, DDPBase& ddp, torch::optim::Optimizer* optimizer);
-CheckpointInfo load_sharded(const std::string& path, ZeroRedundancyOptimizer& zero);
 
 }  // namespace flatshard::checkpoint

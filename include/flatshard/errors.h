@@ -47,7 +47,7 @@ class InvalidArgument : public Error {
 };
 
 // Training this model in the chosen mode needs more memory per rank than the budget
-// it was given (DDPOptions / FullyShardOptions::memory_budget). Nothing was allocated.
+// it was given (FullyShardOptions::memory_budget). Nothing was allocated.
 class MemoryBudgetError : public Error {
  public:
   MemoryBudgetError(std::int64_t need_bytes, std::int64_t budget_bytes, const std::string& message)

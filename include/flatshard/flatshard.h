@@ -4,7 +4,6 @@
 #include "flatshard/build.h"
 #include "flatshard/checkpoint.h"
 #include "flatshard/communicator.h"
-#include "flatshard/ddp.h"
 #include "flatshard/errors.h"
 #include "flatshard/fully_shard.h"
 #include "flatshard/memory.h"
@@ -15,4 +14,3 @@
 #include "flatshard/stream.h"
 #include "flatshard/unit.h"
 #include "flatshard/world.h"
-#include "flatshard/zero.h"

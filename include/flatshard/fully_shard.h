@@ -249,6 +249,7 @@ class FullyShardBase {
   Communicator& comm();
   const World& world() const { return world_; }
   ShardGroup shard_group() const;
+  Strategy strategy() const;
   // NoShard and ShardOptimizerState: the parameter names of each bucket, in bucket order.
   std::vector<std::vector<std::string>> bucket_layout() const;
   // NoShard and ShardOptimizerState: the parameter order of the buckets after the first

@@ -53,12 +53,6 @@ std::map<std::string, at::Tensor> full_state_dict(FullyShardBase& fsdp, torch::n
   return collect(model);
 }
 
-std::map<std::string, at::Tensor> full_state_dict(DDPBase& ddp, torch::nn::Module& model, int to) {
-  // Replicated: every rank already holds the full values.
-  if (to >= 0 && ddp.world().rank() != to) return {};
-  return collect(model);
-}
-
 std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp,
                                                             const optim::ShardOptimizer& optimizer, int to) {
   const auto layout = fsdp.layout();

@@ -8,14 +8,14 @@
 //    1 over NCCL (fp32, bf16 compute with fp32 or bf16 reduction; the model moved to the
 //    GPU or built on the host and sharded onto it; CPU offload), world 2 over the TCP
 //    rings through host memory (two ranks on one GPU, which NCCL refuses);
-//  - DDP and ZeroRedundancyOptimizer (with DDP, reduce-scattering, and alone) on CUDA
-//    against single-process training: world 1 over NCCL and world 2 over the TCP rings,
-//    fp32 and bf16 compute with fp32 masters;
+//  - NoShard (DDP) and ShardOptimizerState (ZeRO-1) on CUDA against single-process
+//    training: world 1 over NCCL and world 2 over the TCP rings, fp32 and bf16 compute
+//    with fp32 masters;
 //  - hybrid sharding at world 2 over TCP on one GPU, groups of 1 and 2;
 //  - a model built into shards onto the GPU (and offloaded), at worlds 1 and 2;
 //  - activation recomputation with dropout on the GPU;
 //  - sharded checkpoints of CUDA shards, loaded on the CPU and on the GPU with offload;
-//    DDP's and ZeRO-1's saved on the GPU and loaded on the CPU.
+//    NoShard's and ShardOptimizerState's saved on the GPU and loaded on the CPU.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -208,21 +208,19 @@ TEST(CudaFullyShard, WorldTwoOverTcpOnOneGpuMatchesSingleProcess) {
   EXPECT_TRUE(off.shards_pinned);
 }
 
-// DDP and ZeRO-1 on CUDA parameters, every replicated mode, fp32 and bf16 compute with
-// fp32 masters, small buckets (several per model, one rebuilt after the first backward):
-// world 1 over NCCL, world 2 over the TCP rings on one GPU.
+// NoShard (DDP) and ShardOptimizerState (ZeRO-1) on CUDA parameters, fp32 and bf16
+// compute with fp32 masters, small buckets (several per model, laid out again after the
+// first backward): world 1 over NCCL, world 2 over the TCP rings on one GPU.
 TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
   REQUIRE_GPU();
   FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(300));
   auto world = flatshard::init();
-  using flatshard::testing::ReplicatedMode;
-  for (auto mode : {ReplicatedMode::DDP, ReplicatedMode::ZeroWithDDP, ReplicatedMode::ZeroWithDDPScatter,
-                    ReplicatedMode::ZeroStandalone}) {
+  for (auto strategy : {flatshard::Strategy::NoShard, flatshard::Strategy::ShardOptimizerState}) {
     for (auto param : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kBFloat16}}) {
-      if (param && mode == ReplicatedMode::ZeroStandalone) continue;  // mixed precision comes with DDP
-      SCOPED_TRACE(::testing::Message() << flatshard::testing::to_string(mode) << (param ? " bf16" : " fp32")
+      SCOPED_TRACE(::testing::Message() << flatshard::to_string(strategy) << (param ? " bf16" : " fp32")
                                         << " world " << world.world_size());
       TrainSpec spec;
+      spec.strategy = strategy;
       spec.optimizer = OptKind::AdamW;
       spec.steps = 4;
       spec.global_batch = 8;
@@ -230,12 +228,10 @@ TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
       spec.reduce_dtype = param ? std::optional<at::ScalarType>{at::kFloat} : std::nullopt;
       spec.device = kGpu;
       spec.transport = world.world_size() == 1 ? flatshard::Transport::Nccl : flatshard::Transport::Tcp;
-      flatshard::testing::ReplicatedSpec replicated;
-      replicated.mode = mode;
-      replicated.first_bucket_bytes = 64 << 10;
-      replicated.bucket_bytes = 256 << 10;
-      const auto r = flatshard::testing::train_replicated_and_compare<flatshard::testing::GPT>(
-          world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec, replicated);
+      spec.first_bucket_bytes = 64 << 10;
+      spec.bucket_bytes = 256 << 10;
+      const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+          world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
       const double tolerance = param ? 3e-2 : 1e-5;
       EXPECT_LE(r.global_rel_weight_diff, tolerance) << "worst " << r.worst_param;
       EXPECT_LE(r.max_rel_loss_diff, tolerance);
@@ -405,74 +401,53 @@ TEST(CudaCheckpoint, DeviceShardsSaveAndLoadOnTheCpuAndTheGpu) {
   std::system(("rm -rf " + dir).c_str());
 }
 
-// DDP (torch::optim AdamW over the masters) and ZeRO-1 on the GPU save sharded
-// checkpoints that load into the same modes on the CPU: the same parameters and
-// optimizer state, bit for bit.
+// NoShard (DDP) and ShardOptimizerState (ZeRO-1) on the GPU, bf16 compute with fp32
+// masters, save sharded checkpoints that load into the same strategies on the CPU: the
+// same masters and optimizer state, bit for bit.
 TEST(CudaCheckpoint, ReplicatedModesSaveOnTheGpuAndLoadOnTheCpu) {
   REQUIRE_GPU();
   flatshard::World world;
   char dir_template[] = "/tmp/flatshard-cuda-ddp-ckpt-XXXXXX";
   ASSERT_NE(::mkdtemp(dir_template), nullptr);
   const std::string dir = dir_template;
-  using Ddp = flatshard::DistributedDataParallel<flatshard::testing::GPT>;
-  const auto make = [&](c10::Device device) {
+  using Wrapped = flatshard::FullyShard<flatshard::testing::GPT>;
+  const auto make = [&](c10::Device device, flatshard::Strategy strategy) {
     auto model = gpt_factory()();
     model->to(device);
-    flatshard::DDPOptions options;
+    flatshard::FullyShardOptions options;
+    options.strategy = strategy;
     options.mixed_precision.param = at::kBFloat16;
     options.mixed_precision.reduce = at::kFloat;
     options.first_bucket_bytes = 64 << 10;
     options.bucket_bytes = 256 << 10;
     options.comm.timeout = std::chrono::seconds(60);
-    return std::make_unique<Ddp>(model, world, options);
+    return std::make_unique<Wrapped>(model, world, options);
   };
-  const auto params = [](Ddp& ddp) {
-    std::vector<at::Tensor> out;
-    for (const auto& p : ddp.optimizer_params()) out.push_back(p.detach().cpu());
-    return out;
-  };
-  const auto backward = [](Ddp& ddp, int step) {
-    const auto b = gpt_batch(step, 4);
-    const auto device = ddp.comm().device();
-    token_loss(ddp.forward(b.input.to(device)).to(at::kFloat), b.target.to(device)).backward();
-  };
-  const auto train = [&](Ddp& ddp, auto& opt) {
+  const flatshard::optim::AdamWOptions adamw{1e-3, 0.9, 0.999, 1e-8, 0.1};
+  flatshard::checkpoint::SaveOptions at_step;
+  at_step.step = 3;
+  for (auto strategy : {flatshard::Strategy::NoShard, flatshard::Strategy::ShardOptimizerState}) {
+    SCOPED_TRACE(flatshard::to_string(strategy));
+    const std::string path = dir + "/" + flatshard::to_string(strategy);
+    auto gpu = make(kGpu, strategy);
+    flatshard::optim::AdamW opt(gpu->shards(), adamw);
     for (int s = 0; s < 3; ++s) {
-      backward(ddp, s);
+      const auto b = gpt_batch(s, 4);
+      token_loss(gpu->forward(b.input.to(kGpu)).to(at::kFloat), b.target.to(kGpu)).backward();
       opt.step();
       opt.zero_grad();
     }
-  };
-  flatshard::checkpoint::SaveOptions at_step;
-  at_step.step = 3;
-  // DDP with torch::optim::AdamW.
-  {
-    auto gpu = make(kGpu);
-    torch::optim::AdamW opt(gpu->optimizer_params(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
-    train(*gpu, opt);
-    flatshard::checkpoint::save_sharded(dir + "/ddp", *gpu, &opt, at_step);
-    auto cpu = make(c10::Device(c10::kCPU));
-    torch::optim::AdamW cpu_opt(cpu->optimizer_params(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
-    flatshard::checkpoint::load_sharded(dir + "/ddp", *cpu, &cpu_opt);
-    expect_equal(params(*cpu), params(*gpu), "DDP masters on the CPU");
-  }
-  // ZeRO-1 with DDP.
-  {
-    auto gpu = make(kGpu);
-    flatshard::ZeroRedundancyOptimizer opt(*gpu, flatshard::optim::AdamWOptions{1e-3, 0.9, 0.999, 1e-8, 0.1});
-    train(*gpu, opt);
-    flatshard::checkpoint::save_sharded(dir + "/zero", opt, at_step);
-    const auto state = opt.consolidated_state_dict();
-    auto cpu = make(c10::Device(c10::kCPU));
-    flatshard::ZeroRedundancyOptimizer cpu_opt(*cpu,
-                                               flatshard::optim::AdamWOptions{1e-3, 0.9, 0.999, 1e-8, 0.1});
-    flatshard::checkpoint::load_sharded(dir + "/zero", cpu_opt);
-    expect_equal(params(*cpu), params(*gpu), "ZeRO-1 masters on the CPU");
-    const auto loaded = cpu_opt.consolidated_state_dict();
+    flatshard::checkpoint::save_sharded(path, *gpu, &opt.base(), at_step);
+    const auto state = flatshard::checkpoint::full_optimizer_state_dict(*gpu, opt.base());
+    auto cpu = make(c10::Device(c10::kCPU), strategy);
+    flatshard::optim::AdamW cpu_opt(cpu->shards(), adamw);
+    flatshard::checkpoint::load_sharded(path, *cpu, &cpu_opt.base());
+    expect_equal({cpu->shards().front().cpu()}, {gpu->shards().front().cpu()}, "masters on the CPU");
+    const auto loaded = flatshard::checkpoint::full_optimizer_state_dict(*cpu, cpu_opt.base());
     ASSERT_EQ(loaded.size(), state.size());
     for (const auto& [name, t] : state) {
       ASSERT_TRUE(loaded.count(name)) << name;
-      EXPECT_TRUE(at::equal(loaded.at(name).cpu(), t.cpu())) << "ZeRO-1 state " << name;
+      EXPECT_TRUE(at::equal(loaded.at(name).cpu(), t.cpu())) << "state " << name;
     }
   }
   std::system(("rm -rf " + dir).c_str());

@@ -288,10 +288,15 @@ TEST(BuildIntoShards, BadInputIsRefusedAtConstruction) {
     expect_refused<flatshard::InvalidArgument>("other options",
                                                {"was built into shards for", "BFloat16", "Float"},
                                                [&] { flatshard::FullyShard<GPT> fsdp(model, world, {}); });
-    // DDP and ZeRO-1 keep whole replicas.
-    expect_refused<flatshard::InvalidArgument>(
-        "ddp", {"built into shards", "DDP keeps a whole replica"},
-        [&] { flatshard::DistributedDataParallel<GPT> ddp(model, world, {}); });
+    // NoShard (DDP) and ShardOptimizerState (ZeRO-1) keep whole replicas.
+    for (auto strategy : {flatshard::Strategy::NoShard, flatshard::Strategy::ShardOptimizerState}) {
+      flatshard::FullyShardOptions replicated;
+      replicated.strategy = strategy;
+      expect_refused<flatshard::InvalidArgument>(
+          flatshard::to_string(strategy),
+          {"built into shards", std::string(flatshard::to_string(strategy)) + " keeps a whole replica"},
+          [&] { flatshard::FullyShard<GPT> ddp(model, world, replicated); });
+    }
     // Running the unwrapped model.
     expect_refused<flatshard::InvalidArgument>("unwrapped", {"wrap the model in flatshard::FullyShard"},
                                                [&] { model->forward(gpt_batch(0, 2).input); });
@@ -351,11 +356,12 @@ TEST(BuildIntoShards, TrainsAModelWhoseParametersExceedTheBudget) {
     GPT whole(c);
     for (const auto& p : whole->parameters()) params += p.numel();
     EXPECT_GT(4 * params, budget_bytes) << "the model's fp32 parameters alone must exceed the budget";
-    flatshard::DDPOptions ddp_options;
+    flatshard::FullyShardOptions ddp_options;
+    ddp_options.strategy = flatshard::Strategy::NoShard;
     ddp_options.memory_budget = options.memory_budget;
     expect_refused<flatshard::MemoryBudgetError>(
         "ddp", {"in mode ddp needs", "memory budget of 48.0 MiB", "built into shards (BuildIntoShards)"},
-        [&] { flatshard::DistributedDataParallel<GPT> ddp(whole, world, ddp_options); });
+        [&] { flatshard::FullyShard<GPT> ddp(whole, world, ddp_options); });
     expect_refused<flatshard::MemoryBudgetError>(
         "full shard over a whole build", {"while the model is built", "BuildIntoShards"},
         [&] { flatshard::FullyShard<GPT> fsdp(whole, world, options); });

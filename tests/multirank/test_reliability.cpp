@@ -230,7 +230,10 @@ TEST(WrongDevice, WrappersAndCollectivesRefuseIt) {
     }
   };
   expect_refused([&] { flatshard::FullyShard<MetaNet> fsdp(MetaNet(), world); }, "parameter 'w' is on meta");
-  expect_refused([&] { flatshard::DistributedDataParallel<MetaNet> ddp(MetaNet(), world); }, "meta");
+  flatshard::FullyShardOptions no_shard;
+  no_shard.strategy = flatshard::Strategy::NoShard;
+  expect_refused([&] { flatshard::FullyShard<MetaNet> ddp(MetaNet(), world, no_shard); },
+                 "parameter 'w' is on meta");
   auto comm = flatshard::Communicator::create(world);
   expect_refused([&] { comm->all_reduce(at::empty({4}, at::device(at::kMeta)), flatshard::ReduceOp::Sum); },
                  "meta");

@@ -74,22 +74,6 @@ struct TrainResult {
   bool shards_pinned = false;
 };
 
-// How the replicated modes train (train_replicated_and_compare).
-enum class ReplicatedMode {
-  DDP,                 // DistributedDataParallel + torch::optim over optimizer_params()
-  ZeroWithDDP,         // DDP all-reduces, ZeroRedundancyOptimizer steps slices
-  ZeroWithDDPScatter,  // DDP reduce-scatters (ZeRO-2 semantics)
-  ZeroStandalone,      // no DDP: the optimizer reduces gradients in step()
-};
-const char* to_string(ReplicatedMode m);
-
-struct ReplicatedSpec {
-  ReplicatedMode mode = ReplicatedMode::DDP;
-  bool find_unused_parameters = false;
-  std::int64_t first_bucket_bytes = std::int64_t{1} << 20;
-  std::int64_t bucket_bytes = std::int64_t{25} << 20;
-};
-
 // make(): builds the model (same seed -> same weights each call);
 // batch(step): the global batch of a step; loss(output, target).
 template <typename Holder>
@@ -97,12 +81,6 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
                               const std::function<Batch(int)>& batch,
                               const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss,
                               const TrainSpec& spec);
-
-template <typename Holder>
-TrainResult train_replicated_and_compare(
-    const World& world, const std::function<Holder()>& make, const std::function<Batch(int)>& batch,
-    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss, const TrainSpec& spec,
-    const ReplicatedSpec& replicated);
 
 }  // namespace flatshard::testing
 

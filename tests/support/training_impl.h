@@ -31,25 +31,6 @@ inline std::unique_ptr<torch::optim::Optimizer> reference_optimizer(OptKind k,
   return nullptr;
 }
 
-inline const char* to_string(ReplicatedMode m) {
-  switch (m) {
-    case ReplicatedMode::DDP: return "DDP";
-    case ReplicatedMode::ZeroWithDDP: return "ZeRO-1+DDP";
-    case ReplicatedMode::ZeroWithDDPScatter: return "ZeRO-1+DDP reduce-scatter";
-    case ReplicatedMode::ZeroStandalone: return "ZeRO-1 alone";
-  }
-  return "?";
-}
-
-inline OptimizerOptions zero_optimizer_options(OptKind k) {
-  switch (k) {
-    case OptKind::SGD: return optim::SGDOptions{0.05, 0.9, 0, 0.01, true};
-    case OptKind::Adam: return optim::AdamOptions{1e-3, 0.9, 0.999, 1e-8, 0.01};
-    case OptKind::AdamW: return optim::AdamWOptions{1e-3, 0.9, 0.999, 1e-8, 0.1};
-  }
-  return optim::SGDOptions{};
-}
-
 struct ShardedOptimizer {
   std::unique_ptr<optim::ShardOptimizer> opt;
   void step() { opt->step(); }
@@ -241,71 +222,6 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   result.shard_device = fsdp.shards().front().device();
   result.shards_pinned = fsdp.shards().front().is_pinned();
   auto full = fsdp.summon_full_params();
-  compare_weights(model, reference, result);
-  return result;
-}
-
-template <typename Holder>
-TrainResult train_replicated_and_compare(
-    const World& world, const std::function<Holder()>& make, const std::function<Batch(int)>& batch,
-    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss, const TrainSpec& spec,
-    const ReplicatedSpec& replicated) {
-  TrainResult result;
-  Holder reference = make();
-  reference->to(spec.device);
-  auto ref_opt = reference_optimizer(spec.optimizer, reference->parameters());
-  Holder model = make();
-  model->to(spec.device);
-  if (spec.recompute) set_recompute(*model);
-  DDPOptions options;
-  options.comm.transport = spec.transport;
-  options.find_unused_parameters = replicated.find_unused_parameters;
-  options.first_bucket_bytes = replicated.first_bucket_bytes;
-  options.bucket_bytes = replicated.bucket_bytes;
-  options.mixed_precision.param = spec.param_dtype;
-  options.mixed_precision.reduce = spec.reduce_dtype;
-  options.comm.timeout = std::chrono::seconds(60);
-  ZeroOptions zero_options;
-  zero_options.first_bucket_bytes = replicated.first_bucket_bytes;
-  zero_options.bucket_bytes = replicated.bucket_bytes;
-  zero_options.comm.timeout = std::chrono::seconds(60);
-  zero_options.comm.transport = spec.transport;
-  zero_options.reduce_scatter = replicated.mode == ReplicatedMode::ZeroWithDDPScatter;
-
-  std::unique_ptr<DistributedDataParallel<Holder>> ddp;
-  std::unique_ptr<torch::optim::Optimizer> torch_opt;
-  std::unique_ptr<ZeroRedundancyOptimizer> zero;
-  std::unique_ptr<Communicator> own_comm;
-  if (replicated.mode == ReplicatedMode::ZeroStandalone) {
-    zero = std::make_unique<ZeroRedundancyOptimizer>(model.ptr(), world,
-                                                     zero_optimizer_options(spec.optimizer), zero_options);
-    own_comm = Communicator::create(world, {});
-  } else {
-    ddp = std::make_unique<DistributedDataParallel<Holder>>(model, world, options);
-    if (replicated.mode == ReplicatedMode::DDP) {
-      torch_opt = reference_optimizer(spec.optimizer, ddp->optimizer_params());
-    } else {
-      zero = std::make_unique<ZeroRedundancyOptimizer>(*ddp, zero_optimizer_options(spec.optimizer),
-                                                       zero_options);
-    }
-  }
-
-  DistributedSide side;
-  side.forward = [&](const at::Tensor& x) { return ddp ? ddp->forward(x) : model->forward(x); };
-  if (ddp) side.no_sync = [&] { return std::make_shared<typename DDPBase::NoSync>(*ddp); };
-  side.clip = [&](double bound) { return zero ? zero->clip_grad_norm(bound) : ddp->clip_grad_norm(bound); };
-  side.step = [&] {
-    if (zero) {
-      zero->step();
-      zero->zero_grad();
-    } else {
-      torch_opt->step();
-      torch_opt->zero_grad();
-    }
-  };
-  side.comm = ddp ? &ddp->comm() : own_comm.get();
-  side.unused_get_zero_grads = replicated.find_unused_parameters && zero != nullptr;
-  run_steps(world, reference, *ref_opt, model, side, batch, loss, spec, result);
   compare_weights(model, reference, result);
   return result;
 }
