@@ -70,10 +70,10 @@ int main(int argc, char** argv) {
   for (const auto& p : model->parameters()) params += p.numel();
 
   flatshard::FullyShardOptions options;
-  options.strategy = mode == "full"    ? flatshard::Strategy::FullShard
-                     : mode == "zero2" ? flatshard::Strategy::ShardGradOp
-                     : mode == "zero1" ? flatshard::Strategy::ShardOptimizerState
-                                       : flatshard::Strategy::NoShard;
+  if (!flatshard::parse_strategy(mode, options.strategy)) {
+    std::fprintf(stderr, "bench_modes: --mode is ddp, zero1, zero2, full or hybrid, not %s\n", mode.c_str());
+    return 2;
+  }
   flatshard::FullyShard<GPT> fsdp(model, world, options);
   flatshard::optim::AdamW opt(fsdp.shards(), flatshard::optim::AdamWOptions{3e-4});
   flatshard::Communicator& comm = fsdp.comm();

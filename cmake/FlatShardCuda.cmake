@@ -74,7 +74,8 @@ if(FLATSHARD_HAVE_CUDA)
   add_library(flatshard_cuda_kernels OBJECT cuda/step_kernels.cu)
   target_include_directories(flatshard_cuda_kernels PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
   target_compile_options(flatshard_cuda_kernels PRIVATE --expt-relaxed-constexpr)
-  add_library(flatshard_cuda cuda/cuda_backend.cpp $<TARGET_OBJECTS:flatshard_cuda_kernels>)
+  add_library(flatshard_cuda cuda/device.cpp cuda/nccl_transport.cpp cuda/host_staged_transport.cpp
+              cuda/register.cpp $<TARGET_OBJECTS:flatshard_cuda_kernels>)
   add_library(flatshard::cuda ALIAS flatshard_cuda)
   target_include_directories(flatshard_cuda PRIVATE ${CMAKE_CURRENT_SOURCE_DIR} ${FLATSHARD_NCCL_INCLUDE})
   target_link_libraries(flatshard_cuda
@@ -83,7 +84,7 @@ if(FLATSHARD_HAVE_CUDA)
             $<BUILD_INTERFACE:fmt::fmt-header-only>)
   target_compile_definitions(flatshard_cuda PRIVATE FMT_HEADER_ONLY=1)
   # Linking flatshard::cuda registers the CUDA transports and kernels (static
-  # initialisers in cuda_backend.cpp): keep that object in a static link.
+  # initialisers in cuda/register.cpp): keep that object in a static link.
   target_link_options(flatshard_cuda INTERFACE "LINKER:--undefined=flatshard_cuda_link_anchor")
   set_target_properties(flatshard_cuda PROPERTIES CUDA_SEPARABLE_COMPILATION OFF EXPORT_NAME cuda)
 endif()

@@ -105,10 +105,8 @@ int main(int argc, char** argv) {
     torch::manual_seed(1);
     MnistNet model(/*dropout=*/0.5);
     flatshard::FullyShardOptions o;
-    o.strategy = mode == "ddp"     ? flatshard::Strategy::NoShard
-                 : mode == "zero1" ? flatshard::Strategy::ShardOptimizerState
-                 : mode == "zero2" ? flatshard::Strategy::ShardGradOp
-                                   : flatshard::Strategy::FullShard;
+    if (!flatshard::parse_strategy(mode, o.strategy))
+      throw std::invalid_argument("--mode is full, zero2, zero1, ddp or hybrid, not " + mode);
     flatshard::FullyShard<MnistNet> fsdp(model, world, o);
     flatshard::optim::Adam opt(fsdp.shards(), flatshard::optim::AdamOptions{lr});
     auto forward = [&](const at::Tensor& x) { return fsdp.forward(x); };

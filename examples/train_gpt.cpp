@@ -41,7 +41,6 @@
 
 #include <fmt/format.h>
 
-#include "examples/common/any_mode.h"
 #include "examples/models/gpt.h"
 #include "flatshard/flatshard.h"
 #include "flatshard/plan.h"
@@ -117,8 +116,9 @@ Args parse(int argc, char** argv) {
     } else
       throw std::invalid_argument("unknown option " + k + " (see the comment at the top of train_gpt.cpp)");
   }
-  plan::Mode m;
-  if (!plan::parse_mode(a.mode, m)) throw std::invalid_argument("--mode is full, zero2, zero1 or ddp");
+  flatshard::Strategy m;
+  if (!flatshard::parse_strategy(a.mode, m))
+    throw std::invalid_argument("--mode is full, zero2, zero1, ddp or hybrid");
   if (a.resume && a.ckpt.empty()) throw std::invalid_argument("--resume needs --ckpt DIR");
   if (!a.data.empty()) a.model.vocab = 256;
   if (a.log_every <= 0) a.log_every = std::max(1, a.steps / 10);
@@ -192,8 +192,8 @@ int main(int argc, char** argv) {
   try {
     auto world = flatshard::init();
     const int rank = world.rank(), n = world.world_size();
-    plan::Mode mode;
-    plan::parse_mode(a.mode, mode);
+    flatshard::Strategy mode;
+    flatshard::parse_strategy(a.mode, mode);
     const auto tokens = corpus(a);
     const auto base = flatshard::memory::allocator_stats().current_bytes;
     flatshard::memory::reset_allocator_peak();  // the whole run's peak: from before construction
@@ -201,15 +201,13 @@ int main(int argc, char** argv) {
     flatshard::MemoryBudget budget;
     budget.bytes = static_cast<std::int64_t>(a.budget_mib * (1 << 20));
     budget.optimizer_state_bytes = a.sgd ? 0 : 8;
-    flatshard::examples::AnyModeOptions o;
-    o.adamw = {a.lr, 0.9, 0.95, 1e-8, 0.1};
-    if (a.sgd) o.sgd = flatshard::optim::SGDOptions{a.lr};
-    o.fully_shard.memory_budget = budget;
-    o.fully_shard.strategy = flatshard::examples::strategy_of(mode);  // BuildIntoShards needs it first
+    flatshard::FullyShardOptions options;  // every mode: the strategy is the one choice
+    options.strategy = mode;
+    options.memory_budget = budget;
     GPT model{nullptr};
     torch::manual_seed(42);
     if (a.build_into_shards) {
-      flatshard::BuildIntoShards build(world, o.fully_shard);
+      flatshard::BuildIntoShards build(world, options);
       model = GPT(a.model);
     } else {
       model = GPT(a.model);
@@ -217,12 +215,24 @@ int main(int argc, char** argv) {
     flatshard::set_recompute(*model, a.recompute);
     const auto shape = plan::shape_of(*model);  // before wrapping: FullyShard empties the parameters
     const std::int64_t params = shape.total();
-    flatshard::examples::AnyMode<GPT> run(model, world, mode, o);
+    flatshard::FullyShard<GPT> run(model, world, options);
+    std::unique_ptr<flatshard::optim::ShardOptimizer> opt;
+    if (a.sgd) {
+      opt = std::make_unique<flatshard::optim::SGD>(run.shards(), flatshard::optim::SGDOptions{a.lr});
+    } else {
+      opt = std::make_unique<flatshard::optim::Adam>(
+          run.shards(), flatshard::optim::AdamWOptions{a.lr, 0.9, 0.95, 1e-8, 0.1});
+    }
     auto& comm = run.comm();
+    auto save = [&](int step) {
+      flatshard::checkpoint::SaveOptions so;
+      so.step = step;
+      return flatshard::checkpoint::save_sharded(a.ckpt, run, opt.get(), so);
+    };
 
     int first = 0;
     if (a.resume) {
-      const auto info = run.load(a.ckpt);
+      const auto info = flatshard::checkpoint::load_sharded(a.ckpt, run, opt.get());
       first = static_cast<int>(info.step);
       if (rank == 0)
         std::printf("resumed from %s (step %d, saved at world %d under %s)\n", info.path.c_str(), first,
@@ -252,7 +262,8 @@ int main(int argc, char** argv) {
       auto loss = torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
       loss.backward();
       run.clip_grad_norm(1.0);
-      run.step();
+      opt->step();
+      opt->zero_grad();
       loss_sum.fill_(loss.item<double>());
       comm.all_reduce(loss_sum, flatshard::ReduceOp::Avg).wait();
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -272,11 +283,10 @@ int main(int argc, char** argv) {
                     static_cast<long long>(m.peak_bytes - base), static_cast<long long>(resident_bytes()));
         std::fflush(stdout);
       }
-      if (!a.ckpt.empty() && a.save_every > 0 && done % a.save_every == 0 && done < a.steps)
-        run.save(a.ckpt, done);
+      if (!a.ckpt.empty() && a.save_every > 0 && done % a.save_every == 0 && done < a.steps) save(done);
     }
     if (!a.ckpt.empty()) {
-      const auto info = run.save(a.ckpt, a.steps);
+      const auto info = save(a.steps);
       if (rank == 0) std::printf("saved %s\n", info.path.c_str());
     }
 
@@ -291,7 +301,7 @@ int main(int argc, char** argv) {
     const std::int64_t peak = peaks.max().item<std::int64_t>();
     const std::int64_t whole_peak = whole_peaks.max().item<std::int64_t>();
     plan::PlanOptions po;
-    po.mode = mode;
+    po.strategy = mode;
     po.world_size = n;
     po.optimizer_state_bytes = budget.optimizer_state_bytes;
     po.recompute = a.recompute;
@@ -313,11 +323,11 @@ int main(int argc, char** argv) {
             "%s: %s the budget (fp32 parameters alone: %.1f MiB)\n",
             a.budget_mib, per_rank_whole.c_str(), whole_peak <= budget.bytes ? "under" : "OVER",
             mib(4 * params));
-        if (auto* fsdp = run.fully_shard()) {
-          const auto m = fsdp->memory();
+        {
+          const auto m = run.memory();
           const std::int64_t shards =
               m.param_shard_bytes + m.param_shard_bytes;  // masters and their gradients
-          const std::int64_t state = run.shard_optimizer()->state_bytes();
+          const std::int64_t state = opt->state_bytes();
           const std::int64_t gathered = m.peak_unsharded_param_bytes + m.peak_unsharded_grad_bytes;
           std::printf(
               "rank 0's peak %.1f MiB = shards %.1f (masters and gradients) + optimizer state %.1f + "

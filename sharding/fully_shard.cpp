@@ -9,17 +9,6 @@
 
 namespace flatshard {
 
-const char* to_string(Strategy s) {
-  switch (s) {
-    case Strategy::FullShard: return "FullShard";
-    case Strategy::ShardGradOp: return "ShardGradOp";
-    case Strategy::HybridShard: return "HybridShard";
-    case Strategy::NoShard: return "NoShard";
-    case Strategy::ShardOptimizerState: return "ShardOptimizerState";
-  }
-  return "unknown";
-}
-
 ShardGroup shard_group(const World& world, const FullyShardOptions& options) {
   const int n = world.world_size();
   ShardGroup g;
@@ -45,10 +34,10 @@ ShardGroup shard_group(const World& world, const FullyShardOptions& options) {
 FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const World& world,
                                const FullyShardOptions& options)
     : world_(world) {
-  const auto mode = options.strategy == Strategy::NoShard               ? plan::Mode::DDP
-                    : options.strategy == Strategy::ShardOptimizerState ? plan::Mode::Zero1
-                    : sharding::Engine::reshards_after_forward(options) ? plan::Mode::FullShard
-                                                                        : plan::Mode::Zero2;
+  // The planner's figures are those of full shard or shard-grad-op within the group.
+  Strategy mode = options.strategy;
+  if (mode == Strategy::HybridShard || mode == Strategy::FullShard)
+    mode = sharding::Engine::reshards_after_forward(options) ? Strategy::FullShard : Strategy::ShardGradOp;
   const auto dtype = options.mixed_precision.param;
   sharding::check_memory_budget(
       *model, world, mode, dtype && *dtype != at::kFloat ? 2 : 4, options.memory_budget, "FullyShard",

@@ -38,11 +38,11 @@ UnitMembership discover_units(torch::nn::Module& model) {
   return m;
 }
 
-void check_memory_budget(torch::nn::Module& model, const World& world, plan::Mode mode, int param_bytes,
+void check_memory_budget(torch::nn::Module& model, const World& world, Strategy mode, int param_bytes,
                          const MemoryBudget& budget, const char* who, int shard_group_size) {
   if (budget.bytes <= 0) return;
   plan::PlanOptions o;
-  o.mode = mode;
+  o.strategy = mode;
   o.world_size = world.world_size();
   o.shard_group_size = shard_group_size < world.world_size() ? shard_group_size : 0;
   o.param_bytes = param_bytes;
@@ -54,11 +54,11 @@ void check_memory_budget(torch::nn::Module& model, const World& world, plan::Mod
   const auto need = plan::predict(shape, o);
   if (need.peak <= budget.bytes) return;
   const auto mib = [](std::int64_t b) { return static_cast<double>(b) / (1 << 20); };
-  o.mode = plan::Mode::FullShard;
+  o.strategy = Strategy::FullShard;
   o.build_into_shards = true;
   const auto full = plan::predict(shape, o);
   std::string advice;
-  if (full.peak <= budget.bytes && (mode != plan::Mode::FullShard || need.construction > budget.bytes)) {
+  if (full.peak <= budget.bytes && (mode != Strategy::FullShard || need.construction > budget.bytes)) {
     advice = fmt::format(
         "FullyShard (full shard) with the model built into shards (BuildIntoShards) needs about {:.1f} MiB "
         "per "
@@ -82,7 +82,7 @@ void check_memory_budget(torch::nn::Module& model, const World& world, plan::Mod
       fmt::format(
           "flatshard::{} (rank {}/{}): training this model ({} parameters) in mode {} needs {:.1f} MiB "
           "per rank{}, more than the memory budget of {:.1f} MiB ({}). {}; or raise the budget.",
-          who, world.rank(), world.world_size(), shape.total(), plan::to_string(mode), mib(need.peak),
+          who, world.rank(), world.world_size(), shape.total(), mode_name(mode), mib(need.peak),
           budget.activation_bytes > 0 ? "" : " before activations", mib(budget.bytes), need.describe(),
           advice));
 }

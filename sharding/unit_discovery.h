@@ -24,7 +24,7 @@ UnitMembership discover_units(torch::nn::Module& model);
 
 // Throws MemoryBudgetError when the planner's figure for `mode` exceeds the budget.
 // shard_group_size: HybridShard's group (0: the world).
-void check_memory_budget(torch::nn::Module& model, const World& world, plan::Mode mode, int param_bytes,
+void check_memory_budget(torch::nn::Module& model, const World& world, Strategy mode, int param_bytes,
                          const MemoryBudget& budget, const char* who, int shard_group_size = 0);
 
 }  // namespace flatshard::sharding

@@ -10,8 +10,8 @@
 //
 // Sharded checkpoints (every rank writes its own shards, in parallel; they load at any
 // world size and under any mode):
-//   flatshard::checkpoint::save_sharded("ckpt", fsdp, &opt.base(), {.step = 100});
-//   flatshard::checkpoint::load_sharded("ckpt", fsdp, &opt.base());   // the newest one
+//   flatshard::checkpoint::save_sharded("ckpt", fsdp, &opt, {.step = 100});
+//   flatshard::checkpoint::load_sharded("ckpt", fsdp, &opt);   // the newest one
 // See docs/checkpoints.md.
 #pragma once
 

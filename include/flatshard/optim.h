@@ -81,7 +81,7 @@ class SGD final : public ShardOptimizer {
   std::vector<at::Tensor> momentum_;  // per shard; undefined until its first step
 };
 
-class Adam final : public ShardOptimizer {
+class Adam : public ShardOptimizer {
  public:
   Adam(std::vector<at::Tensor> shards, const AdamOptions& options);
   Adam(std::vector<at::Tensor> shards, const AdamWOptions& options);
@@ -100,17 +100,11 @@ class Adam final : public ShardOptimizer {
   std::vector<std::int64_t> steps_;
 };
 
-// AdamW is Adam with decoupled weight decay.
-class AdamW final {
+// AdamW: Adam with decoupled weight decay (torch::optim::AdamW), a ShardOptimizer like
+// the others.
+class AdamW final : public Adam {
  public:
-  AdamW(std::vector<at::Tensor> shards, const AdamWOptions& options) : impl_(std::move(shards), options) {}
-  void step() { impl_.step(); }
-  void zero_grad() { impl_.zero_grad(); }
-  std::int64_t state_bytes() const { return impl_.state_bytes(); }
-  Adam& base() { return impl_; }
-
- private:
-  Adam impl_;
+  AdamW(std::vector<at::Tensor> shards, const AdamWOptions& options) : Adam(std::move(shards), options) {}
 };
 
 }  // namespace flatshard::optim

@@ -2,7 +2,7 @@
 // model's unit sizes (no training run needed).
 //
 //   auto shape = flatshard::plan::shape_of(*model);            // units as FullyShard sees them
-//   flatshard::plan::PlanOptions o{.mode = flatshard::plan::Mode::FullShard, .world_size = 4};
+//   flatshard::plan::PlanOptions o{.strategy = flatshard::Strategy::FullShard, .world_size = 4};
 //   o.activation_bytes = ...;                                    // one rank's micro-batch
 //   auto p = flatshard::plan::predict(shape, o);
 //   std::puts(p.describe().c_str());
@@ -15,21 +15,13 @@
 #include <string>
 #include <vector>
 
+#include "flatshard/strategy.h"
+
 namespace torch::nn {
 class Module;
 }
 
 namespace flatshard::plan {
-
-enum class Mode {
-  DDP,        // replicated parameters, gradients, optimizer state
-  Zero1,      // DDP + ZeroRedundancyOptimizer: optimizer state / N
-  Zero2,      // FullyShard shard-grad-op: gradients and optimizer state / N, params gathered per step
-  FullShard,  // FullyShard full shard: everything / N, units gathered just in time
-};
-const char* to_string(Mode m);
-// "ddp", "zero1", "zero2", "full" (as the benchmarks and examples spell them).
-bool parse_mode(const std::string& name, Mode& out);
 
 // Element counts: the root unit (parameters in no declared unit) and each declared unit,
 // and the largest single parameter (DDP's optimizer step works per parameter).
@@ -46,11 +38,12 @@ ModelShape shape_of(torch::nn::Module& model);
 ModelShape uniform_shape(std::int64_t params, int units);
 
 struct PlanOptions {
-  Mode mode = Mode::FullShard;
+  // HybridShard is planned as FullShard within its group (shard_group_size).
+  Strategy strategy = Strategy::FullShard;
   int world_size = 1;
-  // Hybrid sharding (Strategy::HybridShard): Zero2 and FullShard shard over groups of this
-  // many ranks and replicate across them, so per-rank figures are those of a world of
-  // this size. 0: the whole world.
+  // Hybrid sharding: FullShard and ShardGradOp shard over groups of this many ranks and
+  // replicate across them, so per-rank figures are those of a world of this size. 0: the
+  // whole world.
   int shard_group_size = 0;
   // Bytes per element of the compute dtype (4: fp32, 2: bf16). Below 4, fp32 masters
   // are kept (FullyShard: sharded; DDP: replicated).

@@ -45,11 +45,13 @@ double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
 
 int main(int argc, char** argv) {
   using namespace flatshard::plan;
+  using flatshard::Strategy;
   double params = 0, root = 0, activation_mib = 0, budget_mib = 0;
   int units = 1, prefetch = 1, param_bytes = 4, state_bytes = 8, shard_group_size = 0;
   bool recompute = false, build_into_shards = false;
   std::vector<int> worlds{1, 2, 4, 8};
-  std::vector<Mode> modes{Mode::DDP, Mode::Zero1, Mode::Zero2, Mode::FullShard};
+  std::vector<Strategy> modes{Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::ShardGradOp,
+                              Strategy::FullShard};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") return usage(nullptr);
@@ -88,8 +90,9 @@ int main(int argc, char** argv) {
       else
         return usage("--optimizer is adamw, adam, sgd or sgd-momentum");
     } else if (a == "--mode") {
-      Mode m;
-      if (!parse_mode(v, m)) return usage("--mode is ddp, zero1, zero2 or full");
+      Strategy m;
+      if (!flatshard::parse_strategy(v, m) || m == Strategy::HybridShard)
+        return usage("--mode is ddp, zero1, zero2 or full (hybrid: --shard-group-size)");
       modes = {m};
     } else {
       return usage(("unknown option " + a).c_str());
@@ -107,10 +110,10 @@ int main(int argc, char** argv) {
                   .c_str());
   std::printf("%-6s %6s %14s %14s %14s %14s %14s %14s%s\n", "mode", "world", "peak MiB", "params+grads",
               "optim state", "gathered", "construction", "ZeRO formula", budget_mib > 0 ? "  fits" : "");
-  for (Mode m : modes) {
+  for (Strategy m : modes) {
     for (int w : worlds) {
       PlanOptions o;
-      o.mode = m;
+      o.strategy = m;
       o.world_size = w;
       o.param_bytes = param_bytes;
       o.optimizer_state_bytes = state_bytes;
@@ -120,7 +123,7 @@ int main(int argc, char** argv) {
       o.recompute = recompute;
       o.build_into_shards = build_into_shards;
       const Plan p = predict(shape, o);
-      std::printf("%-6s %6d %14.1f %14.1f %14.1f %14.1f %14.1f %14.1f%s\n", to_string(m), w, mib(p.peak),
+      std::printf("%-6s %6d %14.1f %14.1f %14.1f %14.1f %14.1f %14.1f%s\n", mode_name(m), w, mib(p.peak),
                   mib(p.params + p.masters + p.grads), mib(p.optimizer_state),
                   mib(p.gathered_params + p.gathered_grads), mib(std::max(p.construction, p.rebuild)),
                   mib(p.zero_formula), budget_mib > 0 ? (mib(p.peak) <= budget_mib ? "  yes" : "  no") : "");

@@ -19,26 +19,6 @@ double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
 
 }  // namespace
 
-const char* to_string(Mode m) {
-  switch (m) {
-    case Mode::DDP: return "ddp";
-    case Mode::Zero1: return "zero1";
-    case Mode::Zero2: return "zero2";
-    case Mode::FullShard: return "full";
-  }
-  return "?";
-}
-
-bool parse_mode(const std::string& name, Mode& out) {
-  for (Mode m : {Mode::DDP, Mode::Zero1, Mode::Zero2, Mode::FullShard}) {
-    if (name == to_string(m)) {
-      out = m;
-      return true;
-    }
-  }
-  return false;
-}
-
 std::int64_t ModelShape::total() const {
   std::int64_t t = root_numel;
   for (auto n : unit_numels) t += n;
@@ -73,8 +53,10 @@ ModelShape uniform_shape(std::int64_t params, int units) {
 // under-predicts the full-shard peak by 11-17%).
 Plan predict(const ModelShape& shape, const PlanOptions& o) {
   Plan p;
+  // HybridShard: full shard within its group.
+  const Strategy mode = o.strategy == Strategy::HybridShard ? Strategy::FullShard : o.strategy;
   const int world = std::max(o.world_size, 1);
-  const bool sharded_mode = o.mode == Mode::Zero2 || o.mode == Mode::FullShard;
+  const bool sharded_mode = mode == Strategy::ShardGradOp || mode == Strategy::FullShard;
   // The ranks one copy of the model is sharded over (hybrid: a shard group).
   const int n = sharded_mode && o.shard_group_size > 0 ? std::min(o.shard_group_size, world) : world;
   const int e = o.param_bytes;
@@ -89,21 +71,22 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   // activations). Measured: a proof run with plain SGD at world 4 (mostly shards)
   // peaks there; leaving the gradient shards out under-predicts it by 32%.
   std::int64_t late_backward = 0, shards_bytes = 0;
-  switch (o.mode) {
-    case Mode::DDP:
-    case Mode::Zero1: {
+  switch (mode) {
+    case Strategy::NoShard:
+    case Strategy::ShardOptimizerState: {
       p.params = psi * e;
       p.grads = psi * e;
-      if (o.mode == Mode::DDP && e != 4) p.masters = 2 * psi * 4;  // fp32 masters and their gradients
+      if (mode == Strategy::NoShard && e != 4) p.masters = 2 * psi * 4;  // fp32 masters and their gradients
       // ZeRO-1: this rank's fp32 slices of the masters (their reduced gradient slices come
       // after the peak, as the buckets' gradients are freed); on one rank in fp32 the
       // masters are the parameters themselves.
-      if (o.mode == Mode::Zero1 && (n > 1 || e != 4)) p.masters = (psi * 4 + n - 1) / n;
-      p.optimizer_state = o.mode == Mode::DDP ? psi * k : (psi * k + n - 1) / n;
+      if (mode == Strategy::ShardOptimizerState && (n > 1 || e != 4)) p.masters = (psi * 4 + n - 1) / n;
+      p.optimizer_state = mode == Strategy::NoShard ? psi * k : (psi * k + n - 1) / n;
       break;
     }
-    case Mode::Zero2:
-    case Mode::FullShard: {
+    case Strategy::ShardGradOp:
+    case Strategy::HybridShard:
+    case Strategy::FullShard: {
       std::vector<std::int64_t> units;  // padded flat buffers of the declared units
       std::int64_t shards = 0;
       const std::int64_t root = shape.root_numel > 0 ? padded(shape.root_numel, n, e) : 0;
@@ -122,7 +105,7 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
       };
       std::int64_t all_units = 0;
       for (auto u : units) all_units += u;
-      p.gathered_params = (root + (o.mode == Mode::Zero2 ? all_units : largest(1 + o.prefetch))) * e;
+      p.gathered_params = (root + (mode == Strategy::ShardGradOp ? all_units : largest(1 + o.prefetch))) * e;
       p.gathered_grads = (root + (o.recompute ? largest(2) : 0)) * e;
       shards_bytes = shards * 4;
       if (o.recompute)
@@ -140,7 +123,7 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   // - DDP and ZeRO-1 (NoShard, ShardOptimizerState): the whole model, then its copy into
   //   the persistent flat buffer and the masters; after the first backward the buckets
   //   are laid out again in arrival order, old and new buffers alive together.
-  const bool sharded = o.mode == Mode::Zero2 || o.mode == Mode::FullShard;
+  const bool sharded = mode == Strategy::ShardGradOp || mode == Strategy::FullShard;
   if (sharded && o.build_into_shards) {
     std::int64_t largest_unit = 0;
     for (auto u : shape.unit_numels) largest_unit = std::max(largest_unit, u);
@@ -157,7 +140,7 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
     // parameters' is the largest); ZeRO-1's master slices are cut from every rank's
     // masters, gathered in fp32 under mixed precision.
     p.rebuild = 2 * p.params + p.grads + p.masters;
-    if (o.mode == Mode::Zero1 && e != 4) p.rebuild += psi * 4;
+    if (mode == Strategy::ShardOptimizerState && e != 4) p.rebuild += psi * 4;
   }
   p.peak = std::max({p.training(), p.construction, p.rebuild});
   if (late_backward > p.peak) {  // Note [Late in backward]
@@ -165,11 +148,12 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
     p.activations = o.activation_bytes / 2;
     p.peak = late_backward;
   }
-  switch (o.mode) {
-    case Mode::DDP: p.zero_formula = (8 + k) * psi; break;
-    case Mode::Zero1: p.zero_formula = 8 * psi + k * psi / n; break;
-    case Mode::Zero2: p.zero_formula = 4 * psi + (4 + k) * psi / n; break;
-    case Mode::FullShard: p.zero_formula = (8 + k) * psi / n; break;
+  switch (mode) {
+    case Strategy::NoShard: p.zero_formula = (8 + k) * psi; break;
+    case Strategy::ShardOptimizerState: p.zero_formula = 8 * psi + k * psi / n; break;
+    case Strategy::ShardGradOp: p.zero_formula = 4 * psi + (4 + k) * psi / n; break;
+    case Strategy::HybridShard:
+    case Strategy::FullShard: p.zero_formula = (8 + k) * psi / n; break;
   }
   return p;
 }

@@ -437,13 +437,13 @@ TEST(CudaCheckpoint, ReplicatedModesSaveOnTheGpuAndLoadOnTheCpu) {
       opt.step();
       opt.zero_grad();
     }
-    flatshard::checkpoint::save_sharded(path, *gpu, &opt.base(), at_step);
-    const auto state = flatshard::checkpoint::full_optimizer_state_dict(*gpu, opt.base());
+    flatshard::checkpoint::save_sharded(path, *gpu, &opt, at_step);
+    const auto state = flatshard::checkpoint::full_optimizer_state_dict(*gpu, opt);
     auto cpu = make(c10::Device(c10::kCPU), strategy);
     flatshard::optim::AdamW cpu_opt(cpu->shards(), adamw);
-    flatshard::checkpoint::load_sharded(path, *cpu, &cpu_opt.base());
+    flatshard::checkpoint::load_sharded(path, *cpu, &cpu_opt);
     expect_equal({cpu->shards().front().cpu()}, {gpu->shards().front().cpu()}, "masters on the CPU");
-    const auto loaded = flatshard::checkpoint::full_optimizer_state_dict(*cpu, cpu_opt.base());
+    const auto loaded = flatshard::checkpoint::full_optimizer_state_dict(*cpu, cpu_opt);
     ASSERT_EQ(loaded.size(), state.size());
     for (const auto& [name, t] : state) {
       ASSERT_TRUE(loaded.count(name)) << name;

@@ -10,9 +10,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "examples/common/any_mode.h"
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
+#include "tests/support/wrapped.h"
 
 namespace {
 
@@ -20,12 +20,12 @@ using namespace flatshard::testing;
 namespace ckpt = flatshard::checkpoint;
 namespace fs = std::filesystem;
 
-using flatshard::plan::Mode;
-using flatshard::plan::to_string;
+using flatshard::Strategy;
+using flatshard::mode_name;
 
-Mode mode_named(const std::string& name) {
-  Mode m;
-  if (!flatshard::plan::parse_mode(name, m)) throw std::invalid_argument("unknown mode " + name);
+Strategy mode_named(const std::string& name) {
+  Strategy m;
+  if (!flatshard::parse_strategy(name, m)) throw std::invalid_argument("unknown mode " + name);
   return m;
 }
 
@@ -42,8 +42,8 @@ GPT seeded_gpt(const GPTConfig& config) {
   return GPT(config);
 }
 
-flatshard::examples::AnyModeOptions test_options() {
-  flatshard::examples::AnyModeOptions o;
+flatshard::testing::WrappedOptions test_options() {
+  flatshard::testing::WrappedOptions o;
   o.adamw = {kLr, 0.9, 0.999, 1e-8, kWeightDecay};
   o.fully_shard.comm.timeout = std::chrono::seconds(60);
   o.fully_shard.first_bucket_bytes = 2 << 10;  // several buckets
@@ -52,9 +52,9 @@ flatshard::examples::AnyModeOptions test_options() {
 }
 
 // The GPT-style test model trained with AdamW under one mode.
-struct Trainer : flatshard::examples::AnyMode<GPT> {
-  Trainer(const flatshard::World& w, Mode m, const GPTConfig& config = gpt_config())
-      : AnyMode(seeded_gpt(config), w, m, test_options()), world(w) {}
+struct Trainer : flatshard::testing::Wrapped<GPT> {
+  Trainer(const flatshard::World& w, Strategy m, const GPTConfig& config = gpt_config())
+      : Wrapped(seeded_gpt(config), w, m, test_options()), world(w) {}
 
   void train(int first_step, int steps) {
     const int n = world.world_size(), local = kGlobalBatch / n;
@@ -116,9 +116,10 @@ TEST(Checkpoint, ResumeIsBitIdentical) {
   FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(240));
   auto world = flatshard::init();
   constexpr int kSteps = 4;
-  for (Mode mode : {Mode::FullShard, Mode::Zero2, Mode::DDP, Mode::Zero1}) {
-    SCOPED_TRACE(to_string(mode));
-    const std::string root = fmt::format("/tmp/flatshard-resume-{}-{}-{}", to_string(mode),
+  for (Strategy mode :
+       {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    SCOPED_TRACE(mode_name(mode));
+    const std::string root = fmt::format("/tmp/flatshard-resume-{}-{}-{}", mode_name(mode),
                                          world.world_size(), env("MASTER_PORT"));
     Trainer straight(world, mode);
     straight.train(0, kSteps);
@@ -148,7 +149,7 @@ TEST(Checkpoint, ResumeIsBitIdentical) {
 void reshard_phase() {
   auto world = flatshard::init();
   const std::string root = env("FLATSHARD_CKPT_DIR");
-  const Mode mode = mode_named(env("FLATSHARD_CKPT_MODE"));
+  const Strategy mode = mode_named(env("FLATSHARD_CKPT_MODE"));
   constexpr int kSteps = 4;
   Trainer t(world, mode);
   if (env("FLATSHARD_CKPT_PHASE") == "save") {
@@ -184,29 +185,36 @@ TEST(Checkpoint, ReshardsAcrossWorldSizesAndModes) {
   }
   struct Plan {
     int world;
-    Mode mode;
-    std::vector<std::pair<int, Mode>> loads;
+    Strategy mode;
+    std::vector<std::pair<int, Strategy>> loads;
   };
   const std::vector<Plan> plans = {
-      {4, Mode::FullShard, {{2, Mode::FullShard}, {3, Mode::FullShard}, {2, Mode::DDP}, {3, Mode::Zero1}}},
-      {2, Mode::FullShard, {{4, Mode::FullShard}, {3, Mode::Zero2}}},
-      {2, Mode::DDP, {{4, Mode::FullShard}, {3, Mode::Zero1}}},
-      {3, Mode::Zero1, {{4, Mode::Zero2}, {2, Mode::DDP}, {1, Mode::FullShard}}},
+      {4,
+       Strategy::FullShard,
+       {{2, Strategy::FullShard},
+        {3, Strategy::FullShard},
+        {2, Strategy::NoShard},
+        {3, Strategy::ShardOptimizerState}}},
+      {2, Strategy::FullShard, {{4, Strategy::FullShard}, {3, Strategy::ShardGradOp}}},
+      {2, Strategy::NoShard, {{4, Strategy::FullShard}, {3, Strategy::ShardOptimizerState}}},
+      {3,
+       Strategy::ShardOptimizerState,
+       {{4, Strategy::ShardGradOp}, {2, Strategy::NoShard}, {1, Strategy::FullShard}}},
   };
   for (const auto& plan : plans) {
-    const std::string root = scratch_dir(fmt::format("{}-{}", plan.world, to_string(plan.mode)));
+    const std::string root = scratch_dir(fmt::format("{}-{}", plan.world, mode_name(plan.mode)));
     fs::remove_all(root);
-    auto launch = [&](int world, Mode mode, const std::string& phase) {
+    auto launch = [&](int world, Strategy mode, const std::string& phase) {
       LaunchSpec spec;
       spec.ranks = world;
       spec.deadline = std::chrono::seconds(120);
       spec.env = {{"FLATSHARD_CKPT_DIR", root},
-                  {"FLATSHARD_CKPT_MODE", to_string(mode)},
+                  {"FLATSHARD_CKPT_MODE", mode_name(mode)},
                   {"FLATSHARD_CKPT_PHASE", phase},
                   {"FLATSHARD_CKPT_SAVED_WORLD", std::to_string(plan.world)}};
       const auto r = launch_current_test(spec);
-      EXPECT_EQ(r.exit_code, 0) << phase << " at world " << world << " under " << to_string(mode)
-                                << " (saved at world " << plan.world << " under " << to_string(plan.mode)
+      EXPECT_EQ(r.exit_code, 0) << phase << " at world " << world << " under " << mode_name(mode)
+                                << " (saved at world " << plan.world << " under " << mode_name(plan.mode)
                                 << ")\n"
                                 << r.output;
     };
@@ -222,14 +230,14 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
   FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
   auto world = flatshard::init();
   const std::string root = fmt::format("/tmp/flatshard-corrupt-{}", env("MASTER_PORT"));
-  Trainer t(world, Mode::FullShard);
+  Trainer t(world, Strategy::FullShard);
   t.train(0, 1);
   const auto info = t.save(root, 1);
   const std::string shard = info.path + "/shard-00001-of-00002.bin";
   const std::string meta = info.path + "/metadata.json";
 
   auto expect_load_error = [&](const std::string& needle, const std::string& what) {
-    Trainer fresh(world, Mode::FullShard);
+    Trainer fresh(world, Strategy::FullShard);
     try {
       fresh.load(root);
       ADD_FAILURE() << what << ": loading succeeded";
@@ -266,7 +274,7 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
   expect_load_error("truncated", "a truncated shard file");
   on_rank0(restore);
   {
-    Trainer fresh(world, Mode::FullShard);
+    Trainer fresh(world, Strategy::FullShard);
     EXPECT_NO_THROW(fresh.load(root));  // restored: loads again
   }
 
@@ -288,7 +296,7 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
        {std::pair{wider, std::string("parameter 'wte.weight' has shape [64, 48] "
                                      "in the model but [64, 32] in the checkpoint")},
         std::pair{deeper, std::string("the model's parameter 'h3.")}}) {
-    Trainer other(world, Mode::FullShard, config);
+    Trainer other(world, Strategy::FullShard, config);
     try {
       other.load(root);
       ADD_FAILURE() << "loading into another model succeeded";
@@ -296,7 +304,7 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   }
-  Trainer shallower(world, Mode::DDP, GPTConfig{64, 16, 32, 4, 2});
+  Trainer shallower(world, Strategy::NoShard, GPTConfig{64, 16, 32, 4, 2});
   try {
     shallower.load(root);
     ADD_FAILURE() << "loading into a model with fewer blocks succeeded";
@@ -314,7 +322,7 @@ TEST(Checkpoint, FullDiskFailsEveryRankAndKeepsThePrevious) {
   FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
   auto world = flatshard::init();
   const std::string root = fmt::format("/tmp/flatshard-fulldisk-{}", env("MASTER_PORT"));
-  Trainer t(world, Mode::FullShard);
+  Trainer t(world, Strategy::FullShard);
   t.train(0, 1);
   t.save(root, 1);
   const auto before = t.params();
@@ -342,7 +350,7 @@ TEST(Checkpoint, FullDiskFailsEveryRankAndKeepsThePrevious) {
   t.comm().barrier().wait();
   EXPECT_FALSE(fs::exists(root + "/step-000000002"));
   EXPECT_FALSE(fs::exists(root + "/.step-000000002.tmp"));
-  Trainer fresh(world, Mode::FullShard);
+  Trainer fresh(world, Strategy::FullShard);
   EXPECT_EQ(fresh.load(root).step, 1);
   expect_identical(fresh.params(), before, "the previous checkpoint");
   t.comm().barrier().wait();
@@ -355,11 +363,12 @@ TEST(Checkpoint, KilledDuringSaveLeavesALoadableCheckpoint) {
   if (in_rank_mode()) {
     auto world = flatshard::init();
     const std::string root = env("FLATSHARD_CKPT_DIR");
-    Trainer t(world, Mode::FullShard, GPTConfig{64, 16, 256, 4, 4});  // ~3M parameters: saves take a while
+    Trainer t(world, Strategy::FullShard,
+              GPTConfig{64, 16, 256, 4, 4});  // ~3M parameters: saves take a while
     if (env("FLATSHARD_CKPT_PHASE") == "loop") {
       at::NoGradGuard no_grad;
       for (int step = 1;; ++step) {
-        for (auto& s : t.fully_shard()->shards()) s.fill_(static_cast<float>(step));
+        for (auto& s : t.fully_shard().shards()) s.fill_(static_cast<float>(step));
         t.save(root, step);
         if (world.rank() == 0) std::printf("saved step %d\n", step), std::fflush(stdout);
       }

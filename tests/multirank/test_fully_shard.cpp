@@ -322,7 +322,7 @@ TEST(FullyShard, ConsolidatedOptimizerStateMatchesTorchOptim) {
     opt.step();
     opt.zero_grad();
   }
-  const auto state = flatshard::checkpoint::full_optimizer_state_dict(fsdp, opt.base(), 0);
+  const auto state = flatshard::checkpoint::full_optimizer_state_dict(fsdp, opt, 0);
   if (world.rank() != 0) {
     EXPECT_TRUE(state.empty());
     return;
@@ -403,20 +403,20 @@ TEST(FullyShard, StepInBackwardTrainsBitForBitAsAStepAfter) {
   auto model = gpt_factory()();
   flatshard::FullyShard<GPT> fsdp(model, world);
   flatshard::optim::AdamW opt(fsdp.shards(), {});
-  fsdp.step_in_backward(&opt.base());
+  fsdp.step_in_backward(&opt);
   const auto b = gpt_batch(0, 4 * world.world_size());
   token_loss(fsdp.forward(b.input.narrow(0, 4 * world.rank(), 4)), b.target.narrow(0, 4 * world.rank(), 4))
       .backward();
   EXPECT_EQ(fsdp.memory().grad_shard_bytes, 0);
-  EXPECT_GT(opt.base().steps(0), 0) << "the root unit stepped in backward";
+  EXPECT_GT(opt.steps(0), 0) << "the root unit stepped in backward";
   EXPECT_THROW(fsdp.clip_grad_norm(1.0), flatshard::InvalidArgument);
   flatshard::optim::AdamW other(std::vector<at::Tensor>{fsdp.shards().front()}, {});
-  EXPECT_THROW(fsdp.step_in_backward(&other.base()), flatshard::InvalidArgument);
+  EXPECT_THROW(fsdp.step_in_backward(&other), flatshard::InvalidArgument);
   flatshard::FullyShardOptions skipping;
   skipping.nonfinite_grads = flatshard::NonFiniteGrads::Skip;
   flatshard::FullyShard<GPT> guarded(gpt_factory()(), world, skipping);
   flatshard::optim::AdamW guarded_opt(guarded.shards(), {});
-  EXPECT_THROW(guarded.step_in_backward(&guarded_opt.base()), flatshard::InvalidArgument);
+  EXPECT_THROW(guarded.step_in_backward(&guarded_opt), flatshard::InvalidArgument);
 }
 
 TEST(FullyShard, Bf16ParametersWithFp32Masters) {

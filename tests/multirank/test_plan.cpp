@@ -4,15 +4,16 @@
 
 #include <gtest/gtest.h>
 
-#include "examples/common/any_mode.h"
 #include "flatshard/plan.h"
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
+#include "tests/support/wrapped.h"
 
 namespace {
 
 using namespace flatshard::testing;
 namespace plan = flatshard::plan;
+using flatshard::Strategy;
 
 // Wide enough that model states dominate, small enough for CI.
 GPTConfig plan_config() { return GPTConfig{2048, 32, 192, 4, 4}; }
@@ -44,16 +45,16 @@ std::int64_t measure_activations(int rows, bool recompute = false) {
 
 // Peak of one mode from before the model is built to the end of its third step, in
 // bytes above what was allocated before.
-std::int64_t measure_peak(const flatshard::World& world, plan::Mode mode,
+std::int64_t measure_peak(const flatshard::World& world, Strategy mode,
                           const flatshard::MemoryBudget& budget = {}, int rows = 0, bool recompute = false,
                           bool build_into_shards = false) {
   if (rows == 0) rows = kGlobalBatch / world.world_size();
   const auto base = flatshard::memory::allocator_stats().current_bytes;
   flatshard::memory::reset_allocator_peak();
   torch::manual_seed(5);
-  flatshard::examples::AnyModeOptions o;
+  flatshard::testing::WrappedOptions o;
   o.fully_shard.memory_budget = budget;
-  o.fully_shard.strategy = flatshard::examples::strategy_of(mode);  // BuildIntoShards needs it first
+  o.fully_shard.strategy = mode;  // BuildIntoShards needs it first
   GPT model{nullptr};
   if (build_into_shards) {
     flatshard::BuildIntoShards build(world, o.fully_shard);
@@ -62,7 +63,7 @@ std::int64_t measure_peak(const flatshard::World& world, plan::Mode mode,
     model = GPT(plan_config());
   }
   flatshard::set_recompute(*model, recompute);
-  flatshard::examples::AnyMode<GPT> run(model, world, mode, o);
+  flatshard::testing::Wrapped<GPT> run(model, world, mode, o);
   for (int step = 0; step < 3; ++step) {
     const auto b = batch_of(step, rows * world.world_size());
     const auto x = b.input.narrow(0, world.rank() * rows, rows),
@@ -81,18 +82,19 @@ TEST(Planner, PredictsMeasuredPeakWithinTenPercent) {
   const auto activations = measure_activations(kGlobalBatch / world.world_size());
   torch::manual_seed(5);
   const auto shape = plan::shape_of(*GPT(plan_config()));
-  for (plan::Mode mode : {plan::Mode::DDP, plan::Mode::Zero1, plan::Mode::Zero2, plan::Mode::FullShard}) {
+  for (Strategy mode :
+       {Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::ShardGradOp, Strategy::FullShard}) {
     plan::PlanOptions o;
-    o.mode = mode;
+    o.strategy = mode;
     o.world_size = world.world_size();
     o.activation_bytes = activations;
     const auto predicted = plan::predict(shape, o);
     const auto measured = measure_peak(world, mode);
     const double error = static_cast<double>(predicted.peak - measured) / static_cast<double>(measured);
-    std::printf("%s world %d: measured %.2f MiB, predicted %.2f MiB (%+.1f%%): %s\n", plan::to_string(mode),
+    std::printf("%s world %d: measured %.2f MiB, predicted %.2f MiB (%+.1f%%): %s\n", mode_name(mode),
                 world.world_size(), measured / 1048576.0, predicted.peak / 1048576.0, 100 * error,
                 predicted.describe().c_str());
-    EXPECT_LE(std::abs(error), 0.10) << plan::to_string(mode) << " at world " << world.world_size();
+    EXPECT_LE(std::abs(error), 0.10) << mode_name(mode) << " at world " << world.world_size();
   }
 }
 
@@ -108,19 +110,18 @@ TEST(Planner, PredictsMeasuredPeakWithRecomputation) {
   EXPECT_LT(activations, measure_activations(rows, /*recompute=*/false));
   torch::manual_seed(5);
   const auto shape = plan::shape_of(*GPT(plan_config()));
-  for (plan::Mode mode : {plan::Mode::DDP, plan::Mode::FullShard}) {
+  for (Strategy mode : {Strategy::NoShard, Strategy::FullShard}) {
     plan::PlanOptions o;
-    o.mode = mode;
+    o.strategy = mode;
     o.world_size = world.world_size();
     o.activation_bytes = activations;
     o.recompute = true;
     const auto predicted = plan::predict(shape, o);
     const auto measured = measure_peak(world, mode, {}, 0, /*recompute=*/true);
     const double error = static_cast<double>(predicted.peak - measured) / static_cast<double>(measured);
-    std::printf("%s world %d, recomputed: measured %.2f MiB, predicted %.2f MiB (%+.1f%%)\n",
-                plan::to_string(mode), world.world_size(), measured / 1048576.0, predicted.peak / 1048576.0,
-                100 * error);
-    EXPECT_LE(std::abs(error), 0.10) << plan::to_string(mode) << " at world " << world.world_size();
+    std::printf("%s world %d, recomputed: measured %.2f MiB, predicted %.2f MiB (%+.1f%%)\n", mode_name(mode),
+                world.world_size(), measured / 1048576.0, predicted.peak / 1048576.0, 100 * error);
+    EXPECT_LE(std::abs(error), 0.10) << mode_name(mode) << " at world " << world.world_size();
   }
 }
 
@@ -134,7 +135,7 @@ TEST(Planner, BudgetRefusesDdpAndFullShardTrainsWithinIt) {
   flatshard::MemoryBudget budget;
   budget.bytes = 36 << 20;  // DDP: 16 bytes x 2.57M parameters = 39.2 MiB before activations
   try {
-    measure_peak(world, plan::Mode::DDP, budget);
+    measure_peak(world, Strategy::NoShard, budget);
     ADD_FAILURE() << "DDP was not refused";
   } catch (const flatshard::MemoryBudgetError& e) {
     const std::string what = e.what();
@@ -145,7 +146,7 @@ TEST(Planner, BudgetRefusesDdpAndFullShardTrainsWithinIt) {
     EXPECT_NE(what.find("FullyShard (full shard) with the model built into shards"), std::string::npos)
         << what;
   }
-  const auto peak = measure_peak(world, plan::Mode::FullShard, budget, /*rows=*/2);
+  const auto peak = measure_peak(world, Strategy::FullShard, budget, /*rows=*/2);
   std::printf("full shard at world %d: measured peak %.1f MiB, budget 36 MiB\n", world.world_size(),
               peak / 1048576.0);
   EXPECT_LE(peak, budget.bytes);

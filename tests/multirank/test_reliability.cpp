@@ -9,9 +9,9 @@
 
 #include <thread>
 
-#include "examples/common/any_mode.h"
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
+#include "tests/support/wrapped.h"
 
 namespace {
 
@@ -23,7 +23,7 @@ std::string env(const char* name) {
   return v ? v : "";
 }
 
-using flatshard::plan::Mode;
+using flatshard::Strategy;
 
 GPT seeded_gpt() {
   torch::manual_seed(11);
@@ -31,12 +31,12 @@ GPT seeded_gpt() {
 }
 
 // The GPT-style test model under one mode with a non-finite-gradient policy.
-struct Trainer : flatshard::examples::AnyMode<GPT> {
-  Trainer(const flatshard::World& w, Mode mode, flatshard::NonFiniteGrads policy)
-      : AnyMode(seeded_gpt(), w, mode, options(policy)), world(w) {}
+struct Trainer : flatshard::testing::Wrapped<GPT> {
+  Trainer(const flatshard::World& w, Strategy mode, flatshard::NonFiniteGrads policy)
+      : Wrapped(seeded_gpt(), w, mode, options(policy)), world(w) {}
 
-  static flatshard::examples::AnyModeOptions options(flatshard::NonFiniteGrads policy) {
-    flatshard::examples::AnyModeOptions o;
+  static flatshard::testing::WrappedOptions options(flatshard::NonFiniteGrads policy) {
+    flatshard::testing::WrappedOptions o;
     o.fully_shard.nonfinite_grads = policy;
     o.fully_shard.comm.timeout = std::chrono::seconds(20);
     o.fully_shard.first_bucket_bytes = 2 << 10;
@@ -61,7 +61,7 @@ struct Trainer : flatshard::examples::AnyMode<GPT> {
 TEST(NonFinite, OneRanksNanIsSeenByEveryRank) {
   FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(180));
   auto world = flatshard::init();
-  for (Mode mode : {Mode::FullShard, Mode::DDP, Mode::Zero1}) {
+  for (Strategy mode : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardOptimizerState}) {
     for (auto policy : {flatshard::NonFiniteGrads::Skip, flatshard::NonFiniteGrads::Raise}) {
       SCOPED_TRACE(fmt::format("mode {} policy {}", static_cast<int>(mode), static_cast<int>(policy)));
       Trainer run(world, mode, policy);
@@ -115,7 +115,7 @@ void killed_rank_phase() {
   const std::string at = env("FLATSHARD_KILL_AT");
   const std::string root = env("FLATSHARD_CKPT_DIR");
   const bool victim = world.rank() == world.world_size() - 1;
-  Trainer run(world, at == "optimizer_step" ? Mode::Zero1 : Mode::FullShard,
+  Trainer run(world, at == "optimizer_step" ? Strategy::ShardOptimizerState : Strategy::FullShard,
               flatshard::NonFiniteGrads::Ignore);
   if (at == "load") {
     EXPECT_EQ(run.load(root).step, 1);

@@ -1,14 +1,12 @@
-// A model trained under any of the four modes with AdamW, behind one interface: the
-// examples, benchmarks and tests switch modes with one argument.
+// A model wrapped by FullyShard under one strategy, with optim::Adam (decoupled weight
+// decay: AdamW) or optim::SGD over its shards, behind the calls the checkpoint,
+// reliability and planner tests make:
 //
-//   flatshard::examples::AnyMode<GPT> run(model, world, flatshard::plan::Mode::FullShard);
+//   flatshard::testing::Wrapped<GPT> run(model, world, flatshard::Strategy::FullShard);
 //   auto loss = criterion(run.forward(x), y);
 //   loss.backward();
 //   run.step();                                   // optimizer step and zero_grad
 //   run.save("ckpt", step);                       // sharded checkpoint
-//
-// Every mode is FullyShard with the mode's strategy (FullShard, ShardGradOp, NoShard,
-// ShardOptimizerState) and optim::Adam (decoupled: AdamW) or optim::SGD over its shards.
 #pragma once
 
 #include <map>
@@ -21,30 +19,19 @@
 #include "flatshard/flatshard.h"
 #include "flatshard/plan.h"
 
-namespace flatshard::examples {
+namespace flatshard::testing {
 
-struct AnyModeOptions {
+struct WrappedOptions {
   optim::AdamWOptions adamw{1e-3, 0.9, 0.999, 1e-8, 0.1};
   std::optional<optim::SGDOptions> sgd;  // set: SGD instead of AdamW in every mode
-  FullyShardOptions fully_shard;         // strategy is set from the mode
+  FullyShardOptions fully_shard;         // strategy is set from the constructor's
 };
 
-inline Strategy strategy_of(plan::Mode mode) {
-  switch (mode) {
-    case plan::Mode::DDP: return Strategy::NoShard;
-    case plan::Mode::Zero1: return Strategy::ShardOptimizerState;
-    case plan::Mode::Zero2: return Strategy::ShardGradOp;
-    case plan::Mode::FullShard: return Strategy::FullShard;
-  }
-  return Strategy::FullShard;
-}
-
 template <typename Holder>
-class AnyMode {
+class Wrapped {
  public:
-  AnyMode(Holder model, const World& world, plan::Mode mode, AnyModeOptions o = {})
-      : model_(model), mode_(mode) {
-    o.fully_shard.strategy = strategy_of(mode);
+  Wrapped(Holder model, const World& world, Strategy strategy, WrappedOptions o = {}) : model_(model) {
+    o.fully_shard.strategy = strategy;
     fsdp_ = std::make_unique<FullyShard<Holder>>(model, world, o.fully_shard);
     if (o.sgd) {
       shard_opt_ = std::make_unique<optim::SGD>(fsdp_->shards(), *o.sgd);
@@ -85,16 +72,14 @@ class AnyMode {
 
   Communicator& comm() { return fsdp_->comm(); }
   std::int64_t skipped_steps() const { return fsdp_->skipped_steps(); }
-  plan::Mode mode() const { return mode_; }
   Holder& model() { return model_; }
-  FullyShard<Holder>* fully_shard() { return fsdp_.get(); }
+  FullyShard<Holder>& fully_shard() { return *fsdp_; }
   optim::ShardOptimizer* shard_optimizer() { return shard_opt_.get(); }
 
  private:
   Holder model_;
-  plan::Mode mode_;
   std::unique_ptr<FullyShard<Holder>> fsdp_;
   std::unique_ptr<optim::ShardOptimizer> shard_opt_;
 };
 
-}  // namespace flatshard::examples
+}  // namespace flatshard::testing
