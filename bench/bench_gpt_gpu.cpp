@@ -30,7 +30,7 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
-#include "examples/models/gpt.h"
+#include "models/gpt.h"
 #include "flatshard/flatshard.h"
 #include "flatshard/memory.h"
 
@@ -112,10 +112,10 @@ int main(int argc, char** argv) {
   const c10::Device gpu(c10::kCUDA, world.local_rank());
   check(cudaSetDevice(world.local_rank()), "cudaSetDevice");
 
-  flatshard::examples::GPTConfig cfg{a.vocab, a.context, a.dim, a.heads, a.layers};
+  flatshard::models::GPTConfig cfg{a.vocab, a.context, a.dim, a.heads, a.layers};
   cfg.fused_attention = true;
   torch::manual_seed(0);
-  flatshard::examples::GPT model(cfg);
+  flatshard::models::GPT model(cfg);
   flatshard::set_recompute(*model, a.recompute);
   std::int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
@@ -137,7 +137,7 @@ int main(int argc, char** argv) {
     options.cpu_offload = a.offload;
     options.strategy = flatshard::Strategy::FullShard;
   }
-  flatshard::FullyShard<flatshard::examples::GPT> fsdp(model, world, options);
+  flatshard::FullyShard<flatshard::models::GPT> fsdp(model, world, options);
   auto adam = std::make_unique<flatshard::optim::Adam>(fsdp.shards(), adamw);
   if (a.step_in_backward) fsdp.step_in_backward(adam.get());
   auto& opt = *adam;

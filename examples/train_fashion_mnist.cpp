@@ -19,10 +19,10 @@
 #include <cstdio>
 #include <string>
 
-#include "examples/models/mnist_net.h"
+#include "models/mnist_net.h"
 #include "flatshard/flatshard.h"
 
-using flatshard::examples::MnistNet;
+using flatshard::models::MnistNet;
 
 namespace {
 

@@ -41,12 +41,12 @@
 
 #include <fmt/format.h>
 
-#include "examples/models/gpt.h"
+#include "models/gpt.h"
 #include "flatshard/flatshard.h"
 #include "flatshard/plan.h"
 
-using flatshard::examples::GPT;
-using flatshard::examples::GPTConfig;
+using flatshard::models::GPT;
+using flatshard::models::GPTConfig;
 namespace plan = flatshard::plan;
 
 namespace {

@@ -8,8 +8,8 @@
 
 #include <torch/torch.h>
 
-#include "examples/models/gpt.h"
-#include "examples/models/mnist_net.h"
+#include "models/gpt.h"
+#include "models/mnist_net.h"
 #include "flatshard/flatshard.h"
 
 namespace flatshard::testing {
@@ -27,11 +27,11 @@ inline torch::nn::Sequential make_mlp(int in, int hidden, int out, int layers) {
   return seq;
 }
 
-using examples::Block;
-using examples::CausalSelfAttention;
-using examples::GPT;
-using examples::GPTConfig;
-using examples::GPTImpl;
-using examples::MnistNet;
+using models::Block;
+using models::CausalSelfAttention;
+using models::GPT;
+using models::GPTConfig;
+using models::GPTImpl;
+using models::MnistNet;
 
 }  // namespace flatshard::testing

@@ -8,7 +8,7 @@
 
 #include "flatshard/flatshard.h"
 
-namespace flatshard::examples {
+namespace flatshard::models {
 
 // --- the MNIST CNN of PyTorch's DDP example ------------------------------------------
 struct ConvStageImpl : torch::nn::Module {
@@ -53,4 +53,4 @@ struct MnistNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(MnistNet);
 
-}  // namespace flatshard::examples
+}  // namespace flatshard::models

@@ -8,7 +8,7 @@
 
 #include "flatshard/flatshard.h"
 
-namespace flatshard::examples {
+namespace flatshard::models {
 
 // --- GPT-style -------------------------------------------------------------------------
 struct GPTConfig {
@@ -127,4 +127,4 @@ struct GPTImpl : torch::nn::Module {
 };
 TORCH_MODULE(GPT);
 
-}  // namespace flatshard::examples
+}  // namespace flatshard::models
