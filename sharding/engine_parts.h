@@ -1,0 +1,92 @@
+// The engine's internal parts, shared by its source files: the per-unit schedule state,
+// a reduction in flight, the gradient hook, and the helpers the strategies share.
+#pragma once
+
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include "sharding/engine.h"
+
+namespace flatshard::sharding {
+
+// Per-unit schedule state. Touched from the thread that runs forward and from the one
+// that runs backward's hooks: the caller's thread on the CPU, a device thread on CUDA.
+// The hook entry points hold hooks_mutex_.
+struct Engine::Unit {
+  std::string name;
+  std::shared_ptr<FlatParamGroup> group;  // null for a unit without parameters
+  UnitBase* declared = nullptr;           // null for the root unit
+  std::unique_ptr<UnitHooks> driver;
+  std::optional<Work> gather;  // an all-gather issued and not yet waited for
+  bool gathered = false;       // parameters are views of the flat buffer
+  bool pre_backward_done = false;
+  bool post_backward_done = false;
+  int pending_grads = 0;      // parameters whose gradient has not been accumulated yet
+  int forward_position = -1;  // index in forward_order_
+};
+
+struct Engine::PendingReduce {
+  int unit;
+  std::optional<Work> work;
+  at::Tensor input;   // what is being reduce-scattered (owned until the work completes)
+  at::Tensor output;  // this rank's reduced shard, in the reduce dtype
+  bool input_is_full_grad = false;
+  // A bucket of a replicated group (Note [Replicated strategies]): its index, and where
+  // the reduced values go when they were not reduced in place (copied, or added to a
+  // gradient an earlier backward left).
+  int segment = -1;
+  at::Tensor target;
+  bool add = false;
+};
+
+namespace detail {
+
+// Adds a reduced shard into a shard gradient, or makes it the gradient when there is none.
+inline void accumulate(at::Tensor& grad, at::Tensor reduced) {
+  if (grad.defined()) {
+    grad.add_(reduced);
+  } else {
+    grad = std::move(reduced);
+  }
+}
+
+// Runs after AccumulateGrad has added a parameter's gradient into its flat view.
+class AccumulatedHook final : public torch::autograd::FunctionPostHook {
+ public:
+  AccumulatedHook(Engine* engine, int unit, int param) : engine_(engine), unit_(unit), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    engine_->on_grad_accumulated(unit_, param_);
+    return outputs;
+  }
+
+ private:
+  Engine* engine_;
+  int unit_;
+  int param_;
+};
+
+// Adds gradients that did not land in their flat views (they reached a parameter before
+// its unit's backward began, or before its bucket had a gradient buffer) into the flat
+// gradient, and points the parameter's .grad() at its view.
+inline void fold_strays(FlatParamGroup& g, int first_slot, int end_slot) {
+  at::NoGradGuard no_grad;
+  for (int i = first_slot; i < end_slot; ++i) {
+    auto& slot = g.slots()[i];
+    const at::Tensor grad = slot.param.grad();
+    if (!grad.defined()) continue;
+    auto view = g.slot_grad(slot);
+    if (!view.defined()) {
+      g.allocate_segment_grad(g.segment_of_slot(slot));
+      view = g.slot_grad(slot);
+    }
+    if (grad.data_ptr() == view.data_ptr()) continue;
+    view.add_(grad.reshape({-1}));
+    slot.param.mutable_grad() = view.view(slot.shape);
+  }
+}
+
+}  // namespace detail
+}  // namespace flatshard::sharding

@@ -1,0 +1,291 @@
+// The engine's construction: units discovered and flattened (or adopted when built into
+// shards), checked across ranks, communicators made; and what it exports (shards, layout).
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <algorithm>
+#include <set>
+#include <unordered_map>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "flatshard/errors.h"
+#include "sharding/engine_parts.h"
+#include "sharding/model_check.h"
+#include "sharding/unit_discovery.h"
+#include "src/errors.h"
+#include "src/logging.h"
+
+namespace flatshard::sharding {
+namespace {
+
+using detail::AccumulatedHook;
+
+// A unit built into shards (build.h) joins this engine only if it was built for the
+// same ranks, dtype and placement, and nobody wrote to its parameters since. Its slots
+// take their names under the root module (`names`).
+void adopt_built(FlatParamGroup& g, int rank, int world_size, const ShardGroup& shard, at::ScalarType compute,
+                 const FlatParamGroup::Placement& placement,
+                 const std::unordered_map<const c10::TensorImpl*, std::string>& names) {
+  const std::string who = fmt::format("flatshard::FullyShard (rank {}/{})", rank, world_size);
+  auto describe = [](int r, int n, at::ScalarType dtype, c10::Device device, bool offload) {
+    return fmt::format("shard {} of {}, {} on {}{}", r, n, c10::toString(dtype), device.str(),
+                       offload ? ", offloaded" : "");
+  };
+  const bool offload = placement.offload;
+  if (g.world_size() != shard.size || g.rank() != shard.rank || g.compute_dtype() != compute ||
+      g.device() != placement.compute || g.offloaded() != offload) {
+    throw InvalidArgument(fmt::format(
+        "{}: {} was built into shards for {}, but this FullyShard runs {}; pass the same World and "
+        "FullyShardOptions to BuildIntoShards and to FullyShard",
+        who, g.name(), describe(g.rank(), g.world_size(), g.compute_dtype(), g.device(), g.offloaded()),
+        describe(shard.rank, shard.size, compute, placement.compute, offload)));
+  }
+  for (auto& slot : g.slots()) {
+    auto it = names.find(slot.param.unsafeGetTensorImpl());
+    FLATSHARD_ASSERT(it != names.end(), "built parameter not found in the model");
+    slot.name = it->second;
+    if (slot.param._version() != slot.version) {
+      throw InvalidArgument(fmt::format(
+          "{}: parameter '{}' was written after its unit was built into shards (an initialisation in a "
+          "parent's constructor?), and that write was lost: initialise parameters in their unit's "
+          "constructor, or build the model without BuildIntoShards",
+          who, slot.name));
+    }
+  }
+}
+
+class Driver final : public UnitHooks {
+ public:
+  Driver(Engine* engine, int unit) : engine_(engine), unit_(unit) {}
+  void pre_forward() override { engine_->pre_forward(unit_); }
+  std::vector<at::Tensor> post_forward(std::vector<at::Tensor> outputs) override {
+    return engine_->post_forward(unit_, std::move(outputs));
+  }
+
+ private:
+  Engine* engine_;
+  int unit_;
+};
+
+}  // namespace
+
+Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, const FullyShardOptions& options)
+    : model_(std::move(model)),
+      rank_(world.rank()),
+      world_size_(world.world_size()),
+      options_(options),
+      reshard_after_forward_(reshards_after_forward(options)),
+      shard_(flatshard::shard_group(world, options)) {
+  replicated_ = replicates(options_.strategy);
+  if (options_.prefetch < 0) {
+    throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): prefetch must be >= 0, got {}",
+                                      rank_, world_size_, options_.prefetch));
+  }
+  const auto membership = discover_units(*model_);
+  const auto& declared = membership.declared;
+  const auto& owner = membership.owner;
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> params(declared.size() + 1);
+  // Units built into shards (build.h) arrive with their groups: adopted, not flattened.
+  std::vector<std::shared_ptr<FlatParamGroup>> built(declared.size() + 1);
+  std::unordered_map<const c10::TensorImpl*, std::string> built_names;
+  for (std::size_t i = 0; i < declared.size(); ++i) {
+    built[i + 1] = declared[i]->built_shard();
+    if (!built[i + 1]) continue;
+    if (replicated_) {
+      throw InvalidArgument(fmt::format(
+          "flatshard::FullyShard (rank {}/{}): the model was built into shards (BuildIntoShards; {} holds "
+          "only this rank's shard), and strategy {} keeps a whole replica on every rank. Use FullShard, "
+          "ShardGradOp or HybridShard, or build the model without BuildIntoShards",
+          rank_, world_size_, built[i + 1]->name(), to_string(options_.strategy)));
+    }
+    for (auto& slot : built[i + 1]->slots()) built_names[slot.param.unsafeGetTensorImpl()] = slot.name;
+  }
+  std::set<const c10::TensorImpl*> seen;
+  at::ScalarType model_dtype = at::kFloat;
+  std::string first_param;
+  c10::Device model_device{c10::kCPU};
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+    const auto* impl = item.value().unsafeGetTensorImpl();
+    if (!seen.insert(impl).second) continue;  // registered twice (tied): once is enough
+    if (auto it = built_names.find(impl); it != built_names.end()) {
+      it->second = item.key();
+      continue;
+    }
+    if (built[owner.at(impl)]) {
+      throw InvalidArgument(fmt::format(
+          "flatshard::FullyShard (rank {}/{}): parameter '{}' belongs to {}, which was built into shards, "
+          "but was not part of it then (registered after the unit was built?); register every parameter "
+          "in its unit's constructor",
+          rank_, world_size_, item.key(), built[owner.at(impl)]->name()));
+    }
+    const c10::Device device = item.value().device();
+    if (!device.is_cpu() && !device.is_cuda()) {
+      throw InvalidArgument(
+          fmt::format("flatshard::FullyShard (rank {}/{}): parameter '{}' is on {}; FullyShard shards "
+                      "CPU or CUDA parameters",
+                      rank_, world_size_, item.key(), device.str()));
+    }
+    if (!first_param.empty() && device != model_device) {
+      throw InvalidArgument(fmt::format(
+          "flatshard::FullyShard (rank {}/{}): parameter '{}' is on {} but '{}' is on {}; move the "
+          "whole model to one device (model->to(device)) before wrapping it",
+          rank_, world_size_, item.key(), device.str(), first_param, model_device.str()));
+    }
+    if (first_param.empty()) {
+      first_param = item.key();
+      model_device = device;
+    }
+    if (!at::isFloatingType(item.value().scalar_type())) {
+      throw InvalidArgument(
+          fmt::format("flatshard::FullyShard (rank {}/{}): parameter '{}' has dtype {}; only "
+                      "floating parameters can be sharded",
+                      rank_, world_size_, item.key(), c10::toString(item.value().scalar_type())));
+    }
+    model_dtype = item.value().scalar_type();
+    // The replicated strategies keep every parameter in the root's group.
+    params[replicated_ ? 0 : owner.at(impl)].emplace_back(item.key(), item.value());
+  }
+  const auto first_built =
+      std::find_if(built.begin(), built.end(), [](const auto& b) { return b != nullptr; });
+  if (first_param.empty() && first_built != built.end()) {  // every parameter was built into shards
+    model_dtype = (*first_built)->compute_dtype();
+    model_device = (*first_built)->device();
+  }
+  const at::ScalarType compute = options_.mixed_precision.param.value_or(model_dtype);
+  device_ = options_.device.value_or(model_device);
+  if (!device_.is_cpu() && !device_.is_cuda()) {
+    throw InvalidArgument(
+        fmt::format("flatshard::FullyShard (rank {}/{}): device {} is neither the CPU nor a "
+                    "CUDA device",
+                    rank_, world_size_, device_.str()));
+  }
+  if (!first_param.empty() && model_device != device_ && !model_device.is_cpu()) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::FullyShard (rank {}/{}): the model is on {} and options.device is {}; build the model on "
+        "the host (the CPU) to have it sharded onto {}, or leave options.device unset",
+        rank_, world_size_, model_device.str(), device_.str(), device_.str()));
+  }
+  FlatParamGroup::Placement placement;
+  placement.compute = device_;
+  placement.offload = options_.cpu_offload;
+  for (const auto& g : built) {
+    if (g) adopt_built(*g, rank_, world_size_, shard_, compute, placement, built_names);
+  }
+  // The scheduler's collectives move tensors of the compute device: TCP rings on the
+  // CPU; on CUDA, NCCL on the communicator's high-priority streams.
+  CommunicatorOptions comm_options = options_.comm;
+  comm_options.device = device_;
+  comm_ = Communicator::create(world, comm_options);
+  {
+    std::vector<std::string> units{"root unit"};
+    for (std::size_t i = 0; i < declared.size(); ++i) {
+      std::int64_t numel = 0;
+      for (const auto& item : params[i + 1]) numel += item.second.numel();
+      const auto& b = built[i + 1];
+      units.push_back(fmt::format("unit {} of {} parameters, {} elements", i + 1,
+                                  b ? b->slots().size() : params[i + 1].size(), b ? b->numel() : numel));
+    }
+    check_same_model_everywhere(
+        world, *model_, "flatshard::FullyShard",
+        {fmt::format("strategy {}, shard groups of {} ranks, reshard after forward {}, prefetch {}",
+                     to_string(options_.strategy), shard_.size, reshard_after_forward_, options_.prefetch),
+         fmt::format("units: {}", fmt::join(units, "; ")),
+         fmt::format("compute dtype {}", c10::toString(compute))});
+  }
+  if (shard_.size < world_size_ && !replicated_) {
+    // Note [Shard groups]: group k is ranks [k G, (k + 1) G); replica set j is the ranks
+    // j, G + j, 2 G + j, ... that hold shard j. Made after the check above (a rank with
+    // other groups would wait in rendezvous), by every rank in the same order.
+    std::vector<int> group, replicas;
+    for (int r = 0; r < shard_.size; ++r) group.push_back(shard_.replica * shard_.size + r);
+    for (int k = 0; k < shard_.replicas; ++k) replicas.push_back(k * shard_.size + shard_.rank);
+    CommunicatorOptions shard_options = comm_options, replica_options = comm_options;
+    shard_options.name += "/shard";
+    replica_options.name += "/replica";
+    shard_comm_ = Communicator::create(subworld(world, group, shard_options.name), shard_options);
+    replica_comm_ = Communicator::create(subworld(world, replicas, replica_options.name), replica_options);
+  }
+
+  if (replicated_) {
+    make_replicated_group(std::move(params[0]), compute, placement);
+    return;
+  }
+  for (std::size_t i = 0; i <= declared.size(); ++i) {
+    auto unit = std::make_unique<Unit>();
+    const int index = static_cast<int>(units_.size());
+    unit->name = i == 0 ? "root" : fmt::format("unit{}", i);
+    if (built[i]) {
+      const std::string& first = built[i]->slots().front().name;
+      unit->name = first.substr(0, first.rfind('.'));
+      built[i]->set_name(unit->name);
+      unit->group = std::move(built[i]);
+      declared[i - 1]->set_built_shard(nullptr);
+    } else if (!params[i].empty()) {
+      unit->name = i == 0 ? "root" : params[i].front().first.substr(0, params[i].front().first.rfind('.'));
+      unit->group = std::make_shared<FlatParamGroup>(unit->name, std::move(params[i]), shard_.size,
+                                                     shard_.rank, compute, placement);
+    }
+    if (unit->group) {
+      for (auto& slot : unit->group->slots()) {
+        if (slot.accumulator)
+          slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, index, slot.id));
+      }
+    }
+    if (i > 0) {
+      unit->declared = declared[i - 1];
+      unit->driver = std::make_unique<Driver>(this, index);
+      unit->declared->attach(unit->driver.get());
+    }
+    units_.push_back(std::move(unit));
+  }
+  // Buffers (running statistics, masks) are replicated: they go to the compute device.
+  for (auto& b : model_->buffers(/*recurse=*/true)) {
+    if (b.defined() && b.device() != device_) b.set_data(b.to(device_));
+  }
+  for (auto& u : units_) {
+    if (u->group) memory_.param_shard_bytes += u->group->shard_numel() * 4;
+  }
+  log::at(log::Level::Info, "FullyShard: {} units, {} parameters", units_.size(), owner.size());
+}
+
+Engine::~Engine() {
+  try {
+    finish_pending_reduce();
+    for (auto& u : units_) {
+      if (u->gather) u->gather->wait();
+    }
+  } catch (const std::exception& e) {
+    log::at(log::Level::Warn, "FullyShard: a collective failed during teardown: {}", e.what());
+  }
+  for (auto& u : units_) {
+    if (u->declared) u->declared->attach(nullptr);
+  }
+}
+
+std::vector<at::Tensor> Engine::shards() const {
+  std::vector<at::Tensor> out;
+  for (const auto& u : units_) {
+    if (u->group) out.push_back(u->group->master());
+  }
+  return out;
+}
+
+std::vector<ShardLayout> Engine::layout() const {
+  std::vector<ShardLayout> out;
+  for (const auto& u : units_) {
+    if (!u->group) continue;
+    ShardLayout l;
+    l.padded_numel = u->group->padded_numel();
+    l.shard_numel = u->group->shard_numel();
+    for (const auto& seg : u->group->segments())
+      l.segments.push_back({seg.offset, seg.padded_numel, seg.slice, seg.master_offset});
+    for (const auto& slot : u->group->slots())
+      l.params.push_back({slot.name, slot.shape, slot.offset, slot.numel});
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
+}  // namespace flatshard::sharding

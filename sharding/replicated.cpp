@@ -1,0 +1,314 @@
+// The replicated strategies, NoShard (DDP) and ShardOptimizerState (ZeRO-1): one
+// persistent flat group cut into buckets, reduced as they fill, laid out again after the
+// first backward, refreshed from the master shard before forward (Note [Replicated
+// strategies]).
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "flatshard/errors.h"
+#include "sharding/buckets.h"
+#include "sharding/engine_parts.h"
+#include "src/errors.h"
+#include "src/logging.h"
+
+namespace flatshard::sharding {
+
+using detail::AccumulatedHook;
+using detail::fold_strays;
+
+// Note [Replicated strategies]
+// NoShard (DDP) and ShardOptimizerState (ZeRO-1) are the engine's strategies whose
+// parameters stay gathered: the whole model is one persistent group (no unit is
+// gathered or freed), cut into segments that are DDP's buckets: the first up to
+// first_bucket_bytes, the rest up to bucket_bytes, in reverse registration order. Every
+// rank starts from rank 0's values. A bucket's gradient is reduced as soon as all its
+// parameters' gradients have arrived, in bucket order on every rank, one reduction in
+// flight (Note [One reduce-scatter in flight]): by all-reduce under NoShard (each rank is
+// a shard group of one), by reduce-scatter under ShardOptimizerState (each rank receives
+// its slice of the bucket, which is its part of the master shard). The first synced
+// backward records the order gradients arrive in, reduces nothing until it ends, and
+// then lays the group out again in rank 0's arrival order (DDP's rebuild). After a synced
+// backward the optimizer steps the master shard; before the next forward (or
+// summon_full_params) the parameters are refreshed from it: copied, and under
+// ShardOptimizerState all-gathered bucket by bucket. Without mixed precision, NoShard's
+// master shard is the flat buffer and its gradient the flat gradient: nothing is copied.
+void Engine::make_replicated_group(std::vector<std::pair<std::string, at::Tensor>> params,
+                                   at::ScalarType compute, const FlatParamGroup::Placement& given) {
+  if (options_.first_bucket_bytes <= 0 || options_.bucket_bytes <= 0) {
+    throw InvalidArgument(
+        fmt::format("flatshard::FullyShard (rank {}/{}): bucket sizes must be positive, got "
+                    "{} and {}",
+                    rank_, world_size_, options_.first_bucket_bytes, options_.bucket_bytes));
+  }
+  if (options_.cpu_offload) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::FullyShard (rank {}/{}): cpu_offload needs a sharded strategy (FullShard, ShardGradOp or "
+        "HybridShard); {} keeps the parameters gathered on the device",
+        rank_, world_size_, to_string(options_.strategy)));
+  }
+  for (auto& b : model_->buffers(/*recurse=*/true)) {
+    if (b.defined() && b.device() != device_) b.set_data(b.to(device_));
+  }
+  if (world_size_ > 1) {
+    // Every rank starts from rank 0's parameters and buffers (a model built on the host
+    // crosses to the compute device for it).
+    at::NoGradGuard no_grad;
+    for (auto& [name, p] : params) {
+      auto t = p.detach().to(device_);
+      comm_->broadcast(t, 0).wait();
+      if (t.data_ptr() != p.data_ptr()) p.detach().copy_(t);
+    }
+    for (auto& b : model_->buffers(/*recurse=*/true)) comm_->broadcast(b, 0).wait();
+  }
+  // Reverse registration order: roughly the order backward produces gradients.
+  std::reverse(params.begin(), params.end());
+  for (const auto& [name, p] : params) {
+    param_names_.push_back(name);
+    param_bytes_.push_back(p.numel() * static_cast<std::int64_t>(c10::elementSize(compute)));
+  }
+  std::vector<int> ids(params.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  const auto sizes = bucket_sizes(ids);
+  FlatParamGroup::Placement placement = given;
+  placement.persistent = true;
+  auto unit = std::make_unique<Unit>();
+  unit->name = "root";
+  if (!params.empty()) {
+    unit->group = std::make_shared<FlatParamGroup>("model", std::move(params), shard_.size, shard_.rank,
+                                                   compute, placement, sizes);
+    for (auto& slot : unit->group->slots()) {
+      if (slot.accumulator)
+        slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, kRoot, slot.id));
+    }
+    unit->gathered = true;
+    memory_.param_shard_bytes += unit->group->shard_numel() * 4;
+    master_version_ = unit->group->master()._version();
+  }
+  units_.push_back(std::move(unit));
+  segment_of_param_.assign(param_names_.size(), 0);
+  used_.assign(param_names_.size(), false);
+  if (units_[kRoot]->group) {
+    const auto& g = *units_[kRoot]->group;
+    for (int k = 0; k < static_cast<int>(g.segments().size()); ++k) {
+      for (int i = g.segments()[k].first_slot; i < g.segments()[k].end_slot; ++i)
+        segment_of_param_[g.slots()[i].id] = k;
+    }
+    pending_.assign(g.segments().size(), 0);
+  }
+  log::at(log::Level::Info, "FullyShard ({}): {} parameters in {} buckets", to_string(options_.strategy),
+          param_names_.size(), pending_.size());
+}
+
+std::vector<int> Engine::bucket_sizes(const std::vector<int>& ids) const {
+  std::vector<int> sizes;
+  for (const auto& bucket :
+       assign_buckets(param_bytes_, ids, options_.first_bucket_bytes, options_.bucket_bytes))
+    sizes.push_back(static_cast<int>(bucket.size()));
+  return sizes;
+}
+
+void Engine::launch_ready_segments() {
+  while (next_segment_ < static_cast<int>(pending_.size()) && pending_[next_segment_] == 0)
+    reduce_segment(next_segment_++);
+}
+
+void Engine::reduce_segment(int s) {
+  finish_pending_reduce();
+  FlatParamGroup& g = *units_[kRoot]->group;
+  const FlatSegment& seg = g.segments()[s];
+  g.allocate_segment_grad(s);  // a bucket no parameter got a gradient in reduces zeros
+  fold_strays(g, seg.first_slot, seg.end_slot);
+  at::NoGradGuard no_grad;
+  const at::ScalarType reduce_dtype = options_.mixed_precision.reduce.value_or(g.compute_dtype());
+  const at::Tensor grads = g.segment_grad(s);
+  auto pending = std::make_unique<PendingReduce>();
+  pending->unit = kRoot;
+  pending->segment = s;
+  at::Tensor& master_grad = g.master().mutable_grad();
+  if (!g.master_aliases_full() && !master_grad.defined()) {
+    master_grad = at::empty({g.shard_numel()}, g.master().options());
+    fresh_grad_ = true;
+  }
+  CollectiveOptions opts;
+  if (shard_.size == 1) {
+    // NoShard: every rank averages the whole bucket, in place.
+    at::Tensor target = g.master_aliases_full() ? grads : g.master_part(master_grad, s);
+    if (g.master_aliases_full() ? reduce_dtype == g.compute_dtype()
+                                : fresh_grad_ && reduce_dtype == at::kFloat) {
+      if (!target.is_same(grads)) target.copy_(grads);  // converted straight into the master's gradient
+      pending->input = target;
+    } else {
+      pending->input = grads.to(reduce_dtype);
+      pending->target = target;
+      pending->add = !g.master_aliases_full() && !fresh_grad_;
+    }
+    pending->output = pending->input;
+    opts.stream = StreamRole::AllReduce;
+    if (shard_.replicas > 1) pending->work = comm_->all_reduce(pending->input, ReduceOp::Avg, opts);
+  } else {
+    // ShardOptimizerState: each rank receives its slice, its part of the master shard.
+    pending->input = reduce_dtype == g.compute_dtype() ? grads : grads.to(reduce_dtype);
+    if (fresh_grad_ && reduce_dtype == at::kFloat) {
+      pending->output = g.master_part(master_grad, s);
+    } else {
+      pending->output = at::empty({seg.slice}, pending->input.options());
+      pending->target = g.master_part(master_grad, s);
+      pending->add = !fresh_grad_;
+    }
+    opts.stream = StreamRole::ReduceScatter;
+    pending->work = comm_->reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
+  }
+  in_flight_ = std::move(pending);
+}
+
+void Engine::end_of_replicated_backward() {
+  Unit& root = *units_[kRoot];
+  root.pre_backward_done = false;
+  if (!root.group) return;
+  FlatParamGroup& g = *root.group;
+  if (!rebuilt_) arrival_recorded_ = true;
+  if (no_sync_) {
+    fold_strays(g, 0, static_cast<int>(g.slots().size()));
+    g.drop_param_grads();
+    return;
+  }
+  std::vector<std::string> missing;
+  for (const auto& slot : g.slots()) {
+    if (slot.accumulator && !used_[slot.id]) missing.push_back(slot.name);
+  }
+  if (!missing.empty() && !options_.find_unused_parameters) {
+    g.drop_param_grads();
+    g.free_full_grad();
+    throw InvalidArgument(fmt::format(
+        "flatshard::FullyShard (rank {}/{}): {} parameter(s) got no gradient in this backward: {}. Set "
+        "FullyShardOptions::find_unused_parameters = true if parameters may go unused, or make the loss "
+        "depend on them.",
+        rank_, world_size_, missing.size(), fmt::join(missing, ", ")));
+  }
+  if (!rebuilt_) {
+    // Rank 0's arrival order (then the parameters that got no gradient), so that every
+    // rank lays out the same buckets.
+    std::vector<int> order = arrival_;
+    std::set<int> seen(order.begin(), order.end());
+    for (int id = 0; id < static_cast<int>(param_names_.size()); ++id) {
+      if (!seen.count(id)) order.push_back(id);
+    }
+    rebuild_buckets(std::move(order));
+  }
+  // What is left: buckets holding unused parameters (their slices hold zeros).
+  for (int k = next_segment_; k < static_cast<int>(pending_.size()); ++k) reduce_segment(k);
+  next_segment_ = static_cast<int>(pending_.size());
+  finish_pending_reduce();
+  if (g.master_aliases_full()) {
+    g.alias_master_grad();
+  } else {
+    g.free_full_grad();
+  }
+  g.drop_param_grads();
+  stale_ = true;  // the optimizer steps the master shard next
+  account();
+}
+
+void Engine::rebuild_buckets(std::vector<int> order) {
+  FlatParamGroup& g = *units_[kRoot]->group;
+  if (world_size_ > 1) {
+    auto shared = at::tensor(std::vector<std::int64_t>(order.begin(), order.end()), at::kLong).to(device_);
+    comm_->broadcast(shared, 0).wait();
+    shared = shared.cpu();
+    order.assign(shared.data_ptr<std::int64_t>(), shared.data_ptr<std::int64_t>() + shared.numel());
+  }
+  std::vector<int> slot_of_id(g.slots().size());
+  for (int k = 0; k < static_cast<int>(g.slots().size()); ++k) slot_of_id[g.slots()[k].id] = k;
+  std::vector<int> slot_order;
+  for (int id : order) slot_order.push_back(slot_of_id[id]);
+  at::Tensor values;  // every rank's master slices, in the layout before
+  if (!g.master_aliases_full()) {
+    if (shard_.size == 1) {
+      values = g.master().detach();  // one rank's slices are the whole buffer
+    } else if (g.compute_dtype() == at::kFloat && !stale_ && g.master()._version() == master_version_) {
+      values = g.full().detach();  // the parameters hold the masters' values, bit for bit
+    } else {
+      values = at::empty({g.padded_numel()}, g.master().options());
+      for (int k = 0; k < static_cast<int>(g.segments().size()); ++k)
+        comm_->all_gather(g.segment_of(values, k), g.master_part(g.master(), k)).wait();
+    }
+  }
+  g.relayout(slot_order, bucket_sizes(order), values);
+  for (int k = 0; k < static_cast<int>(g.segments().size()); ++k) {
+    for (int i = g.segments()[k].first_slot; i < g.segments()[k].end_slot; ++i)
+      segment_of_param_[g.slots()[i].id] = k;
+  }
+  pending_.assign(g.segments().size(), 0);
+  next_segment_ = 0;
+  master_version_ = g.master()._version();
+  rebuilt_ = true;
+}
+
+void Engine::refresh_replicas() {
+  const auto& group = units_[kRoot]->group;
+  if (!group || (!stale_ && group->master()._version() == master_version_)) return;
+  FlatParamGroup& g = *group;
+  g.copy_master_to_slot();
+  if (shard_.size > 1) {
+    CollectiveOptions opts;
+    opts.stream = StreamRole::AllGather;
+    std::vector<Work> gathers;
+    for (int k = 0; k < static_cast<int>(g.segments().size()); ++k)
+      gathers.push_back(comm_->all_gather(g.segment_of(g.full(), k), g.slot_of(g.full(), k), opts));
+    for (auto& w : gathers) w.wait();
+  }
+  stale_ = false;
+  master_version_ = g.master()._version();
+}
+
+std::vector<std::vector<std::string>> Engine::bucket_layout() const {
+  std::vector<std::vector<std::string>> out;
+  if (!replicated_ || !units_[kRoot]->group) return out;
+  const auto& g = *units_[kRoot]->group;
+  for (const auto& seg : g.segments()) {
+    out.emplace_back();
+    for (int i = seg.first_slot; i < seg.end_slot; ++i) out.back().push_back(g.slots()[i].name);
+  }
+  return out;
+}
+
+std::vector<std::string> Engine::bucket_order() const {
+  std::vector<std::string> out;
+  if (!rebuilt_) return out;
+  for (const auto& names : bucket_layout()) out.insert(out.end(), names.begin(), names.end());
+  return out;
+}
+
+void Engine::restore_bucket_order(const std::vector<std::string>& names) {
+  if (!replicated_ || !units_[kRoot]->group || rebuilt_ || backward_active_) return;
+  // Whatever the saved order, the layout is fixed from here: state loaded into the master
+  // shard must not move under a later rebuild.
+  if (names.empty()) {
+    rebuilt_ = true;
+    return;
+  }
+  std::map<std::string, int> id_of;
+  for (int id = 0; id < static_cast<int>(param_names_.size()); ++id) id_of[param_names_[id]] = id;
+  std::vector<int> order;
+  for (const auto& name : names) {
+    auto it = id_of.find(name);
+    if (it == id_of.end()) {  // another model's order: keep ours
+      rebuilt_ = true;
+      return;
+    }
+    order.push_back(it->second);
+  }
+  if (order.size() != param_names_.size()) {
+    rebuilt_ = true;
+    return;
+  }
+  rebuild_buckets(std::move(order));
+}
+
+}  // namespace flatshard::sharding
