@@ -124,7 +124,6 @@ class Engine {
   std::vector<int> segment_of_param_;      // by parameter id
   std::vector<bool> used_;                 // by parameter id: got a gradient this backward
   std::vector<int> pending_;               // by segment: gradients not yet accumulated
-  std::vector<at::Tensor> staged_;         // by segment: reduced slices waiting for the end of backward
   int next_segment_ = 0;                   // segments are reduced in order on every rank
   std::vector<int> arrival_;               // parameter ids in the first backward's order
   bool rebuilt_ = false;

@@ -100,7 +100,6 @@ void Engine::make_replicated_group(std::vector<std::pair<std::string, at::Tensor
         segment_of_param_[g.slots()[i].id] = k;
     }
     pending_.assign(g.segments().size(), 0);
-    staged_.assign(g.segments().size(), at::Tensor());
   }
   log::at(log::Level::Info, "FullyShard ({}): {} parameters in {} buckets", to_string(options_.strategy),
           param_names_.size(), pending_.size());
@@ -132,12 +131,12 @@ void Engine::reduce_segment(int s) {
   pending->unit = kRoot;
   pending->segment = s;
   at::Tensor& master_grad = g.master().mutable_grad();
+  if (!g.master_aliases_full() && !master_grad.defined()) {
+    master_grad = at::empty({g.shard_numel()}, g.master().options());
+    fresh_grad_ = true;
+  }
   CollectiveOptions opts;
   if (shard_.size == 1) {
-    if (!g.master_aliases_full() && !master_grad.defined()) {
-      master_grad = at::empty({g.shard_numel()}, g.master().options());
-      fresh_grad_ = true;
-    }
     // NoShard: every rank averages the whole bucket, in place.
     at::Tensor target = g.master_aliases_full() ? grads : g.master_part(master_grad, s);
     if (g.master_aliases_full() ? reduce_dtype == g.compute_dtype()
@@ -153,17 +152,14 @@ void Engine::reduce_segment(int s) {
     opts.stream = StreamRole::AllReduce;
     if (shard_.replicas > 1) pending->work = comm_->all_reduce(pending->input, ReduceOp::Avg, opts);
   } else {
-    // ShardOptimizerState: each rank receives its slice of the bucket, its part of the
-    // master shard's gradient. Without a gradient left from an earlier backward the slices
-    // wait apart and make that gradient when backward ends, once the activations are gone:
-    // the whole gradient shard is never allocated while they are alive.
+    // ShardOptimizerState: each rank receives its slice, its part of the master shard.
     pending->input = reduce_dtype == g.compute_dtype() ? grads : grads.to(reduce_dtype);
-    pending->output = at::empty({seg.slice}, pending->input.options());
-    if (master_grad.defined()) {
-      pending->target = g.master_part(master_grad, s);
-      pending->add = true;
+    if (fresh_grad_ && reduce_dtype == at::kFloat) {
+      pending->output = g.master_part(master_grad, s);
     } else {
-      staged_[s] = pending->output;
+      pending->output = at::empty({seg.slice}, pending->input.options());
+      pending->target = g.master_part(master_grad, s);
+      pending->add = !fresh_grad_;
     }
     opts.stream = StreamRole::ReduceScatter;
     pending->work = comm_->reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
@@ -187,8 +183,6 @@ void Engine::end_of_replicated_backward() {
     if (slot.accumulator && !used_[slot.id]) missing.push_back(slot.name);
   }
   if (!missing.empty() && !options_.find_unused_parameters) {
-    finish_pending_reduce();
-    staged_.assign(staged_.size(), at::Tensor());
     g.drop_param_grads();
     g.free_full_grad();
     throw InvalidArgument(fmt::format(
@@ -211,13 +205,6 @@ void Engine::end_of_replicated_backward() {
   for (int k = next_segment_; k < static_cast<int>(pending_.size()); ++k) reduce_segment(k);
   next_segment_ = static_cast<int>(pending_.size());
   finish_pending_reduce();
-  if (std::any_of(staged_.begin(), staged_.end(), [](const at::Tensor& t) { return t.defined(); })) {
-    at::NoGradGuard no_grad;
-    auto grad = at::empty({g.shard_numel()}, g.master().options());
-    for (int k = 0; k < static_cast<int>(staged_.size()); ++k) g.master_part(grad, k).copy_(staged_[k]);
-    g.master().mutable_grad() = grad;
-    staged_.assign(staged_.size(), at::Tensor());
-  }
   if (g.master_aliases_full()) {
     g.alias_master_grad();
   } else {
@@ -258,7 +245,6 @@ void Engine::rebuild_buckets(std::vector<int> order) {
       segment_of_param_[g.slots()[i].id] = k;
   }
   pending_.assign(g.segments().size(), 0);
-  staged_.assign(g.segments().size(), at::Tensor());
   next_segment_ = 0;
   master_version_ = g.master()._version();
   rebuilt_ = true;
