@@ -12,14 +12,21 @@ shift || true
 args=("$@")
 [[ ${#args[@]} -gt 0 ]] || args=(--dim 512 --layers 8 --vocab 8192 --steps 4)
 ranks="${RANKS:-2}"
+# Rank 0's result line of one run; a run that fails is named on stderr (its row is then
+# missing from the table) instead of ending the script.
+row() {
+  local out
+  if ! out="$("$build/flatshard-run" -n "$ranks" "$@" 2>/dev/null)"; then
+    echo "modes.sh: failed (its row is left out): $*" >&2
+  fi
+  printf '%s\n' "$out" | sed -n 's/^\[rank 0\] //p'
+}
 rows=""
 for m in ddp zero1 zero2 full; do
-  rows+="$("$build/flatshard-run" -n "$ranks" "$build/bench/bench_modes" --mode "$m" "${args[@]}" 2>/dev/null \
-           | sed -n 's/^\[rank 0\] //p')"$'\n'
+  rows+="$(row "$build/bench/bench_modes" --mode "$m" "${args[@]}")"$'\n'
 done
 for m in torch_ddp torch_zero1 torch_fsdp2_grad_op torch_fsdp2; do
-  rows+="$("$build/flatshard-run" -n "$ranks" "$FLATSHARD_VENV/bin/python" "$root/bench/peer_pytorch_modes.py" \
-             --mode "$m" "${args[@]}" 2>/dev/null | sed -n 's/^\[rank 0\] //p')"$'\n'
+  rows+="$(row "$FLATSHARD_VENV/bin/python" "$root/bench/peer_pytorch_modes.py" --mode "$m" "${args[@]}")"$'\n'
 done
 printf '%s' "$rows" | "$FLATSHARD_VENV/bin/python" -c '
 import sys
