@@ -30,9 +30,9 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
-#include "models/gpt.h"
 #include "flatshard/flatshard.h"
 #include "flatshard/memory.h"
+#include "models/gpt.h"
 
 namespace {
 

@@ -19,8 +19,8 @@
 #include <cstdio>
 #include <string>
 
-#include "models/mnist_net.h"
 #include "flatshard/flatshard.h"
+#include "models/mnist_net.h"
 
 using flatshard::models::MnistNet;
 

@@ -41,9 +41,9 @@
 
 #include <fmt/format.h>
 
-#include "models/gpt.h"
 #include "flatshard/flatshard.h"
 #include "flatshard/plan.h"
+#include "models/gpt.h"
 
 using flatshard::models::GPT;
 using flatshard::models::GPTConfig;

@@ -92,7 +92,7 @@ void Engine::pre_forward(int index) {
   if (replicated_) {
     refresh_replicas();
     if (options_.broadcast_buffers && world_size_ > 1) {
-      for (auto& b : model_->buffers(/*recurse=*/true)) comm_->broadcast(b, 0).wait();
+      for (auto& b : buffers_) comm_->broadcast(b, 0).wait();
     }
     return;
   }
@@ -205,14 +205,7 @@ void Engine::post_backward(int index) {
   u.post_backward_done = true;
   if (!u.group) return;
   FlatParamGroup& g = *u.group;
-  {
-    at::NoGradGuard no_grad;
-    for (auto& slot : g.slots()) {
-      const at::Tensor& grad = slot.param.grad();
-      auto view = g.full_grad().narrow(0, slot.offset, slot.numel);
-      if (grad.defined() && grad.data_ptr() != view.data_ptr()) view.add_(grad.reshape({-1}));
-    }
-  }
+  fold_strays(g, 0, static_cast<int>(g.slots().size()));
   g.drop_param_grads();
   if (!no_sync_) reduce(index);
   if (reshard_after_forward_ && index != kRoot) reshard(index);

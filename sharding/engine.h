@@ -109,6 +109,7 @@ class Engine {
   bool backward_active_ = false;              // between the first backward hook and the end callback
   bool no_sync_ = false;
   c10::Device device_{c10::kCPU};             // the compute device: gathered units, collectives
+  std::vector<at::Tensor> buffers_;           // the model's buffers, on the compute device
   std::unique_ptr<PendingReduce> in_flight_;  // the reduction in flight (at most one)
   // Reduced gradient shards copied (or being copied) to host memory under CPU offload.
   std::vector<std::pair<int, at::Tensor>> landing_grads_;

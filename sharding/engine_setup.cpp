@@ -208,11 +208,16 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     replica_comm_ = Communicator::create(subworld(world, replicas, replica_options.name), replica_options);
   }
 
+  // Buffers (running statistics, masks) are replicated: they go to the compute device.
+  for (auto& b : model_->buffers(/*recurse=*/true)) {
+    if (!b.defined()) continue;
+    if (b.device() != device_) b.set_data(b.to(device_));
+    buffers_.push_back(b);
+  }
   if (replicated_) {
     make_replicated_group(std::move(params[0]), compute, placement);
-    return;
   }
-  for (std::size_t i = 0; i <= declared.size(); ++i) {
+  for (std::size_t i = 0; !replicated_ && i <= declared.size(); ++i) {
     auto unit = std::make_unique<Unit>();
     const int index = static_cast<int>(units_.size());
     unit->name = i == 0 ? "root" : fmt::format("unit{}", i);
@@ -239,10 +244,6 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
       unit->declared->attach(unit->driver.get());
     }
     units_.push_back(std::move(unit));
-  }
-  // Buffers (running statistics, masks) are replicated: they go to the compute device.
-  for (auto& b : model_->buffers(/*recurse=*/true)) {
-    if (b.defined() && b.device() != device_) b.set_data(b.to(device_));
   }
   for (auto& u : units_) {
     if (u->group) memory_.param_shard_bytes += u->group->shard_numel() * 4;

@@ -52,9 +52,6 @@ void Engine::make_replicated_group(std::vector<std::pair<std::string, at::Tensor
         "HybridShard); {} keeps the parameters gathered on the device",
         rank_, world_size_, to_string(options_.strategy)));
   }
-  for (auto& b : model_->buffers(/*recurse=*/true)) {
-    if (b.defined() && b.device() != device_) b.set_data(b.to(device_));
-  }
   if (world_size_ > 1) {
     // Every rank starts from rank 0's parameters and buffers (a model built on the host
     // crosses to the compute device for it).
@@ -64,7 +61,7 @@ void Engine::make_replicated_group(std::vector<std::pair<std::string, at::Tensor
       comm_->broadcast(t, 0).wait();
       if (t.data_ptr() != p.data_ptr()) p.detach().copy_(t);
     }
-    for (auto& b : model_->buffers(/*recurse=*/true)) comm_->broadcast(b, 0).wait();
+    for (auto& b : buffers_) comm_->broadcast(b, 0).wait();
   }
   // Reverse registration order: roughly the order backward produces gradients.
   std::reverse(params.begin(), params.end());
@@ -87,7 +84,6 @@ void Engine::make_replicated_group(std::vector<std::pair<std::string, at::Tensor
         slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, kRoot, slot.id));
     }
     unit->gathered = true;
-    memory_.param_shard_bytes += unit->group->shard_numel() * 4;
     master_version_ = unit->group->master()._version();
   }
   units_.push_back(std::move(unit));

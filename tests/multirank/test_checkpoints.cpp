@@ -20,8 +20,8 @@ using namespace flatshard::testing;
 namespace ckpt = flatshard::checkpoint;
 namespace fs = std::filesystem;
 
-using flatshard::Strategy;
 using flatshard::mode_name;
+using flatshard::Strategy;
 
 Strategy mode_named(const std::string& name) {
   Strategy m;

@@ -8,9 +8,9 @@
 
 #include <torch/torch.h>
 
+#include "flatshard/flatshard.h"
 #include "models/gpt.h"
 #include "models/mnist_net.h"
-#include "flatshard/flatshard.h"
 
 namespace flatshard::testing {
 
