@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
   torch::manual_seed(1);
   GPT model(cfg);
   flatshard::FullyShard<GPT> fsdp(model, world);
-  flatshard::optim::Adam opt(fsdp.shards(), flatshard::optim::AdamWOptions{});
+  flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{});
   {
     auto tokens = at::randint(cfg.vocab, {2, cfg.context + 1});
     auto logits = fsdp.forward(tokens.narrow(1, 0, cfg.context));

@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
     options.strategy = flatshard::Strategy::FullShard;
   }
   flatshard::FullyShard<flatshard::models::GPT> fsdp(model, world, options);
-  auto adam = std::make_unique<flatshard::optim::Adam>(fsdp.shards(), adamw);
+  auto adam = std::make_unique<flatshard::optim::AdamW>(fsdp, adamw);
   if (a.step_in_backward) fsdp.step_in_backward(adam.get());
   auto& opt = *adam;
 

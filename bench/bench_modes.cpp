@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   flatshard::FullyShard<GPT> fsdp(model, world, options);
-  flatshard::optim::AdamW opt(fsdp.shards(), flatshard::optim::AdamWOptions{3e-4});
+  flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{3e-4});
   flatshard::Communicator& comm = fsdp.comm();
 
   auto g = at::make_generator<at::CPUGeneratorImpl>(world.rank());

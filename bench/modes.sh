@@ -2,8 +2,12 @@
 # Every training mode on one GPT-style model at 2 ranks (or $RANKS), in one run: our DDP,
 # ZeRO-1, ZeRO-2 (shard-grad-op) and full shard next to PyTorch's DDP,
 # ZeroRedundancyOptimizer and FSDP2 (fully_shard, with and without resharding after
-# forward) from the pinned torch. Prints a Markdown table with ratios.
-#   bench/modes.sh [BUILD_DIR] [model args, default: --dim 512 --layers 8 --vocab 8192]
+# forward) from the pinned torch, each at its strongest CPU settings (fused AdamW,
+# gradient_as_bucket_view, parameters_as_bucket_view). Two regimes: compute-bound (4
+# sequences of 128 tokens per rank) and communication-bound (1 sequence of 32 tokens per
+# rank). Prints a Markdown table with ratios for each.
+#   bench/modes.sh [BUILD_DIR] [model args, default: --dim 512 --layers 8 --vocab 8192 --steps 4]
+#   REGIMES="compute comm" (default both)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$root/scripts/env.sh"
@@ -21,14 +25,8 @@ row() {
   fi
   printf '%s\n' "$out" | sed -n 's/^\[rank 0\] //p'
 }
-rows=""
-for m in ddp zero1 zero2 full; do
-  rows+="$(row "$build/bench/bench_modes" --mode "$m" "${args[@]}")"$'\n'
-done
-for m in torch_ddp torch_zero1 torch_fsdp2_grad_op torch_fsdp2; do
-  rows+="$(row "$FLATSHARD_VENV/bin/python" "$root/bench/peer_pytorch_modes.py" --mode "$m" "${args[@]}")"$'\n'
-done
-printf '%s' "$rows" | "$FLATSHARD_VENV/bin/python" -c '
+table() {
+"$FLATSHARD_VENV/bin/python" -c '
 import sys
 r = {}
 for line in sys.stdin:
@@ -37,6 +35,7 @@ for line in sys.stdin:
 if not r: sys.exit("no results")
 mib = lambda b: float(b) / 2**20
 first = next(iter(r.values()))
+print(f"### {sys.argv[1]}\n")
 print(f"GPT-style model, {int(first[2]):,} parameters, fp32, AdamW, {first[1]} ranks on one machine; "
       "figures are the largest over ranks, from the second step on.\n")
 print("| mode | FlatShard step ms | PyTorch step ms | step time ratio | FlatShard RSS growth MiB | PyTorch RSS growth MiB | RSS ratio | FlatShard allocator peak MiB | ZeRO formula MiB |")
@@ -53,4 +52,21 @@ for name, ours, theirs in pairs:
           f"{mib(o[5]):.0f} | {tr if tr is None else round(mib(tr))} | {ratio(float(o[5]), tr)} | {mib(o[4]):.0f} | {mib(o[11]):.0f} |")
 print("\nRatios are FlatShard / PyTorch: below 1 is faster or smaller. RSS growth is the resident-set high-water mark "
       "minus the resident set just before the model was built, measured the same way on both sides.")
-'
+' "$1"
+}
+for regime in ${REGIMES:-compute comm}; do
+  case "$regime" in
+    compute) shape=(--batch 4 --context 128) title="compute-bound: 4 sequences of 128 tokens per rank" ;;
+    comm) shape=(--batch 1 --context 32) title="communication-bound: 1 sequence of 32 tokens per rank" ;;
+    *) echo "modes.sh: REGIMES holds compute and/or comm, not $regime" >&2; exit 2 ;;
+  esac
+  rows=""
+  for m in ddp zero1 zero2 full; do
+    rows+="$(row "$build/bench/bench_modes" --mode "$m" "${args[@]}" "${shape[@]}")"$'\n'
+  done
+  for m in torch_ddp torch_zero1 torch_fsdp2_grad_op torch_fsdp2; do
+    rows+="$(row "$FLATSHARD_VENV/bin/python" "$root/bench/peer_pytorch_modes.py" --mode "$m" "${args[@]}" "${shape[@]}")"$'\n'
+  done
+  printf '%s' "$rows" | table "$title"
+  echo
+done

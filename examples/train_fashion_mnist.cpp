@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
     if (!flatshard::parse_strategy(mode, o.strategy))
       throw std::invalid_argument("--mode is full, zero2, zero1, ddp or hybrid, not " + mode);
     flatshard::FullyShard<MnistNet> fsdp(model, world, o);
-    flatshard::optim::Adam opt(fsdp.shards(), flatshard::optim::AdamOptions{lr});
+    flatshard::optim::Adam opt(fsdp, flatshard::optim::AdamOptions{lr});
     auto forward = [&](const at::Tensor& x) { return fsdp.forward(x); };
     auto& comm = fsdp.comm();
 

@@ -7,7 +7,11 @@
 //   --mode full|zero2|zero1|ddp [full]   full shard, shard-grad-op, DDP + ZeRO-1 optimizer, DDP
 //   --layers N [4] --dim N [256] --heads N [8] --vocab N [4096] --context N [64]
 //   --batch N [4]           sequences per rank per step
-//   --steps N [50] --lr X [3e-4]
+//   --steps N [50] --lr X [3e-4]   peak learning rate: linear warm-up over --warmup steps,
+//                           then cosine decay to --min-lr-ratio of it by the last step
+//   --warmup N [steps / 10] --min-lr-ratio X [0.1]
+//   --precision fp32|bf16|fp16 [fp32]   compute dtype (fp32 master weights and optimizer
+//                           state either way); fp16 scales the loss (optim::GradScaler)
 //   --data FILE             train on a text file (bytes as tokens: vocab becomes 256);
 //                           without it, a generated corpus (a noisy repeating grammar)
 //   --ckpt DIR              sharded checkpoints under DIR (every --save-every steps and at the end)
@@ -22,7 +26,8 @@
 //   --build-into-shards     build the model inside flatshard::BuildIntoShards (full, zero2):
 //                           no rank ever holds it whole (build.h)
 //   --embedding-units       the token embedding and the head are units of their own
-//   --optimizer adamw|sgd [adamw]   sgd: plain SGD (no momentum), no optimizer state
+//   --optimizer adamw|sgd [adamw]   adamw: weight decay 0.1 except biases, norms and embeddings
+//                           (their own group, no decay); sgd: plain SGD, no optimizer state
 //   --dropout P [0]         residual dropout
 //   --memory-every N        every N steps, rank 0 prints MEMORY,step,current_bytes,peak_bytes,rss_bytes
 //                           (counting allocator, resident set; bench/soak.sh watches them for leaks)
@@ -55,7 +60,9 @@ struct Args {
   std::string mode = "full", data, ckpt;
   GPTConfig model{4096, 64, 256, 8, 4};
   int batch = 4, steps = 50, save_every = 0, log_every = 0, memory_every = 0;
-  double lr = 3e-4, budget_mib = 0;
+  double lr = 3e-4, budget_mib = 0, min_lr_ratio = 0.1;
+  int warmup = -1;
+  std::string precision = "fp32";
   bool resume = false, result = false, recompute = false, build_into_shards = false, sgd = false;
 };
 
@@ -85,6 +92,12 @@ Args parse(int argc, char** argv) {
       a.steps = std::stoi(next());
     else if (k == "--lr")
       a.lr = std::stod(next());
+    else if (k == "--warmup")
+      a.warmup = std::stoi(next());
+    else if (k == "--min-lr-ratio")
+      a.min_lr_ratio = std::stod(next());
+    else if (k == "--precision")
+      a.precision = next();
     else if (k == "--data")
       a.data = next();
     else if (k == "--ckpt")
@@ -122,6 +135,9 @@ Args parse(int argc, char** argv) {
   if (a.resume && a.ckpt.empty()) throw std::invalid_argument("--resume needs --ckpt DIR");
   if (!a.data.empty()) a.model.vocab = 256;
   if (a.log_every <= 0) a.log_every = std::max(1, a.steps / 10);
+  if (a.warmup < 0) a.warmup = std::max(1, a.steps / 10);
+  if (a.precision != "fp32" && a.precision != "bf16" && a.precision != "fp16")
+    throw std::invalid_argument("--precision is fp32, bf16 or fp16");
   return a;
 }
 
@@ -204,6 +220,10 @@ int main(int argc, char** argv) {
     flatshard::FullyShardOptions options;  // every mode: the strategy is the one choice
     options.strategy = mode;
     options.memory_budget = budget;
+    if (a.precision != "fp32") {
+      options.mixed_precision.param = a.precision == "bf16" ? at::kBFloat16 : at::kHalf;
+      options.mixed_precision.reduce = at::kFloat;
+    }
     GPT model{nullptr};
     torch::manual_seed(42);
     if (a.build_into_shards) {
@@ -216,23 +236,41 @@ int main(int argc, char** argv) {
     const auto shape = plan::shape_of(*model);  // before wrapping: FullyShard empties the parameters
     const std::int64_t params = shape.total();
     flatshard::FullyShard<GPT> run(model, world, options);
-    std::unique_ptr<flatshard::optim::ShardOptimizer> opt;
+    namespace optim = flatshard::optim;
+    std::unique_ptr<optim::ShardOptimizer> opt;
     if (a.sgd) {
-      opt = std::make_unique<flatshard::optim::SGD>(run.shards(), flatshard::optim::SGDOptions{a.lr});
+      opt = std::make_unique<optim::SGD>(run, optim::SGDOptions{a.lr});
     } else {
-      opt = std::make_unique<flatshard::optim::Adam>(
-          run.shards(), flatshard::optim::AdamWOptions{a.lr, 0.9, 0.95, 1e-8, 0.1});
+      const optim::AdamWOptions decay{a.lr, 0.9, 0.95, 1e-8, 0.1};
+      optim::AdamWOptions no_decay = decay;
+      no_decay.weight_decay = 0;
+      opt = std::make_unique<optim::AdamW>(run, decay,
+                                           std::vector<optim::ParamGroup<optim::AdamWOptions>>{
+                                               {"no_decay", optim::biases_norms_embeddings(), no_decay}});
     }
+    // Warm-up, then cosine decay to min_lr_ratio by the last step (the first step trains at
+    // lr / warmup).
+    optim::LRScheduler schedule(
+        *opt, a.warmup < a.steps
+                  ? optim::warmup_then(a.warmup, optim::cosine(a.steps - a.warmup, a.min_lr_ratio))
+                  : optim::linear_warmup(a.warmup));
+    std::unique_ptr<optim::GradScaler> scaler;
+    if (a.precision == "fp16") scaler = std::make_unique<optim::GradScaler>(run);
     auto& comm = run.comm();
     auto save = [&](int step) {
       flatshard::checkpoint::SaveOptions so;
       so.step = step;
+      so.scheduler = &schedule;
+      so.scaler = scaler.get();
       return flatshard::checkpoint::save_sharded(a.ckpt, run, opt.get(), so);
     };
 
     int first = 0;
     if (a.resume) {
-      const auto info = flatshard::checkpoint::load_sharded(a.ckpt, run, opt.get());
+      flatshard::checkpoint::LoadOptions lo;
+      lo.scheduler = &schedule;
+      lo.scaler = scaler.get();
+      const auto info = flatshard::checkpoint::load_sharded(a.ckpt, run, opt.get(), lo);
       first = static_cast<int>(info.step);
       if (rank == 0)
         std::printf("resumed from %s (step %d, saved at world %d under %s)\n", info.path.c_str(), first,
@@ -259,10 +297,21 @@ int main(int argc, char** argv) {
       const auto t0 = std::chrono::steady_clock::now();
       auto [x, y] = batch_of(tokens, step, rank, n, a);
       auto logits = run.forward(x);
-      auto loss = torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
-      loss.backward();
-      run.clip_grad_norm(1.0);
-      opt->step();
+      auto loss =
+          torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), y.reshape({-1}));
+      const double lr = opt->lr(0);  // this step's
+      if (scaler) {
+        scaler->scale(loss).backward();
+        scaler->unscale(*opt);  // clip the true gradients
+        run.clip_grad_norm(1.0);
+        scaler->step(*opt);
+        scaler->update();
+      } else {
+        loss.backward();
+        run.clip_grad_norm(1.0);
+        opt->step();
+      }
+      schedule.step();
       opt->zero_grad();
       loss_sum.fill_(loss.item<double>());
       comm.all_reduce(loss_sum, flatshard::ReduceOp::Avg).wait();
@@ -273,8 +322,10 @@ int main(int argc, char** argv) {
       }
       const int done = step + 1;
       if (rank == 0 && (done % a.log_every == 0 || done == a.steps)) {
-        std::printf("[%s] step %d/%d  loss %.4f  %.0f tokens/s\n", bar(done, a.steps).c_str(), done, a.steps,
-                    loss_sum.item<double>(), static_cast<double>(a.batch) * n * a.model.context / dt);
+        std::printf("[%s] step %d/%d  loss %.4f  lr %.3g  %.0f tokens/s%s\n", bar(done, a.steps).c_str(),
+                    done, a.steps, loss_sum.item<double>(), lr,
+                    static_cast<double>(a.batch) * n * a.model.context / dt,
+                    scaler ? fmt::format("  loss scale {:g}", scaler->scale()).c_str() : "");
         std::fflush(stdout);
       }
       if (rank == 0 && a.memory_every > 0 && done % a.memory_every == 0) {

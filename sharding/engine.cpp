@@ -132,6 +132,10 @@ void Engine::pre_backward(int index) {
   if (!backward_active_) {
     backward_active_ = true;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+    if (step_begins_) {  // Note [Parameters without gradients]: a new step's first backward
+      for (auto& flags : got_grad_) std::fill(flags.begin(), flags.end(), 0);
+      step_begins_ = false;
+    }
   }
   Unit& u = *units_[index];
   if (u.pre_backward_done) return;  // several outputs: once per backward
@@ -179,6 +183,7 @@ void Engine::on_grad_accumulated(int index, int param) {
     // outside its unit's forward). It landed in a fresh tensor; post_backward adds it in.
     pre_backward(index);
   }
+  got_grad_[index][param] = 1;
   if (!replicated_) {
     if (--u.pending_grads == 0) post_backward(index);
     return;
@@ -293,6 +298,7 @@ void Engine::end_of_backward() {
     accumulating_ = no_sync_;
     if (no_sync_) return;
     ++synced_backwards_;
+    find_params_with_grad();
     check_nonfinite();
     return;
   }
@@ -310,7 +316,45 @@ void Engine::end_of_backward() {
   backward_active_ = false;
   if (no_sync_) return;
   ++synced_backwards_;
+  find_params_with_grad();
   check_nonfinite();
+}
+
+// Note [Parameters without gradients]
+// torch::optim leaves a parameter whose .grad is undefined untouched: no weight decay, no
+// momentum, no step count. A flat shard has a gradient for every element, so the engine
+// records which parameters got one since the step began (the first backward after a
+// synced one) and the optimizer steps only theirs (ShardOptimizer::step_shard). With
+// find_unused_parameters the ranks' records are combined (a parameter any rank used got a
+// gradient), one small all-reduce per synced backward; without it each rank's own record
+// stands, which is right when every rank leaves the same parameters unused (as FSDP2
+// assumes; the replicated strategies refuse an unused parameter then).
+void Engine::find_params_with_grad() {
+  step_begins_ = true;
+  std::vector<int> units;
+  for (int i = 0; i < num_units(); ++i) {
+    if (units_[i]->group) units.push_back(i);
+  }
+  std::vector<float> flags;
+  for (int i : units) {
+    for (const auto& slot : units_[i]->group->slots()) flags.push_back(got_grad_[i][slot.id] ? 1.0f : 0.0f);
+  }
+  if (options_.find_unused_parameters && world_size_ > 1) {
+    auto t = at::tensor(flags, at::kFloat).to(device_);
+    comm_->all_reduce(t, ReduceOp::Sum).wait();
+    t = t.cpu();
+    flags.assign(t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
+  }
+  const bool all = std::find(flags.begin(), flags.end(), 0.0f) == flags.end();
+  std::size_t k = 0;
+  params_with_grad_.assign(units.size(), {});
+  for (std::size_t s = 0; s < units.size(); ++s) {
+    const std::size_t n = units_[units[s]]->group->slots().size();
+    if (!all) {
+      for (std::size_t j = 0; j < n; ++j) params_with_grad_[s].push_back(flags[k + j] > 0 ? 1 : 0);
+    }
+    k += n;
+  }
 }
 
 void Engine::check_nonfinite() {
@@ -386,7 +430,16 @@ void Engine::set_step_in_backward(optim::ShardOptimizer* optimizer) {
 void Engine::step_now(int unit) {
   if (!step_in_backward_ || shard_of_unit_[unit] < 0) return;
   at::NoGradGuard no_grad;
-  step_in_backward_->step_shard(static_cast<std::size_t>(shard_of_unit_[unit]));
+  // Note [Parameters without gradients]: the unit steps before backward ends, on this
+  // rank's own record of which of its parameters got a gradient.
+  const auto shard = static_cast<std::size_t>(shard_of_unit_[unit]);
+  auto& flags = params_with_grad_[shard];
+  flags.clear();
+  const auto& slots = units_[unit]->group->slots();
+  if (std::any_of(slots.begin(), slots.end(), [&](const ParamSlot& s) { return !got_grad_[unit][s.id]; })) {
+    for (const auto& s : slots) flags.push_back(got_grad_[unit][s.id]);
+  }
+  step_in_backward_->step_shard(shard);
   units_[unit]->group->master().mutable_grad().reset();
 }
 

@@ -33,6 +33,8 @@ class Engine {
 
   std::vector<at::Tensor> shards() const;
   std::vector<ShardLayout> layout() const;
+  std::int64_t layout_version() const { return layout_version_; }
+  const std::vector<char>& params_with_grad(std::size_t shard) const;
   double clip_grad_norm(double max_norm);
   // Note [Step in backward]; nullptr: step after backward, as usual.
   void set_step_in_backward(optim::ShardOptimizer* optimizer);
@@ -50,6 +52,7 @@ class Engine {
   Communicator& comm() { return *comm_; }
   const ShardGroup& shard_group() const { return shard_; }
   Strategy strategy() const { return options_.strategy; }
+  at::ScalarType param_dtype() const;
   // The replicated strategies' buckets (see FullyShardBase).
   std::vector<std::vector<std::string>> bucket_layout() const;
   std::vector<std::string> bucket_order() const;
@@ -83,6 +86,7 @@ class Engine {
   void rebuild_buckets(std::vector<int> order);
   void end_of_replicated_backward();
   void check_nonfinite();
+  void find_params_with_grad();
   void refresh_replicas();
   void land_offloaded_grads();
   void end_of_backward();
@@ -133,6 +137,13 @@ class Engine {
   bool fresh_grad_ = false;        // this backward made the master's gradient
   bool stale_ = false;             // the master shard changed since the parameters were refreshed
   std::int64_t master_version_ = 0;
+  // Note [Parameters without gradients]: by unit, by parameter id: got a gradient since
+  // the step began; by shard, in layout order: which got one in the last synced backward
+  // (empty: every one).
+  std::vector<std::vector<char>> got_grad_;
+  std::vector<std::vector<char>> params_with_grad_;
+  bool step_begins_ = true;           // the next backward is a new step's first
+  std::int64_t layout_version_ = 0;   // changes when layout() does
   std::vector<int> shard_of_unit_;    // unit -> index in shards(), -1 without parameters
   std::recursive_mutex hooks_mutex_;  // forward and backward hooks (see Engine::Unit)
 };

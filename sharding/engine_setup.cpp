@@ -247,7 +247,9 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   }
   for (auto& u : units_) {
     if (u->group) memory_.param_shard_bytes += u->group->shard_numel() * 4;
+    got_grad_.emplace_back(u->group ? u->group->slots().size() : 0, 0);
   }
+  params_with_grad_.assign(shards().size(), {});
   log::at(log::Level::Info, "FullyShard: {} units, {} parameters", units_.size(), owner.size());
 }
 
@@ -271,6 +273,17 @@ std::vector<at::Tensor> Engine::shards() const {
     if (u->group) out.push_back(u->group->master());
   }
   return out;
+}
+
+at::ScalarType Engine::param_dtype() const {
+  for (const auto& u : units_) {
+    if (u->group) return u->group->compute_dtype();
+  }
+  return options_.mixed_precision.param.value_or(at::kFloat);
+}
+
+const std::vector<char>& Engine::params_with_grad(std::size_t shard) const {
+  return params_with_grad_.at(shard);
 }
 
 std::vector<ShardLayout> Engine::layout() const {

@@ -49,6 +49,10 @@ FullyShardBase::~FullyShardBase() = default;
 
 std::vector<at::Tensor> FullyShardBase::shards() const { return engine_->shards(); }
 std::vector<ShardLayout> FullyShardBase::layout() const { return engine_->layout(); }
+std::int64_t FullyShardBase::layout_version() const { return engine_->layout_version(); }
+const std::vector<char>& FullyShardBase::params_with_grad(std::size_t shard) const {
+  return engine_->params_with_grad(shard);
+}
 double FullyShardBase::clip_grad_norm(double max_norm) { return engine_->clip_grad_norm(max_norm); }
 void FullyShardBase::zero_grad() { engine_->zero_grad(); }
 void FullyShardBase::step_in_backward(optim::ShardOptimizer* optimizer) {
@@ -64,6 +68,7 @@ std::int64_t FullyShardBase::root_unit_bytes() const { return engine_->unit_byte
 Communicator& FullyShardBase::comm() { return engine_->comm(); }
 ShardGroup FullyShardBase::shard_group() const { return engine_->shard_group(); }
 Strategy FullyShardBase::strategy() const { return engine_->strategy(); }
+at::ScalarType FullyShardBase::param_dtype() const { return engine_->param_dtype(); }
 torch::nn::Module& FullyShardBase::root_module() { return engine_->model(); }
 std::vector<std::vector<std::string>> FullyShardBase::bucket_layout() const {
   return engine_->bucket_layout();

@@ -244,6 +244,7 @@ void Engine::rebuild_buckets(std::vector<int> order) {
   next_segment_ = 0;
   master_version_ = g.master()._version();
   rebuilt_ = true;
+  ++layout_version_;
 }
 
 void Engine::refresh_replicas() {

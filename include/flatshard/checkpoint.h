@@ -23,7 +23,9 @@
 
 #include "flatshard/errors.h"
 #include "flatshard/fully_shard.h"
+#include "flatshard/grad_scaler.h"
 #include "flatshard/optim.h"
+#include "flatshard/schedule.h"
 
 namespace flatshard::checkpoint {
 
@@ -44,8 +46,10 @@ class CheckpointError : public Error {
 std::map<std::string, at::Tensor> full_state_dict(FullyShardBase& fsdp, torch::nn::Module& model, int to = 0);
 
 // The optimizer's state over FullyShard's shards, consolidated: "<parameter>.<state>"
-// (exp_avg, exp_avg_sq, momentum_buffer) at the parameter's shape, plus "step", on rank
-// `to` (every rank when to == -1; empty elsewhere). A collective.
+// (exp_avg, exp_avg_sq, momentum_buffer) at the parameter's shape, "<parameter>.step",
+// "step" (the most of any parameter), and each group's hyperparameters as
+// "param_groups.<group>.<name>" (lr, weight_decay, ...), on rank `to` (every rank when
+// to == -1; empty elsewhere). A collective.
 std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp,
                                                             const optim::ShardOptimizer& optimizer,
                                                             int to = 0);
@@ -60,6 +64,15 @@ struct SaveOptions {
   std::int64_t step = 0;
   // Complete checkpoints kept under the root, this one included (0: keep all).
   int keep_last = 2;
+  // Saved with the optimizer's groups (their hyperparameters) when given.
+  const optim::LRScheduler* scheduler = nullptr;
+  const optim::GradScaler* scaler = nullptr;
+};
+
+// What load_sharded restores besides the model and the optimizer.
+struct LoadOptions {
+  optim::LRScheduler* scheduler = nullptr;  // its step and base rates
+  optim::GradScaler* scaler = nullptr;      // its scale and growth tracker
 };
 
 // What was saved or loaded.
@@ -85,6 +98,9 @@ CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
 // model: the first mismatch is named. Every piece read is checked against its CRC-32.
 // The optimizer (may be null) must keep the kinds of state that were saved; without
 // optimizer state in the checkpoint it is left as it is. A collective.
-CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim::ShardOptimizer* optimizer);
+// The optimizer's groups are matched by name and get their saved hyperparameters (the
+// learning rate included), as torch's load_state_dict restores param_groups.
+CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim::ShardOptimizer* optimizer,
+                            const LoadOptions& options = {});
 
 }  // namespace flatshard::checkpoint

@@ -3,7 +3,7 @@
 //   auto world = flatshard::init();
 //   GPT model(cfg);                                  // blocks declared as flatshard::Unit<Block>
 //   flatshard::FullyShard fsdp(model, world, {.strategy = flatshard::Strategy::FullShard});
-//   flatshard::optim::AdamW opt(fsdp.shards(), {.lr = 3e-4});
+//   flatshard::optim::AdamW opt(fsdp, {.lr = 3e-4});
 //   auto loss = criterion(fsdp.forward(x), y);
 //   loss.backward();                                 // gathers, reduce-scatters
 //   fsdp.clip_grad_norm(1.0);
@@ -86,9 +86,12 @@ struct FullyShardOptions {
   // bucket_cap_mb and rebuild).
   std::int64_t first_bucket_bytes = std::int64_t{1} << 20;
   std::int64_t bucket_bytes = std::int64_t{25} << 20;
-  // NoShard and ShardOptimizerState: parameters may get no gradient in a backward (they are
-  // then stepped with a zero gradient). Off: a parameter without a gradient is an error
-  // naming it (DDP's find_unused_parameters).
+  // Parameters may get no gradient in a step, and not on every rank alike: one small
+  // all-reduce per synced backward finds those no rank gave one, which the optimizer
+  // leaves untouched (DDP's find_unused_parameters). Off: NoShard and ShardOptimizerState
+  // refuse a parameter without a gradient (an error naming it); the sharded strategies
+  // leave untouched the parameters this rank gave none, which is right when every rank
+  // leaves the same ones unused (as FSDP2 assumes).
   bool find_unused_parameters = false;
   // NoShard and ShardOptimizerState: rank 0's buffers (batch-norm statistics, ...) are
   // broadcast before each forward (DDP's broadcast_buffers).
@@ -168,6 +171,14 @@ class FullyShardBase {
 
   // One entry per shard, in the order of shards(): where its parameters sit.
   std::vector<ShardLayout> layout() const;
+  // Changes whenever layout() does (NoShard and ShardOptimizerState lay their buckets out
+  // again in the first backward).
+  std::int64_t layout_version() const;
+  // Which parameters of shard i (in layout() order) got a gradient in the step that ended
+  // with the last synced backward: on any rank with find_unused_parameters, else on this
+  // rank. Empty when every one did. Optimizers step only those (Note [Parameters without
+  // gradients] in sharding/engine.cpp).
+  const std::vector<char>& params_with_grad(std::size_t shard) const;
 
   // Scales every shard gradient so that the global norm over all ranks is at most
   // max_norm; returns the norm before clipping. A collective: every rank calls it.
@@ -230,6 +241,8 @@ class FullyShardBase {
   const World& world() const { return world_; }
   ShardGroup shard_group() const;
   Strategy strategy() const;
+  // The dtype gathered parameters compute in (MixedPrecision::param, or the model's).
+  at::ScalarType param_dtype() const;
   // NoShard and ShardOptimizerState: the parameter names of each bucket, in bucket order.
   std::vector<std::vector<std::string>> bucket_layout() const;
   // NoShard and ShardOptimizerState: the parameter order of the buckets after the first

@@ -80,8 +80,16 @@ std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp
         out[p.name + "." + name] = full.narrow(0, p.offset, p.numel).view(p.shape).to(at::kCPU, false, true);
       }
     }
+    if (!keep) continue;
+    for (const auto& p : layout[i].params)
+      out[p.name + ".step"] = at::full({}, optimizer.steps(i, p.name), at::kLong);
   }
-  if (keep) out["step"] = at::full({}, steps, at::kLong);
+  if (!keep) return out;
+  out["step"] = at::full({}, steps, at::kLong);
+  for (std::size_t g = 0; g < optimizer.num_groups(); ++g) {
+    for (const auto& [name, value] : optimizer.hyperparameters(g))
+      out["param_groups." + optimizer.group_name(g) + "." + name] = at::full({}, value, at::kDouble);
+  }
   return out;
 }
 

@@ -52,6 +52,7 @@ struct Holding {
   std::vector<std::string> state_names;                     // the optimizer's
   bool has_optimizer = false;
   std::vector<std::string> bucket_order;  // DDP's rebuilt bucket order, by name
+  std::string training;                   // JSON: the optimizer's groups, scheduler, scaler
 };
 
 // --- what a checkpoint holds (metadata.json) ---------------------------------------------
@@ -77,6 +78,7 @@ struct Checkpoint {
   std::set<std::string> state_names;
   std::map<std::string, std::int64_t> steps;
   std::vector<std::string> bucket_order;
+  std::string training;  // JSON ("" when the checkpoint holds none)
   std::map<std::string, Entry> tensors;
 };
 

@@ -68,6 +68,7 @@ Checkpoint open_checkpoint(const std::string& path) {
     }
     c.steps = meta.at("optimizer_steps").get<std::map<std::string, std::int64_t>>();
     c.bucket_order = meta.value("bucket_order", std::vector<std::string>{});
+    if (meta.contains("training")) c.training = meta.at("training").dump();
     for (const auto& [key, t] : meta.at("tensors").items()) {
       Entry e;
       e.kind = t.at("kind").get<std::string>();

@@ -262,6 +262,7 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
       meta["optimizer_state"] = h.has_optimizer ? json(h.state_names) : json(nullptr);
       meta["optimizer_steps"] = h.steps;
       meta["bucket_order"] = h.bucket_order;
+      if (!h.training.empty()) meta["training"] = json::parse(h.training);
       json tensors = json::object();
       for (int r = 0; r < n; ++r) {
         for (auto& piece : json::parse(indexes[r])) {

@@ -9,6 +9,8 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include "flatshard/checkpoint.h"
 #include "flatshard/shard.h"
@@ -73,7 +75,7 @@ Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool 
     for (const auto& [name, t] : states) {
       if (t.defined()) hold(t, layout[i], spans_of(spans, "." + name), "state");
     }
-    for (const auto& s : spans) h.steps[s.key] = opt->steps(i);
+    for (const auto& s : spans) h.steps[s.key] = opt->steps(i, s.key);
   }
   if (opt) {
     h.state_names = opt->state_names();
@@ -84,6 +86,59 @@ Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool 
   return h;
 }
 
+// The optimizer's groups (name, hyperparameters), the scheduler's and the scaler's state.
+std::string training_state(const optim::ShardOptimizer* opt, const SaveOptions& options) {
+  using json = nlohmann::json;
+  json out = json::object();
+  if (opt) {
+    json groups = json::array();
+    for (std::size_t g = 0; g < opt->num_groups(); ++g)
+      groups.push_back({{"name", opt->group_name(g)}, {"hyperparameters", opt->hyperparameters(g)}});
+    out["param_groups"] = std::move(groups);
+  }
+  if (options.scheduler)
+    out["scheduler"] = {{"steps", options.scheduler->steps()}, {"base_lrs", options.scheduler->base_lrs()}};
+  if (options.scaler)
+    out["scaler"] = {{"scale", options.scaler->scale()},
+                     {"growth_tracker", options.scaler->growth_tracker()}};
+  return out.empty() ? std::string() : out.dump();
+}
+
+void restore_training_state(const Checkpoint& c, optim::ShardOptimizer* opt, const LoadOptions& options) {
+  using json = nlohmann::json;
+  const json state = c.training.empty() ? json::object() : json::parse(c.training);
+  auto missing = [&](const char* what, const char* option) {
+    throw CheckpointError(c.dir, fmt::format("the checkpoint at '{}' holds no {} state; load without {} (it "
+                                             "starts fresh), or from a checkpoint saved with SaveOptions::{}",
+                                             c.dir, what, option, option));
+  };
+  if (opt && c.has_optimizer && state.contains("param_groups")) {
+    const auto& groups = state.at("param_groups");
+    std::vector<std::string> saved;
+    for (const auto& g : groups) saved.push_back(g.at("name").get<std::string>());
+    std::vector<std::string> ours;
+    for (std::size_t g = 0; g < opt->num_groups(); ++g) ours.push_back(opt->group_name(g));
+    if (saved != ours) {
+      throw CheckpointError(c.dir,
+                            fmt::format("the checkpoint at '{}' was saved with parameter groups [{}]; "
+                                        "this optimizer has [{}]: make the optimizer with the same groups",
+                                        c.dir, fmt::join(saved, ", "), fmt::join(ours, ", ")));
+    }
+    for (std::size_t g = 0; g < ours.size(); ++g)
+      opt->set_hyperparameters(g, groups[g].at("hyperparameters").get<std::map<std::string, double>>());
+  }
+  if (options.scheduler) {
+    if (!state.contains("scheduler")) missing("learning-rate scheduler", "scheduler");
+    options.scheduler->restore(state.at("scheduler").at("steps").get<std::int64_t>(),
+                               state.at("scheduler").at("base_lrs").get<std::vector<double>>());
+  }
+  if (options.scaler) {
+    if (!state.contains("scaler")) missing("gradient scaler", "scaler");
+    options.scaler->restore(state.at("scaler").at("scale").get<double>(),
+                            state.at("scaler").at("growth_tracker").get<std::int64_t>());
+  }
+}
+
 }  // namespace
 
 // --- public entry points ---------------------------------------------------------------------
@@ -91,10 +146,12 @@ Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool 
 CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
                             const optim::ShardOptimizer* optimizer, const SaveOptions& options) {
   auto h = hold_fully_shard(fsdp, const_cast<optim::ShardOptimizer*>(optimizer), false, {});
+  h.training = training_state(optimizer, options);
   return save(root, fsdp.comm(), h, options);
 }
 
-CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim::ShardOptimizer* optimizer) {
+CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim::ShardOptimizer* optimizer,
+                            const LoadOptions& options) {
   return load(
       path, fsdp.comm(),
       [&](const Checkpoint& c) {
@@ -104,12 +161,11 @@ CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim
         return hold_fully_shard(fsdp, optimizer && c.has_optimizer ? optimizer : nullptr, true, states);
       },
       [&](const Checkpoint& c) {
+        restore_training_state(c, optimizer, options);
         if (!optimizer || !c.has_optimizer) return;
         const auto layout = fsdp.layout();
         for (std::size_t i = 0; i < layout.size(); ++i) {
-          std::int64_t steps = 0;
-          for (const auto& p : layout[i].params) steps = std::max(steps, steps_of(c, p.name));
-          optimizer->set_steps(i, steps);
+          for (const auto& p : layout[i].params) optimizer->set_steps(i, p.name, steps_of(c, p.name));
         }
       });
 }

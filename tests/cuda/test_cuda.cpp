@@ -370,7 +370,7 @@ TEST(CudaCheckpoint, DeviceShardsSaveAndLoadOnTheCpuAndTheGpu) {
   };
 
   auto gpu = make(kGpu, false);
-  flatshard::optim::Adam gpu_opt(gpu->shards(), adamw);
+  flatshard::optim::AdamW gpu_opt(*gpu, adamw);
   for (int s = 0; s < 3; ++s) train(*gpu, gpu_opt, s);
   const auto info = flatshard::checkpoint::save_sharded(dir, *gpu, &gpu_opt, {.step = 3});
   EXPECT_EQ(info.step, 3);
@@ -379,13 +379,13 @@ TEST(CudaCheckpoint, DeviceShardsSaveAndLoadOnTheCpuAndTheGpu) {
   ASSERT_FALSE(moments.empty());
 
   auto cpu = make(std::nullopt, false);  // built on the host, sharded there
-  flatshard::optim::Adam cpu_opt(cpu->shards(), adamw);
+  flatshard::optim::AdamW cpu_opt(*cpu, adamw);
   flatshard::checkpoint::load_sharded(dir, *cpu, &cpu_opt);
   expect_equal(on_host(cpu->shards()), masters, "CPU masters");
   expect_equal(state(cpu_opt, masters.size()), moments, "CPU optimizer state");
 
   auto offloaded = make(kGpu, true);
-  flatshard::optim::Adam off_opt(offloaded->shards(), adamw);
+  flatshard::optim::AdamW off_opt(*offloaded, adamw);
   flatshard::checkpoint::load_sharded(dir, *offloaded, &off_opt);
   expect_equal(on_host(offloaded->shards()), masters, "offloaded masters");
   expect_equal(state(off_opt, masters.size()), moments, "offloaded optimizer state");
@@ -430,7 +430,7 @@ TEST(CudaCheckpoint, ReplicatedModesSaveOnTheGpuAndLoadOnTheCpu) {
     SCOPED_TRACE(flatshard::to_string(strategy));
     const std::string path = dir + "/" + flatshard::to_string(strategy);
     auto gpu = make(kGpu, strategy);
-    flatshard::optim::AdamW opt(gpu->shards(), adamw);
+    flatshard::optim::AdamW opt(*gpu, adamw);
     for (int s = 0; s < 3; ++s) {
       const auto b = gpt_batch(s, 4);
       token_loss(gpu->forward(b.input.to(kGpu)).to(at::kFloat), b.target.to(kGpu)).backward();
@@ -440,7 +440,7 @@ TEST(CudaCheckpoint, ReplicatedModesSaveOnTheGpuAndLoadOnTheCpu) {
     flatshard::checkpoint::save_sharded(path, *gpu, &opt, at_step);
     const auto state = flatshard::checkpoint::full_optimizer_state_dict(*gpu, opt);
     auto cpu = make(c10::Device(c10::kCPU), strategy);
-    flatshard::optim::AdamW cpu_opt(cpu->shards(), adamw);
+    flatshard::optim::AdamW cpu_opt(*cpu, adamw);
     flatshard::checkpoint::load_sharded(path, *cpu, &cpu_opt);
     expect_equal({cpu->shards().front().cpu()}, {gpu->shards().front().cpu()}, "masters on the CPU");
     const auto loaded = flatshard::checkpoint::full_optimizer_state_dict(*cpu, cpu_opt);

@@ -395,7 +395,7 @@ TEST(BuildIntoShards, TrainsAModelWhoseParametersExceedTheBudget) {
   flatshard::set_recompute(*model);
   const auto shape = flatshard::plan::shape_of(*model);
   flatshard::FullyShard<GPT> fsdp(model, world, options);
-  flatshard::optim::SGD opt(fsdp.shards(), {0.05});
+  flatshard::optim::SGD opt(fsdp, {0.05});
   double first_loss = 0, loss = 0;
   for (int step = 0; step < 3; ++step) {
     auto g = at::make_generator<at::CPUGeneratorImpl>(7);  // the same batch: the loss must fall

@@ -231,7 +231,7 @@ TEST(FullyShard, MemoryAccounting) {
   std::int64_t numel = 0;
   for (const auto& p : model->parameters()) numel += p.numel();
   flatshard::FullyShard<GPT> fsdp(model, world, {});
-  flatshard::optim::AdamW opt(fsdp.shards(), {});
+  flatshard::optim::AdamW opt(fsdp, {});
   flatshard::memory::reset_allocator_peak();
   const auto b = gpt_batch(0, 4 * world.world_size());
   auto x = b.input.narrow(0, 4 * world.rank(), 4), y = b.target.narrow(0, 4 * world.rank(), 4);
@@ -265,7 +265,7 @@ TEST(FullyShard, FullStateDictIsReadableByTorchLoad) {
   auto world = flatshard::init();
   GPT model = gpt_factory()();
   flatshard::FullyShard<GPT> fsdp(model, world, {});
-  flatshard::optim::AdamW opt(fsdp.shards(), {});
+  flatshard::optim::AdamW opt(fsdp, {});
   const auto b = gpt_batch(0, 2 * world.world_size());
   token_loss(fsdp.forward(b.input.narrow(0, 2 * world.rank(), 2)), b.target.narrow(0, 2 * world.rank(), 2))
       .backward();
@@ -311,7 +311,7 @@ TEST(FullyShard, ConsolidatedOptimizerStateMatchesTorchOptim) {
   torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
   GPT model = gpt_factory()();
   flatshard::FullyShard<GPT> fsdp(model, world, {});
-  flatshard::optim::AdamW opt(fsdp.shards(), {1e-3, 0.9, 0.999, 1e-8, 0.1});
+  flatshard::optim::AdamW opt(fsdp, {1e-3, 0.9, 0.999, 1e-8, 0.1});
   for (int step = 0; step < 3; ++step) {
     const auto b = gpt_batch(step, 4 * n);
     ref_opt.zero_grad();
@@ -327,7 +327,12 @@ TEST(FullyShard, ConsolidatedOptimizerStateMatchesTorchOptim) {
     EXPECT_TRUE(state.empty());
     return;
   }
-  EXPECT_EQ(state.size(), 1 + 2 * reference->parameters().size());
+  // "step", each parameter's exp_avg, exp_avg_sq and step, the default group's five
+  // hyperparameters.
+  EXPECT_EQ(state.size(), 1 + 3 * reference->parameters().size() + 5);
+  for (const auto& item : reference->named_parameters())
+    EXPECT_EQ(state.at(item.key() + ".step").item<std::int64_t>(), 3) << item.key();
+  EXPECT_DOUBLE_EQ(state.at("param_groups.default.weight_decay").item<double>(), 0.1);
   expect_adamw_state_matches(state, reference, ref_opt, 3);
 }
 
@@ -402,7 +407,7 @@ TEST(FullyShard, StepInBackwardTrainsBitForBitAsAStepAfter) {
   // No gradient shard outlives backward; clipping and a skipping policy are refused.
   auto model = gpt_factory()();
   flatshard::FullyShard<GPT> fsdp(model, world);
-  flatshard::optim::AdamW opt(fsdp.shards(), {});
+  flatshard::optim::AdamW opt(fsdp, {});
   fsdp.step_in_backward(&opt);
   const auto b = gpt_batch(0, 4 * world.world_size());
   token_loss(fsdp.forward(b.input.narrow(0, 4 * world.rank(), 4)), b.target.narrow(0, 4 * world.rank(), 4))
@@ -415,7 +420,7 @@ TEST(FullyShard, StepInBackwardTrainsBitForBitAsAStepAfter) {
   flatshard::FullyShardOptions skipping;
   skipping.nonfinite_grads = flatshard::NonFiniteGrads::Skip;
   flatshard::FullyShard<GPT> guarded(gpt_factory()(), world, skipping);
-  flatshard::optim::AdamW guarded_opt(guarded.shards(), {});
+  flatshard::optim::AdamW guarded_opt(guarded, {});
   EXPECT_THROW(guarded.step_in_backward(&guarded_opt), flatshard::InvalidArgument);
 }
 

@@ -168,7 +168,7 @@ TEST(HybridShard, CheckpointsLoadAcrossHybridAndFullShard) {
                  int first) {
     auto model = gpt_factory()();
     flatshard::FullyShard<GPT> fsdp(model, world, options);
-    flatshard::optim::Adam opt(fsdp.shards(), adamw);
+    flatshard::optim::AdamW opt(fsdp, adamw);
     std::map<std::string, at::Tensor> loaded;
     if (!load.empty()) {
       flatshard::checkpoint::load_sharded(load, fsdp, &opt);

@@ -219,7 +219,7 @@ TEST(Replicated, BucketsFollowReverseOrderCapsAndAreRebuiltAlike) {
     EXPECT_TRUE(ddp.bucket_order().empty()) << "no rebuild before the first backward";
     // One step: the buckets are laid out again in the order gradients arrived (rank 0's),
     // and the optimizer made before keeps stepping the same master shard.
-    flatshard::optim::SGD opt(ddp.shards(), {0.1});
+    flatshard::optim::SGD opt(ddp, {0.1});
     const auto before = ddp.shards().front().clone();
     const auto b = gpt_batch(0, 2 * world.world_size());
     token_loss(ddp.forward(b.input.narrow(0, 2 * world.rank(), 2)), b.target.narrow(0, 2 * world.rank(), 2))
@@ -258,7 +258,7 @@ TEST(Replicated, OptimizerStateShareAndConsolidation) {
     options.first_bucket_bytes = 4 << 10;
     options.bucket_bytes = 32 << 10;
     flatshard::FullyShard<GPT> ddp(model, world, options);
-    flatshard::optim::Adam opt(ddp.shards(), flatshard::optim::AdamWOptions{1e-3, 0.9, 0.999, 1e-8, 0.1});
+    flatshard::optim::AdamW opt(ddp, flatshard::optim::AdamWOptions{1e-3, 0.9, 0.999, 1e-8, 0.1});
     for (int step = 0; step < 3; ++step) {
       const auto b = gpt_batch(step, 4 * n);
       ref_opt.zero_grad();

@@ -27,6 +27,9 @@ struct TrainSpec {
   std::int64_t bucket_bytes = 16 << 10;
   bool find_unused_parameters = false;
   OptKind optimizer = OptKind::SGD;
+  // Parameter groups on both sides: no weight decay for biases, norms and embeddings, and
+  // twice the learning rate for the last layer (training_impl.h).
+  bool param_groups = false;
   int steps = 10;
   int global_batch = 12;
   int micro_batches = 1;  // gradient accumulation: micro-batches per step

@@ -15,18 +15,61 @@ inline const char* to_string(OptKind k) {
 }
 
 // The same hyper-parameters for both sides: momentum, Nesterov and weight decay for
-// SGD; weight decay for Adam (L2) and AdamW (decoupled).
-inline std::unique_ptr<torch::optim::Optimizer> reference_optimizer(OptKind k,
-                                                                    std::vector<at::Tensor> params) {
+// SGD; weight decay for Adam (L2) and AdamW (decoupled). With groups (TrainSpec::
+// param_groups): biases, norms and embeddings without weight decay, and the parameters
+// named "head" or "fc2" (the last layers) at twice the learning rate.
+inline bool is_head(const std::string& name) {
+  return name.find("head") != std::string::npos || name.find("fc2") != std::string::npos;
+}
+
+inline std::unique_ptr<torch::optim::Optimizer> reference_optimizer(OptKind k, torch::nn::Module& model,
+                                                                    bool groups) {
+  std::vector<at::Tensor> rest, no_decay, head;
+  for (const auto& item : model.named_parameters()) {
+    const auto shape = item.value().sizes().vec();
+    if (!groups) {
+      rest.push_back(item.value());
+    } else if (optim::biases_norms_embeddings()(item.key(), shape)) {
+      no_decay.push_back(item.value());
+    } else if (is_head(item.key())) {
+      head.push_back(item.value());
+    } else {
+      rest.push_back(item.value());
+    }
+  }
+  auto make = [&](auto defaults, auto set_decay, auto set_lr) {
+    using Options = decltype(defaults);
+    std::vector<torch::optim::OptimizerParamGroup> out;
+    out.emplace_back(rest, std::make_unique<Options>(defaults));
+    if (groups) {
+      auto nd = defaults;
+      set_decay(nd);
+      out.emplace_back(no_decay, std::make_unique<Options>(nd));
+      auto h = defaults;
+      set_lr(h);
+      out.emplace_back(head, std::make_unique<Options>(h));
+    }
+    return out;
+  };
   switch (k) {
     case OptKind::SGD:
       return std::make_unique<torch::optim::SGD>(
-          params, torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(0.01));
+          make(
+              torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(0.01),
+              [](auto& o) { o.weight_decay(0); }, [](auto& o) { o.lr(0.1); }),
+          torch::optim::SGDOptions(0.05));
     case OptKind::Adam:
-      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3).weight_decay(0.01));
+      return std::make_unique<torch::optim::Adam>(
+          make(
+              torch::optim::AdamOptions(1e-3).weight_decay(0.01), [](auto& o) { o.weight_decay(0); },
+              [](auto& o) { o.lr(2e-3); }),
+          torch::optim::AdamOptions(1e-3));
     case OptKind::AdamW:
-      return std::make_unique<torch::optim::AdamW>(params,
-                                                   torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+      return std::make_unique<torch::optim::AdamW>(
+          make(
+              torch::optim::AdamWOptions(1e-3).weight_decay(0.1), [](auto& o) { o.weight_decay(0); },
+              [](auto& o) { o.lr(2e-3); }),
+          torch::optim::AdamWOptions(1e-3));
   }
   return nullptr;
 }
@@ -37,14 +80,35 @@ struct ShardedOptimizer {
   void zero_grad() { opt->zero_grad(); }
 };
 
-inline ShardedOptimizer sharded_optimizer(OptKind k, std::vector<at::Tensor> shards) {
+inline ShardedOptimizer sharded_optimizer(OptKind k, const FullyShardBase& fsdp, bool groups) {
+  const optim::ParamFilter head([](const std::string& n, const std::vector<std::int64_t>& shape) {
+    return is_head(n) && !optim::biases_norms_embeddings()(n, shape);
+  });
+  auto grouped = [&](auto defaults, double head_lr) {
+    using Options = decltype(defaults);
+    std::vector<optim::ParamGroup<Options>> out;
+    if (!groups) return out;
+    auto nd = defaults;
+    nd.weight_decay = 0;
+    out.push_back({"no_decay", optim::biases_norms_embeddings(), nd});
+    auto h = defaults;
+    h.lr = head_lr;
+    out.push_back({"head", head, h});
+    return out;
+  };
   switch (k) {
-    case OptKind::SGD:
-      return {std::make_unique<optim::SGD>(shards, optim::SGDOptions{0.05, 0.9, 0, 0.01, true})};
-    case OptKind::Adam:
-      return {std::make_unique<optim::Adam>(shards, optim::AdamOptions{1e-3, 0.9, 0.999, 1e-8, 0.01})};
-    case OptKind::AdamW:
-      return {std::make_unique<optim::Adam>(shards, optim::AdamWOptions{1e-3, 0.9, 0.999, 1e-8, 0.1})};
+    case OptKind::SGD: {
+      const optim::SGDOptions o{0.05, 0.9, 0, 0.01, true};
+      return {std::make_unique<optim::SGD>(fsdp, o, grouped(o, 0.1))};
+    }
+    case OptKind::Adam: {
+      const optim::AdamOptions o{1e-3, 0.9, 0.999, 1e-8, 0.01};
+      return {std::make_unique<optim::Adam>(fsdp, o, grouped(o, 2e-3))};
+    }
+    case OptKind::AdamW: {
+      const optim::AdamWOptions o{1e-3, 0.9, 0.999, 1e-8, 0.1};
+      return {std::make_unique<optim::AdamW>(fsdp, o, grouped(o, 2e-3))};
+    }
   }
   return {};
 }
@@ -102,7 +166,6 @@ struct DistributedSide {
   std::function<double(double)> clip;              // clip to the bound; returns the norm
   std::function<void()> step;                      // optimizer step and zero_grad
   Communicator* comm = nullptr;                    // to average the ranks' losses
-  bool unused_get_zero_grads = false;              // the mode steps parameters no rank used
 };
 
 // spec.steps steps of single-process training on the global batch (reference) and of
@@ -129,11 +192,6 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
                spec.micro_batches;
       l.backward();
       ref_loss += l.template item<double>();
-    }
-    if (side.unused_get_zero_grads) {
-      for (auto& p : reference->parameters()) {
-        if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-      }
     }
     if (spec.clip > 0) torch::nn::utils::clip_grad_norm_(reference->parameters(), spec.clip);
     ref_opt.step();
@@ -168,7 +226,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   TrainResult result;
   Holder reference = make();
   reference->to(spec.device);
-  auto ref_opt = reference_optimizer(spec.optimizer, reference->parameters());
+  auto ref_opt = reference_optimizer(spec.optimizer, *reference, spec.param_groups);
   FullyShardOptions options;
   options.cpu_offload = spec.cpu_offload;
   options.strategy = spec.strategy;
@@ -197,7 +255,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   }
   if (spec.recompute) set_recompute(*model);
   FullyShard<Holder> fsdp(model, world, options);
-  auto opt = sharded_optimizer(spec.optimizer, fsdp.shards());
+  auto opt = sharded_optimizer(spec.optimizer, fsdp, spec.param_groups);
   if (spec.step_in_backward) fsdp.step_in_backward(opt.opt.get());
 
   DistributedSide side;
@@ -209,10 +267,6 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
     opt.zero_grad();
   };
   side.comm = &fsdp.comm();
-  // One master shard holds every parameter: those no rank used step with a zero gradient.
-  side.unused_get_zero_grads =
-      spec.find_unused_parameters &&
-      (spec.strategy == Strategy::NoShard || spec.strategy == Strategy::ShardOptimizerState);
   run_steps(world, reference, *ref_opt, model, side, batch, loss, spec, result);
 
   result.peak_gathered_units = fsdp.peak_gathered_units();

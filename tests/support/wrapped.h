@@ -34,9 +34,9 @@ class Wrapped {
     o.fully_shard.strategy = strategy;
     fsdp_ = std::make_unique<FullyShard<Holder>>(model, world, o.fully_shard);
     if (o.sgd) {
-      shard_opt_ = std::make_unique<optim::SGD>(fsdp_->shards(), *o.sgd);
+      shard_opt_ = std::make_unique<optim::SGD>(*fsdp_, *o.sgd);
     } else {
-      shard_opt_ = std::make_unique<optim::Adam>(fsdp_->shards(), o.adamw);
+      shard_opt_ = std::make_unique<optim::AdamW>(*fsdp_, o.adamw);
     }
   }
 

@@ -1,0 +1,86 @@
+// Dynamic loss scaling over shards.
+#include "flatshard/grad_scaler.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "flatshard/errors.h"
+#include "flatshard/fully_shard.h"
+#include "optim/clip.h"
+#include "src/logging.h"
+
+namespace flatshard::optim {
+
+GradScaler::GradScaler(FullyShardBase& fsdp, const GradScalerOptions& options)
+    : fsdp_(fsdp), options_(options), scale_(options.init_scale) {
+  const auto who = fmt::format("flatshard::optim::GradScaler (rank {}/{})", fsdp.world().rank(),
+                               fsdp.world().world_size());
+  if (!(options.init_scale > 0) || !(options.growth_factor > 1) || !(options.backoff_factor > 0) ||
+      !(options.backoff_factor < 1) || options.growth_interval < 1) {
+    throw InvalidArgument(fmt::format(
+        "{}: needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and growth_interval >= 1 (got "
+        "{}, "
+        "{}, {}, {})",
+        who, options.init_scale, options.growth_factor, options.backoff_factor, options.growth_interval));
+  }
+  const at::ScalarType dtype = fsdp.param_dtype();
+  if (dtype != at::kHalf) {
+    log::at(
+        log::Level::Warn,
+        "{}: the model computes in {}, whose range is fp32's: loss scaling is not needed (it only costs a "
+        "collective per step); drop the scaler, or set MixedPrecision::param = at::kHalf",
+        who, c10::toString(dtype));
+  }
+}
+
+at::Tensor GradScaler::scale(const at::Tensor& loss) const { return loss * scale_; }
+
+void GradScaler::unscale(ShardOptimizer& optimizer) {
+  if (unscaled_) return;
+  std::vector<at::Tensor> grads;
+  at::NoGradGuard no_grad;
+  const double inverse = 1.0 / scale_;
+  for (const auto& s : optimizer.shards()) {
+    if (!s.grad().defined()) continue;
+    s.grad().mul_(inverse);
+    grads.push_back(s.grad());
+  }
+  found_inf_ = !nonfinite_ranks(grads, fsdp_.comm()).empty();
+  unscaled_ = true;
+}
+
+bool GradScaler::step(ShardOptimizer& optimizer) {
+  unscale(optimizer);
+  if (found_inf_) {
+    ++skipped_steps_;
+    log::at(log::Level::Info, "GradScaler: gradients overflowed at scale {}: the step is skipped", scale_);
+    return false;
+  }
+  optimizer.step();
+  return true;
+}
+
+void GradScaler::update() {
+  if (!unscaled_) return;  // no step since the last update
+  if (found_inf_) {
+    scale_ *= options_.backoff_factor;
+    growth_tracker_ = 0;
+  } else if (++growth_tracker_ >= options_.growth_interval) {
+    scale_ *= options_.growth_factor;
+    growth_tracker_ = 0;
+  }
+  unscaled_ = false;
+  found_inf_ = false;
+}
+
+void GradScaler::restore(double scale, std::int64_t growth_tracker) {
+  if (!(scale > 0))
+    throw InvalidArgument(fmt::format("flatshard::optim::GradScaler: scale must be > 0 (got {})", scale));
+  scale_ = scale;
+  growth_tracker_ = growth_tracker;
+  unscaled_ = false;
+  found_inf_ = false;
+}
+
+}  // namespace flatshard::optim

@@ -1,0 +1,365 @@
+// The training loop's pieces over shards: parameter groups against torch::optim's groups
+// in every strategy, parameters without gradients left untouched, learning-rate schedules
+// resumed from checkpoints bit for bit, and fp16 with dynamic loss scaling.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <limits>
+
+#include "tests/support/cases.h"
+#include "tests/support/models.h"
+#include "tests/support/multirank.h"
+#include "tests/support/training.h"
+
+namespace {
+
+using namespace flatshard::testing;
+using flatshard::Strategy;
+namespace fs = std::filesystem;
+namespace optim = flatshard::optim;
+
+constexpr double kFp32Tolerance = 1e-5;  // Note [Comparing weights] in test_fully_shard.cpp
+
+std::vector<Strategy> every_strategy(int world_size) {
+  std::vector<Strategy> out{Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard,
+                            Strategy::ShardOptimizerState};
+  if (world_size % 2 == 0 && world_size > 2) out.push_back(Strategy::HybridShard);
+  return out;
+}
+
+// Groups (no decay for biases, norms, embeddings; twice the rate for the head) equal
+// torch::optim's with the same groups, in every strategy; at worlds 2 and 3 parameters
+// are split across ranks' shards, so each part must get its group's settings.
+TEST(ParamGroups, MatchTorchOptimGroupsInEveryStrategy) {
+  FLATSHARD_RUN_RANKS({2, 3, 4}, std::chrono::seconds(400));
+  auto world = flatshard::init();
+  for (Strategy strategy : every_strategy(world.world_size())) {
+    for (OptKind opt : {OptKind::SGD, OptKind::Adam, OptKind::AdamW}) {
+      TrainSpec spec;
+      spec.strategy = strategy;
+      spec.shard_group_size = 2;
+      spec.optimizer = opt;
+      spec.param_groups = true;
+      spec.steps = 6;
+      const auto r = train_and_compare<GPT>(
+          world, gpt_factory(), [&](int s) { return gpt_batch(s, 12); }, token_loss, spec);
+      SCOPED_TRACE(::testing::Message()
+                   << to_string(strategy) << " " << to_string(opt) << " world " << world.world_size());
+      EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+      EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance);
+    }
+  }
+  TrainSpec spec;  // the CNN: its head (fc2) and conv biases split across ranks
+  spec.optimizer = OptKind::AdamW;
+  spec.param_groups = true;
+  spec.steps = 4;
+  const auto r = train_and_compare<MnistNet>(
+      world, cnn_factory(), [&](int s) { return cnn_batch(s, 12); }, nll, spec);
+  EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+}
+
+// A unit whose second linear layer (b) only sees rows whose first feature is positive:
+// in a step where no row of the global batch is, b gets no gradient anywhere.
+struct GateImpl : torch::nn::Module {
+  GateImpl() {
+    a = register_module("a", torch::nn::Linear(6, 16));
+    b = register_module("b", torch::nn::Linear(6, 16));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = a(x);
+    const auto mask = x.select(1, 0) > 0;
+    if (mask.any().item<bool>()) h = h + b(x) * mask.unsqueeze(1).to(h.scalar_type());
+    return torch::tanh(h);
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Gate);
+
+struct GatedNetImpl : torch::nn::Module {
+  GatedNetImpl() {
+    gate = register_module("gate", flatshard::Unit<Gate>());
+    head = register_module("head", torch::nn::Linear(16, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(gate(x)); }
+  flatshard::Unit<Gate> gate{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(GatedNet);
+
+// Steps 0, 3, 6, ...: the first row (rank 0's) opens the gate; other steps: no row does.
+Batch gated_batch(int step, int rows) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(4000 + step);
+  auto x = at::randn({rows, 6}, g);
+  x.select(1, 0).fill_(-1.0);
+  if (step % 3 == 0) x[0][0] = 1.0;
+  return {x, at::randn({rows, 3}, g)};
+}
+
+// torch::optim leaves b untouched in the steps where it gets no gradient (no weight
+// decay, no momentum, no step count); every strategy does the same. With
+// find_unused_parameters the ranks agree on it when only rank 0 used b; without it (the
+// sharded strategies' default) each rank's own record is right when no rank used it.
+TEST(UnusedParameters, AreLeftUntouchedAsTorchOptimLeavesThem) {
+  FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(300));
+  auto world = flatshard::init();
+  const auto make = [] {
+    torch::manual_seed(5);
+    return GatedNet();
+  };
+  for (Strategy strategy : every_strategy(world.world_size())) {
+    for (bool find_unused : {false, true}) {
+      const bool replicated = strategy == Strategy::NoShard || strategy == Strategy::ShardOptimizerState;
+      if (replicated && !find_unused) continue;  // refused: tested in test_replicated.cpp
+      for (OptKind opt : {OptKind::SGD, OptKind::AdamW}) {
+        TrainSpec spec;
+        spec.strategy = strategy;
+        spec.shard_group_size = 2;
+        spec.optimizer = opt;
+        spec.find_unused_parameters = find_unused;
+        spec.steps = 7;
+        // Without find_unused_parameters only steps where no rank uses b are uniform.
+        const auto batch = [&](int s) {
+          auto b = gated_batch(s, 12);
+          if (!find_unused && world.world_size() > 1) b.input.select(1, 0).fill_(-1.0);
+          return b;
+        };
+        const auto r = train_and_compare<GatedNet>(world, make, batch, mse, spec);
+        SCOPED_TRACE(::testing::Message() << to_string(strategy) << " " << to_string(opt) << " find_unused "
+                                          << find_unused << " world " << world.world_size());
+        EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+        // b moved only in the steps that used it: at least one did (or none, uniformly).
+        EXPECT_EQ(r.weights.count("gate.b.weight"), 1u);
+      }
+    }
+  }
+}
+
+// Steps 3 to 5 continue bit for bit after saving at step 3 and loading into a new
+// wrapper, optimizer (with groups), scheduler and scaler state.
+TEST(Schedules, ResumedRunContinuesTheScheduleBitForBit) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  const fs::path dir = fs::temp_directory_path() / fmt::format("flatshard_sched_{}", getppid());
+  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    SCOPED_TRACE(to_string(strategy));
+    flatshard::FullyShardOptions o;
+    o.strategy = strategy;
+    o.comm.timeout = std::chrono::seconds(60);
+    struct Run {
+      GPT model{nullptr};
+      std::unique_ptr<flatshard::FullyShard<GPT>> fsdp;
+      std::unique_ptr<optim::AdamW> opt;
+      std::unique_ptr<optim::LRScheduler> sched;
+      std::vector<double> lrs;
+    };
+    auto start = [&] {
+      Run r;
+      r.model = gpt_factory()();
+      r.fsdp = std::make_unique<flatshard::FullyShard<GPT>>(r.model, world, o);
+      r.opt = std::make_unique<optim::AdamW>(
+          *r.fsdp, optim::AdamWOptions{3e-3, 0.9, 0.95, 1e-8, 0.1},
+          std::vector<optim::ParamGroup<optim::AdamWOptions>>{
+              {"no_decay", optim::biases_norms_embeddings(), {3e-3, 0.9, 0.95, 1e-8, 0.0}}});
+      r.sched = std::make_unique<optim::LRScheduler>(*r.opt, optim::warmup_then(2, optim::cosine(4, 0.1)));
+      return r;
+    };
+    auto train = [&](Run& r, int first, int last) {
+      for (int s = first; s < last; ++s) {
+        const auto b = gpt_batch(s, 8);
+        const int n = world.world_size(), rows = 8 / n;
+        auto loss = token_loss(r.fsdp->forward(b.input.narrow(0, world.rank() * rows, rows)),
+                               b.target.narrow(0, world.rank() * rows, rows));
+        loss.backward();
+        r.fsdp->clip_grad_norm(1.0);
+        r.opt->step();
+        r.sched->step();
+        r.opt->zero_grad();
+        r.lrs.push_back(r.opt->lr(0));
+      }
+    };
+    auto weights = [&](Run& r) {
+      auto full = flatshard::checkpoint::full_state_dict(*r.fsdp, *r.model, -1);
+      return full;
+    };
+    Run whole = start();
+    train(whole, 0, 6);
+    Run first = start();
+    train(first, 0, 3);
+    flatshard::checkpoint::SaveOptions so;
+    so.step = 3;
+    so.scheduler = first.sched.get();
+    flatshard::checkpoint::save_sharded(dir.string(), *first.fsdp, first.opt.get(), so);
+    Run second = start();
+    flatshard::checkpoint::LoadOptions lo;
+    lo.scheduler = second.sched.get();
+    flatshard::checkpoint::load_sharded(dir.string(), *second.fsdp, second.opt.get(), lo);
+    EXPECT_EQ(second.sched->steps(), 3);
+    EXPECT_EQ(second.opt->lr(0), first.opt->lr(0));
+    train(second, 3, 6);
+    for (int k = 0; k < 3; ++k) EXPECT_EQ(second.lrs[k], whole.lrs[3 + k]) << "step " << 3 + k;
+    EXPECT_EQ(whole.opt->lr(1), whole.opt->lr(0)) << "both groups follow the schedule";
+    const auto want = weights(whole), got = weights(second);
+    for (const auto& [name, t] : want) EXPECT_TRUE(at::equal(t, got.at(name))) << name;
+    // The consolidated state names each group's hyperparameters and each parameter's step.
+    const auto state = flatshard::checkpoint::full_optimizer_state_dict(*second.fsdp, *second.opt, -1);
+    EXPECT_DOUBLE_EQ(state.at("param_groups.no_decay.weight_decay").item<double>(), 0.0);
+    EXPECT_DOUBLE_EQ(state.at("param_groups.default.lr").item<double>(), second.opt->lr(0));
+    EXPECT_EQ(state.at("head.weight.step").item<std::int64_t>(), 6);
+    // A checkpoint without a scheduler's state does not load into one.
+    if (world.rank() == 0) fs::remove_all(dir);
+    second.fsdp->comm().barrier().wait();
+    flatshard::checkpoint::SaveOptions plain;
+    plain.step = 7;
+    flatshard::checkpoint::save_sharded(dir.string(), *second.fsdp, second.opt.get(), plain);
+    EXPECT_THROW(flatshard::checkpoint::load_sharded(dir.string(), *second.fsdp, second.opt.get(), lo),
+                 flatshard::checkpoint::CheckpointError);
+    // Nor into an optimizer with other groups.
+    optim::AdamW ungrouped(*second.fsdp, optim::AdamWOptions{});
+    EXPECT_THROW(flatshard::checkpoint::load_sharded(dir.string(), *second.fsdp, &ungrouped),
+                 flatshard::checkpoint::CheckpointError);
+    second.fsdp->comm().barrier().wait();
+    if (world.rank() == 0) fs::remove_all(dir);
+    second.fsdp->comm().barrier().wait();
+  }
+}
+
+// Bad input: a group that chooses nothing, a parameter in two groups, a non-positive
+// schedule length, one schedule per group of the wrong count.
+TEST(ParamGroups, BadGroupsAndSchedulesAreRefused) {
+  FLATSHARD_RUN_RANKS({1}, std::chrono::seconds(60));
+  auto world = flatshard::init();
+  auto model = gpt_factory()();
+  flatshard::FullyShard<GPT> fsdp(model, world, {});
+  auto expect_error = [](const std::function<void()>& f, const std::string& part) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected one naming " << part;
+    } catch (const flatshard::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  expect_error(
+      [&] {
+        optim::SGD opt(fsdp, {}, {{"typo", optim::names_containing({"no_such_layer"}), {}}});
+      },
+      "'typo' chooses no parameter");
+  expect_error(
+      [&] {
+        optim::SGD opt(fsdp, {},
+                       {{"norms", optim::dims_below(2), {}}, {"ln", optim::names_containing({"ln_"}), {}}});
+      },
+      "groups 'norms' and 'ln'");
+  expect_error([] { optim::cosine(0); }, "at least one step");
+  expect_error([] { optim::linear_warmup(-3); }, "at least one step");
+  expect_error([] { optim::then(optim::step_decay(10, 0.5), optim::constant()); }, "never ends");
+  optim::SGD opt(fsdp, {0.1}, {{"norms", optim::dims_below(2), {0.2}}});
+  EXPECT_EQ(opt.num_groups(), 2u);
+  EXPECT_EQ(opt.group_of("ln_f.weight"), 1u);
+  EXPECT_EQ(opt.group_of("head.weight"), 0u);
+  expect_error([&] { optim::LRScheduler s(opt, std::vector<optim::Schedule>{optim::constant()}); },
+               "1 schedules");
+  optim::LRScheduler s(opt, optim::linear_decay(4, 0.5));
+  EXPECT_DOUBLE_EQ(opt.lr(0), 0.1);
+  EXPECT_DOUBLE_EQ(opt.lr(1), 0.2);
+  s.step();
+  s.step();
+  EXPECT_DOUBLE_EQ(opt.lr(0), 0.1 * 0.75);
+  EXPECT_DOUBLE_EQ(opt.lr(1), 0.2 * 0.75);
+}
+
+// fp16 compute with dynamic loss scaling against a single-process run of the same
+// algorithm (fp32 master model, fp16 copy for compute, the same scale, unscaling, skip
+// and growth rules), with an overflow injected on the last rank at step 2: every rank
+// skips that step (the weights stay bit for bit) and halves its scale.
+TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
+  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  const int n = world.world_size(), steps = 6, rows = 8, overflow_step = 2;
+  const optim::GradScalerOptions so{1024.0, 2.0, 0.5, 2};
+  const optim::AdamWOptions ao{1e-3, 0.9, 0.999, 1e-8, 0.1};
+  // Reference.
+  auto ref = gpt_factory()();
+  auto half = gpt_factory()();
+  half->to(at::kHalf);
+  torch::optim::AdamW ref_opt(ref->parameters(),
+                              torch::optim::AdamWOptions(ao.lr).weight_decay(ao.weight_decay));
+  double ref_scale = so.init_scale;
+  int ref_clean = 0;
+  std::vector<double> ref_scales;
+  for (int s = 0; s < steps; ++s) {
+    {
+      torch::NoGradGuard ng;
+      auto hp = half->parameters();
+      auto rp = ref->parameters();
+      for (std::size_t k = 0; k < hp.size(); ++k) hp[k].copy_(rp[k]);
+    }
+    for (auto& p : half->parameters()) p.mutable_grad().reset();
+    const auto b = gpt_batch(s, rows);
+    auto loss = token_loss(half->forward(b.input).to(at::kFloat), b.target);
+    if (s == overflow_step) loss = loss * std::numeric_limits<float>::infinity();
+    (loss * ref_scale).backward();
+    bool finite = true;
+    auto hp = half->parameters();
+    auto rp = ref->parameters();
+    for (std::size_t k = 0; k < hp.size(); ++k) {
+      rp[k].mutable_grad() = hp[k].grad().to(at::kFloat) * (1.0 / ref_scale);
+      finite = finite && at::isfinite(rp[k].grad()).all().item<bool>();
+    }
+    if (finite) ref_opt.step();
+    if (!finite) {
+      ref_scale *= so.backoff_factor;
+      ref_clean = 0;
+    } else if (++ref_clean >= so.growth_interval) {
+      ref_scale *= so.growth_factor;
+      ref_clean = 0;
+    }
+    ref_scales.push_back(ref_scale);
+  }
+  // Distributed, in fp16 with fp32 reduction and masters.
+  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard}) {
+    SCOPED_TRACE(to_string(strategy));
+    auto model = gpt_factory()();
+    flatshard::FullyShardOptions o;
+    o.strategy = strategy;
+    o.mixed_precision.param = at::kHalf;
+    o.mixed_precision.reduce = at::kFloat;
+    flatshard::FullyShard<GPT> fsdp(model, world, o);
+    optim::AdamW opt(fsdp, ao);
+    optim::GradScaler scaler(fsdp, so);
+    std::map<std::string, at::Tensor> before;
+    for (int s = 0; s < steps; ++s) {
+      const auto b = gpt_batch(s, rows);
+      const int local = rows / n;
+      auto loss = token_loss(fsdp.forward(b.input.narrow(0, world.rank() * local, local)).to(at::kFloat),
+                             b.target.narrow(0, world.rank() * local, local));
+      if (s == overflow_step && world.rank() == n - 1) loss = loss * std::numeric_limits<float>::infinity();
+      scaler.scale(loss).backward();
+      if (s == overflow_step) before = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
+      const bool stepped = scaler.step(opt);
+      EXPECT_EQ(stepped, s != overflow_step) << "step " << s;
+      scaler.update();
+      opt.zero_grad();
+      EXPECT_EQ(scaler.scale(), ref_scales[s]) << "step " << s;
+      if (s == overflow_step) {
+        const auto after = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
+        for (const auto& [name, t] : before) EXPECT_TRUE(at::equal(t, after.at(name))) << name;
+      }
+    }
+    EXPECT_EQ(scaler.skipped_steps(), 1);
+    auto full = fsdp.summon_full_params();
+    auto ref_params = ref->named_parameters();
+    double delta = 0, norm = 0;
+    for (const auto& item : model->named_parameters()) {
+      const auto want = ref_params[item.key()];
+      delta += (item.value().to(at::kFloat) - want).pow(2).sum().item<double>();
+      norm += want.pow(2).sum().item<double>();
+    }
+    // fp16 keeps 11 significant bits: as Note [bf16 tolerance] with 8x finer rounding.
+    EXPECT_LE(std::sqrt(delta / norm), 2e-3);
+  }
+}
+
+}  // namespace
