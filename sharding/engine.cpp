@@ -250,12 +250,21 @@ void Engine::reduce(int index) {
     if (scattered) across.wait_for.push_back(scattered->event());
     pending->work = replica_comm_->all_reduce(pending->output, ReduceOp::Avg, across);
   }
-  in_flight_ = std::move(pending);
+  in_flight_.push_back(std::move(pending));
 }
 
 void Engine::finish_pending_reduce() {
-  if (!in_flight_) return;
-  auto pending = std::move(in_flight_);
+  while (!in_flight_.empty()) finish_first_reduce();
+}
+
+void Engine::finish_completed_reduces() {
+  while (!in_flight_.empty() && (!in_flight_.front()->work || in_flight_.front()->work->is_completed()))
+    finish_first_reduce();
+}
+
+void Engine::finish_first_reduce() {
+  auto pending = std::move(in_flight_.front());
+  in_flight_.pop_front();
   if (pending->work) pending->work->wait();
   const int pending_segment = pending->segment;
   if (pending->segment >= 0) {  // a bucket of a replicated group

@@ -2,6 +2,7 @@
 // reshards and gradient reductions around forward and backward.
 #pragma once
 
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -76,7 +77,9 @@ class Engine {
   void prefetch(int unit);
   void post_backward(int unit);
   void reduce(int unit);
-  void finish_pending_reduce();
+  void finish_pending_reduce();     // every one, waiting for each
+  void finish_completed_reduces();  // those that have completed, without waiting
+  void finish_first_reduce();
   // Note [Replicated strategies]
   void make_replicated_group(std::vector<std::pair<std::string, at::Tensor>> params, at::ScalarType compute,
                              const FlatParamGroup::Placement& placement);
@@ -112,9 +115,12 @@ class Engine {
   bool order_recorded_ = false;               // set after the first forward
   bool backward_active_ = false;              // between the first backward hook and the end callback
   bool no_sync_ = false;
-  c10::Device device_{c10::kCPU};             // the compute device: gathered units, collectives
-  std::vector<at::Tensor> buffers_;           // the model's buffers, on the compute device
-  std::unique_ptr<PendingReduce> in_flight_;  // the reduction in flight (at most one)
+  c10::Device device_{c10::kCPU};    // the compute device: gathered units, collectives
+  std::vector<at::Tensor> buffers_;  // the model's buffers, on the compute device
+  // Reductions issued and not yet finished, in issue order: at most one under the sharded
+  // strategies (Note [One reduce-scatter in flight]); any number of buckets under the
+  // replicated ones (Note [Queued bucket reductions]).
+  std::deque<std::unique_ptr<PendingReduce>> in_flight_;
   // Reduced gradient shards copied (or being copied) to host memory under CPU offload.
   std::vector<std::pair<int, at::Tensor>> landing_grads_;
   ShardMemory memory_;

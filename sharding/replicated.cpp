@@ -114,8 +114,16 @@ void Engine::launch_ready_segments() {
     reduce_segment(next_segment_++);
 }
 
+// Note [Queued bucket reductions]
+// A bucket is reduced as soon as its gradients are in, in bucket order on every rank, on
+// one stream of the communicator, which runs them one after another. Launching one never
+// waits for the one before (as DDP's buckets do not): the backward computes on while the
+// buckets queue. Those already completed are finished (their reduced values moved, their
+// gradient buffers freed) each time another is launched, and the rest when backward ends.
+// Queuing holds no extra memory: a bucket's gradient buffer exists from its first
+// gradient until its reduction is finished either way.
 void Engine::reduce_segment(int s) {
-  finish_pending_reduce();
+  finish_completed_reduces();
   FlatParamGroup& g = *units_[kRoot]->group;
   const FlatSegment& seg = g.segments()[s];
   g.allocate_segment_grad(s);  // a bucket no parameter got a gradient in reduces zeros
@@ -160,7 +168,7 @@ void Engine::reduce_segment(int s) {
     opts.stream = StreamRole::ReduceScatter;
     pending->work = comm_->reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
   }
-  in_flight_ = std::move(pending);
+  in_flight_.push_back(std::move(pending));
 }
 
 void Engine::end_of_replicated_backward() {

@@ -86,13 +86,19 @@ char* ptr_of(const at::Tensor& t, const ShardRange& r) {
   return static_cast<char*>(t.data_ptr()) + r.offset * t.element_size();
 }
 
-// dst[i] = a[i] + b[i]
-void add(at::ScalarType dtype, void* dst, const void* a, const void* b, std::int64_t numel) {
+// dst[i] = a[i] + b[i], divided by `divisor` when it is not 1 (floating types: the sum is
+// rounded to the type first, so the result is that of adding, then dividing in place).
+void add(at::ScalarType dtype, void* dst, const void* a, const void* b, std::int64_t numel, int divisor = 1) {
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "flatshard_ring_add", [&] {
     auto* d = static_cast<scalar_t*>(dst);
     const auto* x = static_cast<const scalar_t*>(a);
     const auto* y = static_cast<const scalar_t*>(b);
-    for (std::int64_t i = 0; i < numel; ++i) d[i] = x[i] + y[i];
+    if (divisor == 1) {
+      for (std::int64_t i = 0; i < numel; ++i) d[i] = x[i] + y[i];
+    } else {
+      const auto n = static_cast<scalar_t>(divisor);
+      for (std::int64_t i = 0; i < numel; ++i) d[i] = static_cast<scalar_t>(x[i] + y[i]) / n;
+    }
   });
 }
 
@@ -301,6 +307,17 @@ class TcpRingBackend final : public Backend {
   // it goes, so the additions overlap the kernel's sending of earlier pieces.
   // Received partial sums ping-pong between two scratch buffers owned by the channel.
   void reduce_scatter(Channel& ch, const Collective& op, const at::Tensor& input, const at::Tensor& output) {
+    const char* partial = reduce_scatter_steps(ch, op, input);
+    const ShardRange mine = shard_range(input.numel(), world_size_, rank_);
+    const auto dtype = input.scalar_type();
+    const bool fused_avg = op.reduce == ReduceOp::Avg && at::isFloatingType(dtype);
+    add(dtype, output.data_ptr(), partial, ptr_of(input, mine), mine.numel, fused_avg ? world_size_ : 1);
+    if (op.reduce == ReduceOp::Avg && !fused_avg) output.div_(world_size_);
+  }
+
+  // The reduce-scatter's N-1 steps; returns the scratch holding the other ranks' partial
+  // sum of this rank's segment (this rank's own values not yet added).
+  const char* reduce_scatter_steps(Channel& ch, const Collective& op, const at::Tensor& input) {
     const std::int64_t numel = input.numel();
     const auto dtype = input.scalar_type();
     const std::int64_t elem = input.element_size();
@@ -329,16 +346,46 @@ class TcpRingBackend final : public Backend {
       }
       std::swap(got_prev, got_now);
     }
-    const ShardRange mine = shard_range(numel, world_size_, rank_);
-    add(dtype, output.data_ptr(), got_prev, ptr_of(input, mine), mine.numel);
-    if (op.reduce == ReduceOp::Avg) output.div_(world_size_);
+    return got_prev;
   }
 
+  // Reduce-scatter, then all-gather, in place. The reduce-scatter's last addition (and the
+  // average) is done piece by piece just before each piece of this rank's segment goes out
+  // in the all-gather's first step, so it overlaps the kernel's sending of earlier pieces
+  // instead of being a pass of its own between the two.
   void all_reduce(Channel& ch, const Collective& op) {
     const at::Tensor& t = op.output;
-    const ShardRange mine = shard_range(t.numel(), world_size_, rank_);
-    reduce_scatter(ch, op, t, t.narrow(0, mine.offset, mine.numel));
-    all_gather(ch, op, t);
+    const std::int64_t numel = t.numel();
+    const ShardRange mine = shard_range(numel, world_size_, rank_);
+    const auto dtype = t.scalar_type();
+    const int divisor = op.reduce == ReduceOp::Avg ? world_size_ : 1;
+    if (divisor != 1 && !at::isFloatingType(dtype)) {  // an integer average: divide as a pass
+      reduce_scatter(ch, op, t, t.narrow(0, mine.offset, mine.numel));
+      all_gather(ch, op, t);
+      return;
+    }
+    const char* partial = reduce_scatter_steps(ch, op, t);  // the others' sums of this rank's segment
+    const std::int64_t elem = t.element_size();
+    const std::int64_t piece_numel = std::max<std::int64_t>(1, kReducePieceBytes / elem);
+    const ShardRange in = shard_range(numel, world_size_, mod(rank_ - 1));
+    char* own = ptr_of(t, mine);
+    const std::int64_t pieces =
+        std::max<std::int64_t>(1, (std::max(mine.numel, in.numel) + piece_numel - 1) / piece_numel);
+    for (std::int64_t p = 0; p < pieces; ++p) {
+      const std::int64_t out_begin = std::min(mine.numel, p * piece_numel);
+      const std::int64_t out_count = std::min(mine.numel - out_begin, piece_numel);
+      const std::int64_t in_begin = std::min(in.numel, p * piece_numel);
+      const std::int64_t in_count = std::min(in.numel - in_begin, piece_numel);
+      char* piece = own + out_begin * elem;
+      if (out_count > 0) add(dtype, piece, partial + out_begin * elem, piece, out_count, divisor);
+      step(ch, op, piece, static_cast<std::size_t>(out_count * elem), true, ptr_of(t, in) + in_begin * elem,
+           static_cast<std::size_t>(in_count * elem), true);
+    }
+    for (int s = 1; s < world_size_ - 1; ++s) {  // the all-gather's other steps
+      const ShardRange out = shard_range(numel, world_size_, mod(rank_ - s));
+      const ShardRange next = shard_range(numel, world_size_, mod(rank_ - s - 1));
+      step(ch, op, ptr_of(t, out), bytes_of(t, out), true, ptr_of(t, next), bytes_of(t, next), true);
+    }
   }
 
   // Pipelined chain from the root round the ring: each rank forwards slice k while
