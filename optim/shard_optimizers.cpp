@@ -55,13 +55,15 @@ struct ShardOptimizer::Layout {
   struct Piece {
     std::int64_t offset = 0;
     std::int64_t numel = 0;
-    std::size_t param = 0;  // index in the shard's layout
+    std::size_t param = 0;    // index in the shard's layout
+    std::size_t segment = 0;  // of the flat buffer
   };
   struct Shard {
     std::vector<std::string> names;   // by parameter, layout order
     std::vector<std::size_t> group;   // by parameter
     std::vector<std::int64_t> steps;  // by parameter
     std::vector<Piece> pieces;        // by offset
+    std::size_t segments = 1;         // of the flat buffer
   };
   std::int64_t version = -1;
   std::vector<std::pair<std::string, ParamFilter>> filters;  // groups 1.. (0 is the default)
@@ -99,7 +101,7 @@ ShardOptimizer::ShardOptimizer(std::vector<at::Tensor> shards)
   }
 }
 
-ShardOptimizer::ShardOptimizer(const FullyShardBase& fsdp,
+ShardOptimizer::ShardOptimizer(FullyShardBase& fsdp,
                                const std::vector<std::pair<std::string, ParamFilter>>& groups,
                                const char* who)
     : shards_(fsdp.shards()), group_names_{"default"}, fsdp_(&fsdp), layout_(std::make_unique<Layout>()) {
@@ -159,13 +161,15 @@ void ShardOptimizer::refresh_layout() {
       auto it = steps.find(p.name);
       s.steps.push_back(it == steps.end() ? 0 : it->second);
     }
-    for (const auto& seg : l.segments) {
+    s.segments = l.segments.size();
+    for (std::size_t k_seg = 0; k_seg < l.segments.size(); ++k_seg) {
+      const auto& seg = l.segments[k_seg];
       const std::int64_t lo = seg.offset + rank * seg.slice, hi = lo + seg.slice;
       const std::size_t first = s.pieces.size();
       for (std::size_t k = 0; k < l.params.size(); ++k) {
         const auto& p = l.params[k];
         const std::int64_t b = std::max(lo, p.offset), e = std::min(hi, p.offset + p.numel);
-        if (b < e) s.pieces.push_back({seg.shard_offset + (b - lo), e - b, k});
+        if (b < e) s.pieces.push_back({seg.shard_offset + (b - lo), e - b, k, k_seg});
       }
       std::sort(s.pieces.begin() + static_cast<std::ptrdiff_t>(first), s.pieces.end(),
                 [](const Layout::Piece& a, const Layout::Piece& b) { return a.offset < b.offset; });
@@ -194,21 +198,32 @@ void ShardOptimizer::step_shard(std::size_t i) {
   auto stepped = [&](std::size_t p) { return got.empty() || got[p] != 0; };
   ensure_state(i);
   const auto g = grad.contiguous();
+  // Runs never cross a segment, and each segment is reported once stepped (Note
+  // [Gathers behind the step] in sharding/replicated.cpp).
+  std::size_t reported = 0;
+  auto report_until = [&](std::size_t segment) {
+    for (; fsdp_ && reported < segment; ++reported) fsdp_->segment_stepped(i, reported);
+  };
   Run run;
   bool open = false;
+  std::size_t run_segment = 0;
   for (const auto& piece : s.pieces) {
     if (!stepped(piece.param)) continue;
     const std::size_t group = s.group[piece.param];
     const std::int64_t step = s.steps[piece.param] + 1;
-    if (open && run.offset + run.numel == piece.offset && run.group == group && run.step == step) {
+    if (open && run_segment == piece.segment && run.offset + run.numel == piece.offset && run.group == group &&
+        run.step == step) {
       run.numel += piece.numel;
       continue;
     }
     if (open) step_run(i, g, run);
+    report_until(piece.segment);
     run = {piece.offset, piece.numel, group, step};
+    run_segment = piece.segment;
     open = true;
   }
   if (open) step_run(i, g, run);
+  report_until(s.segments);
   for (std::size_t p = 0; p < s.steps.size(); ++p) {
     if (stepped(p)) ++s.steps[p];
   }
@@ -306,7 +321,7 @@ SGD::SGD(std::vector<at::Tensor> shards, const SGDOptions& options)
   check_sgd(options);
 }
 
-SGD::SGD(const FullyShardBase& fsdp, const SGDOptions& options, std::vector<ParamGroup<SGDOptions>> groups)
+SGD::SGD(FullyShardBase& fsdp, const SGDOptions& options, std::vector<ParamGroup<SGDOptions>> groups)
     : ShardOptimizer(fsdp, filters_of(groups), "SGD"),
       options_(options_of(options, groups)),
       momentum_(shards_.size()) {
@@ -426,7 +441,7 @@ Adam::Adam(std::vector<at::Tensor> shards, const AdamWOptions& options)
   decoupled_ = true;
 }
 
-Adam::Adam(const FullyShardBase& fsdp, const AdamOptions& options,
+Adam::Adam(FullyShardBase& fsdp, const AdamOptions& options,
            std::vector<ParamGroup<AdamOptions>> groups)
     : ShardOptimizer(fsdp, filters_of(groups), "Adam"),
       options_(options_of(options, groups)),
@@ -435,7 +450,7 @@ Adam::Adam(const FullyShardBase& fsdp, const AdamOptions& options,
   for (const auto& o : options_) check_adam(o, "Adam");
 }
 
-Adam::Adam(const FullyShardBase& fsdp, const AdamWOptions& options,
+Adam::Adam(FullyShardBase& fsdp, const AdamWOptions& options,
            std::vector<ParamGroup<AdamWOptions>> groups)
     : Adam(fsdp, as_adam(options), as_adam(std::move(groups))) {
   decoupled_ = true;

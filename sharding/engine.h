@@ -36,6 +36,8 @@ class Engine {
   std::vector<ShardLayout> layout() const;
   std::int64_t layout_version() const { return layout_version_; }
   const std::vector<char>& params_with_grad(std::size_t shard) const;
+  // Note [Gathers behind the step]
+  void segment_stepped(std::size_t shard, std::size_t segment);
   double clip_grad_norm(double max_norm);
   // Note [Step in backward]; nullptr: step after backward, as usual.
   void set_step_in_backward(optim::ShardOptimizer* optimizer);
@@ -143,6 +145,11 @@ class Engine {
   bool fresh_grad_ = false;        // this backward made the master's gradient
   bool stale_ = false;             // the master shard changed since the parameters were refreshed
   std::int64_t master_version_ = 0;
+  // Note [Gathers behind the step]: the all-gathers issued as the optimizer stepped each
+  // bucket, whether it reported all of them, and the master's version after the last.
+  std::vector<Work> early_gathers_;
+  bool early_complete_ = false;
+  std::int64_t early_version_ = 0;
   // Note [Parameters without gradients]: by unit, by parameter id: got a gradient since
   // the step began; by shard, in layout order: which got one in the last synced backward
   // (empty: every one).

@@ -256,6 +256,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
 Engine::~Engine() {
   try {
     finish_pending_reduce();
+    for (auto& w : early_gathers_) w.wait();
     for (auto& u : units_) {
       if (u->gather) u->gather->wait();
     }

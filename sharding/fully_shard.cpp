@@ -50,6 +50,9 @@ FullyShardBase::~FullyShardBase() = default;
 std::vector<at::Tensor> FullyShardBase::shards() const { return engine_->shards(); }
 std::vector<ShardLayout> FullyShardBase::layout() const { return engine_->layout(); }
 std::int64_t FullyShardBase::layout_version() const { return engine_->layout_version(); }
+void FullyShardBase::segment_stepped(std::size_t shard, std::size_t segment) {
+  engine_->segment_stepped(shard, segment);
+}
 const std::vector<char>& FullyShardBase::params_with_grad(std::size_t shard) const {
   return engine_->params_with_grad(shard);
 }

@@ -179,6 +179,9 @@ class FullyShardBase {
   // rank. Empty when every one did. Optimizers step only those (Note [Parameters without
   // gradients] in sharding/engine.cpp).
   const std::vector<char>& params_with_grad(std::size_t shard) const;
+  // Optimizers over shards call it after stepping each segment of shard i, in order
+  // (ShardOptimizerState then gathers that bucket while the next ones step).
+  void segment_stepped(std::size_t shard, std::size_t segment);
 
   // Scales every shard gradient so that the global norm over all ranks is at most
   // max_norm; returns the norm before clipping. A collective: every rank calls it.

@@ -134,7 +134,7 @@ class ShardOptimizer {
   explicit ShardOptimizer(std::vector<at::Tensor> shards);
   // Over a wrapper's shards, with groups chosen by name and shape. The optimizer reads
   // the wrapper's layout and which parameters got gradients: keep the wrapper alive.
-  ShardOptimizer(const FullyShardBase& fsdp, const std::vector<std::pair<std::string, ParamFilter>>& groups,
+  ShardOptimizer(FullyShardBase& fsdp, const std::vector<std::pair<std::string, ParamFilter>>& groups,
                  const char* who);
 
   // A run of shard elements [offset, offset + numel) whose parameters share a group and
@@ -156,14 +156,14 @@ class ShardOptimizer {
   struct Layout;
   void refresh_layout();
   std::vector<std::string> group_names_;
-  const FullyShardBase* fsdp_ = nullptr;
+  FullyShardBase* fsdp_ = nullptr;
   std::unique_ptr<Layout> layout_;
 };
 
 class SGD final : public ShardOptimizer {
  public:
   SGD(std::vector<at::Tensor> shards, const SGDOptions& options);
-  SGD(const FullyShardBase& fsdp, const SGDOptions& options, std::vector<ParamGroup<SGDOptions>> groups = {});
+  SGD(FullyShardBase& fsdp, const SGDOptions& options, std::vector<ParamGroup<SGDOptions>> groups = {});
   std::int64_t state_bytes() const override;
   double lr(std::size_t group) const override { return options_.at(group).lr; }
   void set_lr(std::size_t group, double lr) override;
@@ -184,7 +184,7 @@ class SGD final : public ShardOptimizer {
 class Adam : public ShardOptimizer {
  public:
   Adam(std::vector<at::Tensor> shards, const AdamOptions& options);
-  Adam(const FullyShardBase& fsdp, const AdamOptions& options,
+  Adam(FullyShardBase& fsdp, const AdamOptions& options,
        std::vector<ParamGroup<AdamOptions>> groups = {});
   std::int64_t state_bytes() const override;
   double lr(std::size_t group) const override { return options_.at(group).lr; }
@@ -198,7 +198,7 @@ class Adam : public ShardOptimizer {
  protected:
   // AdamW: the same state and step with decoupled weight decay.
   Adam(std::vector<at::Tensor> shards, const AdamWOptions& options);
-  Adam(const FullyShardBase& fsdp, const AdamWOptions& options, std::vector<ParamGroup<AdamWOptions>> groups);
+  Adam(FullyShardBase& fsdp, const AdamWOptions& options, std::vector<ParamGroup<AdamWOptions>> groups);
 
  private:
   void step_run(std::size_t i, const at::Tensor& grad, const Run& run) override;
@@ -213,7 +213,7 @@ class Adam : public ShardOptimizer {
 class AdamW final : public Adam {
  public:
   AdamW(std::vector<at::Tensor> shards, const AdamWOptions& options) : Adam(std::move(shards), options) {}
-  AdamW(const FullyShardBase& fsdp, const AdamWOptions& options,
+  AdamW(FullyShardBase& fsdp, const AdamWOptions& options,
         std::vector<ParamGroup<AdamWOptions>> groups = {})
       : Adam(fsdp, options, std::move(groups)) {}
 };

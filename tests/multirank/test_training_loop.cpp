@@ -319,7 +319,7 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
     ref_scales.push_back(ref_scale);
   }
   // Distributed, in fp16 with fp32 reduction and masters.
-  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard}) {
+  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardOptimizerState}) {
     SCOPED_TRACE(to_string(strategy));
     auto model = gpt_factory()();
     flatshard::FullyShardOptions o;

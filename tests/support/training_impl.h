@@ -80,7 +80,7 @@ struct ShardedOptimizer {
   void zero_grad() { opt->zero_grad(); }
 };
 
-inline ShardedOptimizer sharded_optimizer(OptKind k, const FullyShardBase& fsdp, bool groups) {
+inline ShardedOptimizer sharded_optimizer(OptKind k, FullyShardBase& fsdp, bool groups) {
   const optim::ParamFilter head([](const std::string& n, const std::vector<std::int64_t>& shape) {
     return is_head(n) && !optim::biases_norms_embeddings()(n, shape);
   });
