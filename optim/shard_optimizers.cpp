@@ -211,8 +211,8 @@ void ShardOptimizer::step_shard(std::size_t i) {
     if (!stepped(piece.param)) continue;
     const std::size_t group = s.group[piece.param];
     const std::int64_t step = s.steps[piece.param] + 1;
-    if (open && run_segment == piece.segment && run.offset + run.numel == piece.offset && run.group == group &&
-        run.step == step) {
+    if (open && run_segment == piece.segment && run.offset + run.numel == piece.offset &&
+        run.group == group && run.step == step) {
       run.numel += piece.numel;
       continue;
     }
@@ -441,8 +441,7 @@ Adam::Adam(std::vector<at::Tensor> shards, const AdamWOptions& options)
   decoupled_ = true;
 }
 
-Adam::Adam(FullyShardBase& fsdp, const AdamOptions& options,
-           std::vector<ParamGroup<AdamOptions>> groups)
+Adam::Adam(FullyShardBase& fsdp, const AdamOptions& options, std::vector<ParamGroup<AdamOptions>> groups)
     : ShardOptimizer(fsdp, filters_of(groups), "Adam"),
       options_(options_of(options, groups)),
       exp_avg_(shards_.size()),
@@ -450,8 +449,7 @@ Adam::Adam(FullyShardBase& fsdp, const AdamOptions& options,
   for (const auto& o : options_) check_adam(o, "Adam");
 }
 
-Adam::Adam(FullyShardBase& fsdp, const AdamWOptions& options,
-           std::vector<ParamGroup<AdamWOptions>> groups)
+Adam::Adam(FullyShardBase& fsdp, const AdamWOptions& options, std::vector<ParamGroup<AdamWOptions>> groups)
     : Adam(fsdp, as_adam(options), as_adam(std::move(groups))) {
   decoupled_ = true;
 }

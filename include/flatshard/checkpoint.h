@@ -48,11 +48,15 @@ std::map<std::string, at::Tensor> full_state_dict(FullyShardBase& fsdp, torch::n
 // The optimizer's state over FullyShard's shards, consolidated: "<parameter>.<state>"
 // (exp_avg, exp_avg_sq, momentum_buffer) at the parameter's shape, "<parameter>.step",
 // "step" (the most of any parameter), and each group's hyperparameters as
-// "param_groups.<group>.<name>" (lr, weight_decay, ...), on rank `to` (every rank when
-// to == -1; empty elsewhere). A collective.
+// "param_groups.<group>.<name>" (lr, weight_decay, ...); with a scheduler,
+// "scheduler.steps" and "scheduler.base_lr.<group>"; with a scaler, "scaler.scale" and
+// "scaler.growth_tracker". On rank `to` (every rank when to == -1; empty elsewhere). A
+// collective.
 std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp,
                                                             const optim::ShardOptimizer& optimizer,
-                                                            int to = 0);
+                                                            int to = 0,
+                                                            const optim::LRScheduler* scheduler = nullptr,
+                                                            const optim::GradScaler* scaler = nullptr);
 
 // A dict of tensors in the format of torch.save, written atomically.
 void save_tensors(const std::map<std::string, at::Tensor>& tensors, const std::string& path);

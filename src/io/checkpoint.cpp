@@ -54,7 +54,9 @@ std::map<std::string, at::Tensor> full_state_dict(FullyShardBase& fsdp, torch::n
 }
 
 std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp,
-                                                            const optim::ShardOptimizer& optimizer, int to) {
+                                                            const optim::ShardOptimizer& optimizer, int to,
+                                                            const optim::LRScheduler* scheduler,
+                                                            const optim::GradScaler* scaler) {
   const auto layout = fsdp.layout();
   const ShardGroup group = fsdp.shard_group();
   const bool keep = to < 0 || fsdp.world().rank() == to;
@@ -89,6 +91,16 @@ std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp
   for (std::size_t g = 0; g < optimizer.num_groups(); ++g) {
     for (const auto& [name, value] : optimizer.hyperparameters(g))
       out["param_groups." + optimizer.group_name(g) + "." + name] = at::full({}, value, at::kDouble);
+  }
+  if (scheduler) {
+    out["scheduler.steps"] = at::full({}, scheduler->steps(), at::kLong);
+    for (std::size_t g = 0; g < scheduler->base_lrs().size(); ++g)
+      out["scheduler.base_lr." + optimizer.group_name(g)] =
+          at::full({}, scheduler->base_lrs()[g], at::kDouble);
+  }
+  if (scaler) {
+    out["scaler.scale"] = at::full({}, scaler->scale(), at::kDouble);
+    out["scaler.growth_tracker"] = at::full({}, scaler->growth_tracker(), at::kLong);
   }
   return out;
 }

@@ -153,6 +153,7 @@ TEST(Schedules, ResumedRunContinuesTheScheduleBitForBit) {
       std::unique_ptr<flatshard::FullyShard<GPT>> fsdp;
       std::unique_ptr<optim::AdamW> opt;
       std::unique_ptr<optim::LRScheduler> sched;
+      std::unique_ptr<optim::GradScaler> scaler;  // fp32: scales by powers of two, exactly
       std::vector<double> lrs;
     };
     auto start = [&] {
@@ -164,6 +165,7 @@ TEST(Schedules, ResumedRunContinuesTheScheduleBitForBit) {
           std::vector<optim::ParamGroup<optim::AdamWOptions>>{
               {"no_decay", optim::biases_norms_embeddings(), {3e-3, 0.9, 0.95, 1e-8, 0.0}}});
       r.sched = std::make_unique<optim::LRScheduler>(*r.opt, optim::warmup_then(2, optim::cosine(4, 0.1)));
+      r.scaler = std::make_unique<optim::GradScaler>(*r.fsdp, optim::GradScalerOptions{256.0, 2.0, 0.5, 2});
       return r;
     };
     auto train = [&](Run& r, int first, int last) {
@@ -172,9 +174,11 @@ TEST(Schedules, ResumedRunContinuesTheScheduleBitForBit) {
         const int n = world.world_size(), rows = 8 / n;
         auto loss = token_loss(r.fsdp->forward(b.input.narrow(0, world.rank() * rows, rows)),
                                b.target.narrow(0, world.rank() * rows, rows));
-        loss.backward();
+        r.scaler->scale(loss).backward();
+        r.scaler->unscale(*r.opt);
         r.fsdp->clip_grad_norm(1.0);
-        r.opt->step();
+        r.scaler->step(*r.opt);
+        r.scaler->update();
         r.sched->step();
         r.opt->zero_grad();
         r.lrs.push_back(r.opt->lr(0));
@@ -191,20 +195,29 @@ TEST(Schedules, ResumedRunContinuesTheScheduleBitForBit) {
     flatshard::checkpoint::SaveOptions so;
     so.step = 3;
     so.scheduler = first.sched.get();
+    so.scaler = first.scaler.get();
     flatshard::checkpoint::save_sharded(dir.string(), *first.fsdp, first.opt.get(), so);
     Run second = start();
     flatshard::checkpoint::LoadOptions lo;
     lo.scheduler = second.sched.get();
+    lo.scaler = second.scaler.get();
     flatshard::checkpoint::load_sharded(dir.string(), *second.fsdp, second.opt.get(), lo);
     EXPECT_EQ(second.sched->steps(), 3);
+    EXPECT_EQ(second.scaler->scale(), 512.0) << "grown once after two clean steps";
+    EXPECT_EQ(second.scaler->growth_tracker(), 1);
     EXPECT_EQ(second.opt->lr(0), first.opt->lr(0));
     train(second, 3, 6);
     for (int k = 0; k < 3; ++k) EXPECT_EQ(second.lrs[k], whole.lrs[3 + k]) << "step " << 3 + k;
     EXPECT_EQ(whole.opt->lr(1), whole.opt->lr(0)) << "both groups follow the schedule";
     const auto want = weights(whole), got = weights(second);
     for (const auto& [name, t] : want) EXPECT_TRUE(at::equal(t, got.at(name))) << name;
+    EXPECT_EQ(second.scaler->scale(), whole.scaler->scale());
     // The consolidated state names each group's hyperparameters and each parameter's step.
-    const auto state = flatshard::checkpoint::full_optimizer_state_dict(*second.fsdp, *second.opt, -1);
+    const auto state = flatshard::checkpoint::full_optimizer_state_dict(
+        *second.fsdp, *second.opt, -1, second.sched.get(), second.scaler.get());
+    EXPECT_EQ(state.at("scheduler.steps").item<std::int64_t>(), 6);
+    EXPECT_DOUBLE_EQ(state.at("scheduler.base_lr.no_decay").item<double>(), 3e-3);
+    EXPECT_DOUBLE_EQ(state.at("scaler.scale").item<double>(), second.scaler->scale());
     EXPECT_DOUBLE_EQ(state.at("param_groups.no_decay.weight_decay").item<double>(), 0.0);
     EXPECT_DOUBLE_EQ(state.at("param_groups.default.lr").item<double>(), second.opt->lr(0));
     EXPECT_EQ(state.at("head.weight.step").item<std::int64_t>(), 6);
