@@ -184,8 +184,7 @@ class SGD final : public ShardOptimizer {
 class Adam : public ShardOptimizer {
  public:
   Adam(std::vector<at::Tensor> shards, const AdamOptions& options);
-  Adam(FullyShardBase& fsdp, const AdamOptions& options,
-       std::vector<ParamGroup<AdamOptions>> groups = {});
+  Adam(FullyShardBase& fsdp, const AdamOptions& options, std::vector<ParamGroup<AdamOptions>> groups = {});
   std::int64_t state_bytes() const override;
   double lr(std::size_t group) const override { return options_.at(group).lr; }
   void set_lr(std::size_t group, double lr) override;
@@ -213,8 +212,7 @@ class Adam : public ShardOptimizer {
 class AdamW final : public Adam {
  public:
   AdamW(std::vector<at::Tensor> shards, const AdamWOptions& options) : Adam(std::move(shards), options) {}
-  AdamW(FullyShardBase& fsdp, const AdamWOptions& options,
-        std::vector<ParamGroup<AdamWOptions>> groups = {})
+  AdamW(FullyShardBase& fsdp, const AdamWOptions& options, std::vector<ParamGroup<AdamWOptions>> groups = {})
       : Adam(fsdp, options, std::move(groups)) {}
 };
 
