@@ -146,10 +146,8 @@ class Engine {
   bool stale_ = false;             // the master shard changed since the parameters were refreshed
   std::int64_t master_version_ = 0;
   // Note [Gathers behind the step]: the all-gathers issued as the optimizer stepped each
-  // bucket, whether it reported all of them, and the master's version after the last.
+  // bucket of the step under way.
   std::vector<Work> early_gathers_;
-  bool early_complete_ = false;
-  std::int64_t early_version_ = 0;
   // Note [Parameters without gradients]: by unit, by parameter id: got a gradient since
   // the step began; by shard, in layout order: which got one in the last synced backward
   // (empty: every one).

@@ -266,17 +266,18 @@ void Engine::rebuild_buckets(std::vector<int> order) {
 // shard as soon as it has stepped it (ShardOptimizer::step_shard, in segment order), and
 // that bucket's slice is copied into the parameters and its all-gather issued at once, so
 // the gathers run while the optimizer steps the next buckets instead of after the whole
-// step. The next forward (refresh_replicas) waits for them; it refreshes everything
-// itself when the step did not report every bucket, or the master changed after it (a
-// skipped step, a loaded checkpoint).
+// step. The report of the last bucket waits for them all: the step returns with the
+// parameters refreshed and no collective outstanding. When the step did not report every
+// bucket (it failed midway, or an optimizer that does not report stepped), or the master
+// changed after it (a loaded checkpoint), the next forward refreshes everything itself.
 void Engine::segment_stepped(std::size_t shard, std::size_t segment) {
   if (options_.strategy != Strategy::ShardOptimizerState || shard_.size == 1 || shard != 0 || !stale_) return;
   FlatParamGroup& g = *units_[kRoot]->group;
   if (g.master_aliases_full()) return;
-  if (segment == 0) {  // a step begins: the gathers of an earlier one (stepped twice) end first
-    for (auto& w : early_gathers_) w.wait();
+  if (segment == 0 && !early_gathers_.empty()) {  // an earlier step that stopped midway
+    auto gathers = std::move(early_gathers_);
     early_gathers_.clear();
-    early_complete_ = false;
+    for (auto& w : gathers) w.wait();
   }
   const int k = static_cast<int>(segment);
   if (k != static_cast<int>(early_gathers_.size())) return;  // out of order: refresh_replicas does it all
@@ -285,22 +286,23 @@ void Engine::segment_stepped(std::size_t shard, std::size_t segment) {
   CollectiveOptions opts;
   opts.stream = StreamRole::AllGather;
   early_gathers_.push_back(comm_->all_gather(g.segment_of(g.full(), k), g.slot_of(g.full(), k), opts));
-  if (early_gathers_.size() == g.segments().size()) {
-    early_complete_ = true;
-    early_version_ = g.master()._version();
-  }
+  if (early_gathers_.size() < g.segments().size()) return;
+  // The last bucket: the step ends with no collective outstanding, so a failed gather
+  // (a lost rank) surfaces here, from the first that failed, not in whatever the caller
+  // runs next.
+  auto gathers = std::move(early_gathers_);
+  early_gathers_.clear();
+  for (auto& w : gathers) w.wait();
+  stale_ = false;
+  master_version_ = g.master()._version();
 }
 
 void Engine::refresh_replicas() {
   const auto& group = units_[kRoot]->group;
-  if (!early_gathers_.empty()) {
-    for (auto& w : early_gathers_) w.wait();
+  if (!early_gathers_.empty()) {  // a step that did not report every bucket
+    auto gathers = std::move(early_gathers_);
     early_gathers_.clear();
-    if (early_complete_ && group->master()._version() == early_version_) {
-      stale_ = false;
-      master_version_ = early_version_;
-    }
-    early_complete_ = false;
+    for (auto& w : gathers) w.wait();
   }
   if (!group || (!stale_ && group->master()._version() == master_version_)) return;
   FlatParamGroup& g = *group;
