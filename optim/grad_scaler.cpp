@@ -38,6 +38,13 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) const { return loss * scale
 
 void GradScaler::unscale(ShardOptimizer& optimizer) {
   if (unscaled_) return;
+  if (fsdp_.steps_in_backward()) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::optim::GradScaler (rank {}/{}): the optimizer steps inside backward (step_in_backward), "
+        "on gradients still scaled and before any rank could be checked for overflow; turn step_in_backward "
+        "off to scale the loss",
+        fsdp_.world().rank(), fsdp_.world().world_size()));
+  }
   std::vector<at::Tensor> grads;
   at::NoGradGuard no_grad;
   const double inverse = 1.0 / scale_;

@@ -41,6 +41,7 @@ class Engine {
   double clip_grad_norm(double max_norm);
   // Note [Step in backward]; nullptr: step after backward, as usual.
   void set_step_in_backward(optim::ShardOptimizer* optimizer);
+  bool steps_in_backward() const { return step_in_backward_ != nullptr; }
   void set_no_sync(bool on) { no_sync_ = on; }
   void zero_grad();
   void gather_all();

@@ -61,6 +61,7 @@ void FullyShardBase::zero_grad() { engine_->zero_grad(); }
 void FullyShardBase::step_in_backward(optim::ShardOptimizer* optimizer) {
   engine_->set_step_in_backward(optimizer);
 }
+bool FullyShardBase::steps_in_backward() const { return engine_->steps_in_backward(); }
 ShardMemory FullyShardBase::memory() const { return engine_->memory(); }
 int FullyShardBase::peak_gathered_units() const { return engine_->peak_gathered_units(); }
 void FullyShardBase::reset_peaks() { engine_->reset_peaks(); }

@@ -211,6 +211,7 @@ class FullyShardBase {
   // other than Ignore, or under NoShard and ShardOptimizerState (refused here). Gradient accumulation works:
   // the step happens in the backward that reduces. nullptr turns it off.
   void step_in_backward(optim::ShardOptimizer* optimizer);
+  bool steps_in_backward() const;  // an optimizer is registered by step_in_backward
 
   // While the guard lives, every unit is gathered: the module's parameters hold the
   // full current weights (for evaluation or comparison). A collective.

@@ -362,6 +362,11 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
       }
     }
     EXPECT_EQ(scaler.skipped_steps(), 1);
+    if (strategy == Strategy::FullShard) {  // stepping in backward would step scaled gradients
+      fsdp.step_in_backward(&opt);
+      EXPECT_THROW(scaler.unscale(opt), flatshard::InvalidArgument);
+      fsdp.step_in_backward(nullptr);
+    }
     auto full = fsdp.summon_full_params();
     auto ref_params = ref->named_parameters();
     double delta = 0, norm = 0;
