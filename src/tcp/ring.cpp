@@ -102,6 +102,21 @@ void add(at::ScalarType dtype, void* dst, const void* a, const void* b, std::int
   });
 }
 
+// Splits one ring step's segments (`out_numel` sent, `in_numel` received) into pieces of
+// up to `piece_numel` elements, calling f(out_begin, out_count, in_begin, in_count) for
+// each, in order; the longer segment sets the count (the other's pieces may be empty).
+template <typename F>
+void for_pieces(std::int64_t out_numel, std::int64_t in_numel, std::int64_t piece_numel, const F& f) {
+  const std::int64_t pieces =
+      std::max<std::int64_t>(1, (std::max(out_numel, in_numel) + piece_numel - 1) / piece_numel);
+  for (std::int64_t p = 0; p < pieces; ++p) {
+    const std::int64_t out_begin = std::min(out_numel, p * piece_numel);
+    const std::int64_t in_begin = std::min(in_numel, p * piece_numel);
+    f(out_begin, std::min(out_numel - out_begin, piece_numel), in_begin,
+      std::min(in_numel - in_begin, piece_numel));
+  }
+}
+
 class TcpRingBackend final : public Backend {
  public:
   TcpRingBackend(int rank, int world_size, std::vector<Channel> channels,
@@ -280,7 +295,8 @@ class TcpRingBackend final : public Backend {
 
   // Ring all-gather over `buffer` (segments by shard_range); this rank's segment is
   // already in place.
-  void all_gather(Channel& ch, const Collective& op, const at::Tensor& buffer) {
+  // all_reduce runs it from its second step (`first_step` 1), having done the first.
+  void all_gather(Channel& ch, const Collective& op, const at::Tensor& buffer, int first_step = 0) {
     const std::int64_t numel = buffer.numel();
     if (op.kind == OpKind::AllGather) {
       const ShardRange mine = shard_range(numel, world_size_, rank_);
@@ -289,7 +305,7 @@ class TcpRingBackend final : public Backend {
         std::memcpy(slot, op.input.data_ptr(), bytes_of(buffer, mine));
       }
     }
-    for (int s = 0; s < world_size_ - 1; ++s) {
+    for (int s = first_step; s < world_size_ - 1; ++s) {
       const ShardRange out = shard_range(numel, world_size_, mod(rank_ - s));
       const ShardRange in = shard_range(numel, world_size_, mod(rank_ - s - 1));
       step(ch, op, ptr_of(buffer, out), bytes_of(buffer, out), true, ptr_of(buffer, in), bytes_of(buffer, in),
@@ -329,21 +345,17 @@ class TcpRingBackend final : public Backend {
     for (int s = 0; s < world_size_ - 1; ++s) {
       const ShardRange out = shard_range(numel, world_size_, mod(rank_ - s - 1));
       const ShardRange in = shard_range(numel, world_size_, mod(rank_ - s - 2));
-      const std::int64_t pieces =
-          std::max<std::int64_t>(1, (std::max(out.numel, in.numel) + piece_numel - 1) / piece_numel);
-      for (std::int64_t p = 0; p < pieces; ++p) {
-        const std::int64_t out_begin = std::min(out.numel, p * piece_numel);
-        const std::int64_t out_count = std::min(out.numel - out_begin, piece_numel);
-        const std::int64_t in_begin = std::min(in.numel, p * piece_numel);
-        const std::int64_t in_count = std::min(in.numel - in_begin, piece_numel);
-        const char* send = ptr_of(input, out) + out_begin * elem;
-        if (s > 0 && out_count > 0) {  // what arrived last step is the partial sum of `out`: add ours
-          add(dtype, piece_buf, got_prev + out_begin * elem, send, out_count);
-          send = piece_buf;
-        }
-        step(ch, op, send, static_cast<std::size_t>(out_count * elem), true, got_now + in_begin * elem,
-             static_cast<std::size_t>(in_count * elem), true);
-      }
+      for_pieces(
+          out.numel, in.numel, piece_numel,
+          [&](std::int64_t out_begin, std::int64_t out_count, std::int64_t in_begin, std::int64_t in_count) {
+            const char* send = ptr_of(input, out) + out_begin * elem;
+            if (s > 0 && out_count > 0) {  // what arrived last step is the partial sum of `out`: add ours
+              add(dtype, piece_buf, got_prev + out_begin * elem, send, out_count);
+              send = piece_buf;
+            }
+            step(ch, op, send, static_cast<std::size_t>(out_count * elem), true, got_now + in_begin * elem,
+                 static_cast<std::size_t>(in_count * elem), true);
+          });
       std::swap(got_prev, got_now);
     }
     return got_prev;
@@ -369,23 +381,15 @@ class TcpRingBackend final : public Backend {
     const std::int64_t piece_numel = std::max<std::int64_t>(1, kReducePieceBytes / elem);
     const ShardRange in = shard_range(numel, world_size_, mod(rank_ - 1));
     char* own = ptr_of(t, mine);
-    const std::int64_t pieces =
-        std::max<std::int64_t>(1, (std::max(mine.numel, in.numel) + piece_numel - 1) / piece_numel);
-    for (std::int64_t p = 0; p < pieces; ++p) {
-      const std::int64_t out_begin = std::min(mine.numel, p * piece_numel);
-      const std::int64_t out_count = std::min(mine.numel - out_begin, piece_numel);
-      const std::int64_t in_begin = std::min(in.numel, p * piece_numel);
-      const std::int64_t in_count = std::min(in.numel - in_begin, piece_numel);
-      char* piece = own + out_begin * elem;
-      if (out_count > 0) add(dtype, piece, partial + out_begin * elem, piece, out_count, divisor);
-      step(ch, op, piece, static_cast<std::size_t>(out_count * elem), true, ptr_of(t, in) + in_begin * elem,
-           static_cast<std::size_t>(in_count * elem), true);
-    }
-    for (int s = 1; s < world_size_ - 1; ++s) {  // the all-gather's other steps
-      const ShardRange out = shard_range(numel, world_size_, mod(rank_ - s));
-      const ShardRange next = shard_range(numel, world_size_, mod(rank_ - s - 1));
-      step(ch, op, ptr_of(t, out), bytes_of(t, out), true, ptr_of(t, next), bytes_of(t, next), true);
-    }
+    for_pieces(
+        mine.numel, in.numel, piece_numel,
+        [&](std::int64_t out_begin, std::int64_t out_count, std::int64_t in_begin, std::int64_t in_count) {
+          char* piece = own + out_begin * elem;
+          if (out_count > 0) add(dtype, piece, partial + out_begin * elem, piece, out_count, divisor);
+          step(ch, op, piece, static_cast<std::size_t>(out_count * elem), true,
+               ptr_of(t, in) + in_begin * elem, static_cast<std::size_t>(in_count * elem), true);
+        });
+    all_gather(ch, op, t, /*first_step=*/1);  // the all-gather's other steps
   }
 
   // Pipelined chain from the root round the ring: each rank forwards slice k while
