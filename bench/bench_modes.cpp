@@ -42,8 +42,10 @@ int main(int argc, char** argv) {
   std::string mode = "full";
   GPTConfig cfg{4096, 64, 256, 8, 6};
   int batch = 4, steps = 6;
+  bool phases = false;  // --phases 1: each rank prints its mean forward, backward and step times
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
+    if (a == "--phases") phases = std::atoi(argv[i + 1]) != 0;
     const int v = std::atoi(argv[i + 1]);
     if (a == "--mode")
       mode = argv[i + 1];
@@ -80,6 +82,7 @@ int main(int argc, char** argv) {
 
   auto g = at::make_generator<at::CPUGeneratorImpl>(world.rank());
   double total_ms = 0;
+  double phase_ms[3] = {0, 0, 0};  // forward (with the loss), backward, step and zero_grad
   for (int step = 0; step <= steps; ++step) {
     auto tokens = at::randint(cfg.vocab, {batch, cfg.context + 1}, g);
     if (step == 1) {  // the first step allocates optimizer state: measure from the second on
@@ -87,16 +90,31 @@ int main(int argc, char** argv) {
       fsdp.reset_peaks();
       comm.barrier().wait();
     }
-    const auto start = std::chrono::steady_clock::now();
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
     auto input = tokens.narrow(1, 0, cfg.context);
     auto logits = fsdp.forward(input);
     auto loss = torch::cross_entropy_loss(logits.reshape({-1, cfg.vocab}),
                                           tokens.narrow(1, 1, cfg.context).reshape({-1}));
+    const auto forwarded = Clock::now();
     loss.backward();
+    const auto backwarded = Clock::now();
     opt.step();
     opt.zero_grad();
-    if (step >= 1)
-      total_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    const auto end = Clock::now();
+    auto ms = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
+    if (step >= 1) {
+      total_ms += ms(start, end);
+      phase_ms[0] += ms(start, forwarded);
+      phase_ms[1] += ms(forwarded, backwarded);
+      phase_ms[2] += ms(backwarded, end);
+    }
+  }
+  if (phases) {
+    std::fprintf(stderr, "%s rank %d phases ms: forward %.1f, backward %.1f, step %.1f\n", mode.c_str(),
+                 world.rank(), phase_ms[0] / steps, phase_ms[1] / steps, phase_ms[2] / steps);
   }
   const std::int64_t rss_growth = rss_bytes("VmHWM:") - rss_before;
   const flatshard::ShardMemory m = fsdp.memory();

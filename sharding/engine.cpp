@@ -238,7 +238,7 @@ void Engine::reduce(int index) {
     // the conversion to the reduce dtype already made one.
     pending->output = pending->input_is_full_grad ? g.full_grad().clone() : pending->input;
   } else {
-    pending->output = at::empty({g.shard_numel()}, pending->input.options().dtype(reduce_dtype));
+    pending->output = g.pooled_empty(g.shard_numel(), reduce_dtype);
     scattered = shard_comm().reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
     pending->work = scattered;
   }
@@ -293,7 +293,12 @@ void Engine::finish_first_reduce() {
     landing.copy_(reduced, /*non_blocking=*/landing.is_pinned());
     landing_grads_.emplace_back(pending->unit, std::move(landing));
   } else {
-    accumulate(g.master().mutable_grad(), std::move(reduced));
+    const bool adds = g.master().grad().defined();
+    accumulate(g.master().mutable_grad(), reduced);
+    if (adds) {
+      pending->output = at::Tensor();
+      g.release(std::move(reduced));
+    }
     step_now(pending->unit);
   }
   if (pending->input_is_full_grad) g.free_full_grad();

@@ -118,8 +118,9 @@ class Engine {
   bool order_recorded_ = false;               // set after the first forward
   bool backward_active_ = false;              // between the first backward hook and the end callback
   bool no_sync_ = false;
-  c10::Device device_{c10::kCPU};    // the compute device: gathered units, collectives
-  std::vector<at::Tensor> buffers_;  // the model's buffers, on the compute device
+  c10::Device device_{c10::kCPU};             // the compute device: gathered units, collectives
+  std::shared_ptr<BufferPool> host_buffers_;  // the host groups' gathered buffers and flat gradients
+  std::vector<at::Tensor> buffers_;           // the model's buffers, on the compute device
   // Reductions issued and not yet finished, in issue order: at most one under the sharded
   // strategies (Note [One reduce-scatter in flight]); any number of buckets under the
   // replicated ones (Note [Queued bucket reductions]).

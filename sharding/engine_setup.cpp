@@ -245,7 +245,25 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     }
     units_.push_back(std::move(unit));
   }
+  if (device_.is_cpu()) {
+    // Note [Reused host buffers]: two of the largest buffers (a bucket's gradient under
+    // the replicated strategies, a unit's gathered buffer under full shard); every unit's
+    // gathered buffer under shard-grad-op, which holds them all from forward to the end of
+    // backward anyway.
+    std::int64_t largest = 0, gathered = 0;
+    for (auto& u : units_) {
+      if (!u->group) continue;
+      const FlatParamGroup& g = *u->group;
+      gathered += g.full_bytes();
+      if (!replicated_) largest = std::max(largest, g.full_bytes());
+      for (const FlatSegment& seg : g.segments())
+        if (replicated_) largest = std::max(largest, seg.padded_numel * g.full_bytes() / g.padded_numel());
+    }
+    host_buffers_ = std::make_shared<BufferPool>(
+        static_cast<std::size_t>(replicated_ || reshard_after_forward_ ? 2 * largest : gathered));
+  }
   for (auto& u : units_) {
+    if (u->group) u->group->set_pool(host_buffers_);
     if (u->group) memory_.param_shard_bytes += u->group->shard_numel() * 4;
     got_grad_.emplace_back(u->group ? u->group->slots().size() : 0, 0);
   }

@@ -1,5 +1,7 @@
 #include "sharding/flat_param.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 
 #include <ATen/ATen.h>
@@ -10,22 +12,6 @@
 
 namespace flatshard::sharding {
 namespace {
-
-void free_storage(const at::Tensor& t) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  if (s->nbytes() == 0) return;
-  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
-  s->set_nbytes(0);
-}
-
-void allocate_storage(const at::Tensor& t) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  const std::size_t need = static_cast<std::size_t>((t.storage_offset() + t.numel()) * t.element_size());
-  if (s->nbytes() >= need) return;
-  FLATSHARD_ASSERT(s->allocator() != nullptr, "flat buffer storage has no allocator");
-  s->set_data_ptr_noswap(s->allocator()->allocate(need));
-  s->set_nbytes(need);
-}
 
 // A tensor of `numel` elements whose storage holds no bytes yet (allocate_storage gives
 // it some).
@@ -41,7 +27,94 @@ at::Tensor alias_of(const at::Tensor& flat) {
   return at::empty({0}, flat.options()).set_(flat.storage(), flat.storage_offset(), {flat.numel()}, {1});
 }
 
+// Asks the kernel to back the block's whole 2 MiB pages with huge pages when they are
+// first touched: one fault per 2 MiB instead of 512 (Note [Reused host buffers]).
+void advise_huge_pages(void* data, std::size_t bytes) {
+  constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
+  if (data == nullptr || bytes < 2 * kHuge) return;
+  const auto begin = (reinterpret_cast<std::uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const auto end = (reinterpret_cast<std::uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advice only
+}
+
 }  // namespace
+
+c10::DataPtr BufferPool::take(std::size_t bytes, c10::Allocator* allocator, std::size_t* block_bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->bytes >= bytes && it->bytes <= bytes + bytes / 4 &&
+          (best == free_.end() || it->bytes < best->bytes))
+        best = it;
+    }
+    if (best != free_.end()) {
+      c10::DataPtr data = std::move(best->data);
+      *block_bytes = best->bytes;
+      cached_ -= best->bytes;
+      free_.erase(best);
+      return data;
+    }
+  }
+  *block_bytes = bytes;
+  c10::DataPtr data = allocator->allocate(bytes);
+  advise_huge_pages(data.get(), bytes);
+  return data;
+}
+
+void BufferPool::give(c10::DataPtr block, std::size_t bytes) {
+  if (block.get() == nullptr || bytes > limit_) return;  // freed here
+  std::lock_guard<std::mutex> lock(mutex_);
+  cached_ += bytes;
+  free_.push_back(Block{std::move(block), bytes});
+  while (cached_ > limit_) {
+    cached_ -= free_.front().bytes;
+    free_.pop_front();  // back to the allocator
+  }
+}
+
+std::size_t BufferPool::cached_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return cached_;
+}
+
+void FlatParamGroup::allocate_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const std::size_t need = static_cast<std::size_t>((t.storage_offset() + t.numel()) * t.element_size());
+  if (s->nbytes() >= need) return;
+  FLATSHARD_ASSERT(s->allocator() != nullptr, "flat buffer storage has no allocator");
+  std::size_t bytes = need;
+  // The storage takes the block's whole size, so that it goes back to the pool whole.
+  s->set_data_ptr_noswap(pool_ && t.is_cpu() ? pool_->take(need, s->allocator(), &bytes)
+                                             : s->allocator()->allocate(need));
+  s->set_nbytes(bytes);
+}
+
+void FlatParamGroup::free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const std::size_t bytes = s->nbytes();
+  if (bytes == 0) return;
+  c10::DataPtr old = s->set_data_ptr(at::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+  if (pool_ && t.is_cpu()) pool_->give(std::move(old), bytes);
+}
+
+at::Tensor FlatParamGroup::pooled_empty(std::int64_t numel, at::ScalarType dtype) {
+  const auto options = full_.options().dtype(dtype);
+  if (!pool_ || !full_.is_cpu()) return at::empty({numel}, options);
+  at::Tensor t = unallocated(numel, options);
+  allocate_storage(t);
+  return t;
+}
+
+at::Tensor FlatParamGroup::zeros(std::int64_t numel) { return pooled_empty(numel, compute_dtype_).zero_(); }
+
+void FlatParamGroup::release(at::Tensor t) {
+  if (pool_ && t.defined() && t.is_cpu() && t.use_count() == 1 && t.storage().use_count() == 1 &&
+      t.storage().resizable()) {
+    free_storage(t);
+  }
+}
 
 FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
                                int world_size, int rank, at::ScalarType compute_dtype,
@@ -235,7 +308,7 @@ at::Tensor FlatParamGroup::slot_grad(const ParamSlot& slot) const {
 
 void FlatParamGroup::allocate_segment_grad(int s) {
   if (!segmented_grads_ || segment_grads_[s].defined()) return;
-  segment_grads_[s] = at::zeros({segments_[s].padded_numel}, full_.options());
+  segment_grads_[s] = zeros(segments_[s].padded_numel);
   for (int i = segments_[s].first_slot; i < segments_[s].end_slot; ++i) {
     auto& slot = slots_[i];
     if (slot.param.requires_grad() && !slot.param.grad().defined())
@@ -247,6 +320,7 @@ void FlatParamGroup::free_segment_grad(int s) {
   if (!segmented_grads_) return;
   for (int i = segments_[s].first_slot; i < segments_[s].end_slot; ++i)
     slots_[i].param.mutable_grad().reset();
+  release(std::move(segment_grads_[s]));
   segment_grads_[s] = at::Tensor();
 }
 void FlatParamGroup::allocate_full() { allocate_storage(full_); }
@@ -272,8 +346,7 @@ void FlatParamGroup::copy_master_to_slot() {
 void FlatParamGroup::allocate_full_grad() {
   if (segmented_grads_) {
     for (std::size_t k = 0; k < segments_.size(); ++k) {
-      if (!segment_grads_[k].defined())
-        segment_grads_[k] = at::zeros({segments_[k].padded_numel}, full_.options());
+      if (!segment_grads_[k].defined()) segment_grads_[k] = zeros(segments_[k].padded_numel);
     }
     return;
   }
@@ -284,7 +357,10 @@ void FlatParamGroup::allocate_full_grad() {
 
 void FlatParamGroup::free_full_grad() {
   free_storage(full_grad_);
-  for (auto& t : segment_grads_) t = at::Tensor();
+  for (auto& t : segment_grads_) {
+    release(std::move(t));
+    t = at::Tensor();
+  }
 }
 
 void FlatParamGroup::use_full_views() {

@@ -142,7 +142,7 @@ void Engine::reduce_segment(int s) {
   pending->segment = s;
   at::Tensor& master_grad = g.master().mutable_grad();
   if (!g.master_aliases_full() && !master_grad.defined()) {
-    master_grad = at::empty({g.shard_numel()}, g.master().options());
+    master_grad = g.pooled_empty(g.shard_numel(), at::kFloat);
     fresh_grad_ = true;
   }
   CollectiveOptions opts;

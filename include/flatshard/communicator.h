@@ -66,6 +66,12 @@ struct CommunicatorOptions {
   // The device whose tensors the collectives move (the CPU, or one CUDA device).
   c10::Device device{c10::kCPU};
   Transport transport = Transport::Auto;
+  // CPU rings between ranks on one machine: the receiver copies each message straight
+  // out of the sender's memory (Linux process_vm_readv), so the bytes are copied once
+  // instead of through a socket. Each link checks at creation that it can; links that
+  // cannot (other machines, a kernel that refuses) send through the socket. The
+  // environment variable FLATSHARD_DIRECT_COPY=0 turns it off for every communicator.
+  bool direct_copy = true;
 };
 
 struct CollectiveOptions {
@@ -136,6 +142,9 @@ class Communicator {
 
   // Number of collectives issued so far (the last sequence number).
   std::uint64_t issued() const { return next_seq_ - 1; }
+  // Whether every link this rank receives on copies directly from its sender's memory
+  // (CommunicatorOptions::direct_copy). False at world size 1.
+  bool copies_directly() const;
 
  private:
   Communicator(int rank, int world_size, CommunicatorOptions options, std::unique_ptr<comm::Backend> backend);

@@ -59,6 +59,8 @@ class Backend {
   // Makes every op in progress on any channel, and every later op, fail at once.
   // Safe to call from any thread.
   virtual void abort() = 0;
+  // Whether every incoming link copies straight from the sender (CPU rings on one machine).
+  virtual bool copies_directly() const { return false; }
 };
 
 // The CPU transport: `num_channels` independent rings of TCP connections.

@@ -122,6 +122,8 @@ Communicator::~Communicator() {
   for (auto& s : streams_) s.reset();
 }
 
+bool Communicator::copies_directly() const { return backend_->copies_directly(); }
+
 Stream& Communicator::stream(StreamRole role) { return *streams_[static_cast<int>(role)]; }
 
 Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input,

@@ -7,20 +7,27 @@
 // Every message starts with a StepHead naming the op, its per-channel number and the
 // body size; the receiver checks it before reading the body, so ranks that disagree
 // on the next collective fail with Mismatch instead of corrupting each other.
+// Between ranks on one machine the body does not go through the socket: see Note
+// [Direct copies].
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <thread>
 #include <vector>
+
+#include <sys/uio.h>
+#include <unistd.h>
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -40,7 +47,9 @@ using tcp::Socket;
 constexpr std::uint32_t kStepMagic = 0x46534852;   // "FSHR"
 constexpr std::uint32_t kHelloMagic = 0x46534845;  // "FSHE"
 constexpr std::size_t kBroadcastSliceBytes = std::size_t{1} << 20;
+constexpr std::uint32_t kDirectMagic = 0x46534443;  // "FSDC"
 constexpr std::int64_t kReducePieceBytes = std::int64_t{512} << 10;
+constexpr std::int64_t kDirectPieceBytes = std::int64_t{4} << 20;
 
 struct StepHead {
   std::uint32_t magic;
@@ -58,12 +67,44 @@ struct Hello {
   std::int32_t channel;
 };
 
+// Note [Direct copies]
+// Through a socket every byte is copied twice (into the kernel by the sender, out of it
+// by the receiver) in 64 KiB packets. Between two processes of one machine the
+// receiver can instead copy the body once, straight out of the sender's memory, with
+// process_vm_readv. The socket still carries each StepHead, followed by the address of
+// the body in the sender instead of the body; the receiver copies, then answers with
+// an 8-byte acknowledgement (the op's number on the channel), and the sender waits for
+// it before the step returns, since the caller may reuse the buffer as soon as it does.
+// Every check, deadline and failure path stays that of the socket: a peer that dies
+// closes its connections (or its memory vanishes under the copy: ESRCH), and abort()
+// still wakes every wait by shutting the sockets.
+// Whether a link copies directly is agreed once per link at creation: the sender
+// offers its pid and the address of a random 16-byte nonce, and the receiver accepts
+// only if it reads the nonce back. That one test covers other machines, other pid
+// namespaces, and kernels or sandboxes that refuse the call (Yama's ptrace_scope 1, for
+// one, lets a process read only its descendants; such links stay on the socket).
+struct DirectOffer {
+  std::uint32_t magic;
+  std::int32_t pid;
+  std::uint64_t address;  // of `nonce` in the sender
+  std::uint64_t nonce[2];
+  std::uint32_t wanted;  // 0: the sender's options turn direct copies off
+  std::uint32_t pad;
+};
+struct DirectAnswer {
+  std::uint32_t magic;
+  std::uint32_t accepted;
+};
+
 // The connections of one stream, and its scratch memory. Touched only by that
 // stream's worker, one op at a time.
 struct Channel {
   Socket to_next;
   Socket from_prev;
-  std::uint64_t seq = 0;  // ops run on this channel so far
+  std::uint64_t seq = 0;    // ops run on this channel so far
+  bool direct_out = false;  // the next rank copies our bodies out of our memory
+  bool direct_in = false;   // we copy the previous rank's bodies out of its memory
+  pid_t prev_pid = 0;
   // Reduction scratch, kept between ops so that steady-state steps allocate (and
   // fault in) nothing; it grows to the largest segment seen.
   std::unique_ptr<char[]> scratch_[3];
@@ -125,7 +166,16 @@ class TcpRingBackend final : public Backend {
         world_size_(world_size),
         channels_(std::move(channels)),
         store_(std::move(store)),
-        failure_key_(std::move(failure_key)) {}
+        failure_key_(std::move(failure_key)) {
+    // Direct links pay a round trip per message, so they move bigger pieces.
+    bool all_direct = !channels_.empty();
+    for (const Channel& ch : channels_) all_direct = all_direct && ch.direct_in && ch.direct_out;
+    piece_bytes_ = all_direct ? kDirectPieceBytes : kReducePieceBytes;
+    copies_directly_ = !channels_.empty();
+    for (const Channel& ch : channels_) copies_directly_ = copies_directly_ && ch.direct_in;
+  }
+
+  bool copies_directly() const override { return copies_directly_; }
 
   std::shared_ptr<DeviceEvent> run(const Collective& op, int channel) override {
     FLATSHARD_ASSERT((channel >= 0 && channel < static_cast<int>(channels_.size())) || world_size_ == 1,
@@ -266,9 +316,16 @@ class TcpRingBackend final : public Backend {
     StepHead out{
         kStepMagic, static_cast<std::uint8_t>(op.kind), {sig[0], sig[1], sig[2]}, ch.seq, send_bytes};
     StepHead in{};
+    // Direct links carry the body's address in place of the body (Note [Direct copies]).
+    std::uint64_t out_address = reinterpret_cast<std::uintptr_t>(send), in_address = 0;
+    const tcp::Parts out_parts = ch.direct_out
+                                     ? tcp::Parts{&out, sizeof(out), &out_address, sizeof(out_address)}
+                                     : tcp::Parts{&out, sizeof(out), send, send_bytes};
+    const tcp::MutableParts in_parts =
+        ch.direct_in ? tcp::MutableParts{&in, sizeof(in), &in_address, sizeof(in_address)}
+                     : tcp::MutableParts{&in, sizeof(in), recv, recv_bytes};
     tcp::exchange(
-        do_send ? &ch.to_next : nullptr, tcp::Parts{&out, sizeof(out), send, send_bytes},
-        do_recv ? &ch.from_prev : nullptr, tcp::MutableParts{&in, sizeof(in), recv, recv_bytes}, op.deadline,
+        do_send ? &ch.to_next : nullptr, out_parts, do_recv ? &ch.from_prev : nullptr, in_parts, op.deadline,
         [&] {
           if (in.magic != kStepMagic || in.op != static_cast<std::uint8_t>(op.kind) ||
               in.channel_seq != ch.seq || in.body_bytes != recv_bytes) {
@@ -291,6 +348,41 @@ class TcpRingBackend final : public Backend {
                     describe_signature(sig.data())));
           }
         });
+    if (do_recv && ch.direct_in) {
+      copy_from_prev(ch, recv, in_address, recv_bytes);
+      const std::uint64_t ack = ch.seq;
+      ch.from_prev.send_all(&ack, sizeof(ack), op.deadline);
+    }
+    if (do_send && ch.direct_out) {
+      std::uint64_t ack = 0;
+      ch.to_next.recv_all(&ack, sizeof(ack), op.deadline);
+      if (ack != ch.seq) {
+        throw TransportFailure(CommError::Kind::Mismatch, next(),
+                               fmt::format("rank {} acknowledged op {} on this stream where this rank sent "
+                                           "op {}: the ranks issued different collectives",
+                                           next(), ack, ch.seq));
+      }
+    }
+  }
+
+  // Copies `bytes` at `address` in the previous rank's memory to `dst`.
+  void copy_from_prev(Channel& ch, void* dst, std::uint64_t address, std::size_t bytes) {
+    std::size_t done = 0;
+    while (done < bytes) {
+      iovec local{static_cast<char*>(dst) + done, bytes - done};
+      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(address + done)), bytes - done};
+      const ssize_t got = ::process_vm_readv(ch.prev_pid, &local, 1, &remote, 1, 0);
+      if (got > 0) {
+        done += static_cast<std::size_t>(got);
+      } else if (got < 0 && errno == EINTR) {
+        continue;
+      } else {
+        const int error = got < 0 ? errno : EIO;
+        throw IoError{IoError::Kind::Closed, prev(),
+                      fmt::format("copying {} bytes out of rank {} (pid {}) failed: {}", bytes, prev(),
+                                  ch.prev_pid, std::strerror(error))};
+      }
+    }
   }
 
   // Ring all-gather over `buffer` (segments by shard_range); this rank's segment is
@@ -337,7 +429,7 @@ class TcpRingBackend final : public Backend {
     const std::int64_t numel = input.numel();
     const auto dtype = input.scalar_type();
     const std::int64_t elem = input.element_size();
-    const std::int64_t piece_numel = std::max<std::int64_t>(1, kReducePieceBytes / elem);
+    const std::int64_t piece_numel = std::max<std::int64_t>(1, piece_bytes_ / elem);
     const std::size_t max_bytes = static_cast<std::size_t>(shard_range(numel, world_size_, 0).numel * elem);
     char* got_prev = ch.scratch(0, max_bytes);  // partial sums received at the previous step
     char* got_now = ch.scratch(1, max_bytes);   // partial sums arriving at this step
@@ -378,7 +470,7 @@ class TcpRingBackend final : public Backend {
     }
     const char* partial = reduce_scatter_steps(ch, op, t);  // the others' sums of this rank's segment
     const std::int64_t elem = t.element_size();
-    const std::int64_t piece_numel = std::max<std::int64_t>(1, kReducePieceBytes / elem);
+    const std::int64_t piece_numel = std::max<std::int64_t>(1, piece_bytes_ / elem);
     const ShardRange in = shard_range(numel, world_size_, mod(rank_ - 1));
     char* own = ptr_of(t, mine);
     for_pieces(
@@ -432,9 +524,54 @@ class TcpRingBackend final : public Backend {
   std::mutex abort_mutex_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::string failure_key_;
+  std::int64_t piece_bytes_ = kReducePieceBytes;
+  bool copies_directly_ = false;
 };
 
 std::vector<std::uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+bool wants_direct_copy(const CommunicatorOptions& options) {
+  const char* env = std::getenv("FLATSHARD_DIRECT_COPY");
+  return options.direct_copy && !(env != nullptr && std::string(env) == "0");
+}
+
+// Note [Direct copies]: each link's sender offers, its receiver tries and answers.
+// Offers are sent on every link before any is read, so no rank waits on another's
+// answer while its own offer is unsent.
+void agree_on_direct_copies(std::vector<Channel>& channels, bool wanted, Clock::time_point deadline) {
+  std::random_device random;
+  std::uint64_t nonce[2];
+  for (auto& word : nonce) word = (std::uint64_t{random()} << 32) ^ random();
+  const DirectOffer offer{kDirectMagic,
+                          static_cast<std::int32_t>(::getpid()),
+                          reinterpret_cast<std::uintptr_t>(&nonce[0]),
+                          {nonce[0], nonce[1]},
+                          wanted ? 1u : 0u,
+                          0};
+  for (Channel& ch : channels) ch.to_next.send_all(&offer, sizeof(offer), deadline);
+  for (Channel& ch : channels) {
+    DirectOffer theirs{};
+    ch.from_prev.recv_all(&theirs, sizeof(theirs), deadline);
+    bool accepted = false;
+    if (wanted && theirs.magic == kDirectMagic && theirs.wanted == 1 && theirs.pid > 0) {
+      std::uint64_t read_back[2] = {0, 0};
+      iovec local{read_back, sizeof(read_back)};
+      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(theirs.address)), sizeof(read_back)};
+      accepted = ::process_vm_readv(theirs.pid, &local, 1, &remote, 1, 0) ==
+                     static_cast<ssize_t>(sizeof(read_back)) &&
+                 read_back[0] == theirs.nonce[0] && read_back[1] == theirs.nonce[1];
+    }
+    ch.direct_in = accepted;
+    ch.prev_pid = theirs.pid;
+    const DirectAnswer answer{kDirectMagic, accepted ? 1u : 0u};
+    ch.from_prev.send_all(&answer, sizeof(answer), deadline);
+  }
+  for (Channel& ch : channels) {
+    DirectAnswer answer{};
+    ch.to_next.recv_all(&answer, sizeof(answer), deadline);
+    ch.direct_out = answer.magic == kDirectMagic && answer.accepted == 1;
+  }
+}
 
 }  // namespace
 
@@ -510,6 +647,7 @@ std::unique_ptr<Backend> make_tcp_ring_backend(const World& world, const Communi
       s.set_peer(prev);
       channels[hello.channel].from_prev = std::move(s);
     }
+    agree_on_direct_copies(channels, wants_direct_copy(options), deadline);
   } catch (const IoError& e) {
     throw fail(fmt::format("{}; check that every rank is running and can reach the others", e.detail));
   } catch (const RendezvousError&) {

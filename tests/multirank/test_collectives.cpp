@@ -191,6 +191,59 @@ TEST(Collectives, StreamsRunConcurrently) {
   EXPECT_TRUE(at::equal(out, at::full({slot.numel}, static_cast<float>(r.size()))));
 }
 
+// Every op, over sizes that span several pieces, checked against its definition.
+void check_every_op(const Rank& r) {
+  for (auto dtype : {at::kFloat, at::kLong, at::kBFloat16}) {
+    for (std::int64_t numel : {0, 1, 13, 65537, 3000017}) {
+      SCOPED_TRACE(::testing::Message() << "numel " << numel << " dtype " << dtype);
+      const auto slot = shard_range(numel, r.size(), r.rank());
+      const auto mine = pattern(numel, r.rank(), dtype);
+      auto sum = pattern_sum(numel, r.size(), dtype);
+      const double tol = dtype == at::kBFloat16 ? 1e-2 : 1e-12;
+      auto gathered = at::full({numel}, -1, dtype);
+      r.comm->all_gather(gathered, mine.narrow(0, slot.offset, slot.numel)).wait();
+      for (int q = 0; q < r.size(); ++q) {
+        const auto s = shard_range(numel, r.size(), q);
+        EXPECT_TRUE(at::equal(gathered.narrow(0, s.offset, s.numel),
+                              pattern(numel, q, dtype).narrow(0, s.offset, s.numel)));
+      }
+      auto scattered = at::empty({slot.numel}, dtype);
+      r.comm->reduce_scatter(scattered, mine, ReduceOp::Sum).wait();
+      EXPECT_TRUE(at::allclose(scattered.to(at::kDouble), sum.narrow(0, slot.offset, slot.numel), tol, tol));
+      auto reduced = mine.clone();
+      r.comm->all_reduce(reduced, ReduceOp::Sum).wait();
+      EXPECT_TRUE(at::allclose(reduced.to(at::kDouble), sum, tol, tol));
+      const int root = r.size() - 1;
+      auto broadcast = r.rank() == root ? mine.clone() : at::full({numel}, -1, dtype);
+      r.comm->broadcast(broadcast, root).wait();
+      EXPECT_TRUE(at::equal(broadcast, pattern(numel, root, dtype)));
+    }
+  }
+}
+
+// Note [Direct copies] in src/tcp/ring.cpp: ranks of one machine copy each message out
+// of the sender's memory; a link whose sender or receiver turns that off goes through
+// its socket. Every op gives the same result with all links direct, none, or a mix
+// (rank 1 turns it off, so the links into and out of it use the socket).
+TEST(Collectives, DirectCopiesAndSocketsGiveTheSameResultsInAnyMix) {
+  FLATSHARD_RUN_RANKS({2, 3});
+  const flatshard::World world = flatshard::init();
+  const int rank = world.rank(), size = world.world_size();
+  for (int mix = 0; mix < 3; ++mix) {
+    SCOPED_TRACE(::testing::Message() << "mix " << mix);
+    flatshard::CommunicatorOptions options;
+    options.timeout = std::chrono::seconds(60);
+    options.name = "mix" + std::to_string(mix);
+    options.direct_copy = mix == 0 || (mix == 2 && rank != 1);
+    Rank r{world, Communicator::create(world, options)};
+    const int prev = (rank + size - 1) % size;
+    const bool expect_direct = mix == 0 || (mix == 2 && rank != 1 && prev != 1);
+    EXPECT_EQ(r.comm->copies_directly(), expect_direct)
+        << "(all direct: the kernel refused process_vm_readv between these ranks)";
+    check_every_op(r);
+  }
+}
+
 TEST(Collectives, ContractViolationsThrowAndSendNothing) {
   FLATSHARD_RUN_RANKS({2});
   Rank r = join();

@@ -2,6 +2,7 @@
 // each parameter belongs to (sharding/unit_discovery.h), without any communication.
 #include <gtest/gtest.h>
 
+#include <c10/core/CPUAllocator.h>
 #include <torch/torch.h>
 
 #include "flatshard/unit.h"
@@ -107,6 +108,66 @@ TEST(FlatParamGroup, GradientViewsAccumulateInTheFlatGradient) {
   EXPECT_FALSE(b.grad().defined());
   g.free_full_grad();
   EXPECT_FALSE(g.full_grad_allocated());
+}
+
+// Note [Reused host buffers]: a freed block serves the next request it fits (up to a
+// quarter larger), the pool keeps at most its limit (oldest dropped first), and blocks
+// over the limit are not kept.
+TEST(BufferPool, ReusesFittingBlocksWithinItsLimit) {
+  using flatshard::sharding::BufferPool;
+  c10::Allocator* cpu = c10::GetCPUAllocator();
+  const std::size_t mib = std::size_t{1} << 20;
+  BufferPool pool(10 * mib);
+  std::size_t got = 0;
+  c10::DataPtr a = pool.take(4 * mib, cpu, &got);
+  EXPECT_EQ(got, 4 * mib);
+  void* a_ptr = a.get();
+  pool.give(std::move(a), 4 * mib);
+  EXPECT_EQ(pool.cached_bytes(), 4 * mib);
+  c10::DataPtr too_small_for = pool.take(3 * mib, cpu, &got);  // 4 MiB is over a quarter larger
+  EXPECT_NE(too_small_for.get(), a_ptr);
+  EXPECT_EQ(got, 3 * mib);
+  c10::DataPtr fits = pool.take(4 * mib - 4096, cpu, &got);
+  EXPECT_EQ(fits.get(), a_ptr) << "the kept block serves a request it fits";
+  EXPECT_EQ(got, 4 * mib) << "and is handed out whole, to come back whole";
+  EXPECT_EQ(pool.cached_bytes(), 0u);
+  c10::DataPtr b = pool.take(5 * mib, cpu, &got);
+  void* b_ptr = b.get();
+  pool.give(std::move(fits), 4 * mib);
+  pool.give(std::move(too_small_for), 3 * mib);
+  EXPECT_EQ(pool.cached_bytes(), 7 * mib);
+  pool.give(std::move(b), 5 * mib);  // 12 MiB > 10: the oldest (the 4 MiB block) goes
+  EXPECT_EQ(pool.cached_bytes(), 8 * mib);
+  c10::DataPtr again = pool.take(4 * mib, cpu, &got);
+  EXPECT_EQ(again.get(), b_ptr) << "the smallest kept block that fits: 5 MiB (4 MiB was dropped)";
+  pool.give(pool.take(11 * mib, cpu, &got), 11 * mib);  // over the limit: not kept
+  EXPECT_EQ(pool.cached_bytes(), 3 * mib);
+}
+
+// A host group whose gathered buffer comes from a pool gets the same block back after
+// freeing it, and a gradient buffer someone else still holds is not taken back.
+TEST(BufferPool, GroupsGiveBackWhatNobodyElseHolds) {
+  auto pool = std::make_shared<flatshard::sharding::BufferPool>(std::size_t{1} << 30);
+  std::vector<std::pair<std::string, at::Tensor>> params = {{"w", at::ones({1 << 18}).requires_grad_()},
+                                                            {"b", at::ones({1 << 18}).requires_grad_()}};
+  FlatParamGroup g("g", params, 1, 0, at::kFloat, {});
+  g.set_pool(pool);
+  g.allocate_full();
+  void* first = g.full().data_ptr();
+  g.free_full();
+  EXPECT_EQ(pool->cached_bytes(), static_cast<std::size_t>(g.full_bytes()));
+  g.allocate_full();
+  EXPECT_EQ(g.full().data_ptr(), first) << "the freed block, reused";
+  EXPECT_EQ(pool->cached_bytes(), 0u);
+  at::Tensor held = g.pooled_empty(1 << 18, at::kFloat);
+  at::Tensor view = held.narrow(0, 0, 16);  // a caller still holds part of it
+  g.release(std::move(held));
+  EXPECT_EQ(pool->cached_bytes(), 0u) << "a buffer still viewed must not be handed out again";
+  EXPECT_TRUE(view.is_contiguous());
+  view.fill_(3);  // still valid memory
+  at::Tensor alone = g.pooled_empty(1 << 18, at::kFloat);
+  g.release(std::move(alone));
+  EXPECT_EQ(pool->cached_bytes(), std::size_t{1} << 20);
 }
 
 struct InnerImpl : torch::nn::Module {
