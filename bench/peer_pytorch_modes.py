@@ -6,6 +6,7 @@ block and the root), torch_fsdp2_grad_op (the same with reshard_after_forward=Fa
 Rank 0 prints: mode,world,params,step_ms,-,rss_growth_bytes (the largest over ranks).
 """
 import argparse
+import sys
 import math
 import time
 
@@ -75,6 +76,7 @@ def main():
     for name, default in [("layers", 6), ("dim", 256), ("heads", 8), ("vocab", 4096), ("context", 64),
                           ("batch", 4), ("steps", 6)]:
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--phases", type=int, default=0, help="1: each rank prints its mean phase times")
     a = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -103,6 +105,7 @@ def main():
             opt = torch.optim.AdamW(run.parameters(), lr=3e-4, fused=True)
     g = torch.Generator().manual_seed(rank)
     total = 0.0
+    phase = [0.0, 0.0, 0.0]  # forward (with the loss), backward, step and zero_grad
     for step in range(a.steps + 1):
         tokens = torch.randint(a.vocab, (a.batch, a.context + 1), generator=g)
         if step == 1:
@@ -110,11 +113,20 @@ def main():
         start = time.perf_counter()
         logits = run(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, a.vocab), tokens[:, 1:].reshape(-1))
+        forwarded = time.perf_counter()
         loss.backward()
+        backwarded = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        end = time.perf_counter()
         if step >= 1:
-            total += time.perf_counter() - start
+            total += end - start
+            for i, (t0, t1) in enumerate([(start, forwarded), (forwarded, backwarded), (backwarded, end)]):
+                phase[i] += t1 - t0
+    if a.phases:
+        f, b, s = (x / a.steps * 1e3 for x in phase)
+        print(f"{a.mode} rank {rank} phases ms: forward {f:.1f}, backward {b:.1f}, step {s:.1f}",
+              file=sys.stderr, flush=True)
     figures = torch.tensor([total / a.steps * 1e3, float(rss("VmHWM:") - before)], dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     if rank == 0:

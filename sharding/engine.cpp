@@ -258,14 +258,26 @@ void Engine::finish_pending_reduce() {
 }
 
 void Engine::finish_completed_reduces() {
-  while (!in_flight_.empty() && (!in_flight_.front()->work || in_flight_.front()->work->is_completed()))
-    finish_first_reduce();
+  auto completed = [](const PendingReduce& p) {
+    if (p.work && !p.work->is_completed()) return false;
+    for (const Work& w : p.hook_works) {
+      if (!w.is_completed()) return false;
+    }
+    return true;
+  };
+  while (!in_flight_.empty() && completed(*in_flight_.front())) finish_first_reduce();
 }
 
 void Engine::finish_first_reduce() {
   auto pending = std::move(in_flight_.front());
   in_flight_.pop_front();
   if (pending->work) pending->work->wait();
+  for (const Work& w : pending->hook_works) w.wait();  // Note [Communication hooks]
+  if (pending->hook_finish) pending->hook_finish();
+  if (pending->slice_numel >= 0) {
+    at::NoGradGuard no_grad;
+    pending->output.copy_(pending->input.narrow(0, pending->slice_offset, pending->slice_numel));
+  }
   const int pending_segment = pending->segment;
   if (pending->segment >= 0) {  // a bucket of a replicated group
     FlatParamGroup& g = *units_[pending->unit]->group;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "flatshard/comm_hooks.h"
 #include "flatshard/communicator.h"
 #include "flatshard/fully_shard.h"
 #include "sharding/flat_param.h"
@@ -43,6 +44,9 @@ class Engine {
   void set_step_in_backward(optim::ShardOptimizer* optimizer);
   bool steps_in_backward() const { return step_in_backward_ != nullptr; }
   void set_no_sync(bool on) { no_sync_ = on; }
+  // Note [Communication hooks]
+  void set_comm_hook(std::shared_ptr<CommHook> hook);
+  const std::shared_ptr<CommHook>& comm_hook() const { return comm_hook_; }
   void zero_grad();
   void gather_all();
   void reshard_all();
@@ -89,6 +93,7 @@ class Engine {
   std::vector<int> bucket_sizes(const std::vector<int>& ids) const;
   void launch_ready_segments();
   void reduce_segment(int segment);
+  void start_hook(PendingReduce& pending, int segment);
   void rebuild_buckets(std::vector<int> order);
   void end_of_replicated_backward();
   void check_nonfinite();
@@ -118,9 +123,11 @@ class Engine {
   bool order_recorded_ = false;               // set after the first forward
   bool backward_active_ = false;              // between the first backward hook and the end callback
   bool no_sync_ = false;
-  c10::Device device_{c10::kCPU};             // the compute device: gathered units, collectives
-  std::shared_ptr<BufferPool> host_buffers_;  // the host groups' gathered buffers and flat gradients
-  std::vector<at::Tensor> buffers_;           // the model's buffers, on the compute device
+  c10::Device device_{c10::kCPU};  // the compute device: gathered units, collectives
+  std::shared_ptr<BufferPool> host_buffers_;
+  std::shared_ptr<CommHook>
+      comm_hook_;  // null: the engine's own average  // the host groups' gathered buffers and flat gradients
+  std::vector<at::Tensor> buffers_;  // the model's buffers, on the compute device
   // Reductions issued and not yet finished, in issue order: at most one under the sharded
   // strategies (Note [One reduce-scatter in flight]); any number of buckets under the
   // replicated ones (Note [Queued bucket reductions]).

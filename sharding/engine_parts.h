@@ -2,6 +2,7 @@
 // a reduction in flight, the gradient hook, and the helpers the strategies share.
 #pragma once
 
+#include <functional>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -38,6 +39,12 @@ struct Engine::PendingReduce {
   // gradient an earlier backward left).
   int segment = -1;
   at::Tensor target;
+  // A communication hook's collectives and what finishes them; under ShardOptimizerState
+  // the hook averages the whole bucket (`input`), and this rank's slice of it is then
+  // the output.
+  std::vector<Work> hook_works;
+  std::function<void()> hook_finish;
+  std::int64_t slice_offset = 0, slice_numel = -1;
   bool add = false;
 };
 

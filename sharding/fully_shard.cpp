@@ -62,6 +62,10 @@ void FullyShardBase::step_in_backward(optim::ShardOptimizer* optimizer) {
   engine_->set_step_in_backward(optimizer);
 }
 bool FullyShardBase::steps_in_backward() const { return engine_->steps_in_backward(); }
+void FullyShardBase::register_comm_hook(std::shared_ptr<CommHook> hook) {
+  engine_->set_comm_hook(std::move(hook));
+}
+const std::shared_ptr<CommHook>& FullyShardBase::comm_hook() const { return engine_->comm_hook(); }
 ShardMemory FullyShardBase::memory() const { return engine_->memory(); }
 int FullyShardBase::peak_gathered_units() const { return engine_->peak_gathered_units(); }
 void FullyShardBase::reset_peaks() { engine_->reset_peaks(); }

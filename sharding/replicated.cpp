@@ -160,7 +160,25 @@ void Engine::reduce_segment(int s) {
     }
     pending->output = pending->input;
     opts.stream = StreamRole::AllReduce;
-    if (shard_.replicas > 1) pending->work = comm_->all_reduce(pending->input, ReduceOp::Avg, opts);
+    if (shard_.replicas > 1 && comm_hook_) {
+      start_hook(*pending, s);
+    } else if (shard_.replicas > 1) {
+      pending->work = comm_->all_reduce(pending->input, ReduceOp::Avg, opts);
+    }
+  } else if (comm_hook_) {
+    // The hook averages the whole bucket in place (a copy of it when converted); this
+    // rank's slice of the average is its part of the master's gradient.
+    pending->input = reduce_dtype == g.compute_dtype() ? grads : grads.to(reduce_dtype);
+    pending->slice_offset = static_cast<std::int64_t>(shard_.rank) * seg.slice;
+    pending->slice_numel = seg.slice;
+    if (fresh_grad_ && reduce_dtype == at::kFloat) {
+      pending->output = g.master_part(master_grad, s);
+    } else {
+      pending->output = at::empty({seg.slice}, pending->input.options());
+      pending->target = g.master_part(master_grad, s);
+      pending->add = !fresh_grad_;
+    }
+    start_hook(*pending, s);
   } else {
     // ShardOptimizerState: each rank receives its slice, its part of the master shard.
     pending->input = reduce_dtype == g.compute_dtype() ? grads : grads.to(reduce_dtype);
@@ -175,6 +193,56 @@ void Engine::reduce_segment(int s) {
     pending->work = comm_->reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
   }
   in_flight_.push_back(std::move(pending));
+}
+
+// Note [Communication hooks]
+// Under NoShard and ShardOptimizerState a hook (comm_hooks.h) replaces the bucket's
+// average: it gets the bucket when it is ready, in bucket order on every rank, starts its
+// collectives on this engine's communicator and returns them with what finishes them,
+// and the bucket then waits in in_flight_ like the engine's own all-reduce, finished
+// (waited for, then the hook's finish) off the backward's path. The sharded strategies
+// reduce-scatter units, which a bucket-averaging hook cannot do, and refuse hooks.
+void Engine::set_comm_hook(std::shared_ptr<CommHook> hook) {
+  const std::string who =
+      fmt::format("flatshard::FullyShard::register_comm_hook (rank {}/{})", rank_, world_size_);
+  if (hook && !replicated_) {
+    throw InvalidArgument(
+        fmt::format("{}: {} reduce-scatters each unit's gradients, and communication hooks average whole "
+                    "buckets; use Strategy::NoShard or Strategy::ShardOptimizerState with a hook",
+                    who, to_string(options_.strategy)));
+  }
+  if (backward_active_) throw InvalidArgument(fmt::format("{}: called during backward", who));
+  // Every rank must run the same hook with the same settings: compare their descriptions.
+  const std::string mine = hook ? hook->describe() : "none";
+  auto hashes = at::zeros({world_size_}, at::kLong);
+  hashes[rank_] = static_cast<std::int64_t>(std::hash<std::string>{}(mine) >> 1);
+  comm_->all_reduce(hashes, ReduceOp::Sum).wait();
+  for (int r = 0; r < world_size_; ++r) {
+    if (hashes[r].item<std::int64_t>() != hashes[rank_].item<std::int64_t>()) {
+      throw InvalidArgument(fmt::format(
+          "{}: rank {} registered a communication hook with other settings than this rank's {}; every rank "
+          "must register the same hook with the same settings",
+          who, r, mine));
+    }
+  }
+  finish_pending_reduce();
+  comm_hook_ = std::move(hook);
+}
+
+void Engine::start_hook(PendingReduce& pending, int s) {
+  const FlatParamGroup& g = *units_[kRoot]->group;
+  const FlatSegment& seg = g.segments()[s];
+  GradBucket bucket;
+  bucket.index = s;
+  bucket.step = synced_backwards_;
+  bucket.buffer = pending.input;
+  for (int i = seg.first_slot; i < seg.end_slot; ++i) {
+    const ParamSlot& slot = g.slots()[i];
+    bucket.params.push_back({slot.name, slot.shape, slot.offset - seg.offset});
+  }
+  HookWork work = comm_hook_->reduce(*comm_, bucket);
+  pending.hook_works = std::move(work.works);
+  pending.hook_finish = std::move(work.finish);
 }
 
 void Engine::end_of_replicated_backward() {

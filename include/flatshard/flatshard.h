@@ -3,6 +3,7 @@
 
 #include "flatshard/build.h"
 #include "flatshard/checkpoint.h"
+#include "flatshard/comm_hooks.h"
 #include "flatshard/communicator.h"
 #include "flatshard/errors.h"
 #include "flatshard/fully_shard.h"

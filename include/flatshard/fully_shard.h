@@ -26,6 +26,7 @@
 
 #include <torch/nn/module.h>
 
+#include "flatshard/comm_hooks.h"
 #include "flatshard/communicator.h"
 #include "flatshard/strategy.h"
 #include "flatshard/unit.h"
@@ -211,6 +212,11 @@ class FullyShardBase {
   // other than Ignore, or under NoShard and ShardOptimizerState (refused here). Gradient accumulation works:
   // the step happens in the backward that reduces. nullptr turns it off.
   void step_in_backward(optim::ShardOptimizer* optimizer);
+  // NoShard and ShardOptimizerState: `hook` reduces each gradient bucket instead of the
+  // plain average (comm_hooks.h; nullptr: the plain average again). A collective: every
+  // rank registers the same hook with the same settings (checked), between steps.
+  void register_comm_hook(std::shared_ptr<CommHook> hook);
+  const std::shared_ptr<CommHook>& comm_hook() const;
   bool steps_in_backward() const;  // an optimizer is registered by step_in_backward
 
   // While the guard lives, every unit is gathered: the module's parameters hold the

@@ -1,0 +1,223 @@
+// The communication hooks of include/flatshard/comm_hooks.h. Each runs its compression on
+// the calling thread when a bucket is ready, its collectives on the communicator's
+// streams, and its decompression when the engine finishes the bucket. Every rank runs
+// the same code on the same gathered data, so every rank ends with the same bits.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "flatshard/comm_hooks.h"
+#include "flatshard/errors.h"
+
+namespace flatshard::hooks {
+namespace {
+
+CollectiveOptions on(StreamRole role) {
+  CollectiveOptions o;
+  o.stream = role;
+  return o;
+}
+
+class AllReduceHook final : public CommHook {
+ public:
+  std::string describe() const override { return "all_reduce"; }
+  HookWork reduce(Communicator& comm, const GradBucket& bucket) override {
+    return {{comm.all_reduce(bucket.buffer, ReduceOp::Avg, on(StreamRole::AllReduce))}, nullptr};
+  }
+};
+
+class LowPrecisionHook final : public CommHook {
+ public:
+  explicit LowPrecisionHook(at::ScalarType dtype) : dtype_(dtype) {}
+  std::string describe() const override { return fmt::format("low_precision({})", c10::toString(dtype_)); }
+  HookWork reduce(Communicator& comm, const GradBucket& bucket) override {
+    // Divided first: a sum of fp16 gradients over many ranks could overflow.
+    at::Tensor wire = bucket.buffer.to(at::kFloat).div_(comm.world_size()).to(dtype_);
+    Work work = comm.all_reduce(wire, ReduceOp::Sum, on(StreamRole::AllReduce));
+    at::Tensor buffer = bucket.buffer;
+    return {{work}, [buffer, wire]() mutable { buffer.copy_(wire); }};
+  }
+
+ private:
+  at::ScalarType dtype_;
+};
+
+class QuantizeHook final : public CommHook {
+ public:
+  explicit QuantizeHook(std::int64_t chunk_numel) : chunk_numel_(chunk_numel) {}
+  std::string describe() const override { return fmt::format("quantize_8bit(chunk_numel={})", chunk_numel_); }
+  HookWork reduce(Communicator& comm, const GradBucket& bucket) override {
+    const std::int64_t numel = bucket.buffer.numel();
+    const std::int64_t chunks = (numel + chunk_numel_ - 1) / chunk_numel_;
+    const int world = comm.world_size(), rank = comm.rank();
+    at::Tensor padded = at::zeros({chunks * chunk_numel_}, at::kFloat);
+    padded.narrow(0, 0, numel).copy_(bucket.buffer);
+    at::Tensor rows = padded.view({chunks, chunk_numel_});
+    at::Tensor scales = rows.abs().amax(1).div_(127);
+    at::Tensor divisor = at::where(scales > 0, scales, at::ones_like(scales));
+    at::Tensor codes = rows.div(divisor.unsqueeze(1)).round_().clamp_(-127, 127).to(at::kChar);
+    at::Tensor all_codes = at::empty({world * chunks * chunk_numel_}, at::kChar);
+    at::Tensor all_scales = at::empty({world * chunks}, at::kFloat);
+    all_codes.narrow(0, rank * chunks * chunk_numel_, chunks * chunk_numel_).copy_(codes.view({-1}));
+    all_scales.narrow(0, rank * chunks, chunks).copy_(scales);
+    const auto gather = on(StreamRole::AllGather);
+    std::vector<Work> works = {
+        comm.all_gather(all_codes, all_codes.narrow(0, rank * chunks * chunk_numel_, chunks * chunk_numel_),
+                        gather),
+        comm.all_gather(all_scales, all_scales.narrow(0, rank * chunks, chunks), gather)};
+    at::Tensor buffer = bucket.buffer;
+    const std::int64_t chunk_numel = chunk_numel_;
+    return {std::move(works), [=]() mutable {
+              at::Tensor values = all_codes.view({world, chunks, chunk_numel}).to(at::kFloat);
+              values.mul_(all_scales.view({world, chunks, 1}));
+              buffer.copy_(values.sum(0).view({-1}).narrow(0, 0, numel).div_(world));
+            }};
+  }
+
+ private:
+  std::int64_t chunk_numel_;
+};
+
+// Error feedback's residuals, by bucket (Note [Error feedback]).
+class Residuals {
+ public:
+  // The gradient to compress: this step's plus what earlier steps did not send.
+  at::Tensor corrected(const GradBucket& bucket) {
+    at::Tensor x = bucket.buffer.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = residuals_.find(bucket.index);
+    if (it != residuals_.end() && it->second.numel() == x.numel()) x.add_(it->second);
+    return x;
+  }
+  void keep(int index, at::Tensor residual) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    residuals_[index] = std::move(residual);
+  }
+  std::map<std::string, at::Tensor> state() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::map<std::string, at::Tensor> out;
+    for (const auto& [index, r] : residuals_) out[fmt::format("residual.{}", index)] = r;
+    return out;
+  }
+  void load(const std::map<std::string, at::Tensor>& state) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    residuals_.clear();
+    for (const auto& [name, t] : state) {
+      if (name.rfind("residual.", 0) == 0) residuals_[std::stoi(name.substr(9))] = t.to(at::kFloat).clone();
+    }
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::map<int, at::Tensor> residuals_;
+};
+
+// Note [Error feedback]
+// A sparsifier sends k of a bucket's n values. With error feedback the values it did not
+// send are kept, per bucket, and added to the bucket's next gradient before it chooses
+// again (EF-SGD): every gradient value is applied eventually, and the residual is part of
+// the training state (CommHook::state, saved in checkpoints).
+class SparsifyHook final : public CommHook {
+ public:
+  SparsifyHook(const SparsifyOptions& options, bool top) : options_(options), top_(top) {}
+  std::string describe() const override {
+    return top_ ? fmt::format("top_k(ratio={}, error_feedback={})", options_.ratio, options_.error_feedback)
+                : fmt::format("random_k(ratio={}, error_feedback={}, seed={})", options_.ratio,
+                              options_.error_feedback, options_.seed);
+  }
+
+  HookWork reduce(Communicator& comm, const GradBucket& bucket) override {
+    const std::int64_t numel = bucket.buffer.numel();
+    const int world = comm.world_size(), rank = comm.rank();
+    at::Tensor x = options_.error_feedback ? residuals_.corrected(bucket) : bucket.buffer.to(at::kFloat);
+    const std::int64_t k =
+        std::min<std::int64_t>(numel, std::max<std::int64_t>(1, std::ceil(options_.ratio * numel)));
+    at::Tensor buffer = bucket.buffer;
+    if (numel == 0) return {{}, nullptr};
+    at::Tensor index =
+        top_ ? std::get<1>(x.abs().topk(k, 0, /*largest=*/true, /*sorted=*/false)) : drawn(numel, k, bucket);
+    at::Tensor values = x.index_select(0, index);
+    if (options_.error_feedback) residuals_.keep(bucket.index, x.index_fill_(0, index, 0));
+    if (!top_) {  // every rank sends the same positions: their values are simply averaged
+      Work work = comm.all_reduce(values, ReduceOp::Avg, on(StreamRole::AllReduce));
+      return {{work}, [=]() mutable {
+                buffer.zero_();
+                buffer.index_copy_(0, index, values.to(buffer.scalar_type()));
+              }};
+    }
+    at::Tensor all_values = at::empty({world * k}, at::kFloat);
+    at::Tensor all_index = at::empty({world * k}, at::kInt);
+    all_values.narrow(0, rank * k, k).copy_(values);
+    all_index.narrow(0, rank * k, k).copy_(index);
+    const auto gather = on(StreamRole::AllGather);
+    std::vector<Work> works = {comm.all_gather(all_values, all_values.narrow(0, rank * k, k), gather),
+                               comm.all_gather(all_index, all_index.narrow(0, rank * k, k), gather)};
+    return {std::move(works), [=]() mutable {
+              at::Tensor sum = at::zeros({numel}, at::kFloat);
+              sum.index_add_(0, all_index.to(at::kLong), all_values);  // rank 0's first, on every rank
+              buffer.copy_(sum.div_(world));
+            }};
+  }
+
+  std::map<std::string, at::Tensor> state() const override { return residuals_.state(); }
+  void load_state(const std::map<std::string, at::Tensor>& state) override { residuals_.load(state); }
+
+ private:
+  // k distinct positions every rank draws alike: from the seed, the step and the bucket.
+  at::Tensor drawn(std::int64_t numel, std::int64_t k, const GradBucket& bucket) const {
+    const std::uint64_t seed = options_.seed * 0x9E3779B97F4A7C15ull ^
+                               (static_cast<std::uint64_t>(bucket.step) << 20) ^
+                               static_cast<std::uint64_t>(bucket.index);
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+    return at::randperm(numel, generator, at::kLong).narrow(0, 0, k);
+  }
+
+  SparsifyOptions options_;
+  bool top_;
+  Residuals residuals_;
+};
+
+}  // namespace
+
+std::shared_ptr<CommHook> all_reduce() { return std::make_shared<AllReduceHook>(); }
+
+std::shared_ptr<CommHook> low_precision(const LowPrecisionOptions& options) {
+  if (options.dtype != at::kBFloat16 && options.dtype != at::kHalf) {
+    throw InvalidArgument(fmt::format("flatshard::hooks::low_precision: dtype is bf16 or fp16, not {}",
+                                      c10::toString(options.dtype)));
+  }
+  return std::make_shared<LowPrecisionHook>(options.dtype);
+}
+
+std::shared_ptr<CommHook> quantize_8bit(const QuantizeOptions& options) {
+  if (options.chunk_numel <= 0) {
+    throw InvalidArgument(fmt::format("flatshard::hooks::quantize_8bit: chunk_numel must be positive, not {}",
+                                      options.chunk_numel));
+  }
+  return std::make_shared<QuantizeHook>(options.chunk_numel);
+}
+
+namespace {
+void check_ratio(const char* who, double ratio) {
+  if (!(ratio > 0 && ratio <= 1)) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::hooks::{}: ratio is the fraction of each bucket sent, in (0, 1], not {}", who, ratio));
+  }
+}
+}  // namespace
+
+std::shared_ptr<CommHook> top_k(const SparsifyOptions& options) {
+  check_ratio("top_k", options.ratio);
+  return std::make_shared<SparsifyHook>(options, /*top=*/true);
+}
+
+std::shared_ptr<CommHook> random_k(const SparsifyOptions& options) {
+  check_ratio("random_k", options.ratio);
+  return std::make_shared<SparsifyHook>(options, /*top=*/false);
+}
+
+}  // namespace flatshard::hooks

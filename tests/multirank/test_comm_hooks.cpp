@@ -1,0 +1,278 @@
+// Communication hooks (include/flatshard/comm_hooks.h): each against a single-process
+// computation of the same algorithm over every rank's data; error feedback's accounting;
+// the plain hook bit for bit the same as none; training with each under NoShard and
+// ShardOptimizerState; and the settings they refuse.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "tests/support/cases.h"
+#include "tests/support/multirank.h"
+
+namespace {
+
+using namespace flatshard::testing;
+using flatshard::CommHook;
+using flatshard::GradBucket;
+using flatshard::Strategy;
+namespace hooks = flatshard::hooks;
+
+constexpr std::int64_t kNumel = 10007;  // not divisible by the world size or a chunk
+
+// Rank r's gradient of bucket `index` at `step`: what every rank can compute for any rank.
+at::Tensor gradient(int rank, int step, int index) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(100000 + 1000 * step + 10 * index + rank);
+  return at::randn({kNumel}, g);
+}
+
+// Runs `hook` on this rank's bucket and returns the result.
+at::Tensor run_hook(CommHook& hook, flatshard::Communicator& comm, int step, int index) {
+  GradBucket bucket;
+  bucket.index = index;
+  bucket.step = step;
+  bucket.buffer = gradient(comm.rank(), step, index);
+  auto work = hook.reduce(comm, bucket);
+  for (auto& w : work.works) w.wait();
+  if (work.finish) work.finish();
+  return bucket.buffer;
+}
+
+std::unique_ptr<flatshard::Communicator> make_comm(const flatshard::World& world) {
+  flatshard::CommunicatorOptions o;
+  o.timeout = std::chrono::seconds(60);
+  o.name = "hooks";
+  return flatshard::Communicator::create(world, o);
+}
+
+at::Tensor mean_gradient(int world, int step, int index) {
+  auto sum = at::zeros({kNumel});
+  for (int r = 0; r < world; ++r) sum += gradient(r, step, index);
+  return sum / world;
+}
+
+TEST(CommHooks, PlainLowPrecisionAndQuantizedMatchTheirDefinitions) {
+  FLATSHARD_RUN_RANKS({2, 3});
+  auto world = flatshard::init();
+  auto comm = make_comm(world);
+  const int n = world.world_size();
+  for (int step = 0; step < 2; ++step) {
+    const at::Tensor mean = mean_gradient(n, step, 0);
+    // The plain hook is the communicator's own average, bit for bit.
+    auto plain = run_hook(*hooks::all_reduce(), *comm, step, 0);
+    auto direct = gradient(world.rank(), step, 0);
+    comm->all_reduce(direct, flatshard::ReduceOp::Avg).wait();
+    EXPECT_TRUE(at::equal(plain, direct));
+    // bf16 and fp16 on the wire: within their rounding of each rank's share and of the sums.
+    for (auto dtype : {at::kBFloat16, at::kHalf}) {
+      auto low = run_hook(*hooks::low_precision({dtype}), *comm, step, 0);
+      const double eps = dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;
+      const double err = (low - mean).abs().max().item<double>();
+      EXPECT_LE(err, eps * n * mean.abs().max().item<double>()) << c10::toString(dtype);
+      EXPECT_GT(err, 0.0) << "nothing was rounded: the hook did not use " << c10::toString(dtype);
+    }
+    // 8-bit: exactly the average of every rank's dequantized chunks.
+    const std::int64_t chunk = 64;
+    auto quantized = run_hook(*hooks::quantize_8bit({chunk}), *comm, step, 0);
+    const std::int64_t chunks = (kNumel + chunk - 1) / chunk;
+    auto expected = at::zeros({chunks * chunk});
+    for (int r = 0; r < n; ++r) {
+      auto x = at::zeros({chunks * chunk});
+      x.narrow(0, 0, kNumel).copy_(gradient(r, step, 0));
+      auto rows = x.view({chunks, chunk});
+      auto scale = rows.abs().amax(1) / 127;
+      auto codes = (rows / scale.unsqueeze(1)).round().clamp(-127, 127);
+      expected += (codes * scale.unsqueeze(1)).view({-1});
+    }
+    expected = expected.narrow(0, 0, kNumel) / n;
+    EXPECT_TRUE(at::allclose(quantized, expected, 1e-6, 1e-6));
+    // and within half a quantization step (of the largest chunk scale) of the true average
+    double largest = 0;
+    for (int r = 0; r < n; ++r) largest = std::max(largest, gradient(r, step, 0).abs().max().item<double>());
+    EXPECT_LE((quantized - mean).abs().max().item<double>(), 0.5 * largest / 127 + 1e-6);
+  }
+}
+
+// Note [Error feedback] in src/comm/hooks.cpp: each rank sends k values of (gradient +
+// residual) and keeps the rest as its residual. Checked step by step against the same
+// algorithm run over every rank's data in this process, and by conservation: what the
+// hook delivered over the steps plus the ranks' mean residual is the sum of the mean
+// gradients.
+TEST(CommHooks, SparsifiersWithErrorFeedbackMatchASingleProcessSimulation) {
+  FLATSHARD_RUN_RANKS({2, 3});
+  auto world = flatshard::init();
+  auto comm = make_comm(world);
+  const int n = world.world_size();
+  const double ratio = 0.05;
+  const std::int64_t k = static_cast<std::int64_t>(std::ceil(ratio * kNumel));
+  for (bool top : {true, false}) {
+    SCOPED_TRACE(top ? "top_k" : "random_k");
+    auto hook = top ? hooks::top_k({ratio, true}) : hooks::random_k({ratio, true, 5});
+    std::vector<std::vector<at::Tensor>> residuals(2, std::vector<at::Tensor>(n, at::zeros({kNumel})));
+    auto delivered = at::zeros({kNumel}), applied = at::zeros({kNumel});
+    at::Tensor previous_positions;
+    for (int step = 0; step < 4; ++step) {
+      for (int index = 0; index < 2; ++index) {
+        auto out = run_hook(*hook, *comm, step, index);
+        auto& residual = residuals[index];
+        const auto positions = out.nonzero().view({-1});
+        // random_k: the k positions every rank drew; top_k: each rank's own k, overlapping or not.
+        if (top) {
+          ASSERT_GE(positions.numel(), k);
+          ASSERT_LE(positions.numel(), n * k);
+        } else {
+          ASSERT_EQ(positions.numel(), k);
+        }
+        auto expected = at::zeros({kNumel});
+        for (int r = 0; r < n; ++r) {
+          auto x = gradient(r, step, index) + residual[r];
+          // top_k: each rank's own k largest; random_k: the positions every rank drew.
+          auto chosen = top ? std::get<1>(x.abs().topk(k)) : positions;
+          expected.index_add_(0, chosen, x.index_select(0, chosen));
+          residual[r] = x.index_fill(0, chosen, 0);
+        }
+        expected /= n;
+        if (top) {
+          EXPECT_TRUE(at::allclose(out, expected, 1e-6, 1e-6));
+        } else {
+          EXPECT_TRUE(
+              at::allclose(out.index_select(0, positions), expected.index_select(0, positions), 1e-6, 1e-6));
+          if (index == 0 && previous_positions.defined())
+            EXPECT_FALSE(at::equal(positions, previous_positions))
+                << "random_k drew the same positions twice";
+          if (index == 0) previous_positions = positions;
+        }
+        if (index == 0) {
+          delivered += out;
+          applied += mean_gradient(n, step, index);
+        }
+      }
+    }
+    const auto state = hook->state();
+    ASSERT_EQ(state.count("residual.0"), 1u);
+    ASSERT_EQ(state.count("residual.1"), 1u);
+    for (int index = 0; index < 2; ++index) {
+      EXPECT_TRUE(at::allclose(state.at(fmt::format("residual.{}", index)), residuals[index][world.rank()],
+                               1e-5, 1e-5))
+          << "this rank's residual of bucket " << index << " is the simulation's";
+    }
+    auto mean_residual = at::zeros({kNumel});
+    for (int r = 0; r < n; ++r) mean_residual += residuals[0][r] / n;
+    // Nothing lost: (delivered + mean residual) is every mean gradient so far.
+    EXPECT_TRUE(at::allclose(delivered + mean_residual, applied, 1e-4, 1e-4));
+    // A hook restored from the state continues as the original would.
+    auto restored = top ? hooks::top_k({ratio, true}) : hooks::random_k({ratio, true, 5});
+    restored->load_state(hook->state());
+    auto a = run_hook(*hook, *comm, 4, 0);
+    auto b = run_hook(*restored, *comm, 4, 0);
+    EXPECT_TRUE(at::equal(a, b));
+  }
+}
+
+// Trains `steps` steps of GPT under `strategy` with `hook` (or none) and returns this
+// rank's master shards.
+std::vector<at::Tensor> train(const flatshard::World& world, Strategy strategy,
+                              std::shared_ptr<CommHook> hook, int steps,
+                              std::vector<double>* losses = nullptr) {
+  GPT model = gpt_factory()();
+  flatshard::FullyShardOptions options;
+  options.strategy = strategy;
+  options.comm.timeout = std::chrono::seconds(60);
+  options.bucket_bytes = 64 << 10;  // several buckets
+  options.first_bucket_bytes = 16 << 10;
+  flatshard::FullyShard<GPT> ddp(model, world, options);
+  if (hook) ddp.register_comm_hook(hook);
+  flatshard::optim::AdamW opt(ddp, flatshard::optim::AdamWOptions{3e-3});
+  const int rows = 2;
+  for (int s = 0; s < steps; ++s) {
+    const auto b = gpt_batch(s % 2, rows * world.world_size());
+    auto loss = token_loss(ddp.forward(b.input.narrow(0, rows * world.rank(), rows)),
+                           b.target.narrow(0, rows * world.rank(), rows));
+    loss.backward();
+    opt.step();
+    opt.zero_grad();
+    if (losses) losses->push_back(loss.item<double>());
+  }
+  std::vector<at::Tensor> out;
+  for (const auto& s : ddp.shards()) out.push_back(s.detach().clone());
+  return out;
+}
+
+TEST(CommHooks, PlainHookTrainsBitForBitAsNoHook) {
+  FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  for (Strategy strategy : {Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    SCOPED_TRACE(to_string(strategy));
+    const auto none = train(world, strategy, nullptr, 3);
+    const auto plain = train(world, strategy, hooks::all_reduce(), 3);
+    ASSERT_EQ(none.size(), plain.size());
+    for (std::size_t i = 0; i < none.size(); ++i) EXPECT_TRUE(at::equal(none[i], plain[i]));
+  }
+}
+
+// Every hook trains: the replicas stay identical on every rank (each rank ends with the
+// same bits), and the loss on the two alternating batches falls.
+TEST(CommHooks, EveryHookTrainsAndKeepsTheReplicasIdentical) {
+  FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(300));
+  auto world = flatshard::init();
+  auto comm = make_comm(world);
+  const std::vector<std::pair<std::string, std::shared_ptr<CommHook>>> all = {
+      {"bf16", hooks::low_precision({at::kBFloat16})},
+      {"fp16", hooks::low_precision({at::kHalf})},
+      {"8-bit", hooks::quantize_8bit()},
+      {"top 10%", hooks::top_k({0.1, true})},
+      {"random 10%", hooks::random_k({0.1, true, 1})}};
+  for (Strategy strategy : {Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    for (const auto& [name, hook] : all) {
+      SCOPED_TRACE(::testing::Message() << to_string(strategy) << " " << name);
+      std::vector<double> losses;
+      const auto shards = train(world, strategy, hook, 8, &losses);
+      EXPECT_LT(losses[6] + losses[7], losses[0] + losses[1]) << "the loss did not fall";
+      if (strategy == Strategy::NoShard) {
+        for (const auto& s : shards) {
+          auto mine = s.clone(), other = s.clone();
+          comm->broadcast(other, 0).wait();
+          EXPECT_TRUE(at::equal(mine, other))
+              << "rank " << world.rank() << "'s replica differs from rank 0's";
+        }
+      }
+    }
+  }
+}
+
+TEST(CommHooks, BadSettingsAreRefusedNamingTheRankAndSetting) {
+  FLATSHARD_RUN_RANKS({2});
+  auto world = flatshard::init();
+  EXPECT_THROW(hooks::top_k({0.0}), flatshard::InvalidArgument);
+  EXPECT_THROW(hooks::random_k({1.5}), flatshard::InvalidArgument);
+  EXPECT_THROW(hooks::quantize_8bit({0}), flatshard::InvalidArgument);
+  EXPECT_THROW(hooks::low_precision({at::kFloat}), flatshard::InvalidArgument);
+  {
+    GPT model = gpt_factory()();
+    flatshard::FullyShardOptions options;
+    options.strategy = Strategy::FullShard;
+    flatshard::FullyShard<GPT> fsdp(model, world, options);
+    try {
+      fsdp.register_comm_hook(hooks::low_precision());
+      ADD_FAILURE() << "FullShard accepted a communication hook";
+    } catch (const flatshard::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("NoShard"), std::string::npos) << e.what();
+    }
+  }
+  GPT model = gpt_factory()();
+  flatshard::FullyShardOptions options;
+  options.strategy = Strategy::NoShard;
+  options.comm.timeout = std::chrono::seconds(30);
+  flatshard::FullyShard<GPT> ddp(model, world, options);
+  try {
+    ddp.register_comm_hook(hooks::top_k({world.rank() == 0 ? 0.01 : 0.02}));
+    ADD_FAILURE() << "ranks registered different hook settings and nothing said so";
+  } catch (const flatshard::InvalidArgument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(world.rank() == 0 ? "rank 1" : "rank 0"), std::string::npos) << what;
+    EXPECT_NE(what.find("ratio=0.0"), std::string::npos) << what;
+  }
+}
+
+}  // namespace
