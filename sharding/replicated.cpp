@@ -165,20 +165,6 @@ void Engine::reduce_segment(int s) {
     } else if (shard_.replicas > 1) {
       pending->work = comm_->all_reduce(pending->input, ReduceOp::Avg, opts);
     }
-  } else if (comm_hook_) {
-    // The hook averages the whole bucket in place (a copy of it when converted); this
-    // rank's slice of the average is its part of the master's gradient.
-    pending->input = reduce_dtype == g.compute_dtype() ? grads : grads.to(reduce_dtype);
-    pending->slice_offset = static_cast<std::int64_t>(shard_.rank) * seg.slice;
-    pending->slice_numel = seg.slice;
-    if (fresh_grad_ && reduce_dtype == at::kFloat) {
-      pending->output = g.master_part(master_grad, s);
-    } else {
-      pending->output = at::empty({seg.slice}, pending->input.options());
-      pending->target = g.master_part(master_grad, s);
-      pending->add = !fresh_grad_;
-    }
-    start_hook(*pending, s);
   } else {
     // ShardOptimizerState: each rank receives its slice, its part of the master shard.
     pending->input = reduce_dtype == g.compute_dtype() ? grads : grads.to(reduce_dtype);
@@ -189,8 +175,16 @@ void Engine::reduce_segment(int s) {
       pending->target = g.master_part(master_grad, s);
       pending->add = !fresh_grad_;
     }
-    opts.stream = StreamRole::ReduceScatter;
-    pending->work = comm_->reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
+    if (comm_hook_) {
+      // The hook averages the whole bucket in place (`input` is the bucket's own buffer,
+      // or its converted copy); this rank's slice of the average is then the output.
+      pending->slice_offset = static_cast<std::int64_t>(shard_.rank) * seg.slice;
+      pending->slice_numel = seg.slice;
+      start_hook(*pending, s);
+    } else {
+      opts.stream = StreamRole::ReduceScatter;
+      pending->work = comm_->reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
+    }
   }
   in_flight_.push_back(std::move(pending));
 }
