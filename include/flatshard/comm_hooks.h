@@ -89,5 +89,22 @@ struct SparsifyOptions {
 std::shared_ptr<CommHook> top_k(const SparsifyOptions& options = {});
 std::shared_ptr<CommHook> random_k(const SparsifyOptions& options = {});
 
+// PowerSGD (Vogels et al., 2019; PyTorch's powerSGD_hook): each parameter of two or more
+// dimensions, viewed as a matrix M (its first dimension by the rest), is sent as two
+// thin factors of rank `rank`: P = M Q is averaged and orthonormalized, Q = M^T P is
+// averaged, and every rank applies P Q^T. Q is kept from step to step (warm start);
+// error feedback keeps M - P Q^T for the next step. Parameters of one dimension, and
+// matrices too small to gain, are averaged uncompressed. The first `start_step` synced
+// backwards are averaged uncompressed (the early gradients change too fast for a
+// low-rank warm start).
+struct PowerSGDOptions {
+  int rank = 4;
+  std::int64_t start_step = 10;
+  bool warm_start = true;
+  bool error_feedback = true;
+  std::uint64_t seed = 0;  // Q's first values, the same on every rank
+};
+std::shared_ptr<CommHook> power_sgd(const PowerSGDOptions& options = {});
+
 }  // namespace hooks
 }  // namespace flatshard

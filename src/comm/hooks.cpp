@@ -181,6 +181,159 @@ class SparsifyHook final : public CommHook {
   Residuals residuals_;
 };
 
+class PowerSGDHook final : public CommHook {
+ public:
+  explicit PowerSGDHook(const PowerSGDOptions& options) : options_(options) {}
+  std::string describe() const override {
+    return fmt::format("power_sgd(rank={}, start_step={}, warm_start={}, error_feedback={}, seed={})",
+                       options_.rank, options_.start_step, options_.warm_start, options_.error_feedback,
+                       options_.seed);
+  }
+
+  HookWork reduce(Communicator& comm, const GradBucket& bucket) override {
+    if (bucket.step < options_.start_step) {
+      return {{comm.all_reduce(bucket.buffer, ReduceOp::Avg, on(StreamRole::AllReduce))}, nullptr};
+    }
+    at::Tensor m = options_.error_feedback ? residuals_.corrected(bucket) : bucket.buffer.to(at::kFloat);
+    // The matrices worth compressing, and the rest (sent whole, in one vector).
+    std::vector<Matrix> matrices;
+    std::vector<at::Tensor> plain;
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      const auto& p = bucket.params[i];
+      std::int64_t numel = 1;
+      for (auto d : p.shape) numel *= d;
+      const std::int64_t end = i + 1 < bucket.params.size() ? bucket.params[i + 1].offset : m.numel();
+      at::Tensor flat = m.narrow(0, p.offset, numel);
+      const std::int64_t rows = p.shape.empty() ? 1 : p.shape[0], cols = rows == 0 ? 0 : numel / rows;
+      const std::int64_t r = std::min<std::int64_t>({options_.rank, rows, cols});
+      if (p.shape.size() >= 2 && r > 0 && (rows + cols) * r < rows * cols) {
+        matrices.push_back({flat.view({rows, cols}), r, p.offset});
+      } else {
+        plain.push_back(flat);
+      }
+      if (end > p.offset + numel)
+        plain.push_back(m.narrow(0, p.offset + numel, end - p.offset - numel));  // padding
+    }
+    if (bucket.params.empty()) plain.push_back(m);
+    // P = M Q for every matrix, in one buffer, averaged with the plain values.
+    std::int64_t p_numel = 0, plain_numel = 0;
+    for (const auto& x : matrices) p_numel += x.m.size(0) * x.rank;
+    for (const auto& x : plain) plain_numel += x.numel();
+    at::Tensor wire = at::empty({p_numel + plain_numel}, at::kFloat);
+    std::int64_t at_p = 0;
+    std::vector<at::Tensor> qs;
+    for (const auto& x : matrices) {
+      at::Tensor q = start_q(bucket.index, x);
+      qs.push_back(q);
+      wire.narrow(0, at_p, x.m.size(0) * x.rank).view({x.m.size(0), x.rank}).copy_(x.m.mm(q));
+      at_p += x.m.size(0) * x.rank;
+    }
+    for (const auto& x : plain) {
+      wire.narrow(0, at_p, x.numel()).copy_(x);
+      at_p += x.numel();
+    }
+    Work first = comm.all_reduce(wire, ReduceOp::Avg, on(StreamRole::AllReduce));
+    at::Tensor buffer = bucket.buffer;
+    const int index = bucket.index;
+    // Q's round needs P orthonormalized: it runs when the engine finishes the bucket, on
+    // the all-gather stream (buckets finish in bucket order on every rank, so that
+    // stream sees the same ops in the same order everywhere).
+    return {
+        {first}, [this, &comm, buffer, m, wire, matrices, plain, qs, p_numel, index]() mutable {
+          std::int64_t at = 0;
+          std::vector<at::Tensor> ps;
+          std::int64_t q_numel = 0;
+          for (const auto& x : matrices) {
+            at::Tensor p = wire.narrow(0, at, x.m.size(0) * x.rank).view({x.m.size(0), x.rank});
+            ps.push_back(std::get<0>(at::linalg_qr(p, "reduced")));
+            at += x.m.size(0) * x.rank;
+            q_numel += x.m.size(1) * x.rank;
+          }
+          at::Tensor q_wire = at::empty({q_numel}, at::kFloat);
+          at = 0;
+          for (std::size_t i = 0; i < matrices.size(); ++i) {
+            const auto& x = matrices[i];
+            q_wire.narrow(0, at, x.m.size(1) * x.rank).view({x.m.size(1), x.rank}).copy_(x.m.t().mm(ps[i]));
+            at += x.m.size(1) * x.rank;
+          }
+          if (q_numel > 0) comm.all_reduce(q_wire, ReduceOp::Avg, on(StreamRole::AllGather)).wait();
+          at::Tensor out = at::empty_like(m);
+          at = 0;
+          for (std::size_t i = 0; i < matrices.size(); ++i) {
+            const auto& x = matrices[i];
+            at::Tensor q = q_wire.narrow(0, at, x.m.size(1) * x.rank).view({x.m.size(1), x.rank});
+            at += x.m.size(1) * x.rank;
+            out.narrow(0, x.offset, x.m.numel()).view_as(x.m).copy_(ps[i].mm(q.t()));
+            if (options_.warm_start) keep_q(index, x.offset, q.clone());
+          }
+          // The plain values, averaged, back where they came from.
+          at = p_numel;
+          for (const auto& x : plain) {
+            const std::int64_t offset = (x.data_ptr<float>() - m.data_ptr<float>());
+            out.narrow(0, offset, x.numel()).copy_(wire.narrow(0, at, x.numel()));
+            at += x.numel();
+          }
+          if (options_.error_feedback) {
+            at::Tensor residual = m - out;
+            for (const auto& x : plain) {
+              const std::int64_t offset = (x.data_ptr<float>() - m.data_ptr<float>());
+              residual.narrow(0, offset, x.numel()).zero_();  // sent whole: nothing left over
+            }
+            residuals_.keep(index, residual);
+          }
+          buffer.copy_(out);
+        }};
+  }
+
+  std::map<std::string, at::Tensor> state() const override {
+    auto out = residuals_.state();
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [key, q] : qs_) out[fmt::format("q.{}.{}", key.first, key.second)] = q;
+    return out;
+  }
+  void load_state(const std::map<std::string, at::Tensor>& state) override {
+    residuals_.load(state);
+    std::lock_guard<std::mutex> lock(mutex_);
+    qs_.clear();
+    for (const auto& [name, t] : state) {
+      if (name.rfind("q.", 0) != 0) continue;
+      const auto dot = name.find('.', 2);
+      qs_[{std::stoi(name.substr(2, dot - 2)), std::stoll(name.substr(dot + 1))}] = t.to(at::kFloat).clone();
+    }
+  }
+
+ private:
+  struct Matrix {
+    at::Tensor m;  // a view of the corrected gradient
+    std::int64_t rank;
+    std::int64_t offset;  // in the bucket
+  };
+
+  // Q of the previous step (warm start), or one drawn alike on every rank.
+  at::Tensor start_q(int index, const Matrix& x) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = qs_.find({index, x.offset});
+      if (options_.warm_start && it != qs_.end() && it->second.size(0) == x.m.size(1) &&
+          it->second.size(1) == x.rank) {
+        return it->second;
+      }
+    }
+    auto generator =
+        at::make_generator<at::CPUGeneratorImpl>(options_.seed * 1000003 + index * 7919 + x.offset);
+    return at::randn({x.m.size(1), x.rank}, generator);
+  }
+  void keep_q(int index, std::int64_t offset, at::Tensor q) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    qs_[{index, offset}] = std::move(q);
+  }
+
+  PowerSGDOptions options_;
+  Residuals residuals_;
+  mutable std::mutex mutex_;
+  std::map<std::pair<int, std::int64_t>, at::Tensor> qs_;  // by (bucket, offset in it)
+};
+
 }  // namespace
 
 std::shared_ptr<CommHook> all_reduce() { return std::make_shared<AllReduceHook>(); }
@@ -213,6 +366,15 @@ void check_ratio(const char* who, double ratio) {
 std::shared_ptr<CommHook> top_k(const SparsifyOptions& options) {
   check_ratio("top_k", options.ratio);
   return std::make_shared<SparsifyHook>(options, /*top=*/true);
+}
+
+std::shared_ptr<CommHook> power_sgd(const PowerSGDOptions& options) {
+  if (options.rank <= 0 || options.start_step < 0) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::hooks::power_sgd: rank must be positive and start_step at least 0, not {} and {}",
+        options.rank, options.start_step));
+  }
+  return std::make_shared<PowerSGDHook>(options);
 }
 
 std::shared_ptr<CommHook> random_k(const SparsifyOptions& options) {
