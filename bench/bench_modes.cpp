@@ -42,10 +42,12 @@ int main(int argc, char** argv) {
   std::string mode = "full";
   GPTConfig cfg{4096, 64, 256, 8, 6};
   int batch = 4, steps = 6;
-  bool phases = false;  // --phases 1: each rank prints its mean forward, backward and step times
+  bool phases = false;        // --phases 1: each rank prints its mean forward, backward and step times
+  std::string hook = "none";  // --hook SPEC: a communication hook (flatshard::hooks::parse)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--phases") phases = std::atoi(argv[i + 1]) != 0;
+    if (a == "--hook") hook = argv[i + 1];
     const int v = std::atoi(argv[i + 1]);
     if (a == "--mode")
       mode = argv[i + 1];
@@ -77,8 +79,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   flatshard::FullyShard<GPT> fsdp(model, world, options);
+  if (auto h = flatshard::hooks::parse(hook)) fsdp.register_comm_hook(h);
   flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{3e-4});
   flatshard::Communicator& comm = fsdp.comm();
+  std::uint64_t sent_before = 0;
+  double last_loss = 0;
 
   auto g = at::make_generator<at::CPUGeneratorImpl>(world.rank());
   double total_ms = 0;
@@ -89,6 +94,7 @@ int main(int argc, char** argv) {
       flatshard::memory::reset_allocator_peak();
       fsdp.reset_peaks();
       comm.barrier().wait();
+      sent_before = comm.bytes_sent();
     }
     using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
@@ -96,6 +102,7 @@ int main(int argc, char** argv) {
     auto logits = fsdp.forward(input);
     auto loss = torch::cross_entropy_loss(logits.reshape({-1, cfg.vocab}),
                                           tokens.narrow(1, 1, cfg.context).reshape({-1}));
+    last_loss = loss.item<double>();
     const auto forwarded = Clock::now();
     loss.backward();
     const auto backwarded = Clock::now();
@@ -116,6 +123,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s rank %d phases ms: forward %.1f, backward %.1f, step %.1f\n", mode.c_str(),
                  world.rank(), phase_ms[0] / steps, phase_ms[1] / steps, phase_ms[2] / steps);
   }
+  const double sent_per_step = static_cast<double>(comm.bytes_sent() - sent_before) / steps;
   const std::int64_t rss_growth = rss_bytes("VmHWM:") - rss_before;
   const flatshard::ShardMemory m = fsdp.memory();
   const std::int64_t state = opt.state_bytes(), param_bytes = m.param_shard_bytes,
@@ -123,11 +131,12 @@ int main(int argc, char** argv) {
   auto figures =
       at::tensor({static_cast<double>(flatshard::memory::allocator_stats().peak_bytes), total_ms / steps,
                   static_cast<double>(rss_growth), static_cast<double>(m.peak_unsharded_param_bytes),
-                  static_cast<double>(m.peak_unsharded_grad_bytes)},
+                  static_cast<double>(m.peak_unsharded_grad_bytes), sent_per_step, last_loss},
                  at::kDouble);
-  auto gathered = at::zeros({5 * world.world_size()}, at::kDouble);
+  constexpr int kFigures = 7;
+  auto gathered = at::zeros({kFigures * world.world_size()}, at::kDouble);
   comm.all_gather(gathered, figures).wait();
-  const auto worst = gathered.view({world.world_size(), 5}).amax(0);
+  const auto worst = gathered.view({world.world_size(), kFigures}).amax(0);
   if (world.rank() == 0) {
     const double n = world.world_size();
     const double psi = static_cast<double>(params);
@@ -135,11 +144,14 @@ int main(int argc, char** argv) {
                            : mode == "zero2" ? 4 * psi + 12 * psi / n
                            : mode == "zero1" ? 8 * psi + 8 * psi / n
                                              : 16 * psi;
-    std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f\n", mode.c_str(), world.world_size(),
-                static_cast<long long>(params), worst[1].item<double>(), worst[0].item<double>(),
-                worst[2].item<double>(), static_cast<long long>(param_bytes),
+    // mode, ranks, parameters, step ms, allocator peak, RSS growth, shard bytes (params,
+    // grads, optimizer state), peak gathered params and grads, ZeRO formula, bytes sent
+    // per step, last loss (the largest over ranks).
+    std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f,%.0f,%.4f\n", mode.c_str(),
+                world.world_size(), static_cast<long long>(params), worst[1].item<double>(),
+                worst[0].item<double>(), worst[2].item<double>(), static_cast<long long>(param_bytes),
                 static_cast<long long>(grad_bytes), static_cast<long long>(state), worst[3].item<double>(),
-                worst[4].item<double>(), formula);
+                worst[4].item<double>(), formula, worst[5].item<double>(), worst[6].item<double>());
   }
   return 0;
 }

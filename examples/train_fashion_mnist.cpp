@@ -3,7 +3,7 @@
 //
 //   flatshard-run -n 2 build/examples/train_fashion_mnist [--epochs 1] [--batch 32]
 //       [--lr 1e-3] [--mode full|zero2|zero1|ddp] [--data /usr/share/datasets/fashion-mnist]
-//       [--train-limit N] [--min-accuracy PERCENT]
+//       [--train-limit N] [--min-accuracy PERCENT] [--hook SPEC (flatshard::hooks::parse; ddp, zero1)]
 //
 // With --min-accuracy the program exits 4 when the last epoch's test accuracy is lower
 // (the ctest examples.fashion_mnist uses it).
@@ -64,7 +64,7 @@ at::Tensor sampler(std::int64_t size, int epoch, int rank, int n) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string dir = "/usr/share/datasets/fashion-mnist", mode = "full";
+  std::string dir = "/usr/share/datasets/fashion-mnist", mode = "full", hook = "none";
   int epochs = 1, batch = 32;
   std::int64_t limit = 0;
   double lr = 1e-3, min_accuracy = 0;
@@ -84,6 +84,8 @@ int main(int argc, char** argv) {
       limit = std::stoll(v);
     else if (k == "--min-accuracy")
       min_accuracy = std::stod(v);
+    else if (k == "--hook")
+      hook = v;
     else {
       std::fprintf(stderr, "train_fashion_mnist: unknown option %s\n", k.c_str());
       return 2;
@@ -108,6 +110,7 @@ int main(int argc, char** argv) {
     if (!flatshard::parse_strategy(mode, o.strategy))
       throw std::invalid_argument("--mode is full, zero2, zero1, ddp or hybrid, not " + mode);
     flatshard::FullyShard<MnistNet> fsdp(model, world, o);
+    if (auto h = flatshard::hooks::parse(hook)) fsdp.register_comm_hook(h);  // ddp and zero1
     flatshard::optim::Adam opt(fsdp, flatshard::optim::AdamOptions{lr});
     auto forward = [&](const at::Tensor& x) { return fsdp.forward(x); };
     auto& comm = fsdp.comm();

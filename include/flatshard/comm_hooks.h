@@ -106,5 +106,10 @@ struct PowerSGDOptions {
 };
 std::shared_ptr<CommHook> power_sgd(const PowerSGDOptions& options = {});
 
+// A hook from a command-line spec: none (nullptr), all_reduce, bf16, fp16,
+// int8[:CHUNK_NUMEL], top_k:RATIO, random_k:RATIO, power_sgd:RANK[:START_STEP]
+// (sparsifiers with error feedback). Throws InvalidArgument for anything else.
+std::shared_ptr<CommHook> parse(const std::string& spec);
+
 }  // namespace hooks
 }  // namespace flatshard

@@ -142,6 +142,9 @@ class Communicator {
 
   // Number of collectives issued so far (the last sequence number).
   std::uint64_t issued() const { return next_seq_ - 1; }
+  // Bytes this rank has sent to other ranks in the ops issued so far (what the ring
+  // algorithms send: docs/communicator.md), for measuring what a compression saves.
+  std::uint64_t bytes_sent() const { return bytes_sent_; }
   // Whether every link this rank receives on copies directly from its sender's memory
   // (CommunicatorOptions::direct_copy). False at world size 1.
   bool copies_directly() const;
@@ -155,7 +158,9 @@ class Communicator {
   CommunicatorOptions options_;
   std::unique_ptr<comm::Backend> backend_;
   std::unique_ptr<Stream> streams_[kNumStreamRoles];
-  std::uint64_t next_seq_ = 1;  // host-side only: ops are issued from one thread
+  std::uint64_t next_seq_ = 1;    // host-side only: ops are issued from one thread
+  std::uint64_t bytes_sent_ = 0;  // likewise
+  std::uint64_t ring_bytes_sent(const comm::Collective& c, std::size_t bytes) const;
 };
 
 }  // namespace flatshard

@@ -78,6 +78,28 @@ const char* to_string(StreamRole role) {
   return "unknown";
 }
 
+// What this rank sends of a `bytes`-byte op on a ring (src/tcp/ring.cpp; NCCL's rings
+// send the same): an all-gather every segment but the next rank's, a reduce-scatter every
+// segment but its own, an all-reduce both, a broadcast the buffer unless it ends the chain.
+std::uint64_t Communicator::ring_bytes_sent(const comm::Collective& c, std::size_t bytes) const {
+  if (world_size_ == 1 || bytes == 0) return 0;
+  const std::int64_t numel = c.kind == OpKind::AllGather ? c.output.numel() : c.input.numel();
+  const std::uint64_t element = bytes / std::max<std::int64_t>(1, numel);
+  auto segment = [&](int r) {
+    return static_cast<std::uint64_t>(shard_range(numel, world_size_, r).numel) * element;
+  };
+  const int next = (rank_ + 1) % world_size_;
+  switch (c.kind) {
+    case OpKind::AllGather: return bytes - segment(next);
+    case OpKind::ReduceScatter: return bytes - segment(rank_);
+    case OpKind::AllReduce: return 2 * bytes - segment(rank_) - segment(next);
+    case OpKind::Broadcast:
+      return (rank_ - c.root + world_size_) % world_size_ == world_size_ - 1 ? 0 : bytes;
+    case OpKind::Barrier: return 0;
+  }
+  return 0;
+}
+
 std::unique_ptr<Communicator> Communicator::create(const World& world, const CommunicatorOptions& options) {
   if (options.timeout.count() <= 0) {
     throw InvalidArgument(
@@ -229,6 +251,7 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
   c.after = options.wait_for;
   backend_->issue(c);
   const std::size_t bytes = c.kind == OpKind::Barrier ? 0 : std::max(c.input.nbytes(), c.output.nbytes());
+  bytes_sent_ += ring_bytes_sent(c, bytes);
   const int rank = rank_;
   const int world_size = world_size_;
   comm::Backend* backend = backend_.get();

@@ -382,4 +382,39 @@ std::shared_ptr<CommHook> random_k(const SparsifyOptions& options) {
   return std::make_shared<SparsifyHook>(options, /*top=*/false);
 }
 
+std::shared_ptr<CommHook> parse(const std::string& spec) {
+  const auto colon = spec.find(':');
+  const std::string name = spec.substr(0, colon);
+  const std::string rest = colon == std::string::npos ? "" : spec.substr(colon + 1);
+  const auto bad = [&] {
+    return InvalidArgument(fmt::format(
+        "flatshard::hooks::parse: '{}' is not a hook; use none, all_reduce, bf16, fp16, int8[:CHUNK_NUMEL], "
+        "top_k:RATIO, random_k:RATIO or power_sgd:RANK[:START_STEP]",
+        spec));
+  };
+  try {
+    if (name == "none" && rest.empty()) return nullptr;
+    if (name == "all_reduce" && rest.empty()) return all_reduce();
+    if (name == "bf16" && rest.empty()) return low_precision({at::kBFloat16});
+    if (name == "fp16" && rest.empty()) return low_precision({at::kHalf});
+    if (name == "int8")
+      return quantize_8bit({rest.empty() ? QuantizeOptions{}.chunk_numel : std::stoll(rest)});
+    if ((name == "top_k" || name == "random_k") && !rest.empty()) {
+      SparsifyOptions o;
+      o.ratio = std::stod(rest);
+      return name == "top_k" ? top_k(o) : random_k(o);
+    }
+    if (name == "power_sgd" && !rest.empty()) {
+      PowerSGDOptions o;
+      const auto second = rest.find(':');
+      o.rank = std::stoi(rest.substr(0, second));
+      if (second != std::string::npos) o.start_step = std::stoll(rest.substr(second + 1));
+      return power_sgd(o);
+    }
+  } catch (const std::logic_error&) {  // stoi and friends
+    throw bad();
+  }
+  throw bad();
+}
+
 }  // namespace flatshard::hooks

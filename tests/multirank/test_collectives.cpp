@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <thread>
 
 #include "flatshard/flatshard.h"
@@ -242,6 +243,30 @@ TEST(Collectives, DirectCopiesAndSocketsGiveTheSameResultsInAnyMix) {
         << "(all direct: the kernel refused process_vm_readv between these ranks)";
     check_every_op(r);
   }
+}
+
+// Communicator::bytes_sent counts what the rings send: over all ranks, an all-gather, a
+// reduce-scatter and a broadcast of N bytes send (W-1)N, an all-reduce 2(W-1)N.
+TEST(Collectives, BytesSentAddUpToTheRingTotals) {
+  FLATSHARD_RUN_RANKS({1, 2, 3});
+  Rank r = join();
+  const std::int64_t numel = 1001;
+  const double n_bytes = numel * 4.0, w = r.size();
+  auto sent_by_all = [&](const std::function<void()>& op) {
+    const auto before = r.comm->bytes_sent();
+    op();
+    auto mine = at::full({1}, static_cast<double>(r.comm->bytes_sent() - before), at::kDouble);
+    r.comm->all_reduce(mine, ReduceOp::Sum).wait();
+    return mine.item<double>();
+  };
+  const auto slot = shard_range(numel, r.size(), r.rank());
+  auto full = at::ones({numel});
+  auto part = at::ones({slot.numel});
+  EXPECT_EQ(sent_by_all([&] { r.comm->all_gather(full, part).wait(); }), (w - 1) * n_bytes);
+  EXPECT_EQ(sent_by_all([&] { r.comm->reduce_scatter(part, full, ReduceOp::Sum).wait(); }),
+            (w - 1) * n_bytes);
+  EXPECT_EQ(sent_by_all([&] { r.comm->all_reduce(full, ReduceOp::Sum).wait(); }), 2 * (w - 1) * n_bytes);
+  EXPECT_EQ(sent_by_all([&] { r.comm->broadcast(full, r.size() - 1).wait(); }), (w - 1) * n_bytes);
 }
 
 TEST(Collectives, ContractViolationsThrowAndSendNothing) {
