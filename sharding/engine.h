@@ -47,6 +47,8 @@ class Engine {
   // Note [Communication hooks]
   void set_comm_hook(std::shared_ptr<CommHook> hook);
   const std::shared_ptr<CommHook>& comm_hook() const { return comm_hook_; }
+  std::int64_t synced_backwards() const { return synced_backwards_; }
+  void restore_synced_backwards(std::int64_t count) { synced_backwards_ = count; }
   void zero_grad();
   void gather_all();
   void reshard_all();

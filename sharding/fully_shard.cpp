@@ -66,6 +66,10 @@ void FullyShardBase::register_comm_hook(std::shared_ptr<CommHook> hook) {
   engine_->set_comm_hook(std::move(hook));
 }
 const std::shared_ptr<CommHook>& FullyShardBase::comm_hook() const { return engine_->comm_hook(); }
+std::int64_t FullyShardBase::synced_backwards() const { return engine_->synced_backwards(); }
+void FullyShardBase::restore_synced_backwards(std::int64_t count) {
+  engine_->restore_synced_backwards(count);
+}
 ShardMemory FullyShardBase::memory() const { return engine_->memory(); }
 int FullyShardBase::peak_gathered_units() const { return engine_->peak_gathered_units(); }
 void FullyShardBase::reset_peaks() { engine_->reset_peaks(); }

@@ -92,7 +92,10 @@ struct CheckpointInfo {
 // format version) and one shard file per rank; root/latest names the newest complete
 // one. Each rank writes what it owns: its slice of every flat group (ranks holding the
 // same slice, under HybridShard and NoShard, write a share of it each); rank 0 also the
-// buffers. Parameters are saved in fp32 (the masters). A collective; a failure on any
+// buffers. Parameters are saved in fp32 (the masters). The registered communication
+// hook's state (comm_hooks.h: error-feedback residuals, PowerSGD's factors) is saved per
+// rank, and load_sharded gives it back to the hook registered then, at the same world
+// size (at another the hook starts afresh). A collective; a failure on any
 // rank throws CheckpointError on every rank and leaves the previous checkpoint as it was.
 CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
                             const optim::ShardOptimizer* optimizer, const SaveOptions& options = {});

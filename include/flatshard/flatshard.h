@@ -8,6 +8,7 @@
 #include "flatshard/errors.h"
 #include "flatshard/fully_shard.h"
 #include "flatshard/grad_scaler.h"
+#include "flatshard/join.h"
 #include "flatshard/memory.h"
 #include "flatshard/optim.h"
 #include "flatshard/recompute.h"

@@ -217,6 +217,9 @@ class FullyShardBase {
   // rank registers the same hook with the same settings (checked), between steps.
   void register_comm_hook(std::shared_ptr<CommHook> hook);
   const std::shared_ptr<CommHook>& comm_hook() const;
+  // Synced backwards so far (GradBucket::step); load_sharded restores the saved count.
+  std::int64_t synced_backwards() const;
+  void restore_synced_backwards(std::int64_t count);
   bool steps_in_backward() const;  // an optimizer is registered by step_in_backward
 
   // While the guard lives, every unit is gathered: the module's parameters hold the

@@ -87,9 +87,12 @@ Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool 
 }
 
 // The optimizer's groups (name, hyperparameters), the scheduler's and the scaler's state.
-std::string training_state(const optim::ShardOptimizer* opt, const SaveOptions& options) {
+std::string training_state(const optim::ShardOptimizer* opt, const SaveOptions& options,
+                           std::int64_t synced_backwards) {
   using json = nlohmann::json;
   json out = json::object();
+  // The engine's count of synced backwards: communication hooks draw and start by it.
+  out["synced_backwards"] = synced_backwards;
   if (opt) {
     json groups = json::array();
     for (std::size_t g = 0; g < opt->num_groups(); ++g)
@@ -139,6 +142,29 @@ void restore_training_state(const Checkpoint& c, optim::ShardOptimizer* opt, con
   }
 }
 
+// The communication hook's state (error-feedback residuals, PowerSGD's Q): each rank's
+// own, whole, under comm_hook.rank<r>.<name>, each tensor a flat space of its own.
+void hold_hook_state(Holding& h, int rank, const std::map<std::string, at::Tensor>& state) {
+  for (const auto& [name, t] : state) {
+    at::Tensor flat = t.detach().reshape({-1});
+    Span span{fmt::format("comm_hook.rank{}.{}", rank, name), t.sizes().vec(), 0, flat.numel()};
+    h.segments.push_back({flat, 0, 0, flat.numel(), {span}, "hook"});
+  }
+}
+
+// What a checkpoint holds of this rank's hook state, as empty tensors to read into. Only at
+// the world size that saved it: the residuals are per rank.
+std::map<std::string, at::Tensor> hook_state_to_load(const Checkpoint& c, int rank, int world_size) {
+  std::map<std::string, at::Tensor> out;
+  if (c.world_size != world_size) return out;
+  const std::string prefix = fmt::format("comm_hook.rank{}.", rank);
+  for (const auto& [key, e] : c.tensors) {
+    if (e.kind == "hook" && key.rfind(prefix, 0) == 0)
+      out[key.substr(prefix.size())] = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  }
+  return out;
+}
+
 }  // namespace
 
 // --- public entry points ---------------------------------------------------------------------
@@ -146,21 +172,34 @@ void restore_training_state(const Checkpoint& c, optim::ShardOptimizer* opt, con
 CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
                             const optim::ShardOptimizer* optimizer, const SaveOptions& options) {
   auto h = hold_fully_shard(fsdp, const_cast<optim::ShardOptimizer*>(optimizer), false, {});
-  h.training = training_state(optimizer, options);
+  if (fsdp.comm_hook()) hold_hook_state(h, fsdp.comm().rank(), fsdp.comm_hook()->state());
+  h.training = training_state(optimizer, options, fsdp.synced_backwards());
   return save(root, fsdp.comm(), h, options);
 }
 
 CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim::ShardOptimizer* optimizer,
                             const LoadOptions& options) {
+  std::map<std::string, at::Tensor> hook_state;  // read into, then given to the registered hook
   return load(
       path, fsdp.comm(),
       [&](const Checkpoint& c) {
         fsdp.restore_bucket_order(c.bucket_order);
         const auto states =
             optimizer ? states_to_load(c, optimizer->state_names()) : std::vector<std::string>{};
-        return hold_fully_shard(fsdp, optimizer && c.has_optimizer ? optimizer : nullptr, true, states);
+        auto h = hold_fully_shard(fsdp, optimizer && c.has_optimizer ? optimizer : nullptr, true, states);
+        if (fsdp.comm_hook()) {
+          hook_state = hook_state_to_load(c, fsdp.comm().rank(), fsdp.comm().world_size());
+          hold_hook_state(h, fsdp.comm().rank(), hook_state);
+        }
+        return h;
       },
       [&](const Checkpoint& c) {
+        if (!hook_state.empty()) fsdp.comm_hook()->load_state(hook_state);
+        if (!c.training.empty()) {
+          const auto training = nlohmann::json::parse(c.training);
+          if (training.contains("synced_backwards"))
+            fsdp.restore_synced_backwards(training.at("synced_backwards").get<std::int64_t>());
+        }
         restore_training_state(c, optimizer, options);
         if (!optimizer || !c.has_optimizer) return;
         const auto layout = fsdp.layout();

@@ -4,7 +4,10 @@
 // ShardOptimizerState; and the settings they refuse.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <functional>
 
 #include <fmt/format.h>
 
@@ -312,6 +315,66 @@ TEST(CommHooks, EveryHookTrainsAndKeepsTheReplicasIdentical) {
               << "rank " << world.rank() << "'s replica differs from rank 0's";
         }
       }
+    }
+  }
+}
+
+// A run saved and resumed with its hook's state (residuals, PowerSGD's Q) continues bit
+// for bit as the run that was not interrupted; resumed with a fresh hook, it does not.
+TEST(CommHooks, HookStateIsSavedAndResumedBitForBit) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const std::string dir = ::testing::TempDir() + "/hook_state_" + std::to_string(::getppid());
+  for (auto make :
+       std::vector<std::function<std::shared_ptr<CommHook>()>>{[] {
+                                                                 return hooks::top_k({0.05, true});
+                                                               },
+                                                               [] {
+                                                                 return hooks::power_sgd({2, 1});
+                                                               }}) {
+    SCOPED_TRACE(make()->describe());
+    flatshard::FullyShardOptions options;
+    options.strategy = Strategy::NoShard;
+    options.comm.timeout = std::chrono::seconds(60);
+    options.bucket_bytes = 64 << 10;
+    auto run = [&](flatshard::FullyShard<GPT>& ddp, flatshard::optim::AdamW& opt, int from, int to) {
+      for (int s = from; s < to; ++s) {
+        const auto b = gpt_batch(s, 2 * world.world_size());
+        auto loss = token_loss(ddp.forward(b.input.narrow(0, 2 * world.rank(), 2)),
+                               b.target.narrow(0, 2 * world.rank(), 2));
+        loss.backward();
+        opt.step();
+        opt.zero_grad();
+      }
+    };
+    auto shards_of = [](flatshard::FullyShard<GPT>& ddp) {
+      std::vector<at::Tensor> out;
+      for (const auto& s : ddp.shards()) out.push_back(s.detach().clone());
+      return out;
+    };
+    GPT a_model = gpt_factory()();
+    flatshard::FullyShard<GPT> a(a_model, world, options);
+    a.register_comm_hook(make());
+    flatshard::optim::AdamW a_opt(a, flatshard::optim::AdamWOptions{3e-3});
+    run(a, a_opt, 0, 3);
+    flatshard::checkpoint::SaveOptions save;
+    save.step = 3;
+    flatshard::checkpoint::save_sharded(dir, a, &a_opt, save);
+    run(a, a_opt, 3, 5);
+    const auto uninterrupted = shards_of(a);
+    for (bool restore_hook : {true, false}) {
+      GPT b_model = gpt_factory()();
+      flatshard::FullyShard<GPT> b(b_model, world, options);
+      b.register_comm_hook(make());
+      flatshard::optim::AdamW b_opt(b, flatshard::optim::AdamWOptions{3e-3});
+      flatshard::checkpoint::load_sharded(dir, b, &b_opt);
+      if (!restore_hook) b.register_comm_hook(make());  // a fresh hook: no residuals, no Q
+      run(b, b_opt, 3, 5);
+      const auto resumed = shards_of(b);
+      bool same = true;
+      for (std::size_t i = 0; i < resumed.size(); ++i) same = same && at::equal(resumed[i], uninterrupted[i]);
+      EXPECT_EQ(same, restore_hook) << (restore_hook ? "the resumed run differs"
+                                                     : "the hook's state made no difference");
     }
   }
 }
