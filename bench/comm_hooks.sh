@@ -29,11 +29,11 @@ rows = [l.strip().split(",") for l in sys.stdin if l.count(",") >= 14]
 if not rows: sys.exit("no results")
 base = next((r for r in rows if r[0] == "none"), rows[0])
 print(f"### {sys.argv[1]}: DDP, {base[2]} ranks, {int(base[3]):,} parameters\n")
-print("| hook | MB sent per step per rank | bytes vs none | step ms | step time vs none |")
+print("| hook | MB sent per step per rank | bytes: none / hook | step ms | step time: none / hook (above 1: faster) |")
 print("|---|---:|---:|---:|---:|")
 for r in rows:
     sent, ms = float(r[13]), float(r[4])
-    print(f"| {r[0]} | {sent / 1e6:.1f} | {float(base[13]) / sent:.1f}x less | {ms:.0f} | {float(base[4]) / ms:.2f}x faster |")
+    print(f"| {r[0]} | {sent / 1e6:.1f} | {float(base[13]) / sent:.1f} | {ms:.0f} | {float(base[4]) / ms:.2f} |")
 print()
 ' "$([[ $path == direct ]] && echo "ranks copying directly" || echo "sockets alone (FLATSHARD_DIRECT_COPY=0)")"
 done

@@ -120,6 +120,7 @@ int main(int argc, char** argv) {
       model->train();
       const auto mine = sampler(train_x.size(0), epoch, rank, n);
       const auto t0 = std::chrono::steady_clock::now();
+      const std::uint64_t sent_before = comm.bytes_sent();
       const std::int64_t steps = (mine.numel() + batch - 1) / batch;
       for (std::int64_t s = 0; s < steps; ++s) {
         const auto idx = mine.narrow(0, s * batch, std::min<std::int64_t>(batch, mine.numel() - s * batch));
@@ -134,6 +135,7 @@ int main(int argc, char** argv) {
         }
       }
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double sent_per_step = static_cast<double>(comm.bytes_sent() - sent_before) / steps;
 
       // Test accuracy: each rank its share, summed.
       model->eval();
@@ -149,9 +151,9 @@ int main(int argc, char** argv) {
       comm.all_reduce(counts, flatshard::ReduceOp::Sum).wait();
       accuracy = 100 * counts[0].item<double>() / counts[1].item<double>();
       if (rank == 0) {
-        std::printf("epoch %d: test accuracy %.2f%% (%d of %d), %.0f s\n", epoch, accuracy,
-                    static_cast<int>(counts[0].item<double>()), static_cast<int>(counts[1].item<double>()),
-                    seconds);
+        std::printf("epoch %d: test accuracy %.2f%% (%d of %d), %.0f s, %.3f MB sent per step\n", epoch,
+                    accuracy, static_cast<int>(counts[0].item<double>()),
+                    static_cast<int>(counts[1].item<double>()), seconds, sent_per_step / 1e6);
         std::fflush(stdout);
       }
     }
