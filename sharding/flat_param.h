@@ -58,11 +58,11 @@ struct FlatSegment {
 // The CPU allocator hands big blocks back to the kernel when they are freed (glibc maps
 // blocks above its threshold and unmaps them on free, and trims the top of its heap), so
 // a buffer allocated and freed every step is faulted in again, 4 KiB page by page, every
-// step: on the 33.6M-parameter GPT at 2 ranks, 28,000 to 30,000 page faults per rank per
-// step under ZeRO-1, ZeRO-2 and full shard (ZeRO-1's bucket gradients and the shard
-// gradients that zero_grad frees; the sharded strategies' gathered parameters and flat
-// gradients), 10-15% of the communication-bound step. Two remedies, neither of which
-// holds memory that the step's peak would not hold anyway:
+// step: on the 33.6M-parameter GPT at 2 ranks, per rank per step, 28,000 page faults under
+// ZeRO-1 (its bucket gradients and the shard gradients that zero_grad frees), 30,000
+// under ZeRO-2 and 10,000 under full shard (gathered parameters, flat gradients, shard
+// gradients): up to 15% of the communication-bound step. Two remedies, which add at most
+// a bucket or a unit to the step's peak:
 // - Host groups take those buffers from a pool. A freed block serves the next request it
 //   fits (up to a quarter larger): within a forward or a backward, unit k's gathered
 //   buffer becomes unit k+1's, bucket k's gradient bucket k+2's, and the last ones freed
