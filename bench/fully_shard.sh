@@ -17,12 +17,12 @@ done
 printf '%s' "$rows" | python3 -c '
 import sys
 mib = lambda b: float(b) / 2**20
-rows = [l.strip().split(",") for l in sys.stdin if l.count(",") == 11]
+rows = [l.strip().split(",") for l in sys.stdin if l.count(",") >= 11]
 if not rows: sys.exit("no results")
 print(f"GPT-style model, {int(rows[0][2]):,} parameters (Ψ), fp32, AdamW; per-rank figures are the largest over ranks.\n")
 print("| strategy | world | step ms | peak MiB (allocator) | ZeRO formula MiB | param shards | grad shards | AdamW states | peak unsharded params | peak unsharded grads |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 name = {"full": "full shard (16Ψ/N)", "zero2": "shard grad op (4Ψ+12Ψ/N)"}
-for s, n, p, ms, peak, rss, ps, gs, os_, up, ug, f in rows:
+for s, n, p, ms, peak, rss, ps, gs, os_, up, ug, f, *_ in rows:
     print(f"| {name[s]} | {n} | {float(ms):.0f} | {mib(peak):.1f} | {mib(f):.1f} | {mib(ps):.1f} | {mib(gs):.1f} | {mib(os_):.1f} | {mib(up):.1f} | {mib(ug):.1f} |")
 '
