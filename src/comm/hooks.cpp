@@ -5,8 +5,12 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
+#include <random>
+#include <unordered_set>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -172,8 +176,18 @@ class SparsifyHook final : public CommHook {
     const std::uint64_t seed = options_.seed * 0x9E3779B97F4A7C15ull ^
                                (static_cast<std::uint64_t>(bucket.step) << 20) ^
                                static_cast<std::uint64_t>(bucket.index);
-    auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
-    return at::randperm(numel, generator, at::kLong).narrow(0, 0, k);
+    // Floyd's sampling: k distinct positions, uniformly, in O(k) draws (a permutation of
+    // the whole bucket costs a draw per element), in increasing order.
+    std::mt19937_64 random(seed);
+    std::unordered_set<std::int64_t> chosen;
+    chosen.reserve(static_cast<std::size_t>(2 * k));
+    for (std::int64_t j = numel - k; j < numel; ++j) {
+      const std::int64_t t = std::uniform_int_distribution<std::int64_t>(0, j)(random);
+      if (!chosen.insert(t).second) chosen.insert(j);
+    }
+    std::vector<std::int64_t> sorted(chosen.begin(), chosen.end());
+    std::sort(sorted.begin(), sorted.end());
+    return at::tensor(sorted, at::kLong);
   }
 
   SparsifyOptions options_;
