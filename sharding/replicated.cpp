@@ -15,6 +15,7 @@
 #include "sharding/buckets.h"
 #include "sharding/engine_parts.h"
 #include "src/errors.h"
+#include "src/io/shard_files.h"
 #include "src/logging.h"
 
 namespace flatshard::sharding {
@@ -208,15 +209,14 @@ void Engine::set_comm_hook(std::shared_ptr<CommHook> hook) {
   if (backward_active_) throw InvalidArgument(fmt::format("{}: called during backward", who));
   // Every rank must run the same hook with the same settings: compare their descriptions.
   const std::string mine = hook ? hook->describe() : "none";
-  auto hashes = at::zeros({world_size_}, at::kLong);
-  hashes[rank_] = static_cast<std::int64_t>(std::hash<std::string>{}(mine) >> 1);
-  comm_->all_reduce(hashes, ReduceOp::Sum).wait();
+  const auto all = checkpoint::shards::exchange_strings(*comm_, mine);
   for (int r = 0; r < world_size_; ++r) {
-    if (hashes[r].item<std::int64_t>() != hashes[rank_].item<std::int64_t>()) {
-      throw InvalidArgument(fmt::format(
-          "{}: rank {} registered a communication hook with other settings than this rank's {}; every rank "
-          "must register the same hook with the same settings",
-          who, r, mine));
+    if (all[r] != mine) {
+      throw InvalidArgument(
+          fmt::format("{}: rank {} registered a communication hook with other settings ({}) than this rank's "
+                      "{}; every rank "
+                      "must register the same hook with the same settings",
+                      who, r, all[r], mine));
     }
   }
   finish_pending_reduce();

@@ -211,7 +211,7 @@ class PowerSGDHook final : public CommHook {
     at::Tensor m = options_.error_feedback ? residuals_.corrected(bucket) : bucket.buffer.to(at::kFloat);
     // The matrices worth compressing, and the rest (sent whole, in one vector).
     std::vector<Matrix> matrices;
-    std::vector<at::Tensor> plain;
+    std::vector<std::pair<std::int64_t, std::int64_t>> plain;  // (offset, numel) in the bucket
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
       const auto& p = bucket.params[i];
       std::int64_t numel = 1;
@@ -223,28 +223,25 @@ class PowerSGDHook final : public CommHook {
       if (p.shape.size() >= 2 && r > 0 && (rows + cols) * r < rows * cols) {
         matrices.push_back({flat.view({rows, cols}), r, p.offset});
       } else {
-        plain.push_back(flat);
+        plain.emplace_back(p.offset, numel);
       }
-      if (end > p.offset + numel)
-        plain.push_back(m.narrow(0, p.offset + numel, end - p.offset - numel));  // padding
+      if (end > p.offset + numel) plain.emplace_back(p.offset + numel, end - p.offset - numel);  // padding
     }
-    if (bucket.params.empty()) plain.push_back(m);
+    if (bucket.params.empty()) plain.emplace_back(0, m.numel());
     // P = M Q for every matrix, in one buffer, averaged with the plain values.
     std::int64_t p_numel = 0, plain_numel = 0;
     for (const auto& x : matrices) p_numel += x.m.size(0) * x.rank;
-    for (const auto& x : plain) plain_numel += x.numel();
+    for (const auto& [offset, numel] : plain) plain_numel += numel;
     at::Tensor wire = at::empty({p_numel + plain_numel}, at::kFloat);
     std::int64_t at_p = 0;
-    std::vector<at::Tensor> qs;
     for (const auto& x : matrices) {
       at::Tensor q = start_q(bucket.index, x);
-      qs.push_back(q);
       wire.narrow(0, at_p, x.m.size(0) * x.rank).view({x.m.size(0), x.rank}).copy_(x.m.mm(q));
       at_p += x.m.size(0) * x.rank;
     }
-    for (const auto& x : plain) {
-      wire.narrow(0, at_p, x.numel()).copy_(x);
-      at_p += x.numel();
+    for (const auto& [offset, numel] : plain) {
+      wire.narrow(0, at_p, numel).copy_(m.narrow(0, offset, numel));
+      at_p += numel;
     }
     Work first = comm.all_reduce(wire, ReduceOp::Avg, on(StreamRole::AllReduce));
     at::Tensor buffer = bucket.buffer;
@@ -253,7 +250,7 @@ class PowerSGDHook final : public CommHook {
     // the all-gather stream (buckets finish in bucket order on every rank, so that
     // stream sees the same ops in the same order everywhere).
     return {
-        {first}, [this, &comm, buffer, m, wire, matrices, plain, qs, p_numel, index]() mutable {
+        {first}, [this, &comm, buffer, m, wire, matrices, plain, p_numel, index]() mutable {
           std::int64_t at = 0;
           std::vector<at::Tensor> ps;
           std::int64_t q_numel = 0;
@@ -282,17 +279,14 @@ class PowerSGDHook final : public CommHook {
           }
           // The plain values, averaged, back where they came from.
           at = p_numel;
-          for (const auto& x : plain) {
-            const std::int64_t offset = (x.data_ptr<float>() - m.data_ptr<float>());
-            out.narrow(0, offset, x.numel()).copy_(wire.narrow(0, at, x.numel()));
-            at += x.numel();
+          for (const auto& [offset, numel] : plain) {
+            out.narrow(0, offset, numel).copy_(wire.narrow(0, at, numel));
+            at += numel;
           }
           if (options_.error_feedback) {
             at::Tensor residual = m - out;
-            for (const auto& x : plain) {
-              const std::int64_t offset = (x.data_ptr<float>() - m.data_ptr<float>());
-              residual.narrow(0, offset, x.numel()).zero_();  // sent whole: nothing left over
-            }
+            for (const auto& [offset, numel] : plain)
+              residual.narrow(0, offset, numel).zero_();  // sent whole: nothing left over
             residuals_.keep(index, residual);
           }
           buffer.copy_(out);

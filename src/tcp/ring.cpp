@@ -168,11 +168,12 @@ class TcpRingBackend final : public Backend {
         store_(std::move(store)),
         failure_key_(std::move(failure_key)) {
     // Direct links pay a round trip per message, so they move bigger pieces.
-    bool all_direct = !channels_.empty();
-    for (const Channel& ch : channels_) all_direct = all_direct && ch.direct_in && ch.direct_out;
-    piece_bytes_ = all_direct ? kDirectPieceBytes : kReducePieceBytes;
-    copies_directly_ = !channels_.empty();
-    for (const Channel& ch : channels_) copies_directly_ = copies_directly_ && ch.direct_in;
+    const auto all = [&](auto has) {
+      return !channels_.empty() && std::all_of(channels_.begin(), channels_.end(), has);
+    };
+    piece_bytes_ = all([](const Channel& ch) { return ch.direct_in && ch.direct_out; }) ? kDirectPieceBytes
+                                                                                        : kReducePieceBytes;
+    copies_directly_ = all([](const Channel& ch) { return ch.direct_in; });
   }
 
   bool copies_directly() const override { return copies_directly_; }
