@@ -2,7 +2,8 @@
 // mode (start with flatshard-run -n N; bench/modes.sh and bench/fully_shard.sh run grids).
 //
 //   bench_modes --mode ddp|zero1|zero2|full [--layers 6 --dim 256 --heads 8 --vocab 4096
-//               --context 64 --batch 4 --steps 6]
+//               --context 64 --batch 4 --steps 6] [--hook SPEC] [--staleness S]
+//               [--decentralized K] [--phases 1]
 //
 // FullyShard with optim::AdamW under the mode's strategy: ddp NoShard, zero1
 // ShardOptimizerState, zero2 ShardGradOp, full FullShard. Rank 0 prints one CSV
@@ -44,6 +45,8 @@ int main(int argc, char** argv) {
   int batch = 4, steps = 6;
   bool phases = false;        // --phases 1: each rank prints its mean forward, backward and step times
   std::string hook = "none";  // --hook SPEC: a communication hook (flatshard::hooks::parse)
+  int staleness = 0;          // --staleness S: FullyShardOptions::staleness (asynchronous)
+  int decentralized = 0;      // --decentralized K: FullyShardOptions::decentralized_every
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--phases") phases = std::atoi(argv[i + 1]) != 0;
@@ -65,6 +68,10 @@ int main(int argc, char** argv) {
       batch = v;
     else if (a == "--steps")
       steps = v;
+    else if (a == "--staleness")
+      staleness = v;
+    else if (a == "--decentralized")
+      decentralized = v;
   }
   auto world = flatshard::init();
   const std::int64_t rss_before = rss_bytes("VmRSS:");
@@ -78,6 +85,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_modes: --mode is ddp, zero1, zero2, full or hybrid, not %s\n", mode.c_str());
     return 2;
   }
+  options.staleness = staleness;
+  options.decentralized_every = decentralized;
   flatshard::FullyShard<GPT> fsdp(model, world, options);
   if (auto h = flatshard::hooks::parse(hook)) fsdp.register_comm_hook(h);
   flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{3e-4});

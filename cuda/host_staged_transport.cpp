@@ -48,6 +48,7 @@ class HostStagedTransport final : public comm::Backend {
           break;
         }
         case OpKind::ReduceScatter:
+        case OpKind::NeighborExchange:
           hop.input = at::empty({op.input.numel()}, pinned);
           hop.input.copy_(op.input.reshape({-1}), true);
           hop.output = at::empty({op.output.numel()}, pinned);

@@ -109,6 +109,27 @@ class NcclTransport final : public comm::Backend {
                           static_cast<std::size_t>(op.input.numel()), nccl_type(op.input.scalar_type()),
                           op.root, comm, s);
         break;
+      case OpKind::NeighborExchange: {
+        // Point-to-point in one group: to both neighbours, from both (once at world sizes 1
+        // and 2, then the half is copied, as the CPU rings do).
+        const auto count = static_cast<std::size_t>(op.input.numel());
+        const ncclDataType_t type = nccl_type(op.input.scalar_type());
+        const int next = (rank_ + 1) % n_, prev = (rank_ + n_ - 1) % n_;
+        char* out = static_cast<char*>(op.output.data_ptr());
+        const std::size_t bytes = op.input.nbytes();
+        r = ncclGroupStart();
+        if (r == ncclSuccess) r = ncclSend(op.input.data_ptr(), count, type, next, comm, s);
+        if (r == ncclSuccess) r = ncclRecv(out, count, type, prev, comm, s);
+        if (r == ncclSuccess && n_ > 2) r = ncclSend(op.input.data_ptr(), count, type, prev, comm, s);
+        if (r == ncclSuccess && n_ > 2) r = ncclRecv(out + bytes, count, type, next, comm, s);
+        const ncclResult_t ended = ncclGroupEnd();
+        if (r == ncclSuccess) r = ended;
+        if (r == ncclSuccess && n_ <= 2) {
+          check_cuda(cudaMemcpyAsync(out + bytes, out, bytes, cudaMemcpyDeviceToDevice, s),
+                     "cudaMemcpyAsync");
+        }
+        break;
+      }
       case OpKind::Barrier:
         r = ncclAllReduce(barrier_buffer_.data_ptr(), barrier_buffer_.data_ptr(), 1, ncclInt32, ncclSum, comm,
                           s);

@@ -91,6 +91,7 @@ void Engine::pre_forward(int index) {
   Unit& u = *units_[index];
   if (replicated_) {
     refresh_replicas();
+    start_neighbor_exchange();
     if (options_.broadcast_buffers && world_size_ > 1) {
       for (auto& b : buffers_) comm_->broadcast(b, 0).wait();
     }
@@ -257,27 +258,37 @@ void Engine::finish_pending_reduce() {
   while (!in_flight_.empty()) finish_first_reduce();
 }
 
+bool Engine::completed(const PendingReduce& p) {
+  if (p.work && !p.work->is_completed()) return false;
+  for (const Work& w : p.hook_works) {
+    if (!w.is_completed()) return false;
+  }
+  return !p.stale || completed(*p.stale);
+}
+
 void Engine::finish_completed_reduces() {
-  auto completed = [](const PendingReduce& p) {
-    if (p.work && !p.work->is_completed()) return false;
-    for (const Work& w : p.hook_works) {
-      if (!w.is_completed()) return false;
-    }
-    return true;
-  };
   while (!in_flight_.empty() && completed(*in_flight_.front())) finish_first_reduce();
+}
+
+// Waits for `pending`'s collectives and leaves its average in `pending.output`.
+void Engine::complete(PendingReduce& pending) {
+  if (pending.work) pending.work->wait();
+  for (const Work& w : pending.hook_works) w.wait();  // Note [Communication hooks]
+  if (pending.hook_finish) pending.hook_finish();
+  at::NoGradGuard no_grad;
+  if (pending.slice_numel >= 0)
+    pending.output.copy_(pending.input.narrow(0, pending.slice_offset, pending.slice_numel));
+  if (pending.stale) {  // Note [Bounded staleness]: an earlier step's average stands for ours
+    complete(*pending.stale);
+    pending.output.copy_(pending.stale->output);
+    pending.stale.reset();
+  }
 }
 
 void Engine::finish_first_reduce() {
   auto pending = std::move(in_flight_.front());
   in_flight_.pop_front();
-  if (pending->work) pending->work->wait();
-  for (const Work& w : pending->hook_works) w.wait();  // Note [Communication hooks]
-  if (pending->hook_finish) pending->hook_finish();
-  if (pending->slice_numel >= 0) {
-    at::NoGradGuard no_grad;
-    pending->output.copy_(pending->input.narrow(0, pending->slice_offset, pending->slice_numel));
-  }
+  complete(*pending);
   const int pending_segment = pending->segment;
   if (pending->segment >= 0) {  // a bucket of a replicated group
     FlatParamGroup& g = *units_[pending->unit]->group;

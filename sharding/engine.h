@@ -48,7 +48,8 @@ class Engine {
   void set_comm_hook(std::shared_ptr<CommHook> hook);
   const std::shared_ptr<CommHook>& comm_hook() const { return comm_hook_; }
   std::int64_t synced_backwards() const { return synced_backwards_; }
-  void restore_synced_backwards(std::int64_t count) { synced_backwards_ = count; }
+  // Also drops the averages waiting under staleness (Note [Bounded staleness]).
+  void restore_synced_backwards(std::int64_t count);
   void zero_grad();
   void gather_all();
   void reshard_all();
@@ -95,7 +96,15 @@ class Engine {
   std::vector<int> bucket_sizes(const std::vector<int>& ids) const;
   void launch_ready_segments();
   void reduce_segment(int segment);
+  void start_bucket_reduction(PendingReduce& pending, int segment);
   void start_hook(PendingReduce& pending, int segment);
+  // Note [Bounded staleness], Note [Decentralized training]
+  void check_communication_options() const;
+  void delay(PendingReduce& pending, int segment);
+  void start_neighbor_exchange();
+  void average_with_neighbors();
+  void complete(PendingReduce& pending);
+  static bool completed(const PendingReduce& pending);
   void rebuild_buckets(std::vector<int> order);
   void end_of_replicated_backward();
   void check_nonfinite();
@@ -134,6 +143,14 @@ class Engine {
   // strategies (Note [One reduce-scatter in flight]); any number of buckets under the
   // replicated ones (Note [Queued bucket reductions]).
   std::deque<std::unique_ptr<PendingReduce>> in_flight_;
+  // Note [Bounded staleness]: by bucket, the reductions of the last `staleness` synced
+  // backwards, oldest first; whether this backward found none old enough to apply.
+  std::vector<std::deque<std::unique_ptr<PendingReduce>>> delayed_;
+  bool warming_up_ = false;
+  // Note [Decentralized training]: the neighbours' parameters (the previous rank's, then
+  // the next's), and their exchange while it runs.
+  at::Tensor neighbors_;
+  std::optional<Work> exchange_;
   // Reduced gradient shards copied (or being copied) to host memory under CPU offload.
   std::vector<std::pair<int, at::Tensor>> landing_grads_;
   ShardMemory memory_;

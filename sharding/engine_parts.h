@@ -45,7 +45,11 @@ struct Engine::PendingReduce {
   std::vector<Work> hook_works;
   std::function<void()> hook_finish;
   std::int64_t slice_offset = 0, slice_numel = -1;
+  std::shared_ptr<CommHook> hook;  // kept alive for hook_finish
   bool add = false;
+  // Note [Bounded staleness]: the reduction of an earlier step whose average this one
+  // delivers in place of its own.
+  std::unique_ptr<PendingReduce> stale;
 };
 
 namespace detail {

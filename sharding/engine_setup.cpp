@@ -83,6 +83,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     throw InvalidArgument(fmt::format("flatshard::FullyShard (rank {}/{}): prefetch must be >= 0, got {}",
                                       rank_, world_size_, options_.prefetch));
   }
+  check_communication_options();
   const auto membership = discover_units(*model_);
   const auto& declared = membership.declared;
   const auto& owner = membership.owner;

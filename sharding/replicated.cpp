@@ -146,7 +146,6 @@ void Engine::reduce_segment(int s) {
     master_grad = g.pooled_empty(g.shard_numel(), at::kFloat);
     fresh_grad_ = true;
   }
-  CollectiveOptions opts;
   if (shard_.size == 1) {
     // NoShard: every rank averages the whole bucket, in place.
     at::Tensor target = g.master_aliases_full() ? grads : g.master_part(master_grad, s);
@@ -160,12 +159,6 @@ void Engine::reduce_segment(int s) {
       pending->add = !g.master_aliases_full() && !fresh_grad_;
     }
     pending->output = pending->input;
-    opts.stream = StreamRole::AllReduce;
-    if (shard_.replicas > 1 && comm_hook_) {
-      start_hook(*pending, s);
-    } else if (shard_.replicas > 1) {
-      pending->work = comm_->all_reduce(pending->input, ReduceOp::Avg, opts);
-    }
   } else {
     // ShardOptimizerState: each rank receives its slice, its part of the master shard.
     pending->input = reduce_dtype == g.compute_dtype() ? grads : grads.to(reduce_dtype);
@@ -176,18 +169,70 @@ void Engine::reduce_segment(int s) {
       pending->target = g.master_part(master_grad, s);
       pending->add = !fresh_grad_;
     }
-    if (comm_hook_) {
-      // The hook averages the whole bucket in place (`input` is the bucket's own buffer,
-      // or its converted copy); this rank's slice of the average is then the output.
-      pending->slice_offset = static_cast<std::int64_t>(shard_.rank) * seg.slice;
-      pending->slice_numel = seg.slice;
-      start_hook(*pending, s);
-    } else {
-      opts.stream = StreamRole::ReduceScatter;
-      pending->work = comm_->reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
-    }
+  }
+  if (options_.decentralized_every > 0) {
+    // Note [Decentralized training]: each rank steps with its own gradient.
+  } else if (options_.staleness > 0) {
+    delay(*pending, s);
+  } else {
+    start_bucket_reduction(*pending, s);
   }
   in_flight_.push_back(std::move(pending));
+}
+
+// Starts averaging `pending.input` over the ranks: in place under NoShard, this rank's
+// slice into `pending.output` under ShardOptimizerState; by the hook when there is one.
+void Engine::start_bucket_reduction(PendingReduce& pending, int s) {
+  CollectiveOptions opts;
+  if (shard_.size == 1) {
+    if (shard_.replicas == 1) return;  // one rank: the average is the gradient
+    if (comm_hook_) {
+      start_hook(pending, s);
+    } else {
+      opts.stream = StreamRole::AllReduce;
+      pending.work = comm_->all_reduce(pending.input, ReduceOp::Avg, opts);
+    }
+  } else if (comm_hook_) {
+    // The hook averages the whole bucket in place (`input` is the bucket's own buffer, or
+    // its converted copy); this rank's slice of the average is then the output.
+    const std::int64_t slice = units_[kRoot]->group->segments()[s].slice;
+    pending.slice_offset = static_cast<std::int64_t>(shard_.rank) * slice;
+    pending.slice_numel = slice;
+    start_hook(pending, s);
+  } else {
+    opts.stream = StreamRole::ReduceScatter;
+    pending.work = comm_->reduce_scatter(pending.output, pending.input, ReduceOp::Avg, opts);
+  }
+}
+
+// Note [Bounded staleness]
+// With FullyShardOptions::staleness s, a bucket's gradients are copied when they are
+// ready and that copy is averaged (by the engine's collective or the hook, as without
+// staleness) while the backward and the next s steps compute. The bucket's own reduction
+// then delivers, in place of its own average, the average that bucket got s synced
+// backwards ago, which has had s steps to arrive: the update of step t is made from the
+// gradients of step t - s, taken at the parameters of step t - s (a single process doing
+// the same: tests/multirank/test_decentralized.cpp). In the first s synced backwards
+// there is no such average: the gradients are dropped after the backward and the
+// optimizer does not step. Each bucket holds s + 1 copies of its gradient at most: the
+// price of never waiting.
+void Engine::delay(PendingReduce& pending, int s) {
+  if (delayed_.size() < pending_.size()) delayed_.resize(pending_.size());
+  auto copy = std::make_unique<PendingReduce>();
+  copy->unit = pending.unit;
+  copy->input = pending.input.clone();
+  copy->output = shard_.size == 1
+                     ? copy->input
+                     : at::empty({units_[kRoot]->group->segments()[s].slice}, copy->input.options());
+  start_bucket_reduction(*copy, s);
+  auto& queue = delayed_[s];
+  queue.push_back(std::move(copy));
+  if (static_cast<int>(queue.size()) > options_.staleness) {
+    pending.stale = std::move(queue.front());
+    queue.pop_front();
+  } else {
+    warming_up_ = true;
+  }
 }
 
 // Note [Communication hooks]
@@ -200,6 +245,12 @@ void Engine::reduce_segment(int s) {
 void Engine::set_comm_hook(std::shared_ptr<CommHook> hook) {
   const std::string who =
       fmt::format("flatshard::FullyShard::register_comm_hook (rank {}/{})", rank_, world_size_);
+  if (hook && options_.decentralized_every > 0) {
+    throw InvalidArgument(fmt::format(
+        "{}: decentralized training (decentralized_every {}) averages parameters with the neighbours and "
+        "no gradient, so there is nothing for a hook to reduce",
+        who, options_.decentralized_every));
+  }
   if (hook && !replicated_) {
     throw InvalidArgument(
         fmt::format("{}: {} reduce-scatters each unit's gradients, and communication hooks average whole "
@@ -237,6 +288,85 @@ void Engine::start_hook(PendingReduce& pending, int s) {
   HookWork work = comm_hook_->reduce(*comm_, bucket);
   pending.hook_works = std::move(work.works);
   pending.hook_finish = std::move(work.finish);
+  pending.hook = comm_hook_;
+}
+
+// A run resumed from a checkpoint starts its staleness over: the averages waiting belong
+// to the steps before the checkpoint was loaded. They are completed first, so that no rank
+// leaves a collective behind.
+void Engine::restore_synced_backwards(std::int64_t count) {
+  synced_backwards_ = count;
+  for (auto& queue : delayed_) {
+    for (auto& pending : queue) complete(*pending);
+    queue.clear();
+  }
+}
+
+// Note [Decentralized training]
+// With FullyShardOptions::decentralized_every k (NoShard), no gradient is averaged. At
+// the first forward of every k-th step, the parameters (the master buffer, which holds
+// them, or their fp32 master under mixed precision) go to both ring neighbours and theirs
+// come back (Communicator::neighbor_exchange, on the all-gather stream), while forward
+// and backward run; the parameters do not change until the step. At the end of that
+// step's synced backward each rank replaces its parameters with the mean of its own and
+// its neighbours', and the optimizer steps that mean with this rank's own gradient:
+// w_{t+1,i} = (w_{t,i-1} + w_{t,i} + w_{t,i+1}) / 3 - lr g_{t,i} for SGD. The first step
+// exchanges nothing: until the buckets are laid out every rank holds rank 0's
+// parameters, whose mean is themselves.
+void Engine::start_neighbor_exchange() {
+  const auto& group = units_[kRoot]->group;
+  if (options_.decentralized_every <= 0 || world_size_ == 1 || !group || exchange_ || !rebuilt_) return;
+  if ((synced_backwards_ + 1) % options_.decentralized_every != 0) return;
+  const at::Tensor master = group->master().detach();
+  if (!neighbors_.defined() || neighbors_.numel() != 2 * master.numel())
+    neighbors_ = at::empty({2 * master.numel()}, master.options());
+  CollectiveOptions opts;
+  opts.stream = StreamRole::AllGather;
+  exchange_ = comm_->neighbor_exchange(neighbors_, master, opts);
+}
+
+void Engine::average_with_neighbors() {
+  if (!exchange_) return;
+  const Work work = *exchange_;
+  exchange_.reset();
+  work.wait();
+  at::NoGradGuard no_grad;
+  at::Tensor master = units_[kRoot]->group->master().detach();
+  const std::int64_t n = master.numel();
+  master.add_(neighbors_.narrow(0, 0, n)).add_(neighbors_.narrow(0, n, n)).div_(3);
+  stale_ = true;  // under mixed precision the parameters are refreshed from it
+}
+
+void Engine::check_communication_options() const {
+  const std::string who = fmt::format("flatshard::FullyShard (rank {}/{})", rank_, world_size_);
+  if (options_.staleness < 0 || options_.staleness > FullyShardOptions::kMaxStaleness) {
+    throw InvalidArgument(fmt::format("{}: staleness must be in [0, {}], got {}", who,
+                                      FullyShardOptions::kMaxStaleness, options_.staleness));
+  }
+  if (options_.staleness > 0 && !replicated_) {
+    throw InvalidArgument(
+        fmt::format("{}: staleness {} needs a replicated strategy (NoShard or ShardOptimizerState): {} "
+                    "reduce-scatters each unit into its shard as backward runs; set staleness = 0 or change "
+                    "the strategy",
+                    who, options_.staleness, to_string(options_.strategy)));
+  }
+  if (options_.decentralized_every < 0) {
+    throw InvalidArgument(
+        fmt::format("{}: decentralized_every must be >= 0, got {}", who, options_.decentralized_every));
+  }
+  if (options_.decentralized_every > 0 && options_.strategy != Strategy::NoShard) {
+    throw InvalidArgument(fmt::format(
+        "{}: decentralized_every {} needs Strategy::NoShard: every rank keeps and steps its own replica, "
+        "while {} holds one copy of the optimizer state for all ranks; set decentralized_every = 0 or use "
+        "NoShard",
+        who, options_.decentralized_every, to_string(options_.strategy)));
+  }
+  if (options_.decentralized_every > 0 && options_.staleness > 0) {
+    throw InvalidArgument(fmt::format(
+        "{}: decentralized_every {} and staleness {} do not combine: decentralized training averages "
+        "no gradient to delay; set one of them to 0",
+        who, options_.decentralized_every, options_.staleness));
+  }
 }
 
 void Engine::end_of_replicated_backward() {
@@ -283,7 +413,12 @@ void Engine::end_of_replicated_backward() {
     g.free_full_grad();
   }
   g.drop_param_grads();
-  stale_ = true;  // the optimizer steps the master shard next
+  stale_ = true;      // the optimizer steps the master shard next
+  if (warming_up_) {  // Note [Bounded staleness]: no average old enough yet, so no step
+    warming_up_ = false;
+    g.master().mutable_grad().reset();
+  }
+  average_with_neighbors();
   account();
 }
 

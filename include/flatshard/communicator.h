@@ -137,6 +137,14 @@ class Communicator {
   // broadcast: in place; `root`'s `tensor` is copied to every rank's `tensor`.
   Work broadcast(const at::Tensor& tensor, int root, const CollectiveOptions& options = {});
 
+  // neighbor_exchange: output.numel() == 2 * input.numel(); the first half of `output`
+  // receives the previous rank's `input` (rank - 1, mod the world size), the second half
+  // the next rank's (rank + 1). Each rank sends its input to both neighbours (once at
+  // world size 2, where they are the same rank): the exchange of decentralized training,
+  // whose cost does not grow with the world size. Runs on the AllGather stream.
+  Work neighbor_exchange(const at::Tensor& output, const at::Tensor& input,
+                         const CollectiveOptions& options = {});
+
   // barrier: completes on a rank once every rank has issued it.
   Work barrier(const CollectiveOptions& options = {});
 

@@ -102,6 +102,19 @@ struct FullyShardOptions {
   // GPU) and the optimizer steps on the CPU; each gather copies the updated shard to the
   // device and each reduced gradient shard is copied back, both without blocking the host.
   bool cpu_offload = false;
+  // NoShard and ShardOptimizerState: asynchronous data parallelism with bounded staleness
+  // (0: off; at most kMaxStaleness). The gradients of synced backward t are averaged while
+  // the next `staleness` steps compute, and backward t + staleness hands the optimizer step
+  // t's average: each update is `staleness` steps late, and no step waits for the
+  // communication of its own gradients. The first `staleness` steps find no gradient and
+  // do not step. Combines with communication hooks.
+  int staleness = 0;
+  // NoShard: decentralized training (0: off). No gradient is averaged: every
+  // `decentralized_every`-th synced backward each rank averages its parameters with its two
+  // ring neighbours', w_i <- (w_{i-1} + w_i + w_{i+1}) / 3 (exchanged while forward and
+  // backward run), and the optimizer steps that average with this rank's own gradient.
+  int decentralized_every = 0;
+  static constexpr int kMaxStaleness = 8;
 };
 
 // The ranks a FullyShard shards over: all of them, or under HybridShard this rank's
@@ -217,7 +230,8 @@ class FullyShardBase {
   // rank registers the same hook with the same settings (checked), between steps.
   void register_comm_hook(std::shared_ptr<CommHook> hook);
   const std::shared_ptr<CommHook>& comm_hook() const;
-  // Synced backwards so far (GradBucket::step); load_sharded restores the saved count.
+  // Synced backwards so far (GradBucket::step); load_sharded restores the saved count (and
+  // under staleness drops the averages still waiting: a resumed run starts its delay over).
   std::int64_t synced_backwards() const;
   void restore_synced_backwards(std::int64_t count);
   bool steps_in_backward() const;  // an optimizer is registered by step_in_backward

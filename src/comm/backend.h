@@ -16,7 +16,7 @@
 
 namespace flatshard::comm {
 
-enum class OpKind : std::uint8_t { AllGather = 1, ReduceScatter, AllReduce, Broadcast, Barrier };
+enum class OpKind : std::uint8_t { AllGather = 1, ReduceScatter, AllReduce, Broadcast, Barrier, NeighborExchange };
 const char* to_string(OpKind kind);
 
 // One validated collective, as the transport sees it.
@@ -25,7 +25,8 @@ struct Collective {
   std::uint64_t seq = 0;  // the communicator's number for this op (for messages)
   at::Tensor input;       // all_gather: this rank's slot; reduce_scatter: the full buffer
   at::Tensor output;      // all_gather: the full buffer; reduce_scatter: this rank's slot;
-                          // all_reduce and broadcast: the tensor (input is the same)
+                          // all_reduce and broadcast: the tensor (input is the same);
+                          // neighbor_exchange: the previous rank's input, then the next's
   ReduceOp reduce = ReduceOp::Sum;
   int root = 0;
   std::chrono::steady_clock::time_point deadline;

@@ -96,6 +96,7 @@ std::uint64_t Communicator::ring_bytes_sent(const comm::Collective& c, std::size
     case OpKind::Broadcast:
       return (rank_ - c.root + world_size_) % world_size_ == world_size_ - 1 ? 0 : bytes;
     case OpKind::Barrier: return 0;
+    case OpKind::NeighborExchange: return world_size_ == 2 ? bytes / 2 : bytes;  // bytes: the output's
   }
   return 0;
 }
@@ -185,6 +186,15 @@ Work Communicator::broadcast(const at::Tensor& tensor, int root, const Collectiv
   return enqueue(std::move(c), StreamRole::AllReduce, options);
 }
 
+Work Communicator::neighbor_exchange(const at::Tensor& output, const at::Tensor& input,
+                                     const CollectiveOptions& options) {
+  Collective c;
+  c.kind = OpKind::NeighborExchange;
+  c.input = input;
+  c.output = output;
+  return enqueue(std::move(c), StreamRole::AllGather, options);
+}
+
 Work Communicator::barrier(const CollectiveOptions& options) {
   Collective c;
   c.kind = OpKind::Barrier;
@@ -230,6 +240,16 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
         fmt::format("output has {} elements but this rank's slot of an input of {} elements "
                     "has {} (shard_range)",
                     c.output.numel(), c.input.numel(), mine.numel));
+  }
+  if (c.kind == OpKind::NeighborExchange && c.output.numel() != 2 * c.input.numel()) {
+    throw invalid(
+        fmt::format("output has {} elements; it must have twice the input's {} (the previous "
+                    "rank's, then the next rank's)",
+                    c.output.numel(), c.input.numel()));
+  }
+  if (c.kind == OpKind::NeighborExchange && c.output.data_ptr() == c.input.data_ptr() &&
+      c.input.numel() > 0) {
+    throw invalid("output and input overlap; the output receives the neighbours' inputs");
   }
   if ((c.kind == OpKind::ReduceScatter || c.kind == OpKind::AllReduce) && c.reduce == ReduceOp::Avg &&
       !at::isFloatingType(c.input.scalar_type())) {

@@ -198,6 +198,7 @@ class TcpRingBackend final : public Backend {
         case OpKind::AllReduce: all_reduce(ch, op); break;
         case OpKind::Broadcast: broadcast(ch, op); break;
         case OpKind::Barrier: barrier(ch, op); break;
+        case OpKind::NeighborExchange: neighbor_exchange(ch, op); break;
       }
     } catch (const IoError& e) {
       // A failure on our own side (abort() shut the sockets) is not the peer's fault.
@@ -288,8 +289,26 @@ class TcpRingBackend final : public Backend {
       case OpKind::ReduceScatter:
         if (op.output.data_ptr() != op.input.data_ptr()) op.output.copy_(op.input);
         break;
+      case OpKind::NeighborExchange:  // this rank is both its neighbours
+        op.output.narrow(0, 0, op.input.numel()).copy_(op.input);
+        op.output.narrow(0, op.input.numel(), op.input.numel()).copy_(op.input);
+        break;
       default: break;  // all_reduce, broadcast and barrier are identities for one rank
     }
+  }
+
+  // The previous rank's buffer into the first half of the output, the next rank's into
+  // the second: one step with the ring (direct copies apply), one against it. Of two
+  // ranks each is the other's both neighbours: one step, and the half copied.
+  void neighbor_exchange(Channel& ch, const Collective& op) {
+    const std::size_t bytes = op.input.nbytes();
+    char* out = static_cast<char*>(op.output.data_ptr());
+    step(ch, op, op.input.data_ptr(), bytes, true, out, bytes, true);
+    if (world_size_ == 2) {
+      std::memcpy(out + bytes, out, bytes);
+      return;
+    }
+    step(ch, op, op.input.data_ptr(), bytes, true, out + bytes, bytes, true, /*forward=*/false);
   }
 
   // What else besides kind and size the ranks must agree on: element type, reduction
@@ -311,44 +330,49 @@ class TcpRingBackend final : public Backend {
 
   // One ring step: send `send_bytes` to the next rank while receiving `recv_bytes`
   // from the previous one, each message led by a StepHead that the receiver checks.
+  // Against the ring (`forward` false: to the previous rank, from the next) the same
+  // connections carry the bodies the other way, always through the sockets.
   void step(Channel& ch, const Collective& op, const void* send, std::size_t send_bytes, bool do_send,
-            void* recv, std::size_t recv_bytes, bool do_recv) {
+            void* recv, std::size_t recv_bytes, bool do_recv, bool forward = true) {
     const auto sig = signature_of(op);
     StepHead out{
         kStepMagic, static_cast<std::uint8_t>(op.kind), {sig[0], sig[1], sig[2]}, ch.seq, send_bytes};
     StepHead in{};
+    const bool direct_out = forward && ch.direct_out, direct_in = forward && ch.direct_in;
+    Socket* out_socket = forward ? &ch.to_next : &ch.from_prev;
+    Socket* in_socket = forward ? &ch.from_prev : &ch.to_next;
+    const int sender = forward ? prev() : next();
     // Direct links carry the body's address in place of the body (Note [Direct copies]).
     std::uint64_t out_address = reinterpret_cast<std::uintptr_t>(send), in_address = 0;
-    const tcp::Parts out_parts = ch.direct_out
-                                     ? tcp::Parts{&out, sizeof(out), &out_address, sizeof(out_address)}
-                                     : tcp::Parts{&out, sizeof(out), send, send_bytes};
+    const tcp::Parts out_parts = direct_out ? tcp::Parts{&out, sizeof(out), &out_address, sizeof(out_address)}
+                                            : tcp::Parts{&out, sizeof(out), send, send_bytes};
     const tcp::MutableParts in_parts =
-        ch.direct_in ? tcp::MutableParts{&in, sizeof(in), &in_address, sizeof(in_address)}
-                     : tcp::MutableParts{&in, sizeof(in), recv, recv_bytes};
+        direct_in ? tcp::MutableParts{&in, sizeof(in), &in_address, sizeof(in_address)}
+                  : tcp::MutableParts{&in, sizeof(in), recv, recv_bytes};
     tcp::exchange(
-        do_send ? &ch.to_next : nullptr, out_parts, do_recv ? &ch.from_prev : nullptr, in_parts, op.deadline,
-        [&] {
+        do_send ? out_socket : nullptr, out_parts, do_recv ? in_socket : nullptr, in_parts, op.deadline, [&] {
           if (in.magic != kStepMagic || in.op != static_cast<std::uint8_t>(op.kind) ||
               in.channel_seq != ch.seq || in.body_bytes != recv_bytes) {
             const char* their_op = in.magic == kStepMagic ? to_string(static_cast<OpKind>(in.op)) : "garbage";
             throw TransportFailure(
-                CommError::Kind::Mismatch, prev(),
+                CommError::Kind::Mismatch, sender,
                 fmt::format("rank {} sent {} (op {} on this stream, {} bytes) where this rank expected "
                             "{} (op {} on this stream, {} bytes): the ranks issued different "
                             "collectives or sizes",
-                            prev(), their_op, in.channel_seq, in.body_bytes, to_string(op.kind), ch.seq,
+                            sender, their_op, in.channel_seq, in.body_bytes, to_string(op.kind), ch.seq,
                             recv_bytes));
           }
           if (std::memcmp(in.signature, sig.data(), sig.size()) != 0) {
             throw TransportFailure(
-                CommError::Kind::Mismatch, prev(),
+                CommError::Kind::Mismatch, sender,
                 fmt::format(
                     "rank {} issued {} (op {} on this stream) with {} where this rank used {}: the ranks "
                     "issued different collectives",
-                    prev(), to_string(op.kind), ch.seq, describe_signature(in.signature),
+                    sender, to_string(op.kind), ch.seq, describe_signature(in.signature),
                     describe_signature(sig.data())));
           }
         });
+    if (!forward) return;
     if (do_recv && ch.direct_in) {
       copy_from_prev(ch, recv, in_address, recv_bytes);
       const std::uint64_t ack = ch.seq;
@@ -583,6 +607,7 @@ const char* to_string(OpKind kind) {
     case OpKind::AllReduce: return "all_reduce";
     case OpKind::Broadcast: return "broadcast";
     case OpKind::Barrier: return "barrier";
+    case OpKind::NeighborExchange: return "neighbor_exchange";
   }
   return "unknown op";
 }

@@ -52,6 +52,10 @@ struct TrainSpec {
   // The sharded side's optimizer steps inside backward (FullyShardBase::step_in_backward);
   // it still calls step() after backward, which then finds no gradient.
   bool step_in_backward = false;
+  // FullyShardOptions::staleness; the reference then applies each step's gradients
+  // `staleness` steps late (and does not step in the first `staleness` steps).
+  int staleness = 0;
+  std::shared_ptr<CommHook> hook;  // registered on the sharded side when set
   // Called before each step with the reference and the sharded model (e.g. to make a
   // unit go unused in that step).
   std::function<void(int step, torch::nn::Module& reference, torch::nn::Module& sharded)> before_step;

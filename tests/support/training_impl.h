@@ -1,6 +1,7 @@
 #pragma once
 
 #include <algorithm>
+#include <deque>
 #include <map>
 
 namespace flatshard::testing {
@@ -178,6 +179,7 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
   const int n = world.world_size();
   const int rank = world.rank();
   auto loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(side.comm->device()));
+  std::deque<std::vector<at::Tensor>> delayed;  // spec.staleness: gradients waiting to be applied
   for (int step = 0; step < spec.steps; ++step) {
     if (spec.before_step) spec.before_step(step, *reference, *model);
     const Batch host = batch(step);
@@ -193,8 +195,22 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
       l.backward();
       ref_loss += l.template item<double>();
     }
-    if (spec.clip > 0) torch::nn::utils::clip_grad_norm_(reference->parameters(), spec.clip);
-    ref_opt.step();
+    bool ref_steps = true;
+    if (spec.staleness > 0) {  // this step applies the gradients of `staleness` steps ago
+      std::vector<at::Tensor> grads;
+      for (auto& p : reference->parameters()) grads.push_back(p.grad().clone());
+      delayed.push_back(std::move(grads));
+      ref_steps = static_cast<int>(delayed.size()) > spec.staleness;
+      if (ref_steps) {
+        auto params = reference->parameters();
+        for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = delayed.front()[i];
+        delayed.pop_front();
+      }
+    }
+    if (ref_steps) {
+      if (spec.clip > 0) torch::nn::utils::clip_grad_norm_(reference->parameters(), spec.clip);
+      ref_opt.step();
+    }
 
     // Distributed: this rank's rows of each micro-batch.
     const std::int64_t local = micro_rows / n;
@@ -240,6 +256,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   options.comm.timeout = std::chrono::seconds(60);
   options.comm.name = "test";
   options.comm.transport = spec.transport;
+  options.staleness = spec.staleness;
   Holder model{nullptr};
   if (spec.build_into_shards) {
     options.device = spec.device;
@@ -257,6 +274,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   FullyShard<Holder> fsdp(model, world, options);
   auto opt = sharded_optimizer(spec.optimizer, fsdp, spec.param_groups);
   if (spec.step_in_backward) fsdp.step_in_backward(opt.opt.get());
+  if (spec.hook) fsdp.register_comm_hook(spec.hook);
 
   DistributedSide side;
   side.forward = [&](const at::Tensor& x) { return fsdp.forward(x); };
