@@ -243,7 +243,9 @@ void Engine::reduce(int index) {
     scattered = shard_comm().reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
     pending->work = scattered;
   }
-  if (replica_comm_) {
+  if (replica_comm_ && comm_hook_) {
+    pending->hook_across_groups = true;  // Note [Hooks across shard groups]: when it is finished
+  } else if (replica_comm_) {
     // Note [Shard groups]: the group's average, averaged over the groups that hold the
     // same shard, is the world's average (the groups are the same size).
     CollectiveOptions across;
@@ -289,6 +291,7 @@ void Engine::finish_first_reduce() {
   auto pending = std::move(in_flight_.front());
   in_flight_.pop_front();
   complete(*pending);
+  if (pending->hook_across_groups) average_across_groups(*pending);
   const int pending_segment = pending->segment;
   if (pending->segment >= 0) {  // a bucket of a replicated group
     FlatParamGroup& g = *units_[pending->unit]->group;

@@ -98,6 +98,7 @@ class Engine {
   void reduce_segment(int segment);
   void start_bucket_reduction(PendingReduce& pending, int segment);
   void start_hook(PendingReduce& pending, int segment);
+  void average_across_groups(PendingReduce& pending);
   // Note [Bounded staleness], Note [Decentralized training]
   void check_communication_options() const;
   void delay(PendingReduce& pending, int segment);
@@ -145,7 +146,8 @@ class Engine {
   std::deque<std::unique_ptr<PendingReduce>> in_flight_;
   // Note [Bounded staleness]: by bucket, the reductions of the last `staleness` synced
   // backwards, oldest first; whether this backward found none old enough to apply.
-  std::vector<std::deque<std::unique_ptr<PendingReduce>>> delayed_;
+  struct Delayed;
+  std::deque<Delayed> delayed_;  // a deque: Delayed does not move
   bool warming_up_ = false;
   // Note [Decentralized training]: the neighbours' parameters (the previous rank's, then
   // the next's), and their exchange while it runs.

@@ -2,6 +2,7 @@
 // a reduction in flight, the gradient hook, and the helpers the strategies share.
 #pragma once
 
+#include <deque>
 #include <functional>
 #include <optional>
 
@@ -46,10 +47,22 @@ struct Engine::PendingReduce {
   std::function<void()> hook_finish;
   std::int64_t slice_offset = 0, slice_numel = -1;
   std::shared_ptr<CommHook> hook;  // kept alive for hook_finish
+  // HybridShard with a hook: the shard group's average (`output`) is still to be averaged
+  // over the groups by the hook (Note [Hooks across shard groups]).
+  bool hook_across_groups = false;
   bool add = false;
   // Note [Bounded staleness]: the reduction of an earlier step whose average this one
   // delivers in place of its own.
   std::unique_ptr<PendingReduce> stale;
+};
+
+// Note [Bounded staleness]: one bucket's reductions waiting to be applied, oldest first,
+// and the staleness + 1 buffers their copies of the gradient take turns in (so that no step
+// allocates, or faults in, a gradient's worth of memory).
+struct Engine::Delayed {
+  std::deque<std::unique_ptr<PendingReduce>> queue;
+  std::vector<at::Tensor> inputs, outputs;
+  std::int64_t count = 0;  // copies made so far
 };
 
 namespace detail {

@@ -214,22 +214,30 @@ void Engine::start_bucket_reduction(PendingReduce& pending, int s) {
 // gradients of step t - s, taken at the parameters of step t - s (a single process doing
 // the same: tests/multirank/test_decentralized.cpp). In the first s synced backwards
 // there is no such average: the gradients are dropped after the backward and the
-// optimizer does not step. Each bucket holds s + 1 copies of its gradient at most: the
-// price of never waiting.
+// optimizer does not step. Each bucket keeps s + 1 buffers for the copies, which take
+// turns: s + 1 gradients' worth of memory is the price of never waiting.
 void Engine::delay(PendingReduce& pending, int s) {
   if (delayed_.size() < pending_.size()) delayed_.resize(pending_.size());
+  Delayed& d = delayed_[s];
+  // The buffer the copy made staleness + 1 reductions ago used; that reduction was applied
+  // at the end of the previous synced backward.
+  const auto turn = static_cast<std::size_t>(d.count++ % (options_.staleness + 1));
+  if (d.inputs.size() <= turn) {
+    d.inputs.push_back(at::empty_like(pending.input));
+    d.outputs.push_back(
+        shard_.size == 1 ? d.inputs.back()
+                         : at::empty({units_[kRoot]->group->segments()[s].slice}, pending.input.options()));
+  }
   auto copy = std::make_unique<PendingReduce>();
   copy->unit = pending.unit;
-  copy->input = pending.input.clone();
-  copy->output = shard_.size == 1
-                     ? copy->input
-                     : at::empty({units_[kRoot]->group->segments()[s].slice}, copy->input.options());
+  copy->input = d.inputs[turn];
+  copy->output = d.outputs[turn];
+  copy->input.copy_(pending.input);
   start_bucket_reduction(*copy, s);
-  auto& queue = delayed_[s];
-  queue.push_back(std::move(copy));
-  if (static_cast<int>(queue.size()) > options_.staleness) {
-    pending.stale = std::move(queue.front());
-    queue.pop_front();
+  d.queue.push_back(std::move(copy));
+  if (static_cast<int>(d.queue.size()) > options_.staleness) {
+    pending.stale = std::move(d.queue.front());
+    d.queue.pop_front();
   } else {
     warming_up_ = true;
   }
@@ -251,11 +259,12 @@ void Engine::set_comm_hook(std::shared_ptr<CommHook> hook) {
         "no gradient, so there is nothing for a hook to reduce",
         who, options_.decentralized_every));
   }
-  if (hook && !replicated_) {
-    throw InvalidArgument(
-        fmt::format("{}: {} reduce-scatters each unit's gradients, and communication hooks average whole "
-                    "buckets; use Strategy::NoShard or Strategy::ShardOptimizerState with a hook",
-                    who, to_string(options_.strategy)));
+  if (hook && !replicated_ && !replica_comm_) {
+    throw InvalidArgument(fmt::format(
+        "{}: {} reduce-scatters each unit's gradients within {}, and a hook averages over replicas; use "
+        "Strategy::NoShard, Strategy::ShardOptimizerState, or HybridShard with more than one shard group",
+        who, to_string(options_.strategy),
+        options_.strategy == Strategy::HybridShard ? "its only shard group" : "the whole world"));
   }
   if (backward_active_) throw InvalidArgument(fmt::format("{}: called during backward", who));
   // Every rank must run the same hook with the same settings: compare their descriptions.
@@ -292,13 +301,17 @@ void Engine::start_hook(PendingReduce& pending, int s) {
 }
 
 // A run resumed from a checkpoint starts its staleness over: the averages waiting belong
-// to the steps before the checkpoint was loaded. They are completed first, so that no rank
-// leaves a collective behind.
+// to the steps before the checkpoint was loaded. Their collectives are waited for (no rank
+// leaves one behind), and what would finish them is not run: a hook's finish would
+// overwrite the state just loaded.
 void Engine::restore_synced_backwards(std::int64_t count) {
   synced_backwards_ = count;
-  for (auto& queue : delayed_) {
-    for (auto& pending : queue) complete(*pending);
-    queue.clear();
+  for (auto& d : delayed_) {
+    for (auto& pending : d.queue) {
+      if (pending->work) pending->work->wait();
+      for (const Work& w : pending->hook_works) w.wait();
+    }
+    d.queue.clear();
   }
 }
 
@@ -367,6 +380,32 @@ void Engine::check_communication_options() const {
         "no gradient to delay; set one of them to 0",
         who, options_.decentralized_every, options_.staleness));
   }
+}
+
+// Note [Hooks across shard groups]
+// Under HybridShard the groups that hold the same shard replicate it, and the hook averages
+// over them in place of the engine's all-reduce: each unit's reduce-scattered shard (the
+// group's average) is handed to the hook as a bucket numbered by the unit, over the
+// communicator of this shard's replicas, once its reduce-scatter has completed (the hook
+// reads the values when it is called), and is finished at once. The bucket names the
+// parameters wholly inside this rank's shard, at their offsets in it; the pieces of
+// parameters cut by the shard's edges are plain values to the hook (PowerSGD sends them
+// uncompressed).
+void Engine::average_across_groups(PendingReduce& pending) {
+  const FlatParamGroup& g = *units_[pending.unit]->group;
+  const std::int64_t begin = static_cast<std::int64_t>(shard_.rank) * g.shard_numel(),
+                     end = begin + g.shard_numel();
+  GradBucket bucket;
+  bucket.index = pending.unit;
+  bucket.step = synced_backwards_;
+  bucket.buffer = pending.output;
+  for (const auto& slot : g.slots()) {
+    if (slot.offset >= begin && slot.offset + slot.numel <= end)
+      bucket.params.push_back({slot.name, slot.shape, slot.offset - begin});
+  }
+  HookWork work = comm_hook_->reduce(*replica_comm_, bucket);
+  for (const Work& w : work.works) w.wait();
+  if (work.finish) work.finish();
 }
 
 void Engine::end_of_replicated_backward() {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <random>
 #include <unordered_set>
@@ -86,16 +87,61 @@ class QuantizeHook final : public CommHook {
   std::int64_t chunk_numel_;
 };
 
+// The positions of the k values of `x` (contiguous fp32) largest in magnitude, in no order:
+// a radix select on the magnitudes' bits (non-negative floats order as their bits do).
+// One pass counts the top 15 bits; a second takes every value above the bin the k-th
+// falls in and selects the rest among that bin's. Two passes over the bucket, where
+// at::topk costs many; the same positions up to ties at the k-th magnitude.
+at::Tensor largest_magnitudes(const at::Tensor& x, std::int64_t k) {
+  const float* v = x.data_ptr<float>();
+  const std::int64_t n = x.numel();
+  auto magnitude = [v](std::int64_t i) {
+    std::uint32_t bits;
+    std::memcpy(&bits, v + i, sizeof(bits));
+    return bits & 0x7fffffffu;
+  };
+  std::vector<std::int64_t> counts(std::size_t{1} << 15, 0);
+  for (std::int64_t i = 0; i < n; ++i) ++counts[magnitude(i) >> 16];
+  std::int64_t bin = static_cast<std::int64_t>(counts.size()) - 1, above = 0;
+  while (above + counts[bin] < k) above += counts[bin--];
+  at::Tensor out = at::empty({k}, at::kLong);
+  std::int64_t* chosen = out.data_ptr<std::int64_t>();
+  std::int64_t taken = 0;
+  std::vector<std::pair<std::uint32_t, std::int64_t>> ties;  // the k-th's bin: (magnitude, position)
+  ties.reserve(static_cast<std::size_t>(counts[bin]));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint32_t m = magnitude(i);
+    const auto b = static_cast<std::int64_t>(m >> 16);
+    if (b > bin) {
+      chosen[taken++] = i;
+    } else if (b == bin) {
+      ties.emplace_back(m, i);
+    }
+  }
+  const auto rest = static_cast<std::ptrdiff_t>(k - taken);
+  std::nth_element(ties.begin(), ties.begin() + rest - 1, ties.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (std::ptrdiff_t j = 0; j < rest; ++j) chosen[taken++] = ties[j].second;
+  return out;
+}
+
 // Error feedback's residuals, by bucket (Note [Error feedback]).
 class Residuals {
  public:
   // The gradient to compress: this step's plus what earlier steps did not send.
+  // The residual's own buffer is reused for it (a new one each step would be a gradient's
+  // worth of memory allocated and faulted in): it leaves the map until keep() returns it.
   at::Tensor corrected(const GradBucket& bucket) {
-    at::Tensor x = bucket.buffer.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = residuals_.find(bucket.index);
-    if (it != residuals_.end() && it->second.numel() == x.numel()) x.add_(it->second);
-    return x;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = residuals_.find(bucket.index);
+      if (it != residuals_.end() && it->second.numel() == bucket.buffer.numel()) {
+        at::Tensor x = std::move(it->second);
+        residuals_.erase(it);
+        return x.add_(bucket.buffer);
+      }
+    }
+    return bucket.buffer.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
   }
   void keep(int index, at::Tensor residual) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -142,8 +188,7 @@ class SparsifyHook final : public CommHook {
         std::min<std::int64_t>(numel, std::max<std::int64_t>(1, std::ceil(options_.ratio * numel)));
     at::Tensor buffer = bucket.buffer;
     if (numel == 0) return {{}, nullptr};
-    at::Tensor index =
-        top_ ? std::get<1>(x.abs().topk(k, 0, /*largest=*/true, /*sorted=*/false)) : drawn(numel, k, bucket);
+    at::Tensor index = top_ ? largest_magnitudes(x, k) : drawn(numel, k, bucket);
     at::Tensor values = x.index_select(0, index);
     if (options_.error_feedback) residuals_.keep(bucket.index, x.index_fill_(0, index, 0));
     if (!top_) {  // every rank sends the same positions: their values are simply averaged
@@ -214,6 +259,7 @@ class PowerSGDHook final : public CommHook {
     std::vector<std::pair<std::int64_t, std::int64_t>> plain;  // (offset, numel) in the bucket
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
       const auto& p = bucket.params[i];
+      if (i == 0 && p.offset > 0) plain.emplace_back(0, p.offset);  // values of no named parameter
       std::int64_t numel = 1;
       for (auto d : p.shape) numel *= d;
       const std::int64_t end = i + 1 < bucket.params.size() ? bucket.params[i + 1].offset : m.numel();
@@ -236,7 +282,8 @@ class PowerSGDHook final : public CommHook {
     std::int64_t at_p = 0;
     for (const auto& x : matrices) {
       at::Tensor q = start_q(bucket.index, x);
-      wire.narrow(0, at_p, x.m.size(0) * x.rank).view({x.m.size(0), x.rank}).copy_(x.m.mm(q));
+      at::Tensor p = wire.narrow(0, at_p, x.m.size(0) * x.rank).view({x.m.size(0), x.rank});
+      at::mm_out(p, x.m, q);
       at_p += x.m.size(0) * x.rank;
     }
     for (const auto& [offset, numel] : plain) {
@@ -249,48 +296,50 @@ class PowerSGDHook final : public CommHook {
     // Q's round needs P orthonormalized: it runs when the engine finishes the bucket, on
     // the all-gather stream (buckets finish in bucket order on every rank, so that
     // stream sees the same ops in the same order everywhere).
-    return {
-        {first}, [this, &comm, buffer, m, wire, matrices, plain, p_numel, index]() mutable {
-          std::int64_t at = 0;
-          std::vector<at::Tensor> ps;
-          std::int64_t q_numel = 0;
-          for (const auto& x : matrices) {
-            at::Tensor p = wire.narrow(0, at, x.m.size(0) * x.rank).view({x.m.size(0), x.rank});
-            ps.push_back(std::get<0>(at::linalg_qr(p, "reduced")));
-            at += x.m.size(0) * x.rank;
-            q_numel += x.m.size(1) * x.rank;
-          }
-          at::Tensor q_wire = at::empty({q_numel}, at::kFloat);
-          at = 0;
-          for (std::size_t i = 0; i < matrices.size(); ++i) {
-            const auto& x = matrices[i];
-            q_wire.narrow(0, at, x.m.size(1) * x.rank).view({x.m.size(1), x.rank}).copy_(x.m.t().mm(ps[i]));
-            at += x.m.size(1) * x.rank;
-          }
-          if (q_numel > 0) comm.all_reduce(q_wire, ReduceOp::Avg, on(StreamRole::AllGather)).wait();
-          at::Tensor out = at::empty_like(m);
-          at = 0;
-          for (std::size_t i = 0; i < matrices.size(); ++i) {
-            const auto& x = matrices[i];
-            at::Tensor q = q_wire.narrow(0, at, x.m.size(1) * x.rank).view({x.m.size(1), x.rank});
-            at += x.m.size(1) * x.rank;
-            out.narrow(0, x.offset, x.m.numel()).view_as(x.m).copy_(ps[i].mm(q.t()));
-            if (options_.warm_start) keep_q(index, x.offset, q.clone());
-          }
-          // The plain values, averaged, back where they came from.
-          at = p_numel;
-          for (const auto& [offset, numel] : plain) {
-            out.narrow(0, offset, numel).copy_(wire.narrow(0, at, numel));
-            at += numel;
-          }
-          if (options_.error_feedback) {
-            at::Tensor residual = m - out;
-            for (const auto& [offset, numel] : plain)
-              residual.narrow(0, offset, numel).zero_();  // sent whole: nothing left over
-            residuals_.keep(index, residual);
-          }
-          buffer.copy_(out);
-        }};
+    return {{first}, [this, &comm, buffer, m, wire, matrices, plain, p_numel, index]() mutable {
+              std::int64_t at = 0;
+              std::vector<at::Tensor> ps;
+              std::int64_t q_numel = 0;
+              for (const auto& x : matrices) {
+                at::Tensor p = wire.narrow(0, at, x.m.size(0) * x.rank).view({x.m.size(0), x.rank});
+                ps.push_back(std::get<0>(at::linalg_qr(p, "reduced")));
+                at += x.m.size(0) * x.rank;
+                q_numel += x.m.size(1) * x.rank;
+              }
+              at::Tensor q_wire = at::empty({q_numel}, at::kFloat);
+              at = 0;
+              for (std::size_t i = 0; i < matrices.size(); ++i) {
+                const auto& x = matrices[i];
+                at::Tensor q = q_wire.narrow(0, at, x.m.size(1) * x.rank).view({x.m.size(1), x.rank});
+                at::mm_out(q, x.m.t(), ps[i]);
+                at += x.m.size(1) * x.rank;
+              }
+              if (q_numel > 0) comm.all_reduce(q_wire, ReduceOp::Avg, on(StreamRole::AllGather)).wait();
+              // P Q^T straight into the bucket when it is fp32 (M is read no more: Q's round is
+              // done), and M - P Q^T left in M's own buffer as the residual.
+              const bool direct = buffer.scalar_type() == at::kFloat;
+              at::Tensor out = direct ? buffer : at::empty_like(m);
+              at = 0;
+              for (std::size_t i = 0; i < matrices.size(); ++i) {
+                const auto& x = matrices[i];
+                at::Tensor q = q_wire.narrow(0, at, x.m.size(1) * x.rank).view({x.m.size(1), x.rank});
+                at += x.m.size(1) * x.rank;
+                at::Tensor approx = out.narrow(0, x.offset, x.m.numel()).view_as(x.m);
+                at::mm_out(approx, ps[i], q.t());
+                if (options_.error_feedback) x.m.sub_(approx);
+                if (options_.warm_start) keep_q(index, x.offset, q.clone());
+              }
+              // The plain values, averaged, back where they came from; sent whole, they leave
+              // nothing over.
+              at = p_numel;
+              for (const auto& [offset, numel] : plain) {
+                out.narrow(0, offset, numel).copy_(wire.narrow(0, at, numel));
+                if (options_.error_feedback) m.narrow(0, offset, numel).zero_();
+                at += numel;
+              }
+              if (options_.error_feedback) residuals_.keep(index, m);
+              if (!direct) buffer.copy_(out);
+            }};
   }
 
   std::map<std::string, at::Tensor> state() const override {

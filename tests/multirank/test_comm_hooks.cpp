@@ -379,6 +379,61 @@ TEST(CommHooks, HookStateIsSavedAndResumedBitForBit) {
   }
 }
 
+// Note [Hooks across shard groups] in sharding/replicated.cpp: under HybridShard the hook
+// averages each unit's shard over the groups. The plain average through a hook that
+// checks what it is given trains as one process does; bf16 on the wire lands within its
+// rounding of it.
+class CheckingHook final : public CommHook {
+ public:
+  std::string describe() const override { return "checking"; }
+  flatshard::HookWork reduce(flatshard::Communicator& comm, const GradBucket& bucket) override {
+    ++calls;
+    EXPECT_EQ(comm.world_size(), 2) << "the hook averages over the 2 groups, not the world";
+    for (const auto& p : bucket.params) {
+      std::int64_t numel = 1;
+      for (auto d : p.shape) numel *= d;
+      EXPECT_GE(p.offset, 0) << p.name;
+      EXPECT_LE(p.offset + numel, bucket.buffer.numel()) << p.name << " is not wholly in the shard";
+    }
+    return inner->reduce(comm, bucket);
+  }
+  std::shared_ptr<CommHook> inner = hooks::all_reduce();
+  int calls = 0;
+};
+
+TEST(CommHooks, HybridShardAveragesAcrossGroupsThroughTheHook) {
+  FLATSHARD_RUN_RANKS({4}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  auto checking = std::make_shared<CheckingHook>();
+  TrainSpec spec;
+  spec.strategy = Strategy::HybridShard;
+  spec.shard_group_size = 2;
+  spec.optimizer = OptKind::AdamW;
+  spec.steps = 4;
+  spec.hook = checking;
+  auto r = train_and_compare<GPT>(
+      world, gpt_factory(), [&](int s) { return gpt_batch(s, spec.global_batch); }, token_loss, spec);
+  EXPECT_LE(r.max_rel_weight_diff, 1e-5) << r.worst_param;
+  EXPECT_GT(checking->calls, 0);
+  spec.optimizer = OptKind::SGD;
+  spec.hook = hooks::low_precision();
+  r = train_and_compare<GPT>(
+      world, gpt_factory(), [&](int s) { return gpt_batch(s, spec.global_batch); }, token_loss, spec);
+  EXPECT_LE(r.max_rel_weight_diff, 1e-2) << r.worst_param;
+  EXPECT_GT(r.max_rel_weight_diff, 0.0) << "nothing was rounded: the bf16 hook did not run";
+  spec.hook = hooks::power_sgd({2, 0});
+  r = train_and_compare<GPT>(
+      world, gpt_factory(), [&](int s) { return gpt_batch(s, spec.global_batch); }, token_loss, spec);
+  EXPECT_TRUE(std::isfinite(r.max_rel_weight_diff));
+  // Compressed or not, every rank ends with the same model: the groups' replicas agree.
+  auto comm = make_comm(world);
+  for (const auto& [name, w] : r.weights) {
+    auto mean = w.to(at::kFloat).clone();
+    comm->all_reduce(mean, flatshard::ReduceOp::Avg).wait();
+    EXPECT_TRUE(at::allclose(mean, w.to(at::kFloat), 1e-6, 1e-6)) << name << " differs between ranks";
+  }
+}
+
 TEST(CommHooks, BadSettingsAreRefusedNamingTheRankAndSetting) {
   FLATSHARD_RUN_RANKS({2});
   auto world = flatshard::init();
@@ -397,6 +452,19 @@ TEST(CommHooks, BadSettingsAreRefusedNamingTheRankAndSetting) {
       ADD_FAILURE() << "FullShard accepted a communication hook";
     } catch (const flatshard::InvalidArgument& e) {
       EXPECT_NE(std::string(e.what()).find("NoShard"), std::string::npos) << e.what();
+    }
+  }
+  {  // HybridShard over one group: there are no replicas to average over
+    GPT model = gpt_factory()();
+    flatshard::FullyShardOptions options;
+    options.strategy = Strategy::HybridShard;
+    options.shard_group_size = 2;
+    flatshard::FullyShard<GPT> fsdp(model, world, options);
+    try {
+      fsdp.register_comm_hook(hooks::low_precision());
+      ADD_FAILURE() << "HybridShard with one group accepted a communication hook";
+    } catch (const flatshard::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("its only shard group"), std::string::npos) << e.what();
     }
   }
   GPT model = gpt_factory()();
