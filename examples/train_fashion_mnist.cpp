@@ -4,6 +4,7 @@
 //   flatshard-run -n 2 build/examples/train_fashion_mnist [--epochs 1] [--batch 32]
 //       [--lr 1e-3] [--mode full|zero2|zero1|ddp] [--data /usr/share/datasets/fashion-mnist]
 //       [--train-limit N] [--min-accuracy PERCENT] [--hook SPEC (flatshard::hooks::parse; ddp, zero1)]
+//       [--staleness S (ddp, zero1)] [--decentralized K (ddp)]
 //
 // With --min-accuracy the program exits 4 when the last epoch's test accuracy is lower
 // (the ctest examples.fashion_mnist uses it).
@@ -65,7 +66,7 @@ at::Tensor sampler(std::int64_t size, int epoch, int rank, int n) {
 
 int main(int argc, char** argv) {
   std::string dir = "/usr/share/datasets/fashion-mnist", mode = "full", hook = "none";
-  int epochs = 1, batch = 32;
+  int epochs = 1, batch = 32, staleness = 0, decentralized = 0;
   std::int64_t limit = 0;
   double lr = 1e-3, min_accuracy = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -86,6 +87,10 @@ int main(int argc, char** argv) {
       min_accuracy = std::stod(v);
     else if (k == "--hook")
       hook = v;
+    else if (k == "--staleness")
+      staleness = std::stoi(v);
+    else if (k == "--decentralized")
+      decentralized = std::stoi(v);
     else {
       std::fprintf(stderr, "train_fashion_mnist: unknown option %s\n", k.c_str());
       return 2;
@@ -109,6 +114,8 @@ int main(int argc, char** argv) {
     flatshard::FullyShardOptions o;
     if (!flatshard::parse_strategy(mode, o.strategy))
       throw std::invalid_argument("--mode is full, zero2, zero1, ddp or hybrid, not " + mode);
+    o.staleness = staleness;
+    o.decentralized_every = decentralized;
     flatshard::FullyShard<MnistNet> fsdp(model, world, o);
     if (auto h = flatshard::hooks::parse(hook)) fsdp.register_comm_hook(h);  // ddp and zero1
     flatshard::optim::Adam opt(fsdp, flatshard::optim::AdamOptions{lr});

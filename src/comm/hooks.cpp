@@ -51,35 +51,63 @@ class LowPrecisionHook final : public CommHook {
   at::ScalarType dtype_;
 };
 
+// Note [8-bit chunks]
+// Each chunk of chunk_numel values is sent as int8 codes round(v / scale), clamped to
+// [-127, 127], with scale = its largest magnitude / 127 (a chunk of zeros: scale 0, codes
+// 0). The codes and scales of every rank are all-gathered and every rank averages the
+// dequantized values, code * scale. One pass over the bucket quantizes it (a chunk's
+// maximum, then its codes, while the chunk is in cache), one dequantizes and averages.
 class QuantizeHook final : public CommHook {
  public:
   explicit QuantizeHook(std::int64_t chunk_numel) : chunk_numel_(chunk_numel) {}
   std::string describe() const override { return fmt::format("quantize_8bit(chunk_numel={})", chunk_numel_); }
   HookWork reduce(Communicator& comm, const GradBucket& bucket) override {
-    const std::int64_t numel = bucket.buffer.numel();
-    const std::int64_t chunks = (numel + chunk_numel_ - 1) / chunk_numel_;
+    const std::int64_t numel = bucket.buffer.numel(), chunk = chunk_numel_;
+    const std::int64_t chunks = (numel + chunk - 1) / chunk;
     const int world = comm.world_size(), rank = comm.rank();
-    at::Tensor padded = at::zeros({chunks * chunk_numel_}, at::kFloat);
-    padded.narrow(0, 0, numel).copy_(bucket.buffer);
-    at::Tensor rows = padded.view({chunks, chunk_numel_});
-    at::Tensor scales = rows.abs().amax(1).div_(127);
-    at::Tensor divisor = at::where(scales > 0, scales, at::ones_like(scales));
-    at::Tensor codes = rows.div(divisor.unsqueeze(1)).round_().clamp_(-127, 127).to(at::kChar);
-    at::Tensor all_codes = at::empty({world * chunks * chunk_numel_}, at::kChar);
+    at::Tensor all_codes = at::empty({world * chunks * chunk}, at::kChar);
     at::Tensor all_scales = at::empty({world * chunks}, at::kFloat);
-    all_codes.narrow(0, rank * chunks * chunk_numel_, chunks * chunk_numel_).copy_(codes.view({-1}));
-    all_scales.narrow(0, rank * chunks, chunks).copy_(scales);
+    at::Tensor my_codes = all_codes.narrow(0, rank * chunks * chunk, chunks * chunk);
+    at::Tensor my_scales = all_scales.narrow(0, rank * chunks, chunks);
+    const at::Tensor x = bucket.buffer.to(at::kFloat);
+    const float* v = x.data_ptr<float>();
+    auto* codes = my_codes.data_ptr<std::int8_t>();
+    float* scales = my_scales.data_ptr<float>();
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t begin = c * chunk, n = std::min(chunk, numel - begin);
+      float largest = 0;
+      for (std::int64_t i = 0; i < n; ++i) largest = std::max(largest, std::fabs(v[begin + i]));
+      const float scale = largest / 127.0f, divisor = scale > 0 ? scale : 1.0f;
+      scales[c] = scale;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float q = std::nearbyint(v[begin + i] / divisor);
+        codes[begin + i] = static_cast<std::int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+      }
+      for (std::int64_t i = n; i < chunk; ++i) codes[begin + i] = 0;
+    }
     const auto gather = on(StreamRole::AllGather);
-    std::vector<Work> works = {
-        comm.all_gather(all_codes, all_codes.narrow(0, rank * chunks * chunk_numel_, chunks * chunk_numel_),
-                        gather),
-        comm.all_gather(all_scales, all_scales.narrow(0, rank * chunks, chunks), gather)};
+    std::vector<Work> works = {comm.all_gather(all_codes, my_codes, gather),
+                               comm.all_gather(all_scales, my_scales, gather)};
     at::Tensor buffer = bucket.buffer;
-    const std::int64_t chunk_numel = chunk_numel_;
     return {std::move(works), [=]() mutable {
-              at::Tensor values = all_codes.view({world, chunks, chunk_numel}).to(at::kFloat);
-              values.mul_(all_scales.view({world, chunks, 1}));
-              buffer.copy_(values.sum(0).view({-1}).narrow(0, 0, numel).div_(world));
+              at::Tensor out = buffer.scalar_type() == at::kFloat ? buffer : at::empty({numel}, at::kFloat);
+              float* o = out.data_ptr<float>();
+              const auto* all = all_codes.data_ptr<std::int8_t>();
+              const float* s = all_scales.data_ptr<float>();
+              for (std::int64_t c = 0; c < chunks; ++c) {
+                const std::int64_t begin = c * chunk, n = std::min(chunk, numel - begin);
+                for (int r = 0; r < world; ++r) {  // rank 0's first, on every rank
+                  const std::int8_t* q = all + (r * chunks + c) * chunk;
+                  const float scale = s[r * chunks + c];
+                  if (r == 0) {
+                    for (std::int64_t i = 0; i < n; ++i) o[begin + i] = static_cast<float>(q[i]) * scale;
+                  } else {
+                    for (std::int64_t i = 0; i < n; ++i) o[begin + i] += static_cast<float>(q[i]) * scale;
+                  }
+                }
+                for (std::int64_t i = 0; i < n; ++i) o[begin + i] /= static_cast<float>(world);
+              }
+              if (!out.is_same(buffer)) buffer.copy_(out);
             }};
   }
 
