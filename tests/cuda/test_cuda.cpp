@@ -101,6 +101,9 @@ TEST(CudaCommunicator, WorldOneOverNccl) {
   comm->barrier().synchronize();
   EXPECT_TRUE(at::equal(out.cpu(), at::full({1 << 20}, 2.0f)));
   EXPECT_EQ(comm->issued(), 5u);
+  auto both = at::full({2 << 20}, -1.0f, t.options());  // one rank is both its neighbours
+  comm->neighbor_exchange(both, out).wait();
+  EXPECT_TRUE(at::equal(both.cpu(), at::full({2 << 20}, 2.0f)));
 
   const auto stats = flatshard::memory::cuda_allocator_stats(0);
   EXPECT_GE(stats.peak_bytes, 3 * (1 << 20) * 4);
@@ -236,6 +239,28 @@ TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
       EXPECT_LE(r.global_rel_weight_diff, tolerance) << "worst " << r.worst_param;
       EXPECT_LE(r.max_rel_loss_diff, tolerance);
     }
+  }
+}
+
+// Staleness on the GPU (Note [Bounded staleness]): the copies, their reductions and the
+// delayed averages on the device, against one process applying each gradient a step late.
+TEST(CudaReplicated, StalenessMatchesSingleProcess) {
+  REQUIRE_GPU();
+  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(300));
+  auto world = flatshard::init();
+  for (auto strategy : {flatshard::Strategy::NoShard, flatshard::Strategy::ShardOptimizerState}) {
+    SCOPED_TRACE(::testing::Message() << flatshard::to_string(strategy) << " world " << world.world_size());
+    TrainSpec spec;
+    spec.strategy = strategy;
+    spec.optimizer = OptKind::AdamW;
+    spec.staleness = 1;
+    spec.steps = 5;
+    spec.global_batch = 8;
+    spec.device = kGpu;
+    spec.transport = world.world_size() == 1 ? flatshard::Transport::Nccl : flatshard::Transport::Tcp;
+    const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+        world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+    EXPECT_LE(r.global_rel_weight_diff, 1e-5) << "worst " << r.worst_param;
   }
 }
 

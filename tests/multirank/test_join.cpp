@@ -1,8 +1,12 @@
 // Uneven inputs (include/flatshard/join.h): ranks with 3, 5 and 7 batches train to the
 // end of the longest in every strategy, without hanging, and end with the weights of a
 // single process that, at each step, averages over the world size the gradients of the
-// ranks that still had data.
+// ranks that still had data; and the same under staleness (applied a step late) and
+// decentralized training (a joined rank keeps averaging with its neighbours).
 #include <gtest/gtest.h>
+
+#include <deque>
+#include <functional>
 
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
@@ -22,16 +26,14 @@ Batch batch_of(int rank, int step, int world) {
   return {b.input.narrow(0, kRows * rank, kRows), b.target.narrow(0, kRows * rank, kRows)};
 }
 
-TEST(Join, UnevenInputsTrainToTheLongestInEveryStrategy) {
-  FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(180));
-  auto world = flatshard::init();
-  const int n = world.world_size();
-  // The reference: one process, SGD, each step's loss the sum over the ranks with data
-  // divided by the world size.
+// One process, SGD: each step's loss is the sum over the ranks with data divided by the
+// world size; with `staleness` each step applies the gradient of `staleness` steps before
+// (none in the first `staleness` steps).
+GPT reference_uneven(int n, int staleness) {
   GPT reference = gpt_factory()();
   torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(kLr));
-  const int longest = batches_of(n - 1);
-  for (int step = 0; step < longest; ++step) {
+  std::deque<std::vector<at::Tensor>> delayed;
+  for (int step = 0; step < batches_of(n - 1); ++step) {
     at::Tensor loss;
     for (int r = 0; r < n; ++r) {
       if (step >= batches_of(r)) continue;
@@ -41,42 +43,106 @@ TEST(Join, UnevenInputsTrainToTheLongestInEveryStrategy) {
     }
     ref_opt.zero_grad();
     loss.backward();
+    std::vector<at::Tensor> grads;
+    for (auto& p : reference->parameters()) grads.push_back(p.grad().clone());
+    delayed.push_back(std::move(grads));
+    if (static_cast<int>(delayed.size()) <= staleness) continue;
+    auto params = reference->parameters();
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = delayed.front()[i];
+    delayed.pop_front();
     ref_opt.step();
   }
+  return reference;
+}
+
+// This rank's batches, then zero-loss steps until the longest rank is done. `each_step`
+// runs after every step.
+void train_uneven(const flatshard::World& world, flatshard::FullyShard<GPT>& fsdp,
+                  const std::function<void(const flatshard::Join&)>& each_step = nullptr) {
+  const int n = world.world_size();
+  flatshard::optim::SGD opt(fsdp, flatshard::optim::SGDOptions{kLr});
+  flatshard::Join join(fsdp.comm());
+  int mine = 0;
+  while (join.step(mine < batches_of(world.rank()))) {
+    const auto b = batch_of(world.rank(), join.joined() ? batches_of(world.rank()) - 1 : mine, n);
+    auto loss = token_loss(fsdp.forward(b.input), b.target) * join.scale();
+    loss.backward();
+    opt.step();
+    opt.zero_grad();
+    if (!join.joined()) ++mine;
+    EXPECT_EQ(join.active_ranks(), [&] {
+      int active = 0;
+      for (int r = 0; r < n; ++r) active += join.steps() - 1 < batches_of(r) ? 1 : 0;
+      return active;
+    }());
+    if (each_step) each_step(join);
+  }
+  EXPECT_EQ(join.steps(), batches_of(n - 1)) << "every rank stepped as often as the longest";
+  EXPECT_EQ(join.joined_at(), batches_of(world.rank())) << "the first step this rank had no batch for";
+}
+
+void expect_weights(flatshard::FullyShard<GPT>& fsdp, GPT& model, GPT& reference) {
+  auto full = fsdp.summon_full_params();
+  auto ours = model->named_parameters();
+  for (const auto& p : reference->named_parameters()) {
+    const auto& got = ours[p.key()];
+    const double diff = (got - p.value()).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-5 * std::max(1.0, p.value().abs().max().item<double>())) << p.key();
+  }
+}
+
+flatshard::FullyShardOptions options_for(Strategy strategy) {
+  flatshard::FullyShardOptions options;
+  options.strategy = strategy;
+  options.comm.timeout = std::chrono::seconds(60);
+  return options;
+}
+
+TEST(Join, UnevenInputsTrainToTheLongestInEveryStrategy) {
+  FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(180));
+  auto world = flatshard::init();
+  GPT reference = reference_uneven(world.world_size(), 0);
   for (Strategy strategy :
        {Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::ShardGradOp, Strategy::FullShard}) {
     SCOPED_TRACE(to_string(strategy));
     GPT model = gpt_factory()();
-    flatshard::FullyShardOptions options;
-    options.strategy = strategy;
-    options.comm.timeout = std::chrono::seconds(60);
-    flatshard::FullyShard<GPT> fsdp(model, world, options);
-    flatshard::optim::SGD opt(fsdp, flatshard::optim::SGDOptions{kLr});
-    flatshard::Join join(fsdp.comm());
-    int mine = 0;
-    while (join.step(mine < batches_of(world.rank()))) {
-      const auto b = batch_of(world.rank(), join.joined() ? batches_of(world.rank()) - 1 : mine, n);
-      auto loss = token_loss(fsdp.forward(b.input), b.target) * join.scale();
-      loss.backward();
-      opt.step();
-      opt.zero_grad();
-      if (!join.joined()) ++mine;
-      EXPECT_EQ(join.active_ranks(), [&] {
-        int active = 0;
-        for (int r = 0; r < n; ++r) active += join.steps() - 1 < batches_of(r) ? 1 : 0;
-        return active;
-      }());
-    }
-    EXPECT_EQ(join.steps(), longest) << "every rank stepped as often as the longest";
-    EXPECT_EQ(join.joined_at(), batches_of(world.rank())) << "the first step this rank had no batch for";
-    auto full = fsdp.summon_full_params();
-    auto ours = model->named_parameters();
-    for (const auto& p : reference->named_parameters()) {
-      const auto& got = ours[p.key()];
-      const double diff = (got - p.value()).abs().max().item<double>();
-      EXPECT_LE(diff, 1e-5 * std::max(1.0, p.value().abs().max().item<double>())) << p.key();
-    }
+    flatshard::FullyShard<GPT> fsdp(model, world, options_for(strategy));
+    train_uneven(world, fsdp);
+    expect_weights(fsdp, model, reference);
   }
+}
+
+// Under staleness the joined ranks' zero contributions are delayed like any gradient; under
+// decentralized training a joined rank keeps exchanging its weights with its neighbours,
+// so they still move after its last batch.
+TEST(Join, UnevenInputsUnderStalenessAndDecentralizedTraining) {
+  FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(180));
+  auto world = flatshard::init();
+  GPT reference = reference_uneven(world.world_size(), 1);
+  for (Strategy strategy : {Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    SCOPED_TRACE(::testing::Message() << to_string(strategy) << " staleness 1");
+    GPT model = gpt_factory()();
+    auto options = options_for(strategy);
+    options.staleness = 1;
+    flatshard::FullyShard<GPT> fsdp(model, world, options);
+    train_uneven(world, fsdp);
+    expect_weights(fsdp, model, reference);
+  }
+  GPT model = gpt_factory()();
+  auto options = options_for(Strategy::NoShard);
+  options.decentralized_every = 1;
+  flatshard::FullyShard<GPT> ddp(model, world, options);
+  at::Tensor at_join, at_end;
+  train_uneven(world, ddp, [&](const flatshard::Join& join) {
+    if (join.joined() && !at_join.defined()) at_join = ddp.shards().front().detach().clone();
+  });
+  at_end = ddp.shards().front().detach().clone();
+  if (world.rank() + 1 < world.world_size()) {  // every rank but the longest joins early
+    ASSERT_TRUE(at_join.defined());
+    EXPECT_GT((at_end - at_join).abs().max().item<double>(), 0.0)
+        << "a joined rank's weights no longer moved: it stopped averaging with its neighbours";
+  }
+  EXPECT_TRUE(at::isfinite(at_end).all().item<bool>());
 }
 
 TEST(Join, ARankThatJoinedMayNotHaveDataAgain) {
