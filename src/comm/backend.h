@@ -16,7 +16,14 @@
 
 namespace flatshard::comm {
 
-enum class OpKind : std::uint8_t { AllGather = 1, ReduceScatter, AllReduce, Broadcast, Barrier, NeighborExchange };
+enum class OpKind : std::uint8_t {
+  AllGather = 1,
+  ReduceScatter,
+  AllReduce,
+  Broadcast,
+  Barrier,
+  NeighborExchange
+};
 const char* to_string(OpKind kind);
 
 // One validated collective, as the transport sees it.

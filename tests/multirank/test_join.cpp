@@ -91,13 +91,6 @@ void expect_weights(flatshard::FullyShard<GPT>& fsdp, GPT& model, GPT& reference
   }
 }
 
-flatshard::FullyShardOptions options_for(Strategy strategy) {
-  flatshard::FullyShardOptions options;
-  options.strategy = strategy;
-  options.comm.timeout = std::chrono::seconds(60);
-  return options;
-}
-
 TEST(Join, UnevenInputsTrainToTheLongestInEveryStrategy) {
   FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(180));
   auto world = flatshard::init();

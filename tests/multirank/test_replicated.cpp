@@ -116,19 +116,12 @@ TEST(Replicated, AccumulationClippingUnusedAndMixedPrecision) {
   }
 }
 
-flatshard::FullyShardOptions replicated(Strategy strategy) {
-  flatshard::FullyShardOptions o;
-  o.strategy = strategy;
-  o.comm.timeout = std::chrono::seconds(60);
-  return o;
-}
-
 TEST(Replicated, MissingGradientIsAnErrorNamingTheParameters) {
   FLATSHARD_RUN_RANKS({1, 2});
   auto world = flatshard::init();
   for (Strategy strategy : kReplicated) {
     GPT model = gpt_factory()();
-    flatshard::FullyShard<GPT> ddp(model, world, replicated(strategy));
+    flatshard::FullyShard<GPT> ddp(model, world, options_for(strategy));
     model->skip_block = 1;
     const auto b = gpt_batch(0, 2 * world.world_size());
     auto loss = token_loss(ddp.forward(b.input.narrow(0, 2 * world.rank(), 2)),
@@ -153,7 +146,7 @@ TEST(Replicated, ConstructionBroadcastsRankZerosWeightsAndBuffers) {
     torch::manual_seed(100 + world.rank());  // every rank starts from different weights
     auto seq = make_mlp(8, 16, 4, 2);
     seq->register_buffer("marker", at::full({3}, static_cast<float>(world.rank())));
-    flatshard::FullyShard<torch::nn::Sequential> ddp(seq, world, replicated(strategy));
+    flatshard::FullyShard<torch::nn::Sequential> ddp(seq, world, options_for(strategy));
     auto sum = at::zeros({1}, at::kDouble);
     for (const auto& p : seq->parameters()) sum += p.to(at::kDouble).sum();
     auto sums = at::zeros({world.world_size()}, at::kDouble);
@@ -174,7 +167,7 @@ TEST(Replicated, DifferentModelsAcrossRanksAreRefused) {
   if (world.rank() == world.world_size() - 1) c.dim = 16;  // the last rank builds another model
   GPT model(c);
   try {
-    flatshard::FullyShard<GPT> ddp(model, world, replicated(Strategy::NoShard));
+    flatshard::FullyShard<GPT> ddp(model, world, options_for(Strategy::NoShard));
     FAIL() << "NoShard accepted different models";
   } catch (const flatshard::InvalidArgument& e) {
     const std::string what = e.what();
@@ -197,7 +190,7 @@ TEST(Replicated, BucketsFollowReverseOrderCapsAndAreRebuiltAlike) {
       registered.push_back(item.key());
       bytes[item.key()] = item.value().nbytes();
     }
-    auto options = replicated(strategy);
+    auto options = options_for(strategy);
     options.first_bucket_bytes = 4 << 10;
     options.bucket_bytes = 32 << 10;
     flatshard::FullyShard<GPT> ddp(model, world, options);
@@ -254,7 +247,7 @@ TEST(Replicated, OptimizerStateShareAndConsolidation) {
     GPT model = gpt_factory()();
     std::int64_t numel = 0;
     for (const auto& p : model->parameters()) numel += p.numel();
-    auto options = replicated(strategy);
+    auto options = options_for(strategy);
     options.first_bucket_bytes = 4 << 10;
     options.bucket_bytes = 32 << 10;
     flatshard::FullyShard<GPT> ddp(model, world, options);

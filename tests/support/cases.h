@@ -1,6 +1,7 @@
 // The three models of the correctness tests with their data and losses.
 #pragma once
 
+#include <chrono>
 #include <functional>
 
 #include "tests/support/models.h"
@@ -19,6 +20,14 @@ inline Batch mlp_batch(int step, int rows) {
   return {at::randn({rows, 8}, g), at::randn({rows, 5}, g)};
 }
 inline at::Tensor mse(const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); }
+
+// A wrapper's options under `strategy`, with a test's deadline for its collectives.
+inline FullyShardOptions options_for(Strategy strategy) {
+  FullyShardOptions options;
+  options.strategy = strategy;
+  options.comm.timeout = std::chrono::seconds(60);
+  return options;
+}
 
 inline std::function<flatshard::SequentialUnits()> mlp_units_factory() {
   return [] {
