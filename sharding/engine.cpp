@@ -295,7 +295,20 @@ void Engine::finish_first_reduce() {
   const int pending_segment = pending->segment;
   if (pending->segment >= 0) {  // a bucket of a replicated group
     FlatParamGroup& g = *units_[pending->unit]->group;
-    if (pending->target.defined()) {
+    if (g.offloaded()) {
+      // Note [Offloaded buckets]
+      at::NoGradGuard no_grad;
+      const auto reduced = pending->output.to(at::kFloat);
+      if (pending->add) {  // an earlier backward's gradient is there: land apart, add after
+        auto landing = at::empty({reduced.numel()},
+                                 at::TensorOptions().dtype(at::kFloat).pinned_memory(g.master().is_pinned()));
+        landing.copy_(reduced, /*non_blocking=*/landing.is_pinned());
+        landing_grads_.push_back({pending->unit, std::move(landing), pending->target, true});
+      } else {  // straight into the master's gradient; the end of backward waits for it
+        pending->target.copy_(reduced, /*non_blocking=*/pending->target.is_pinned());
+        landing_grads_.push_back({pending->unit, at::Tensor(), pending->target, false});
+      }
+    } else if (pending->target.defined()) {
       at::NoGradGuard no_grad;
       if (pending->add) {
         pending->target.add_(pending->output);
@@ -317,7 +330,7 @@ void Engine::finish_first_reduce() {
     // device once and adds every landed shard into the host gradients.
     auto landing = at::empty({g.shard_numel()}, g.master().options().pinned_memory(g.master().is_pinned()));
     landing.copy_(reduced, /*non_blocking=*/landing.is_pinned());
-    landing_grads_.emplace_back(pending->unit, std::move(landing));
+    landing_grads_.push_back({pending->unit, std::move(landing), at::Tensor(), false});
   } else {
     const bool adds = g.master().grad().defined();
     accumulate(g.master().mutable_grad(), reduced);
@@ -416,9 +429,13 @@ void Engine::land_offloaded_grads() {
   // One host wait for the device-to-host copies queued on the compute stream.
   if (!device_.is_cpu()) c10::impl::VirtualGuardImpl(device_.type()).getStream(device_).synchronize();
   at::NoGradGuard no_grad;
-  for (auto& [unit, landed] : landing_grads_) {
-    accumulate(units_[unit]->group->master().mutable_grad(), landed);
-    step_now(unit);
+  for (auto& l : landing_grads_) {
+    if (l.target.defined()) {  // a bucket's slice (Note [Offloaded buckets])
+      if (l.landed.defined()) l.target.add_(l.landed);
+      continue;
+    }
+    accumulate(units_[l.unit]->group->master().mutable_grad(), l.landed);
+    step_now(l.unit);
   }
   landing_grads_.clear();
 }

@@ -137,9 +137,8 @@ class Engine {
   bool no_sync_ = false;
   c10::Device device_{c10::kCPU};  // the compute device: gathered units, collectives
   std::shared_ptr<BufferPool> host_buffers_;
-  std::shared_ptr<CommHook>
-      comm_hook_;  // null: the engine's own average  // the host groups' gathered buffers and flat gradients
-  std::vector<at::Tensor> buffers_;  // the model's buffers, on the compute device
+  std::shared_ptr<CommHook> comm_hook_;  // null: the engine's own average
+  std::vector<at::Tensor> buffers_;      // the model's buffers, on the compute device
   // Reductions issued and not yet finished, in issue order: at most one under the sharded
   // strategies (Note [One reduce-scatter in flight]); any number of buckets under the
   // replicated ones (Note [Queued bucket reductions]).
@@ -153,8 +152,17 @@ class Engine {
   // the next's), and their exchange while it runs.
   at::Tensor neighbors_;
   std::optional<Work> exchange_;
-  // Reduced gradient shards copied (or being copied) to host memory under CPU offload.
-  std::vector<std::pair<int, at::Tensor>> landing_grads_;
+  // Reduced gradients copied (or being copied) to host memory under CPU offload
+  // (Note [Offloaded gradients]): a unit's shard, which becomes or is added to its
+  // master's gradient; or a bucket's slice, copied or added into `target`, its part of the
+  // master's gradient (Note [Offloaded buckets]).
+  struct Landing {
+    int unit = 0;
+    at::Tensor landed;
+    at::Tensor target;
+    bool add = false;
+  };
+  std::vector<Landing> landing_grads_;
   ShardMemory memory_;
   int peak_gathered_units_ = 0;
   std::int64_t synced_backwards_ = 0;

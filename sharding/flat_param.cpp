@@ -328,19 +328,27 @@ void FlatParamGroup::free_full() {
   if (!persistent_) free_storage(full_);
 }
 
-void FlatParamGroup::copy_master_to_slot() {
+void FlatParamGroup::copy_master_to_slot(int segment) {
   if (aliased_) return;
   at::NoGradGuard no_grad;
-  at::Tensor source = master_;
-  if (offload_ && compute_dtype_ != at::kFloat) {
-    // fp32 to the device first (a page-locked source copies asynchronously), then convert
-    // there: a converting copy from the host would convert on the host and block.
-    source = at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).device(full_.device()));
-    source.copy_(master_, /*non_blocking=*/master_.is_pinned());
+  const int first = segment < 0 ? 0 : segment;
+  const int end = segment < 0 ? static_cast<int>(segments_.size()) : segment + 1;
+  for (int k = first; k < end; ++k) {
+    at::Tensor source = master_part(master_, k);
+    if (offload_ && compute_dtype_ != at::kFloat) {
+      // fp32 to the device first (a page-locked source copies asynchronously), then convert
+      // there: a converting copy from the host would convert on the host and block.
+      auto staged = at::empty({source.numel()}, at::TensorOptions().dtype(at::kFloat).device(full_.device()));
+      staged.copy_(source, /*non_blocking=*/master_.is_pinned());
+      source = staged;
+    }
+    slot_of(full_, k).copy_(source, /*non_blocking=*/source.is_pinned());
   }
-  const bool async = source.is_pinned();
-  for (int k = 0; k < static_cast<int>(segments_.size()); ++k)
-    slot_of(full_, k).copy_(master_part(source, k), /*non_blocking=*/async);
+}
+
+at::Tensor FlatParamGroup::empty_master_grad() {
+  if (!offload_) return pooled_empty(shard_numel_, at::kFloat);
+  return at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).pinned_memory(master_.is_pinned()));
 }
 
 void FlatParamGroup::allocate_full_grad() {

@@ -176,8 +176,12 @@ class FlatParamGroup {
   bool offloaded() const { return offload_; }
   // Writes the master shard into this rank's slots of `full` (converting to the compute
   // dtype), on the current stream; from offloaded masters without blocking the host.
-  // Nothing to do when the master aliases `full`.
-  void copy_master_to_slot();
+  // Nothing to do when the master aliases `full`. `segment` >= 0: that segment's slot only.
+  void copy_master_to_slot(int segment = -1);
+  // An uninitialized fp32 tensor of shard_numel elements where the master shard lives,
+  // for its gradient: host memory (page-locked with the master) under offload, else the
+  // compute device (from the pool on the host).
+  at::Tensor empty_master_grad();
   // Persistent groups: lays the parameters out again in `order` (slot indices) with new
   // segments, keeping their values, the unreduced gradient and the master shard's
   // identity (the optimizer's tensor; its gradient is dropped). `master_values`: every

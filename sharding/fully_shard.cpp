@@ -31,6 +31,17 @@ ShardGroup shard_group(const World& world, const FullyShardOptions& options) {
   return g;
 }
 
+namespace {
+
+// Whether the compute device is a GPU: options.device, else where the parameters are.
+bool on_gpu(torch::nn::Module& model, const FullyShardOptions& options) {
+  if (options.device) return !options.device->is_cpu();
+  for (const auto& p : model.parameters()) return !p.device().is_cpu();
+  return false;
+}
+
+}  // namespace
+
 FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const World& world,
                                const FullyShardOptions& options)
     : world_(world) {
@@ -41,7 +52,8 @@ FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const W
   const auto dtype = options.mixed_precision.param;
   sharding::check_memory_budget(
       *model, world, mode, dtype && *dtype != at::kFloat ? 2 : 4, options.memory_budget, "FullyShard",
-      options.strategy == Strategy::HybridShard ? flatshard::shard_group(world, options).size : 0);
+      options.strategy == Strategy::HybridShard ? flatshard::shard_group(world, options).size : 0,
+      options.cpu_offload, on_gpu(*model, options));
   engine_ = std::make_unique<sharding::Engine>(std::move(model), world, options);
 }
 

@@ -47,12 +47,6 @@ void Engine::make_replicated_group(std::vector<std::pair<std::string, at::Tensor
                     "{} and {}",
                     rank_, world_size_, options_.first_bucket_bytes, options_.bucket_bytes));
   }
-  if (options_.cpu_offload) {
-    throw InvalidArgument(fmt::format(
-        "flatshard::FullyShard (rank {}/{}): cpu_offload needs a sharded strategy (FullShard, ShardGradOp or "
-        "HybridShard); {} keeps the parameters gathered on the device",
-        rank_, world_size_, to_string(options_.strategy)));
-  }
   if (world_size_ > 1) {
     // Every rank starts from rank 0's parameters and buffers (a model built on the host
     // crosses to the compute device for it).
@@ -143,10 +137,16 @@ void Engine::reduce_segment(int s) {
   pending->segment = s;
   at::Tensor& master_grad = g.master().mutable_grad();
   if (!g.master_aliases_full() && !master_grad.defined()) {
-    master_grad = g.pooled_empty(g.shard_numel(), at::kFloat);
+    master_grad = g.empty_master_grad();
     fresh_grad_ = true;
   }
-  if (shard_.size == 1) {
+  if (g.offloaded()) {
+    // Note [Offloaded buckets]: reduced on the device, then landed in the host's gradient.
+    pending->input = reduce_dtype == g.compute_dtype() ? grads : grads.to(reduce_dtype);
+    pending->output = shard_.size == 1 ? pending->input : at::empty({seg.slice}, pending->input.options());
+    pending->target = g.master_part(master_grad, s);
+    pending->add = !fresh_grad_;
+  } else if (shard_.size == 1) {
     // NoShard: every rank averages the whole bucket, in place.
     at::Tensor target = g.master_aliases_full() ? grads : g.master_part(master_grad, s);
     if (g.master_aliases_full() ? reduce_dtype == g.compute_dtype()
@@ -179,6 +179,20 @@ void Engine::reduce_segment(int s) {
   }
   in_flight_.push_back(std::move(pending));
 }
+
+// Note [Offloaded buckets]
+// With cpu_offload under NoShard and ShardOptimizerState the fp32 master (the whole model,
+// or this rank's slices), its gradient and the optimizer's state live in host memory
+// (page-locked when the compute device is a GPU), and the device keeps the parameters and
+// the buckets' gradients, as DeepSpeed's offload_optimizer does under ZeRO-1. A bucket is
+// reduced on the device as without offload (all-reduce, reduce-scatter or the hook, in the
+// reduce dtype), and its average (this rank's slice of it) is copied into its part of the
+// master's gradient in page-locked host memory, on the compute stream without blocking the
+// host (when an earlier backward left a gradient there, into a landing buffer, added after);
+// the end of backward waits for the device once (Note [Offloaded gradients]). The
+// optimizer steps on the host; the refresh copies each stepped slice to the device
+// (fp32, converted there) before the all-gather. On a CPU compute device the same path
+// runs, host to host.
 
 // Starts averaging `pending.input` over the ranks: in place under NoShard, this rank's
 // slice into `pending.output` under ShardOptimizerState; by the hook when there is one.
@@ -374,6 +388,12 @@ void Engine::check_communication_options() const {
         "NoShard",
         who, options_.decentralized_every, to_string(options_.strategy)));
   }
+  if (options_.decentralized_every > 0 && options_.cpu_offload) {
+    throw InvalidArgument(fmt::format(
+        "{}: decentralized_every {} and cpu_offload do not combine: the neighbours' parameters are exchanged "
+        "and averaged on the compute device, which offload keeps free of the masters; set one of them off",
+        who, options_.decentralized_every));
+  }
   if (options_.decentralized_every > 0 && options_.staleness > 0) {
     throw InvalidArgument(fmt::format(
         "{}: decentralized_every {} and staleness {} do not combine: decentralized training averages "
@@ -446,6 +466,7 @@ void Engine::end_of_replicated_backward() {
   for (int k = next_segment_; k < static_cast<int>(pending_.size()); ++k) reduce_segment(k);
   next_segment_ = static_cast<int>(pending_.size());
   finish_pending_reduce();
+  land_offloaded_grads();
   if (g.master_aliases_full()) {
     g.alias_master_grad();
   } else {
@@ -479,6 +500,15 @@ void Engine::rebuild_buckets(std::vector<int> order) {
       values = g.master().detach();  // one rank's slices are the whole buffer
     } else if (g.compute_dtype() == at::kFloat && !stale_ && g.master()._version() == master_version_) {
       values = g.full().detach();  // the parameters hold the masters' values, bit for bit
+    } else if (g.offloaded()) {
+      // Gathered on the compute device a bucket at a time, and kept on the host.
+      values = at::empty({g.padded_numel()}, g.master().options());
+      for (int k = 0; k < static_cast<int>(g.segments().size()); ++k) {
+        const at::Tensor part = g.master_part(g.master(), k).to(device_);
+        at::Tensor gathered = at::empty({g.segments()[k].padded_numel}, part.options());
+        comm_->all_gather(gathered, part).wait();
+        g.segment_of(values, k).copy_(gathered);
+      }
     } else {
       values = at::empty({g.padded_numel()}, g.master().options());
       for (int k = 0; k < static_cast<int>(g.segments().size()); ++k)
@@ -517,8 +547,7 @@ void Engine::segment_stepped(std::size_t shard, std::size_t segment) {
   }
   const int k = static_cast<int>(segment);
   if (k != static_cast<int>(early_gathers_.size())) return;  // out of order: refresh_replicas does it all
-  at::NoGradGuard no_grad;
-  g.slot_of(g.full(), k).copy_(g.master_part(g.master(), k));
+  g.copy_master_to_slot(k);
   CollectiveOptions opts;
   opts.stream = StreamRole::AllGather;
   early_gathers_.push_back(comm_->all_gather(g.segment_of(g.full(), k), g.slot_of(g.full(), k), opts));

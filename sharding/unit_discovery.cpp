@@ -39,9 +39,13 @@ UnitMembership discover_units(torch::nn::Module& model) {
 }
 
 void check_memory_budget(torch::nn::Module& model, const World& world, Strategy mode, int param_bytes,
-                         const MemoryBudget& budget, const char* who, int shard_group_size) {
+                         const MemoryBudget& budget, const char* who, int shard_group_size, bool cpu_offload,
+                         bool on_gpu) {
   if (budget.bytes <= 0) return;
   plan::PlanOptions o;
+  // On a GPU the budget is the device's, and offloaded states are the host's; on the CPU
+  // both are the same memory.
+  o.cpu_offload = cpu_offload && on_gpu;
   o.strategy = mode;
   o.world_size = world.world_size();
   o.shard_group_size = shard_group_size < world.world_size() ? shard_group_size : 0;
@@ -54,6 +58,17 @@ void check_memory_budget(torch::nn::Module& model, const World& world, Strategy 
   const auto need = plan::predict(shape, o);
   if (need.peak <= budget.bytes) return;
   const auto mib = [](std::int64_t b) { return static_cast<double>(b) / (1 << 20); };
+  std::string offload_advice;
+  if (on_gpu && !cpu_offload) {
+    auto f = o;
+    f.cpu_offload = true;
+    const auto offloaded = plan::predict(shape, f);
+    if (offloaded.peak <= budget.bytes) {
+      offload_advice = fmt::format(
+          "; with cpu_offload it needs {:.1f} MiB of device memory and {:.1f} MiB of host memory per rank",
+          mib(offloaded.peak), mib(offloaded.host));
+    }
+  }
   o.strategy = Strategy::FullShard;
   o.build_into_shards = true;
   const auto full = plan::predict(shape, o);
@@ -81,10 +96,10 @@ void check_memory_budget(torch::nn::Module& model, const World& world, Strategy 
       need.peak, budget.bytes,
       fmt::format(
           "flatshard::{} (rank {}/{}): training this model ({} parameters) in mode {} needs {:.1f} MiB "
-          "per rank{}, more than the memory budget of {:.1f} MiB ({}). {}; or raise the budget.",
+          "per rank{}, more than the memory budget of {:.1f} MiB ({}). {}{}; or raise the budget.",
           who, world.rank(), world.world_size(), shape.total(), mode_name(mode), mib(need.peak),
           budget.activation_bytes > 0 ? "" : " before activations", mib(budget.bytes), need.describe(),
-          advice));
+          advice, offload_advice));
 }
 
 }  // namespace flatshard::sharding

@@ -24,7 +24,10 @@ UnitMembership discover_units(torch::nn::Module& model);
 
 // Throws MemoryBudgetError when the planner's figure for `mode` exceeds the budget.
 // shard_group_size: HybridShard's group (0: the world).
+// The budget is per rank, of the compute device's memory; `on_gpu`: the compute device is
+// a GPU, whose memory the host's is apart from (CPU offload moves states out of it).
 void check_memory_budget(torch::nn::Module& model, const World& world, Strategy mode, int param_bytes,
-                         const MemoryBudget& budget, const char* who, int shard_group_size = 0);
+                         const MemoryBudget& budget, const char* who, int shard_group_size = 0,
+                         bool cpu_offload = false, bool on_gpu = false);
 
 }  // namespace flatshard::sharding

@@ -62,6 +62,11 @@ struct PlanOptions {
   // The model is built into shards (build.h; sharded modes only) instead of whole before
   // wrapping. Decides the construction peak (Plan::construction).
   bool build_into_shards = false;
+  // FullyShardOptions::cpu_offload: the fp32 masters (shards, or DDP's and ZeRO-1's
+  // replicated masters and slices), their gradients and the optimizer state live in host
+  // memory (Plan::host) instead of on the device; the device keeps the parameters, their
+  // gradients, the staging copies and the activations.
+  bool cpu_offload = false;
 };
 
 // Per-rank bytes by kind, and the predicted peak.
@@ -81,7 +86,18 @@ struct Plan {
   // DDP and ZeRO-1 rebuild their buckets in arrival order after the first backward: old
   // and new parameter and gradient buckets exist at once.
   std::int64_t rebuild = 0;
-  std::int64_t training() const;  // the sum of the figures above `construction`
+  // Under cpu_offload: the host memory the offloaded states take in training (page-locked
+  // on a GPU machine), which the figures above and `peak` leave out. 0 without offload.
+  std::int64_t host = 0;
+  // Of `host`: what exists only after the device's peak at the start of backward (the
+  // sharded modes' gradient shards, made as units finish their backward; the replicated
+  // modes' master gradient is made by the first bucket, at the peak).
+  std::int64_t late_host_grads = 0;
+  // Under cpu_offload, with a compute dtype other than fp32: device copies of offloaded
+  // values on their way (an fp32 shard crossing to the device to be converted for its
+  // gather, a reduced one converted to fp32 on its way back).
+  std::int64_t staging = 0;
+  std::int64_t training() const;  // the sum of the device figures above `construction`
   std::int64_t peak = 0;          // what one rank needs: the largest of training(), construction, rebuild
   // The ZeRO paper's model-state formula for this mode (fp32 params and grads, K bytes
   // of optimizer state per parameter): DDP (8+K)Ψ, ZeRO-1 8Ψ+KΨ/N, ZeRO-2 4Ψ+(4+K)Ψ/N,
@@ -91,5 +107,12 @@ struct Plan {
 };
 
 Plan predict(const ModelShape& shape, const PlanOptions& options);
+
+// The largest model of `units` equal units (uniform_shape) whose predicted peak fits
+// `device_bytes` per rank, and whose offloaded states fit `host_bytes` per rank when
+// options.cpu_offload (0: the host is not limited), with options' other settings (the
+// activations as given). 0 when not even one parameter per unit fits.
+std::int64_t largest_model(const PlanOptions& options, int units, std::int64_t device_bytes,
+                           std::int64_t host_bytes = 0);
 
 }  // namespace flatshard::plan

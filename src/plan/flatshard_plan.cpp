@@ -3,7 +3,8 @@
 //   flatshard-plan --params 1.3e9 --units 24 --world 1,2,4,8 [--dtype bf16]
 //                  [--optimizer adamw|adam|sgd|sgd-momentum] [--mode full]
 //                  [--activation-mib 512] [--recompute 1] [--build-into-shards 1] [--prefetch 1]
-//                  [--budget-mib 16000] [--shard-group-size G]
+//                  [--budget-mib 16000] [--shard-group-size G] [--offload 1]
+//                  [--fit-mib 81559 [--host-mib 122880]]
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -19,15 +20,20 @@ namespace {
 
 int usage(const char* why) {
   if (why) std::fprintf(stderr, "flatshard-plan: %s\n\n", why);
-  std::fprintf(stderr,
-               "usage: flatshard-plan --params N [--units K] [--root N] [--world 1,2,4] [--mode "
-               "ddp|zero1|zero2|full]\n"
-               "                      [--dtype fp32|bf16] [--optimizer adamw|adam|sgd|sgd-momentum]\n"
-               "                      [--activation-mib M] [--recompute 0|1] [--build-into-shards 0|1] "
-               "[--prefetch P]\n"
-               "                      [--budget-mib B] [--shard-group-size G (hybrid: zero2/full shard "
-               "within groups of G ranks)]\n"
-               "Predicts per-rank peak memory (MiB) of each mode; see docs/memory-model.md.\n");
+  std::fprintf(
+      stderr,
+      "usage: flatshard-plan --params N [--units K] [--root N] [--world 1,2,4] [--mode "
+      "ddp|zero1|zero2|full]\n"
+      "                      [--dtype fp32|bf16] [--optimizer adamw|adam|sgd|sgd-momentum]\n"
+      "                      [--activation-mib M] [--recompute 0|1] [--build-into-shards 0|1] "
+      "[--prefetch P]\n"
+      "                      [--budget-mib B] [--shard-group-size G (hybrid: zero2/full shard "
+      "within groups of G ranks)]\n"
+      "                      [--offload 0|1 (cpu_offload: states in host memory)]\n"
+      "                      [--fit-mib D [--host-mib H]: the largest model of K units whose peak fits "
+      "D MiB\n"
+      "                       per rank, without and with offload (its host states within H MiB)]\n"
+      "Predicts per-rank peak memory (MiB) of each mode; see docs/memory-model.md.\n");
   return why ? 2 : 0;
 }
 
@@ -46,7 +52,8 @@ double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
 int main(int argc, char** argv) {
   using namespace flatshard::plan;
   using flatshard::Strategy;
-  double params = 0, root = 0, activation_mib = 0, budget_mib = 0;
+  double params = 0, root = 0, activation_mib = 0, budget_mib = 0, fit_mib = 0, host_mib = 0;
+  bool offload = false;
   int units = 1, prefetch = 1, param_bytes = 4, state_bytes = 8, shard_group_size = 0;
   bool recompute = false, build_into_shards = false;
   std::vector<int> worlds{1, 2, 4, 8};
@@ -77,6 +84,12 @@ int main(int argc, char** argv) {
       activation_mib = std::atof(v.c_str());
     else if (a == "--budget-mib")
       budget_mib = std::atof(v.c_str());
+    else if (a == "--fit-mib")
+      fit_mib = std::atof(v.c_str());
+    else if (a == "--host-mib")
+      host_mib = std::atof(v.c_str());
+    else if (a == "--offload")
+      offload = std::atoi(v.c_str()) != 0;
     else if (a == "--dtype") {
       if (v != "fp32" && v != "bf16") return usage("--dtype is fp32 or bf16");
       param_bytes = v == "bf16" ? 2 : 4;
@@ -98,9 +111,49 @@ int main(int argc, char** argv) {
       return usage(("unknown option " + a).c_str());
     }
   }
-  if (params <= 0) return usage("--params is required (a count, e.g. 1.3e9)");
+  if (params <= 0 && fit_mib <= 0) return usage("--params is required (a count, e.g. 1.3e9), or --fit-mib");
   for (int w : worlds)
     if (w < 1) return usage("--world sizes must be at least 1");
+  auto options_for = [&](Strategy m, int w) {
+    PlanOptions o;
+    o.strategy = m;
+    o.world_size = w;
+    o.param_bytes = param_bytes;
+    o.optimizer_state_bytes = state_bytes;
+    o.prefetch = prefetch;
+    o.shard_group_size = shard_group_size;
+    o.activation_bytes = static_cast<std::int64_t>(activation_mib * (1 << 20));
+    o.recompute = recompute;
+    o.build_into_shards = build_into_shards;
+    o.cpu_offload = offload;
+    return o;
+  };
+  if (fit_mib > 0) {
+    const auto device = static_cast<std::int64_t>(fit_mib * (1 << 20));
+    const auto host = static_cast<std::int64_t>(host_mib * (1 << 20));
+    std::printf(
+        "%s\n",
+        fmt::format("the largest model of {} equal units whose per-rank peak fits {:.0f} MiB{}, "
+                    "{}, {} bytes of optimizer state per parameter, {:.0f} MiB of activations",
+                    units, fit_mib,
+                    host > 0 ? fmt::format(" (offloaded states within {:.0f} MiB of host)", host_mib) : "",
+                    param_bytes == 2 ? "bf16 compute with fp32 masters" : "fp32", state_bytes, activation_mib)
+            .c_str());
+    std::printf("%-6s %6s %18s %18s %18s\n", "mode", "world", "params", "params offloaded", "host MiB then");
+    for (Strategy m : modes) {
+      for (int w : worlds) {
+        auto o = options_for(m, w);
+        o.cpu_offload = false;
+        const auto plain = largest_model(o, units, device);
+        o.cpu_offload = true;
+        const auto offloaded = largest_model(o, units, device, host);
+        const auto then = offloaded > 0 ? predict(uniform_shape(offloaded, units), o).host : 0;
+        std::printf("%-6s %6d %18.4g %18.4g %18.1f\n", mode_name(m), w, static_cast<double>(plain),
+                    static_cast<double>(offloaded), mib(then));
+      }
+    }
+    return 0;
+  }
   ModelShape shape = uniform_shape(static_cast<std::int64_t>(params - root), units);
   shape.root_numel = static_cast<std::int64_t>(root);
   std::printf("%s\n",
@@ -108,25 +161,18 @@ int main(int argc, char** argv) {
                           params, units, root > 0 ? fmt::format(" + {:.0f} in the root", root) : "",
                           param_bytes == 2 ? "bf16 compute with fp32 masters" : "fp32", state_bytes)
                   .c_str());
-  std::printf("%-6s %6s %14s %14s %14s %14s %14s %14s%s\n", "mode", "world", "peak MiB", "params+grads",
-              "optim state", "gathered", "construction", "ZeRO formula", budget_mib > 0 ? "  fits" : "");
+  std::printf("%-6s %6s %14s %14s %14s %14s %14s %14s%s%s\n", "mode", "world", "peak MiB", "params+grads",
+              "optim state", "gathered", "construction", "ZeRO formula", offload ? "       host MiB" : "",
+              budget_mib > 0 ? "  fits" : "");
   for (Strategy m : modes) {
     for (int w : worlds) {
-      PlanOptions o;
-      o.strategy = m;
-      o.world_size = w;
-      o.param_bytes = param_bytes;
-      o.optimizer_state_bytes = state_bytes;
-      o.prefetch = prefetch;
-      o.shard_group_size = shard_group_size;
-      o.activation_bytes = static_cast<std::int64_t>(activation_mib * (1 << 20));
-      o.recompute = recompute;
-      o.build_into_shards = build_into_shards;
-      const Plan p = predict(shape, o);
-      std::printf("%-6s %6d %14.1f %14.1f %14.1f %14.1f %14.1f %14.1f%s\n", mode_name(m), w, mib(p.peak),
+      const Plan p = predict(shape, options_for(m, w));
+      std::printf("%-6s %6d %14.1f %14.1f %14.1f %14.1f %14.1f %14.1f%s%s\n", mode_name(m), w, mib(p.peak),
                   mib(p.params + p.masters + p.grads), mib(p.optimizer_state),
-                  mib(p.gathered_params + p.gathered_grads), mib(std::max(p.construction, p.rebuild)),
-                  mib(p.zero_formula), budget_mib > 0 ? (mib(p.peak) <= budget_mib ? "  yes" : "  no") : "");
+                  mib(p.gathered_params + p.gathered_grads + p.staging),
+                  mib(std::max(p.construction, p.rebuild)), mib(p.zero_formula),
+                  offload ? fmt::format(" {:14.1f}", mib(p.host)).c_str() : "",
+                  budget_mib > 0 ? (mib(p.peak) <= budget_mib ? "  yes" : "  no") : "");
     }
   }
   return 0;

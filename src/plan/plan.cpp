@@ -82,6 +82,14 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
       // masters are the parameters themselves.
       if (mode == Strategy::ShardOptimizerState && (n > 1 || e != 4)) p.masters = (psi * 4 + n - 1) / n;
       p.optimizer_state = mode == Strategy::NoShard ? psi * k : (psi * k + n - 1) / n;
+      if (o.cpu_offload) {
+        // Note [Offloaded buckets]: the fp32 masters (the whole model, or this rank's
+        // slices) and their gradients on the host, always apart from the parameters.
+        const std::int64_t master = mode == Strategy::NoShard ? psi * 4 : (psi * 4 + n - 1) / n;
+        p.host = 2 * master + p.optimizer_state;  // the gradient from the first bucket on
+        p.masters = 0;
+        p.optimizer_state = 0;
+      }
       break;
     }
     case Strategy::ShardGradOp:
@@ -108,6 +116,18 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
       p.gathered_params = (root + (mode == Strategy::ShardGradOp ? all_units : largest(1 + o.prefetch))) * e;
       p.gathered_grads = (root + (o.recompute ? largest(2) : 0)) * e;
       shards_bytes = shards * 4;
+      if (o.cpu_offload) {
+        // Note [Offloaded gradients]: masters, gradient shards and optimizer state on the
+        // host; on the device, a unit's fp32 shard crossing to be converted for its gather,
+        // or its reduced shard on its way back.
+        p.host = shards * (8 + k);
+        p.params = 0;
+        p.optimizer_state = 0;
+        // fp32 compute copies straight from the host's shard and reduces into fp32.
+        if (e != 4) p.staging = (units.empty() ? root : std::max(root, units.front())) / n * 4;
+        p.late_host_grads = shards * 4;
+        break;
+      }
       if (o.recompute)
         late_backward = p.params + p.optimizer_state + shards * 4 + p.gathered_params + p.gathered_grads +
                         p.activations / 2;
@@ -124,7 +144,13 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   //   the persistent flat buffer and the masters; after the first backward the buckets
   //   are laid out again in arrival order, old and new buffers alive together.
   const bool sharded = mode == Strategy::ShardGradOp || mode == Strategy::FullShard;
-  if (sharded && o.build_into_shards) {
+  if (o.cpu_offload) {
+    // Built on the host and placed by options.device: the shards (or the masters) go
+    // straight to host memory, so the device holds only what the group keeps there (the
+    // replicated strategies' flat buffer, one parameter crossing at a time).
+    p.construction = sharded ? 0 : p.params + shape.largest_param_numel * 4;
+    if (!sharded) p.rebuild = 2 * p.params + p.grads;  // ZeRO-1 gathers the masters bucket by bucket
+  } else if (sharded && o.build_into_shards) {
     std::int64_t largest_unit = 0;
     for (auto u : shape.unit_numels) largest_unit = std::max(largest_unit, u);
     p.construction = p.params + (shape.root_numel + largest_unit) * 4;
@@ -159,7 +185,30 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
 }
 
 std::int64_t Plan::training() const {
-  return params + masters + grads + optimizer_state + gathered_params + gathered_grads + activations;
+  return params + masters + grads + optimizer_state + gathered_params + gathered_grads + activations +
+         staging;
+}
+
+std::int64_t largest_model(const PlanOptions& options, int units, std::int64_t device_bytes,
+                           std::int64_t host_bytes) {
+  const int u = std::max(units, 1);
+  auto fits = [&](std::int64_t params) {
+    const Plan p = predict(uniform_shape(params, u), options);
+    return p.peak <= device_bytes && (host_bytes <= 0 || p.host <= host_bytes);
+  };
+  // Every figure grows with the parameter count: bisect between a size that fits and one
+  // that does not (at most 2^50 parameters).
+  std::int64_t lo = 0, hi = u;
+  if (!fits(hi)) return 0;
+  while (hi < (std::int64_t{1} << 50) && fits(hi)) {
+    lo = hi;
+    hi *= 2;
+  }
+  while (hi - lo > 1) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
 }
 
 std::string Plan::describe() const {
@@ -167,14 +216,19 @@ std::string Plan::describe() const {
                      : peak == construction ? " while the model is built"
                                             : " while the buckets are rebuilt";
   return fmt::format(
-      "peak {:.1f} MiB{}; in training params {:.1f} + masters {:.1f} + grads {:.1f} + optimizer state {:.1f} "
-      "+ "
-      "gathered params {:.1f} + gathered grads {:.1f} + activations {:.1f} = {:.1f}; construction {:.1f}{} "
-      "(ZeRO "
-      "formula {:.1f})",
-      mib(peak), when, mib(params), mib(masters), mib(grads), mib(optimizer_state), mib(gathered_params),
-      mib(gathered_grads), mib(activations), mib(training()), mib(construction),
-      rebuild > 0 ? fmt::format("; bucket rebuild {:.1f}", mib(rebuild)) : "", mib(zero_formula));
+             "peak {:.1f} MiB{}; in training params {:.1f} + masters {:.1f} + grads {:.1f} + optimizer state "
+             "{:.1f} "
+             "+ "
+             "gathered params {:.1f} + gathered grads {:.1f} + activations {:.1f} = {:.1f}; construction "
+             "{:.1f}{} "
+             "(ZeRO "
+             "formula {:.1f})",
+             mib(peak), when, mib(params), mib(masters), mib(grads), mib(optimizer_state),
+             mib(gathered_params), mib(gathered_grads), mib(activations), mib(training()), mib(construction),
+             rebuild > 0 ? fmt::format("; bucket rebuild {:.1f}", mib(rebuild)) : "", mib(zero_formula)) +
+         (host > 0 ? fmt::format("; offloaded to the host {:.1f} MiB (device staging {:.1f})", mib(host),
+                                 mib(staging))
+                   : "");
 }
 
 }  // namespace flatshard::plan

@@ -10,7 +10,7 @@
 //    rings through host memory (two ranks on one GPU, which NCCL refuses);
 //  - NoShard (DDP) and ShardOptimizerState (ZeRO-1) on CUDA against single-process
 //    training: world 1 over NCCL and world 2 over the TCP rings, fp32 and bf16 compute
-//    with fp32 masters;
+//    with fp32 masters, with and without CPU offload;
 //  - hybrid sharding at world 2 over TCP on one GPU, groups of 1 and 2;
 //  - a model built into shards onto the GPU (and offloaded), at worlds 1 and 2;
 //  - activation recomputation with dropout on the GPU;
@@ -219,10 +219,15 @@ TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
   FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(300));
   auto world = flatshard::init();
   for (auto strategy : {flatshard::Strategy::NoShard, flatshard::Strategy::ShardOptimizerState}) {
-    for (auto param : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kBFloat16}}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      // fp32, bf16, and both with CPU offload (Note [Offloaded buckets]).
+      const auto param = variant % 2 ? std::optional<at::ScalarType>{at::kBFloat16} : std::nullopt;
+      const bool offload = variant >= 2;
       SCOPED_TRACE(::testing::Message() << flatshard::to_string(strategy) << (param ? " bf16" : " fp32")
-                                        << " world " << world.world_size());
+                                        << (offload ? " offload" : "") << " world " << world.world_size());
       TrainSpec spec;
+      spec.cpu_offload = offload;
+      spec.build_on_host = offload;
       spec.strategy = strategy;
       spec.optimizer = OptKind::AdamW;
       spec.steps = 4;
@@ -238,6 +243,8 @@ TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
       const double tolerance = param ? 3e-2 : 1e-5;
       EXPECT_LE(r.global_rel_weight_diff, tolerance) << "worst " << r.worst_param;
       EXPECT_LE(r.max_rel_loss_diff, tolerance);
+      EXPECT_EQ(r.shard_device, offload ? c10::Device(c10::kCPU) : kGpu);
+      EXPECT_EQ(r.shards_pinned, offload);
     }
   }
 }

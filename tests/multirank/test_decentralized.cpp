@@ -248,6 +248,13 @@ TEST(Decentralized, BadSettingsAreRefusedNamingTheRankAndSetting) {
     o.decentralized_every = c.every;
     refused(o, c.expected);
   }
+  {  // Note [Offloaded buckets]: the neighbours' averaging runs on the compute device
+    flatshard::FullyShardOptions o;
+    o.strategy = Strategy::NoShard;
+    o.decentralized_every = 1;
+    o.cpu_offload = true;
+    refused(o, "decentralized_every 1 and cpu_offload do not combine");
+  }
   flatshard::FullyShardOptions o;
   o.strategy = Strategy::NoShard;
   // A hook has nothing to reduce under decentralized training.

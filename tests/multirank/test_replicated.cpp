@@ -116,6 +116,56 @@ TEST(Replicated, AccumulationClippingUnusedAndMixedPrecision) {
   }
 }
 
+// CPU offload under the replicated strategies (Note [Offloaded buckets]): the master, its
+// gradient and the optimizer's state in host memory, each bucket's average landed there
+// through a staging copy, the parameters refreshed from the host. The arithmetic is the
+// same as without offload, so training is bit for bit the same: fp32 and bf16 compute,
+// accumulation (under no_sync, and reducing every micro-batch) and clipping, and with
+// staleness and a hook (whose averages land late).
+TEST(Replicated, CpuOffloadTrainsBitForBitAsWithout) {
+  FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(300));
+  auto world = flatshard::init();
+  for (Strategy strategy : kReplicated) {
+    for (int variant = 0; variant < 3; ++variant) {
+      TrainSpec spec;
+      spec.strategy = strategy;
+      spec.optimizer = OptKind::AdamW;
+      spec.steps = 4;
+      spec.global_batch = 24;
+      spec.micro_batches = 2;
+      spec.clip = 0.25;
+      if (variant == 1) {
+        spec.param_dtype = at::kBFloat16;
+        spec.reduce_dtype = at::kFloat;
+      }
+      if (variant == 2) {
+        spec.staleness = 1;
+        spec.hook = flatshard::hooks::low_precision();
+      }
+      // Each micro-batch reduced: the second backward's averages are added to the first's
+      // (with fp32 masters apart from the parameters: without offload, DDP's fp32 master is
+      // the flat gradient, which adds before it averages, rounding otherwise).
+      spec.reduce_every_micro_batch = variant == 1;
+      const auto batch = [](int s) { return gpt_batch(s, 24); };
+      const auto plain = train_and_compare<GPT>(world, gpt_factory(), batch, token_loss, spec);
+      spec.cpu_offload = true;
+      spec.build_on_host = true;  // options.device = the CPU: the same placement, said explicitly
+      const auto offloaded = train_and_compare<GPT>(world, gpt_factory(), batch, token_loss, spec);
+      SCOPED_TRACE(::testing::Message()
+                   << to_string(strategy) << " variant " << variant << " world " << world.world_size());
+      EXPECT_TRUE(offloaded.shard_device.is_cpu());
+      ASSERT_EQ(plain.weights.size(), offloaded.weights.size());
+      for (const auto& [name, w] : plain.weights)
+        EXPECT_TRUE(at::equal(w, offloaded.weights.at(name))) << name;
+      EXPECT_EQ(offloaded.max_rel_loss_diff, plain.max_rel_loss_diff);
+      EXPECT_EQ(offloaded.max_grad_norm, plain.max_grad_norm);
+      EXPECT_GT(offloaded.max_grad_norm, spec.clip) << "the test must actually clip";
+      if (variant == 0) EXPECT_LE(offloaded.max_rel_weight_diff, kFp32Tolerance) << offloaded.worst_param;
+      if (variant == 1) EXPECT_LE(offloaded.global_rel_weight_diff, 5e-3);
+    }
+  }
+}
+
 TEST(Replicated, MissingGradientIsAnErrorNamingTheParameters) {
   FLATSHARD_RUN_RANKS({1, 2});
   auto world = flatshard::init();

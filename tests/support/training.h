@@ -33,7 +33,10 @@ struct TrainSpec {
   int steps = 10;
   int global_batch = 12;
   int micro_batches = 1;  // gradient accumulation: micro-batches per step
-  double clip = 0;        // > 0: clip the global gradient norm to this
+  // Accumulation without no_sync on the sharded side: every micro-batch's backward reduces
+  // its gradients and adds them to the last one's.
+  bool reduce_every_micro_batch = false;
+  double clip = 0;  // > 0: clip the global gradient norm to this
   std::optional<at::ScalarType> param_dtype;
   std::optional<at::ScalarType> reduce_dtype;
   int prefetch = 1;

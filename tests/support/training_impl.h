@@ -278,7 +278,8 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
 
   DistributedSide side;
   side.forward = [&](const at::Tensor& x) { return fsdp.forward(x); };
-  side.no_sync = [&] { return std::make_shared<typename FullyShardBase::NoSync>(fsdp); };
+  if (!spec.reduce_every_micro_batch)
+    side.no_sync = [&] { return std::make_shared<typename FullyShardBase::NoSync>(fsdp); };
   side.clip = [&](double bound) { return fsdp.clip_grad_norm(bound); };
   side.step = [&] {
     opt.step();

@@ -1,0 +1,108 @@
+// The planner's arithmetic under CPU offload, swept over modes, world sizes and dtypes: the
+// offloaded states leave the device's figures for Plan::host, and largest_model finds the
+// boundary of what fits. (The measured checks are in tests/multirank/test_plan.cpp and, on
+// a GPU, tests/cuda/test_cuda.cpp.)
+#include <gtest/gtest.h>
+
+#include "flatshard/plan.h"
+#include "flatshard/shard.h"
+
+namespace {
+
+namespace plan = flatshard::plan;
+using flatshard::Strategy;
+
+class OffloadSweep : public ::testing::TestWithParam<std::tuple<Strategy, int, int>> {};
+
+// What offload takes off the device is on the host, byte for byte: the fp32 masters (whole,
+// or this rank's slices or shards), their gradients and the optimizer state. The device
+// keeps the parameters, their gradients and activations; the sharded modes add, under bf16,
+// one fp32 shard of staging.
+TEST_P(OffloadSweep, StatesMoveFromTheDeviceToTheHost) {
+  const auto [mode, world, param_bytes] = GetParam();
+  const auto shape = plan::uniform_shape(1000003, 5);  // a prime: every unit pads
+  const std::int64_t psi = shape.total();
+  plan::PlanOptions o;
+  o.strategy = mode;
+  o.world_size = world;
+  o.param_bytes = param_bytes;
+  o.activation_bytes = 3 << 20;
+  const auto on_device = plan::predict(shape, o);
+  o.cpu_offload = true;
+  const auto offloaded = plan::predict(shape, o);
+  EXPECT_EQ(on_device.host, 0);
+  EXPECT_EQ(offloaded.optimizer_state, 0);
+  EXPECT_EQ(offloaded.masters, 0);
+  EXPECT_EQ(offloaded.activations, on_device.activations);
+  EXPECT_EQ(offloaded.gathered_params, on_device.gathered_params);
+  EXPECT_LT(offloaded.peak, on_device.peak);
+  const bool sharded = mode == Strategy::ShardGradOp || mode == Strategy::FullShard;
+  if (sharded) {
+    // Master shards, gradient shards (4 bytes each) and AdamW's 8 bytes, per padded shard.
+    std::int64_t shards = 0;
+    for (auto u : shape.unit_numels) shards += flatshard::padded_numel(u, world, 16 / param_bytes) / world;
+    EXPECT_EQ(offloaded.host, shards * 16);
+    EXPECT_EQ(offloaded.params, 0);
+    EXPECT_EQ(offloaded.late_host_grads, shards * 4);
+    EXPECT_EQ(offloaded.staging,  // bf16 gathers convert an fp32 shard on the device
+              param_bytes == 4
+                  ? 0
+                  : flatshard::padded_numel(shape.unit_numels[0], world, 16 / param_bytes) / world * 4);
+    EXPECT_EQ(offloaded.construction, 0);  // built on the host, each shard goes to host memory
+  } else {
+    const std::int64_t master = mode == Strategy::NoShard ? psi * 4 : (psi * 4 + world - 1) / world;
+    const std::int64_t state = mode == Strategy::NoShard ? psi * 8 : (psi * 8 + world - 1) / world;
+    EXPECT_EQ(offloaded.host, 2 * master + state);
+    EXPECT_EQ(offloaded.late_host_grads, 0);
+    EXPECT_EQ(offloaded.params, psi * param_bytes);
+    EXPECT_EQ(offloaded.grads, psi * param_bytes);
+    EXPECT_EQ(offloaded.staging, 0);
+    // Without offload the same states are on the device (DDP and ZeRO-1 at one rank in fp32
+    // keep no separate master: the parameters are the masters).
+    const bool aliased = param_bytes == 4 && (mode == Strategy::NoShard || world == 1);
+    EXPECT_EQ(on_device.training() - offloaded.training(), on_device.masters + on_device.optimizer_state);
+    EXPECT_EQ(offloaded.host - (on_device.masters + on_device.optimizer_state),
+              aliased ? 2 * master : (mode == Strategy::NoShard ? 0 : master));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Planner, OffloadSweep,
+                         ::testing::Combine(::testing::Values(Strategy::NoShard,
+                                                              Strategy::ShardOptimizerState,
+                                                              Strategy::ShardGradOp, Strategy::FullShard),
+                                            ::testing::Values(1, 2, 3, 8), ::testing::Values(4, 2)));
+
+// largest_model returns the boundary: that size fits, one more parameter per unit does not;
+// offload fits a larger model on the same device, and a host limit bounds it.
+TEST(Planner, LargestModelIsTheBoundaryOfWhatFits) {
+  constexpr int kUnits = 26;
+  const std::int64_t device = std::int64_t{80} << 30, host = std::int64_t{120} << 30;
+  for (Strategy mode : {Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::FullShard}) {
+    for (int world : {1, 8}) {
+      SCOPED_TRACE(::testing::Message() << flatshard::mode_name(mode) << " world " << world);
+      plan::PlanOptions o;
+      o.strategy = mode;
+      o.world_size = world;
+      o.param_bytes = 2;
+      o.activation_bytes = std::int64_t{12} << 30;
+      const auto plain = plan::largest_model(o, kUnits, device);
+      ASSERT_GT(plain, 0);
+      EXPECT_LE(plan::predict(plan::uniform_shape(plain, kUnits), o).peak, device);
+      EXPECT_GT(plan::predict(plan::uniform_shape(plain + kUnits, kUnits), o).peak, device);
+      o.cpu_offload = true;
+      const auto offloaded = plan::largest_model(o, kUnits, device, host);
+      EXPECT_GT(offloaded, plain);
+      const auto fit = plan::predict(plan::uniform_shape(offloaded, kUnits), o);
+      const auto over = plan::predict(plan::uniform_shape(offloaded + kUnits, kUnits), o);
+      EXPECT_LE(fit.peak, device);
+      EXPECT_LE(fit.host, host);
+      EXPECT_TRUE(over.peak > device || over.host > host);
+      EXPECT_GE(plan::largest_model(o, kUnits, device), offloaded);  // without a host limit
+    }
+  }
+  plan::PlanOptions o;
+  o.activation_bytes = std::int64_t{1} << 40;
+  EXPECT_EQ(plan::largest_model(o, kUnits, std::int64_t{80} << 30), 0);  // activations alone exceed it
+}
+
+}  // namespace
