@@ -39,10 +39,10 @@ ModelShape uniform_shape(std::int64_t params, int units) {
 // allocator; docs/memory-model.md):
 // - FullyShard (both strategies): fp32 master shards and optimizer state; gradient
 //   shards are dropped by zero_grad and come back only as units finish backward, after
-//   the peak. Gathered: the root unit and, under full shard, the last unit with
-//   `prefetch` units gathered ahead for backward; under shard-grad-op every unit. The
-//   root unit's unsharded gradient (the output layer's comes first) lives through
-//   backward.
+//   the peak (unless the model's states outweigh its activations: then the end of
+//   backward, with every gradient shard, is the peak; Note [Late in backward]). Gathered: the root unit and,
+//   under full shard, the last unit with `prefetch` units gathered ahead for backward; under shard-grad-op
+//   every unit. The root unit's unsharded gradient (the output layer's comes first) lives through backward.
 // - DDP and ZeRO-1 (NoShard, ShardOptimizerState): the replicated flat buffer and the
 //   buckets' gradients (allocated when backward begins), fp32 masters (DDP: under mixed
 //   precision, whole; ZeRO-1: this rank's slices), the optimizer state (whole or 1/N).
@@ -70,7 +70,7 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   // yet done and one unit's recomputed internals remain (about half of the measured
   // activations). Measured: a proof run with plain SGD at world 4 (mostly shards)
   // peaks there; leaving the gradient shards out under-predicts it by 32%.
-  std::int64_t late_backward = 0, shards_bytes = 0;
+  std::int64_t late_backward = 0, shards_bytes = 0, late_activations = 0, late_gathered = -1;
   switch (mode) {
     case Strategy::NoShard:
     case Strategy::ShardOptimizerState: {
@@ -128,9 +128,19 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
         p.late_host_grads = shards * 4;
         break;
       }
-      if (o.recompute)
+      if (o.recompute) {
         late_backward = p.params + p.optimizer_state + shards * 4 + p.gathered_params + p.gathered_grads +
                         p.activations / 2;
+        late_activations = p.activations / 2;
+      } else {
+        // The end of backward: every gradient shard exists, the activations are gone, the
+        // root and the first unit are still gathered (shard-grad-op: every unit). Where
+        // the model's states outweigh its activations, this is the peak (measured on an
+        // H100: a 5.5B GPT needs its 16 bytes per parameter).
+        late_backward = p.params + p.optimizer_state + shards * 4 +
+                        (root + (mode == Strategy::ShardGradOp ? all_units : largest(1))) * e;
+        late_gathered = (root + (mode == Strategy::ShardGradOp ? all_units : largest(1))) * e;
+      }
       break;
     }
   }
@@ -171,7 +181,11 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   p.peak = std::max({p.training(), p.construction, p.rebuild});
   if (late_backward > p.peak) {  // Note [Late in backward]
     p.grads = shards_bytes;
-    p.activations = o.activation_bytes / 2;
+    p.activations = late_activations;
+    if (late_gathered >= 0) {
+      p.gathered_params = late_gathered;
+      p.gathered_grads = 0;
+    }
     p.peak = late_backward;
   }
   switch (mode) {

@@ -11,6 +11,7 @@
 //  - NoShard (DDP) and ShardOptimizerState (ZeRO-1) on CUDA against single-process
 //    training: world 1 over NCCL and world 2 over the TCP rings, fp32 and bf16 compute
 //    with fp32 masters, with and without CPU offload;
+//  - the planner's device peak, with and without CPU offload, against the allocator's;
 //  - hybrid sharding at world 2 over TCP on one GPU, groups of 1 and 2;
 //  - a model built into shards onto the GPU (and offloaded), at worlds 1 and 2;
 //  - activation recomputation with dropout on the GPU;
@@ -27,6 +28,7 @@
 
 #include "flatshard/flatshard.h"
 #include "flatshard/memory.h"
+#include "flatshard/plan.h"
 #include "optim/step_kernels.h"
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
@@ -268,6 +270,90 @@ TEST(CudaReplicated, StalenessMatchesSingleProcess) {
     const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
         world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
     EXPECT_LE(r.global_rel_weight_diff, 1e-5) << "worst " << r.worst_param;
+  }
+}
+
+// The planner's device figures against the caching allocator at world 1 over NCCL, every
+// mode with and without CPU offload (bf16 compute, fp32 masters, AdamW, the model built on
+// the host and placed by options.device): the GPU's peak from before the wrapper to the
+// end of the third step within 10% of plan::predict's (which leaves Plan::host off the
+// GPU under offload), and offload lowers it.
+TEST(CudaPlanner, PredictsTheDevicePeakWithAndWithoutOffload) {
+  REQUIRE_GPU();
+  FLATSHARD_RUN_RANKS({1}, std::chrono::seconds(300));
+  auto world = flatshard::init();
+  flatshard::testing::GPTConfig config;
+  config.vocab = 8192;
+  config.context = 64;
+  config.dim = 512;
+  config.heads = 8;
+  config.layers = 4;
+  constexpr int kRows = 8;
+  const auto batch = [&](int step) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(700 + step);
+    const auto tokens = at::randint(config.vocab, {kRows, config.context + 1}, g).to(kGpu);
+    return std::make_pair(tokens.narrow(1, 0, config.context).contiguous(),
+                          tokens.narrow(1, 1, config.context).contiguous());
+  };
+  const auto allocated = [] { return flatshard::memory::cuda_allocator_stats(0).current_bytes; };
+  std::int64_t activations = 0;  // a bf16 model whose gradients exist: one forward and backward
+  {
+    torch::manual_seed(5);
+    flatshard::testing::GPT model(config);
+    model->to(kGpu, at::kBFloat16);
+    for (auto& p : model->parameters()) p.mutable_grad() = at::zeros_like(p);
+    const auto [x, y] = batch(0);
+    token_loss(model->forward(x).to(at::kFloat), y).backward();
+    cudaDeviceSynchronize();
+    flatshard::memory::reset_cuda_allocator_peak(0);
+    const auto before = allocated();
+    token_loss(model->forward(x).to(at::kFloat), y).backward();
+    cudaDeviceSynchronize();
+    activations = flatshard::memory::cuda_allocator_stats(0).peak_bytes - before;
+  }
+  torch::manual_seed(5);
+  const auto shape = flatshard::plan::shape_of(*flatshard::testing::GPT(config));
+  for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::ShardGradOp,
+                        flatshard::Strategy::NoShard, flatshard::Strategy::ShardOptimizerState}) {
+    std::int64_t without = 0;
+    for (bool offload : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << flatshard::to_string(strategy) << (offload ? " offload" : ""));
+      flatshard::plan::PlanOptions o;
+      o.strategy = strategy;
+      o.param_bytes = 2;
+      o.activation_bytes = activations;
+      o.cpu_offload = offload;
+      const auto predicted = flatshard::plan::predict(shape, o);
+      const auto base = allocated();
+      flatshard::memory::reset_cuda_allocator_peak(0);
+      {
+        torch::manual_seed(5);
+        flatshard::testing::GPT model(config);  // on the host
+        flatshard::FullyShardOptions options;
+        options.strategy = strategy;
+        options.device = kGpu;
+        options.cpu_offload = offload;
+        options.mixed_precision.param = at::kBFloat16;
+        options.mixed_precision.reduce = at::kFloat;
+        flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, options);
+        flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
+        for (int step = 0; step < 3; ++step) {
+          const auto [x, y] = batch(step);
+          token_loss(fsdp.forward(x).to(at::kFloat), y).backward();
+          opt.step();
+          opt.zero_grad();
+        }
+        cudaDeviceSynchronize();
+      }
+      const auto measured = flatshard::memory::cuda_allocator_stats(0).peak_bytes - base;
+      const double error = static_cast<double>(predicted.peak - measured) / static_cast<double>(measured);
+      std::printf("%s%s world 1 on the GPU: measured %.2f MiB, predicted %.2f MiB (%+.1f%%): %s\n",
+                  flatshard::mode_name(strategy), offload ? " offloaded" : "", measured / 1048576.0,
+                  predicted.peak / 1048576.0, 100 * error, predicted.describe().c_str());
+      EXPECT_LE(std::abs(error), 0.10);
+      if (offload) EXPECT_LT(measured, without);
+      without = measured;
+    }
   }
 }
 

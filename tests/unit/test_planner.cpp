@@ -26,7 +26,7 @@ TEST_P(OffloadSweep, StatesMoveFromTheDeviceToTheHost) {
   o.strategy = mode;
   o.world_size = world;
   o.param_bytes = param_bytes;
-  o.activation_bytes = 3 << 20;
+  o.activation_bytes = 64 << 20;  // the peak at the start of backward, with or without offload
   const auto on_device = plan::predict(shape, o);
   o.cpu_offload = true;
   const auto offloaded = plan::predict(shape, o);
@@ -71,6 +71,32 @@ INSTANTIATE_TEST_SUITE_P(Planner, OffloadSweep,
                                                               Strategy::ShardOptimizerState,
                                                               Strategy::ShardGradOp, Strategy::FullShard),
                                             ::testing::Values(1, 2, 3, 8), ::testing::Values(4, 2)));
+
+// Note [Late in backward]: where the states outweigh the activations, the sharded modes
+// peak at the end of backward, with every gradient shard (16 bytes per parameter of
+// AdamW's states in all); offload moves those to the host.
+TEST(Planner, StatesHeavyModelsPeakAtTheEndOfBackward) {
+  const auto shape = plan::uniform_shape(std::int64_t{1} << 24, 8);
+  for (Strategy mode : {Strategy::ShardGradOp, Strategy::FullShard}) {
+    for (int world : {1, 4}) {
+      plan::PlanOptions o;
+      o.strategy = mode;
+      o.world_size = world;
+      o.param_bytes = 2;
+      o.activation_bytes = 1 << 20;
+      const auto p = plan::predict(shape, o);
+      const std::int64_t shards = shape.total() / world;  // 2^24 divides: no padding
+      const std::int64_t unit = shape.unit_numels[0];
+      EXPECT_EQ(p.peak, shards * 16 + (mode == Strategy::FullShard ? unit : shape.total()) * 2);
+      EXPECT_EQ(p.grads, shards * 4);
+      EXPECT_EQ(p.activations, 0);
+      o.cpu_offload = true;
+      const auto offloaded = plan::predict(shape, o);
+      EXPECT_EQ(offloaded.host, shards * 16);
+      EXPECT_LE(offloaded.peak + shards * 12, p.peak);  // at least masters and AdamW's state leave
+    }
+  }
+}
 
 // largest_model returns the boundary: that size fits, one more parameter per unit does not;
 // offload fits a larger model on the same device, and a host limit bounds it.
