@@ -97,10 +97,12 @@ struct FullyShardOptions {
   // NoShard and ShardOptimizerState: rank 0's buffers (batch-norm statistics, ...) are
   // broadcast before each forward (DDP's broadcast_buffers).
   bool broadcast_buffers = true;
-  // CPU offload (FSDP's CPUOffload, DeepSpeed's offload_optimizer): master shards, their
+  // CPU offload (FSDP's CPUOffload, DeepSpeed's offload_optimizer), every strategy: master
+  // shards (NoShard: the whole fp32 master; ShardOptimizerState: this rank's slices), their
   // gradients and the optimizer's state stay in host memory (pinned, when `device` is a
-  // GPU) and the optimizer steps on the CPU; each gather copies the updated shard to the
-  // device and each reduced gradient shard is copied back, both without blocking the host.
+  // GPU) and the optimizer steps on the CPU; each gather (or refresh) copies the updated
+  // values to the device and each reduced gradient is copied back, both without blocking
+  // the host. Not with decentralized_every.
   bool cpu_offload = false;
   // NoShard and ShardOptimizerState: asynchronous data parallelism with bounded staleness
   // (0: off; at most kMaxStaleness). The gradients of synced backward t are averaged while
