@@ -255,7 +255,7 @@ void FlatParamGroup::relayout(const std::vector<int>& order, const std::vector<i
   if (!aliased_) {
     // This rank's new slices, cut straight from the whole model's values in the old
     // layout (no permuted copy of the model is made).
-    auto shard = at::zeros({shard_numel_}, master_.options());
+    auto shard = at::zeros({shard_numel_}, master_.options().pinned_memory(master_.is_pinned()));
     for (const FlatSegment& seg : segments_) {
       const std::int64_t begin = seg.offset + rank_ * seg.slice, end = begin + seg.slice;
       for (int i = seg.first_slot; i < seg.end_slot; ++i) {
