@@ -300,10 +300,7 @@ void Engine::finish_first_reduce() {
       at::NoGradGuard no_grad;
       const auto reduced = pending->output.to(at::kFloat);
       if (pending->add) {  // an earlier backward's gradient is there: land apart, add after
-        auto landing = at::empty({reduced.numel()},
-                                 at::TensorOptions().dtype(at::kFloat).pinned_memory(g.master().is_pinned()));
-        landing.copy_(reduced, /*non_blocking=*/landing.is_pinned());
-        landing_grads_.push_back({pending->unit, std::move(landing), pending->target, true});
+        landing_grads_.push_back({pending->unit, land(g, reduced), pending->target, true});
       } else {  // straight into the master's gradient; the end of backward waits for it
         pending->target.copy_(reduced, /*non_blocking=*/pending->target.is_pinned());
         landing_grads_.push_back({pending->unit, at::Tensor(), pending->target, false});
@@ -328,9 +325,7 @@ void Engine::finish_first_reduce() {
     // Note [Offloaded gradients]: the reduced shard is copied to page-locked host memory
     // on the compute stream without blocking the host; end_of_backward waits for the
     // device once and adds every landed shard into the host gradients.
-    auto landing = at::empty({g.shard_numel()}, g.master().options().pinned_memory(g.master().is_pinned()));
-    landing.copy_(reduced, /*non_blocking=*/landing.is_pinned());
-    landing_grads_.push_back({pending->unit, std::move(landing), at::Tensor(), false});
+    landing_grads_.push_back({pending->unit, land(g, reduced), at::Tensor(), false});
   } else {
     const bool adds = g.master().grad().defined();
     accumulate(g.master().mutable_grad(), reduced);
@@ -422,6 +417,15 @@ void Engine::check_nonfinite() {
     zero_grad();
     ++skipped_steps_;
   }
+}
+
+// A host copy of `reduced` (fp32, on the compute device), page-locked with the group's
+// master, made on the compute stream without blocking the host (Note [Offloaded gradients]).
+at::Tensor Engine::land(FlatParamGroup& g, const at::Tensor& reduced) {
+  auto landing = at::empty({reduced.numel()},
+                           at::TensorOptions().dtype(at::kFloat).pinned_memory(g.master().is_pinned()));
+  landing.copy_(reduced, /*non_blocking=*/landing.is_pinned());
+  return landing;
 }
 
 void Engine::land_offloaded_grads() {

@@ -111,6 +111,7 @@ class Engine {
   void check_nonfinite();
   void find_params_with_grad();
   void refresh_replicas();
+  static at::Tensor land(FlatParamGroup& g, const at::Tensor& reduced);
   void land_offloaded_grads();
   void end_of_backward();
   void step_now(int unit);

@@ -500,19 +500,17 @@ void Engine::rebuild_buckets(std::vector<int> order) {
       values = g.master().detach();  // one rank's slices are the whole buffer
     } else if (g.compute_dtype() == at::kFloat && !stale_ && g.master()._version() == master_version_) {
       values = g.full().detach();  // the parameters hold the masters' values, bit for bit
-    } else if (g.offloaded()) {
-      // Gathered on the compute device a bucket at a time, and kept on the host.
+    } else {
+      // Gathered on the compute device a bucket at a time (an offloaded master's buckets
+      // cross to it, and their gathers back to the host).
       values = at::empty({g.padded_numel()}, g.master().options());
       for (int k = 0; k < static_cast<int>(g.segments().size()); ++k) {
         const at::Tensor part = g.master_part(g.master(), k).to(device_);
-        at::Tensor gathered = at::empty({g.segments()[k].padded_numel}, part.options());
+        at::Tensor out = g.segment_of(values, k);
+        at::Tensor gathered = out.device() == device_ ? out : at::empty({out.numel()}, part.options());
         comm_->all_gather(gathered, part).wait();
-        g.segment_of(values, k).copy_(gathered);
+        if (!gathered.is_same(out)) out.copy_(gathered);
       }
-    } else {
-      values = at::empty({g.padded_numel()}, g.master().options());
-      for (int k = 0; k < static_cast<int>(g.segments().size()); ++k)
-        comm_->all_gather(g.segment_of(values, k), g.master_part(g.master(), k)).wait();
     }
   }
   g.relayout(slot_order, bucket_sizes(order), values);
