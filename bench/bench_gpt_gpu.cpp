@@ -168,6 +168,21 @@ int main(int argc, char** argv) {
   float ms = 0;
   check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
 
+  // Note [Communication wait]: a few more steps with the waits timed (apart from the
+  // timed steps above, which the timing events would slow): the share of the step in
+  // which the compute stream waited for communication.
+  const int wait_steps = std::min(a.steps, 5);
+  fsdp.time_communication_waits(true);
+  check(cudaEventRecord(start, c10::cuda::getCurrentCUDAStream().stream()), "cudaEventRecord");
+  for (int i = 0; i < wait_steps; ++i) step();
+  check(cudaEventRecord(stop, c10::cuda::getCurrentCUDAStream().stream()), "cudaEventRecord");
+  check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+  float wait_steps_ms = 0;
+  check(cudaEventElapsedTime(&wait_steps_ms, start, stop), "cudaEventElapsedTime");
+  const flatshard::CommunicationWait waited = fsdp.communication_wait();
+  fsdp.time_communication_waits(false);
+  const double wait_share = wait_steps_ms > 0 ? waited.ms / wait_steps_ms : 0;
+
   const double tokens_per_step = static_cast<double>(a.batch) * a.context * world.world_size();
   const double tokens_per_s = tokens_per_step * a.steps / (ms / 1000.0);
   // Training FLOPs per token: 6 per parameter (forward 2, backward 4), plus attention's
@@ -180,17 +195,19 @@ int main(int argc, char** argv) {
     std::printf(
         "flatshard %s%s%s: %.3fB params, %.0f tokens/s, MFU %.1f%%, peak %.2f GiB (reserved %.2f "
         "GiB, "
-        "%lld retries), host peak %.1f GiB, step %.1f ms, loss %.3f\n",
+        "%lld retries), host peak %.1f GiB, step %.1f ms, waiting for communication %.1f%% of it "
+        "(%lld waits), loss %.3f\n",
         ddp_mode ? "DDP" : (a.step_in_backward ? "full shard, step in backward" : "full shard"),
         a.offload ? " + CPU offload" : "", a.recompute ? " + recompute" : "", params / 1e9, tokens_per_s,
         100 * mfu, mem.peak_bytes / gib, mem.reserved_bytes / gib, static_cast<long long>(mem.alloc_retries),
-        host_peak_gib(), ms / a.steps, loss.item<double>());
+        host_peak_gib(), ms / a.steps, 100 * wait_share, static_cast<long long>(waited.waits),
+        loss.item<double>());
     if (!a.csv.empty()) {
       std::ofstream f(a.csv, std::ios::app);
       f << "flatshard" << (ddp_mode ? "-ddp" : "") << (a.step_in_backward ? "-stepinbwd" : "")
         << (a.offload ? "-offload" : "") << (a.recompute ? "-recompute" : "") << ',' << params << ','
         << tokens_per_s << ',' << mfu << ',' << mem.peak_bytes / gib << ',' << mem.reserved_bytes / gib << ','
-        << mem.alloc_retries << ',' << ms / a.steps << '\n';
+        << mem.alloc_retries << ',' << ms / a.steps << ',' << wait_share << '\n';
     }
   }
   if (!a.profile.empty()) {

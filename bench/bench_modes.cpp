@@ -8,8 +8,10 @@
 // FullyShard with optim::AdamW under the mode's strategy: ddp NoShard, zero1
 // ShardOptimizerState, zero2 ShardGradOp, full FullShard. Rank 0 prints one CSV
 // line: mode,world,params,step_ms,alloc_peak_bytes,rss_growth_bytes,param_shard,
-// grad_shard,optim_state,peak_unsharded_params,peak_unsharded_grads,formula_bytes
-// (figures are the largest over ranks; peaks are measured from the second step on).
+// grad_shard,optim_state,peak_unsharded_params,peak_unsharded_grads,formula_bytes,
+// bytes_sent_per_step,last_loss,comm_wait_share (figures are the largest over ranks but
+// the last, the ranks' mean share of the step their compute waited for communication:
+// Note [Communication wait]; everything is measured from the second step on).
 #include <ATen/Parallel.h>
 
 #include <chrono>
@@ -104,6 +106,7 @@ int main(int argc, char** argv) {
       fsdp.reset_peaks();
       comm.barrier().wait();
       sent_before = comm.bytes_sent();
+      fsdp.time_communication_waits(true);  // Note [Communication wait]
     }
     using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
@@ -133,6 +136,7 @@ int main(int argc, char** argv) {
                  world.rank(), phase_ms[0] / steps, phase_ms[1] / steps, phase_ms[2] / steps);
   }
   const double sent_per_step = static_cast<double>(comm.bytes_sent() - sent_before) / steps;
+  const double wait_share = total_ms > 0 ? fsdp.communication_wait().ms / total_ms : 0;
   const std::int64_t rss_growth = rss_bytes("VmHWM:") - rss_before;
   const flatshard::ShardMemory m = fsdp.memory();
   const std::int64_t state = opt.state_bytes(), param_bytes = m.param_shard_bytes,
@@ -140,12 +144,14 @@ int main(int argc, char** argv) {
   auto figures =
       at::tensor({static_cast<double>(flatshard::memory::allocator_stats().peak_bytes), total_ms / steps,
                   static_cast<double>(rss_growth), static_cast<double>(m.peak_unsharded_param_bytes),
-                  static_cast<double>(m.peak_unsharded_grad_bytes), sent_per_step, last_loss},
+                  static_cast<double>(m.peak_unsharded_grad_bytes), sent_per_step, last_loss, wait_share},
                  at::kDouble);
-  constexpr int kFigures = 7;
+  constexpr int kFigures = 8;
   auto gathered = at::zeros({kFigures * world.world_size()}, at::kDouble);
   comm.all_gather(gathered, figures).wait();
-  const auto worst = gathered.view({world.world_size(), kFigures}).amax(0);
+  const auto by_rank = gathered.view({world.world_size(), kFigures});
+  const auto worst = by_rank.amax(0);
+  const double mean_wait_share = by_rank.select(1, 7).mean().item<double>();
   if (world.rank() == 0) {
     const double n = world.world_size();
     const double psi = static_cast<double>(params);
@@ -155,12 +161,14 @@ int main(int argc, char** argv) {
                                              : 16 * psi;
     // mode, ranks, parameters, step ms, allocator peak, RSS growth, shard bytes (params,
     // grads, optimizer state), peak gathered params and grads, ZeRO formula, bytes sent
-    // per step, last loss (the largest over ranks).
-    std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f,%.0f,%.4f\n", mode.c_str(),
+    // per step, last loss (the largest over ranks), the share of the step the ranks' compute
+    // waited for communication (their mean).
+    std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f\n", mode.c_str(),
                 world.world_size(), static_cast<long long>(params), worst[1].item<double>(),
                 worst[0].item<double>(), worst[2].item<double>(), static_cast<long long>(param_bytes),
                 static_cast<long long>(grad_bytes), static_cast<long long>(state), worst[3].item<double>(),
-                worst[4].item<double>(), formula, worst[5].item<double>(), worst[6].item<double>());
+                worst[4].item<double>(), formula, worst[5].item<double>(), worst[6].item<double>(),
+                mean_wait_share);
   }
   return 0;
 }

@@ -38,8 +38,8 @@ first = next(iter(r.values()))
 print(f"### {sys.argv[1]}\n")
 print(f"GPT-style model, {int(first[2]):,} parameters, fp32, AdamW, {first[1]} ranks on one machine; "
       "figures are the largest over ranks, from the second step on.\n")
-print("| mode | FlatShard step ms | PyTorch step ms | step time ratio | FlatShard RSS growth MiB | PyTorch RSS growth MiB | RSS ratio | FlatShard allocator peak MiB | ZeRO formula MiB |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("| mode | FlatShard step ms | PyTorch step ms | step time ratio | FlatShard RSS growth MiB | PyTorch RSS growth MiB | RSS ratio | FlatShard allocator peak MiB | ZeRO formula MiB | FlatShard comm wait |")
+print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 pairs = [("DDP", "ddp", "torch_ddp"), ("ZeRO-1 (ZeroRedundancyOptimizer)", "zero1", "torch_zero1"),
          ("ZeRO-2 (shard-grad-op / FSDP2 no reshard)", "zero2", "torch_fsdp2_grad_op"),
          ("full shard (FSDP2)", "full", "torch_fsdp2")]
@@ -49,9 +49,11 @@ for name, ours, theirs in pairs:
     ts, tr = (float(t[3]), float(t[5])) if t else (None, None)
     ratio = lambda a, b: f"{a / b:.2f}" if b else "-"
     print(f"| {name} | {float(o[3]):.0f} | {ts if ts is None else round(ts)} | {ratio(float(o[3]), ts)} | "
-          f"{mib(o[5]):.0f} | {tr if tr is None else round(mib(tr))} | {ratio(float(o[5]), tr)} | {mib(o[4]):.0f} | {mib(o[11]):.0f} |")
+          f"{mib(o[5]):.0f} | {tr if tr is None else round(mib(tr))} | {ratio(float(o[5]), tr)} | {mib(o[4]):.0f} | {mib(o[11]):.0f} | "
+          f"{100 * float(o[14]):.0f}% |")
 print("\nRatios are FlatShard / PyTorch: below 1 is faster or smaller. RSS growth is the resident-set high-water mark "
-      "minus the resident set just before the model was built, measured the same way on both sides.")
+      "minus the resident set just before the model was built, measured the same way on both sides. Comm wait: the share "
+      "of the step in which the compute of the FlatShard ranks waited for communication (mean over ranks; docs/communicator.md#communication-wait).")
 ' "$1"
 }
 for regime in ${REGIMES:-compute comm}; do

@@ -115,7 +115,7 @@ def main():
                 name += "-recompute" if a.recompute else ""
                 f.write(f"{name},{params},{tokens_per_s},{mfu},{stats['allocated_bytes.all.peak'] / gib},"
                         f"{stats['reserved_bytes.all.current'] / gib},{stats['num_alloc_retries']},"
-                        f"{ms / a.steps}\n")
+                        f"{ms / a.steps},\n")  # no comm_wait: PyTorch does not report it
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -8,6 +8,7 @@
 #include "cuda/device.h"
 #include "flatshard/memory.h"
 #include "optim/step_kernels.h"
+#include "src/memory/pinned_host.h"
 
 // Referenced by flatshard::cuda's link options (-u), so that a static link keeps this
 // file, and with it the registrations below.
@@ -54,7 +55,24 @@ double sum_of_squares(const float* x, std::int64_t numel, void* stream) {
 
 const optim::kernels::DeviceKernels kKernels{&sgd, &adam, &sum_of_squares};
 
+// Note [Page-locked at its size]
+void* lock_host_memory(std::size_t bytes, const char** error) {
+  void* ptr = nullptr;
+  const cudaError_t e = cudaHostAlloc(&ptr, bytes, cudaHostAllocDefault);
+  if (e != cudaSuccess) {
+    *error = cudaGetErrorString(e);
+    cudaGetLastError();  // clears it: the failure is reported by the caller, not by later calls
+    return nullptr;
+  }
+  return ptr;
+}
+
+// cudaFreeHost waits for the device work in flight, so that no copy is left reading or
+// writing the block.
+void unlock_host_memory(void* ptr) { cudaFreeHost(ptr); }
+
 const bool kRegistered = [] {
+  memory::PinnedHost::instance().set_functions(&lock_host_memory, &unlock_host_memory);
   comm::register_device_backend(c10::DeviceType::CUDA, &make_cuda_transport);
   optim::kernels::register_cuda_kernels(kKernels);
   memory::detail::set_cuda_total_bytes([](int device) -> std::int64_t {

@@ -42,7 +42,7 @@ status=0
 
 echo "== 1B GPT, bf16, one GPU: FlatShard full shard vs PyTorch FSDP2 (alternating, $runs runs each), then with CPU offload"
 csv="$out/gpt_gpu.csv"
-echo "impl,params,tokens_per_s,mfu,peak_gib,reserved_gib,retries,step_ms" > "$csv"
+echo "impl,params,tokens_per_s,mfu,peak_gib,reserved_gib,retries,step_ms,comm_wait" > "$csv"
 for ((i = 0; i < runs; ++i)); do
   "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" "$@" 2>&1 \
     | tee -a "$out/bench_flatshard.log" || status=1
@@ -75,6 +75,12 @@ if [[ "${FLATSHARD_GPU_OFFLOAD:-1}" == 1 ]]; then
   (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
     --csv "$csv" --offload 1 "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
     | tee -a "$out/bench_fsdp2.log" || status=1
+  # FlatShard's DDP offloaded (ZeRO-Offload's layout without sharding): no PyTorch peer
+  # offloads DDP; the table sets it against FlatShard's DDP on the GPU.
+  if [[ "${FLATSHARD_GPU_DDP:-1}" == 1 ]]; then
+    "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --mode ddp --offload 1 \
+      "$@" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
+  fi
 fi
 "$python" - "$csv" <<'PY' | tee "$out/table.md"
 import csv, statistics, sys
@@ -83,25 +89,31 @@ for r in csv.DictReader(open(sys.argv[1])):
     rows.setdefault(r["impl"], []).append(r)
 def med(impl, key):
     return statistics.median(float(r[key]) for r in rows[impl])
-print("| | params | tokens/s | MFU | peak alloc GiB | reserved GiB | retries | step ms | runs |")
-print("|---|---|---|---|---|---|---|---|---|")
-for name in ("flatshard", "fsdp2", "flatshard-ddp", "pytorch-ddp", "flatshard-recompute", "fsdp2-recompute", "flatshard-offload", "fsdp2-offload"):
+def wait(impl):  # Note [Communication wait]; the peers do not report it
+    shares = [float(r["comm_wait"]) for r in rows[impl] if r.get("comm_wait")]
+    return f"{100 * statistics.median(shares):.1f}%" if shares else "-"
+print("| | params | tokens/s | MFU | peak alloc GiB | reserved GiB | retries | step ms | comm wait | runs |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for name in ("flatshard", "fsdp2", "flatshard-ddp", "pytorch-ddp", "flatshard-recompute", "fsdp2-recompute",
+             "flatshard-offload", "fsdp2-offload", "flatshard-ddp-offload"):
     if name in rows:
         print(f"| {name} | {int(rows[name][0]['params'])/1e9:.2f}B | {med(name, 'tokens_per_s'):.0f} | "
               f"{100*med(name, 'mfu'):.1f}% | {med(name, 'peak_gib'):.2f} | {med(name, 'reserved_gib'):.2f} | "
-              f"{max(int(r['retries']) for r in rows[name])} | {med(name, 'step_ms'):.1f} | {len(rows[name])} |")
+              f"{max(int(r['retries']) for r in rows[name])} | {med(name, 'step_ms'):.1f} | {wait(name)} | "
+              f"{len(rows[name])} |")
 if "flatshard" in rows and "fsdp2" in rows:
     print(f"| ratio flatshard/fsdp2 | | {med('flatshard', 'tokens_per_s')/med('fsdp2', 'tokens_per_s'):.2f} | | "
           f"{med('flatshard', 'peak_gib')/med('fsdp2', 'peak_gib'):.2f} | "
           f"{med('flatshard', 'reserved_gib')/med('fsdp2', 'reserved_gib'):.2f} | | "
-          f"{med('flatshard', 'step_ms')/med('fsdp2', 'step_ms'):.2f} | |")
+          f"{med('flatshard', 'step_ms')/med('fsdp2', 'step_ms'):.2f} | | |")
 for f, p, what in (("flatshard-ddp", "pytorch-ddp", "DDP against PyTorch DDP"),
                    ("flatshard-recompute", "fsdp2-recompute", "both recomputed"),
-                   ("flatshard-offload", "fsdp2-offload", "both offloaded")):
+                   ("flatshard-offload", "fsdp2-offload", "both offloaded"),
+                   ("flatshard-ddp-offload", "flatshard-ddp", "FlatShard DDP offloaded against on the GPU")):
     if f not in rows or p not in rows:
         continue
     print(f"| ratio, {what} | | {med(f, 'tokens_per_s')/med(p, 'tokens_per_s'):.2f} | | "
           f"{med(f, 'peak_gib')/med(p, 'peak_gib'):.2f} | {med(f, 'reserved_gib')/med(p, 'reserved_gib'):.2f} | | "
-          f"{med(f, 'step_ms')/med(p, 'step_ms'):.2f} | |")
+          f"{med(f, 'step_ms')/med(p, 'step_ms'):.2f} | | |")
 PY
 exit $status

@@ -26,7 +26,7 @@ fsdp2 --profile /tmp/fsdp2_trace.json "$@" || status=1
 gzip -c /tmp/flatshard_trace.json > "$out/flatshard_trace.json.gz" || true
 gzip -c /tmp/fsdp2_trace.json > "$out/fsdp2_trace.json.gz" || true
 csv="$out/batches.csv"
-echo "impl,params,tokens_per_s,mfu,peak_gib,reserved_gib,retries,step_ms,batch" > "$csv"
+echo "impl,params,tokens_per_s,mfu,peak_gib,reserved_gib,retries,step_ms,comm_wait,batch" > "$csv"
 for b in ${FLATSHARD_GPU_BATCHES:-8 16}; do
   echo "== batch $b"
   flatshard --batch "$b" --csv /tmp/b.csv "$@" || status=1

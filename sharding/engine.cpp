@@ -578,4 +578,24 @@ void Engine::reset_peaks() {
   peak_gathered_units_ = gathered_non_root_units();
 }
 
+void Engine::time_communication_waits(bool on) {
+  for (Communicator* c : {comm_.get(), shard_comm_.get(), replica_comm_.get()}) {
+    if (c) c->time_waits(on);
+  }
+}
+
+CommunicationWait Engine::communication_wait() {
+  CommunicationWait total;
+  for (Communicator* c : {comm_.get(), shard_comm_.get(), replica_comm_.get()}) {
+    if (c) total += c->waited();
+  }
+  return total;
+}
+
+void Engine::reset_communication_wait() {
+  for (Communicator* c : {comm_.get(), shard_comm_.get(), replica_comm_.get()}) {
+    if (c) c->reset_waited();
+  }
+}
+
 }  // namespace flatshard::sharding

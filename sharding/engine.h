@@ -61,6 +61,10 @@ class Engine {
   // The root unit's gathered bytes (root), or the largest other unit's.
   std::int64_t unit_bytes(bool root) const;
   Communicator& comm() { return *comm_; }
+  // Note [Communication wait], over every communicator of the engine.
+  void time_communication_waits(bool on);
+  CommunicationWait communication_wait();
+  void reset_communication_wait();
   const ShardGroup& shard_group() const { return shard_; }
   Strategy strategy() const { return options_.strategy; }
   at::ScalarType param_dtype() const;

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "src/errors.h"
+#include "src/memory/pinned_host.h"
 
 namespace flatshard::sharding {
 namespace {
@@ -142,9 +143,9 @@ FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::stri
   const auto compute_options = at::TensorOptions().dtype(compute_dtype_).device(placement.compute);
   full_ = unallocated(padded_numel_, compute_options);
   full_grad_ = unallocated(padded_numel_, compute_options);
-  auto master_options =
+  const auto master_options =
       at::TensorOptions().dtype(at::kFloat).device(offload_ ? c10::kCPU : placement.compute);
-  if (offload_ && placement.compute.is_cuda()) master_options = master_options.pinned_memory(true);
+  pinned_ = offload_ && placement.compute.is_cuda();
   {
     at::NoGradGuard no_grad;
     if (persistent_) {
@@ -160,7 +161,8 @@ FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::stri
       // copied straight into the master (from the parameter, not from a converted buffer:
       // fp32 masters keep every bit), so no full-size buffer exists while a unit is taken
       // over (a unit built on the host reaches the device as its shard only).
-      master_ = at::zeros({shard_numel_}, master_options);
+      master_ = pinned_ ? host_state() : at::empty({shard_numel_}, master_options);
+      master_.zero_();
       for (std::size_t k = 0; k < segments_.size(); ++k) {
         const FlatSegment& seg = segments_[k];
         const std::int64_t begin = seg.offset + rank_ * seg.slice, end = begin + seg.slice;
@@ -255,7 +257,9 @@ void FlatParamGroup::relayout(const std::vector<int>& order, const std::vector<i
   if (!aliased_) {
     // This rank's new slices, cut straight from the whole model's values in the old
     // layout (no permuted copy of the model is made).
-    auto shard = at::zeros({shard_numel_}, master_.options().pinned_memory(master_.is_pinned()));
+    grad_block_ = at::Tensor();  // the shard's size may change
+    auto shard = pinned_ ? host_state() : at::empty({shard_numel_}, master_.options());
+    shard.zero_();
     for (const FlatSegment& seg : segments_) {
       const std::int64_t begin = seg.offset + rank_ * seg.slice, end = begin + seg.slice;
       for (int i = seg.first_slot; i < seg.end_slot; ++i) {
@@ -348,7 +352,18 @@ void FlatParamGroup::copy_master_to_slot(int segment) {
 
 at::Tensor FlatParamGroup::empty_master_grad() {
   if (!offload_) return pooled_empty(shard_numel_, at::kFloat);
-  return at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat).pinned_memory(master_.is_pinned()));
+  if (!pinned_) return at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat));
+  // The gradient's block is the group's, taken again each step once the last gradient
+  // made in it has been dropped (Note [Page-locked at its size]): page-locking is slow.
+  if (!grad_block_.defined() || grad_block_.use_count() > 1 || grad_block_.storage().use_count() > 1) {
+    grad_block_ = host_state();
+  }
+  return grad_block_;
+}
+
+// Note [Page-locked at its size]
+at::Tensor FlatParamGroup::host_state() const {
+  return memory::PinnedHost::instance().empty(shard_numel_, at::kFloat);
 }
 
 void FlatParamGroup::allocate_full_grad() {

@@ -224,6 +224,8 @@ class FlatParamGroup {
   void allocate_storage(const at::Tensor& t);
   void free_storage(const at::Tensor& t);
   at::Tensor zeros(std::int64_t numel);  // compute dtype and device
+  // A master-sized fp32 block of page-locked host memory (Note [Page-locked at its size]).
+  at::Tensor host_state() const;
 
   std::shared_ptr<BufferPool> pool_;
 
@@ -232,6 +234,8 @@ class FlatParamGroup {
   int rank_;
   at::ScalarType compute_dtype_;
   bool offload_;
+  bool pinned_ = false;    // offloaded next to a GPU: host states are page-locked
+  at::Tensor grad_block_;  // pinned_: the block empty_master_grad hands out while free
   std::int64_t element_size_;
   std::int64_t numel_ = 0;
   std::int64_t padded_numel_ = 0;

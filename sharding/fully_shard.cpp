@@ -85,6 +85,10 @@ void FullyShardBase::restore_synced_backwards(std::int64_t count) {
 ShardMemory FullyShardBase::memory() const { return engine_->memory(); }
 int FullyShardBase::peak_gathered_units() const { return engine_->peak_gathered_units(); }
 void FullyShardBase::reset_peaks() { engine_->reset_peaks(); }
+
+void FullyShardBase::time_communication_waits(bool on) { engine_->time_communication_waits(on); }
+CommunicationWait FullyShardBase::communication_wait() { return engine_->communication_wait(); }
+void FullyShardBase::reset_communication_wait() { engine_->reset_communication_wait(); }
 std::int64_t FullyShardBase::skipped_steps() const { return engine_->skipped_steps(); }
 int FullyShardBase::num_units() const { return engine_->num_units(); }
 std::int64_t FullyShardBase::largest_unit_bytes() const { return engine_->unit_bytes(false); }

@@ -80,14 +80,36 @@ struct CollectiveOptions {
   std::vector<Event> wait_for;  // the op starts after these complete
 };
 
+namespace comm {
+class Backend;
+struct Collective;
+class WaitClock;
+}  // namespace comm
+
+// Note [Communication wait]: how long the caller's compute stalled in Work::wait() for
+// the ops of one communicator, while Communicator::time_waits is on. On the CPU that is
+// the time the calling thread blocked; on CUDA the time the caller's current stream sat
+// at the wait, measured by timing events recorded on that stream just before and just
+// after it. Either way, the communication that compute did not hide.
+struct CommunicationWait {
+  double ms = 0;
+  std::int64_t waits = 0;  // Work::wait() calls counted
+  CommunicationWait& operator+=(const CommunicationWait& o) {
+    ms += o.ms;
+    waits += o.waits;
+    return *this;
+  }
+};
+
 // The handle of one issued collective.
 class Work {
  public:
-  Work(Event event, std::uint64_t seq) : event_(std::move(event)), seq_(seq) {}
+  Work(Event event, std::uint64_t seq, std::shared_ptr<comm::WaitClock> clock = nullptr)
+      : event_(std::move(event)), seq_(seq), clock_(std::move(clock)) {}
   // The caller waits for the op; rethrows its CommError. On the CPU the host blocks
   // until the op completes; on CUDA the caller's current stream waits for it (the host
   // waits only until it is issued).
-  void wait() const { event_.wait(); }
+  void wait() const;
   // Blocks the host until the op has completed, on the device too.
   void synchronize() const { event_.synchronize(); }
   bool is_completed() const { return event_.query(); }
@@ -98,12 +120,8 @@ class Work {
  private:
   Event event_;
   std::uint64_t seq_;
+  std::shared_ptr<comm::WaitClock> clock_;  // its communicator's, while it times waits
 };
-
-namespace comm {
-class Backend;
-struct Collective;
-}  // namespace comm
 
 class Communicator {
  public:
@@ -157,6 +175,14 @@ class Communicator {
   // (CommunicatorOptions::direct_copy). False at world size 1.
   bool copies_directly() const;
 
+  // Note [Communication wait]. Off by default: on CUDA each timed wait records two timing
+  // events. Ops issued while it is on are timed when waited for.
+  void time_waits(bool on);
+  // The waits timed since the last reset. On CUDA it blocks the host until the timed
+  // waits have passed on the device: read it after the steps being measured.
+  CommunicationWait waited();
+  void reset_waited();
+
  private:
   Communicator(int rank, int world_size, CommunicatorOptions options, std::unique_ptr<comm::Backend> backend);
   Work enqueue(comm::Collective collective, StreamRole default_role, const CollectiveOptions& options);
@@ -168,6 +194,8 @@ class Communicator {
   std::unique_ptr<Stream> streams_[kNumStreamRoles];
   std::uint64_t next_seq_ = 1;    // host-side only: ops are issued from one thread
   std::uint64_t bytes_sent_ = 0;  // likewise
+  std::shared_ptr<comm::WaitClock> clock_;
+  bool time_waits_ = false;  // host-side, like next_seq_
   std::uint64_t ring_bytes_sent(const comm::Collective& c, std::size_t bytes) const;
 };
 

@@ -259,6 +259,15 @@ class FullyShardBase {
   int peak_gathered_units() const;
   void reset_peaks();
 
+  // Note [Communication wait] (docs/fully-shard.md#communication-wait): how long this
+  // rank's compute stalled waiting for the engine's collectives (gathers, reductions, the
+  // optimizer's gathers and norms), over all of its communicators, since the last reset.
+  // Off until turned on; on CUDA, reading it blocks the host until the timed waits have
+  // passed on the GPU.
+  void time_communication_waits(bool on);
+  CommunicationWait communication_wait();
+  void reset_communication_wait();
+
   // Steps whose gradients were dropped for NaN/Inf (NonFiniteGrads::Skip).
   std::int64_t skipped_steps() const;
   int num_units() const;  // including the root unit

@@ -2,6 +2,8 @@
 // time, and turn transport failures into CommErrors that name rank, op and number.
 #include "flatshard/communicator.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -11,6 +13,7 @@
 #include "flatshard/errors.h"
 #include "flatshard/shard.h"
 #include "src/comm/backend.h"
+#include "src/comm/wait_clock.h"
 #include "src/logging.h"
 
 namespace flatshard {
@@ -67,7 +70,84 @@ BackendFactory device_backend(c10::DeviceType type) {
   return it == registry().end() ? nullptr : it->second;
 }
 
+// Note [Communication wait]
+// A collective's Work is waited for where compute needs its result: before a unit's
+// forward needs its gathered weights, before a gradient shard is used, before the step.
+// How long the compute stalls there is the communication that the schedule did not hide
+// behind compute, which is what prefetching and bucketing exist to shrink. Each Work
+// issued while its communicator times waits carries the communicator's clock:
+//  - On the CPU the caller's thread is the compute: the clock reads the steady clock
+//    around the blocking wait (a wait on a completed op costs one query and counts 0).
+//  - On CUDA the host does not block; the caller's current stream does, at the
+//    cudaStreamWaitEvent that Event::wait() inserts. The clock records a timing event
+//    on that stream just before the wait and one just after: nothing else runs on the
+//    stream between them, so their distance is how long the stream sat at the wait (0
+//    when the collective had finished by the time the stream got there). The events
+//    are resolved when they have passed, or when the total is read.
+// Waits on other streams (CollectiveOptions::wait_for) order communication only and
+// are not counted; nor is a host synchronize(), which is not compute waiting.
+void WaitClock::wait(const Event& event) {
+  if (device_.is_cpu()) {
+    double ms = 0;
+    if (!event.query()) {
+      const auto start = std::chrono::steady_clock::now();
+      event.wait();
+      ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    } else {
+      event.wait();  // rethrows the op's error
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    total_.ms += ms;
+    total_.waits += 1;
+    return;
+  }
+  const c10::impl::VirtualGuardImpl guard(device_.type());
+  const c10::Stream stream = guard.getStream(device_);
+  DeviceWait w{c10::Event(device_.type(), c10::EventFlag::BACKEND_DEFAULT),
+               c10::Event(device_.type(), c10::EventFlag::BACKEND_DEFAULT)};
+  w.before.record(stream);
+  event.wait();
+  w.after.record(stream);
+  std::lock_guard<std::mutex> lock(mutex_);
+  unresolved_.push_back(std::move(w));
+  if (unresolved_.size() > 256) resolve(/*block=*/false);  // keeps the events few
+}
+
+void WaitClock::resolve(bool block) {
+  while (!unresolved_.empty()) {
+    DeviceWait& w = unresolved_.front();
+    if (block) {
+      w.after.synchronize();
+    } else if (!w.after.query()) {
+      return;
+    }
+    total_.ms += std::max(0.0, w.before.elapsedTime(w.after));
+    total_.waits += 1;
+    unresolved_.pop_front();
+  }
+}
+
+CommunicationWait WaitClock::total() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  resolve(/*block=*/true);
+  return total_;
+}
+
+void WaitClock::reset() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  unresolved_.clear();
+  total_ = {};
+}
+
 }  // namespace comm
+
+void Work::wait() const {
+  if (clock_) {
+    clock_->wait(event_);
+  } else {
+    event_.wait();
+  }
+}
 
 const char* to_string(StreamRole role) {
   switch (role) {
@@ -133,7 +213,11 @@ std::unique_ptr<Communicator> Communicator::create(const World& world, const Com
 
 Communicator::Communicator(int rank, int world_size, CommunicatorOptions options,
                            std::unique_ptr<comm::Backend> backend)
-    : rank_(rank), world_size_(world_size), options_(std::move(options)), backend_(std::move(backend)) {
+    : rank_(rank),
+      world_size_(world_size),
+      options_(std::move(options)),
+      backend_(std::move(backend)),
+      clock_(std::make_shared<comm::WaitClock>(options_.device)) {
   for (int i = 0; i < kNumStreamRoles; ++i) {
     streams_[i] = std::make_unique<Stream>(to_string(static_cast<StreamRole>(i)));
   }
@@ -146,6 +230,12 @@ Communicator::~Communicator() {
 }
 
 bool Communicator::copies_directly() const { return backend_->copies_directly(); }
+
+void Communicator::time_waits(bool on) { time_waits_ = on; }
+
+CommunicationWait Communicator::waited() { return clock_->total(); }
+
+void Communicator::reset_waited() { clock_->reset(); }
 
 Stream& Communicator::stream(StreamRole role) { return *streams_[static_cast<int>(role)]; }
 
@@ -297,7 +387,7 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
                 to_string(role), ms, device ? " to issue" : "");
         return device;
       });
-  return Work(std::move(done), seq);
+  return Work(std::move(done), seq, time_waits_ ? clock_ : nullptr);
 }
 
 }  // namespace flatshard

@@ -3,7 +3,8 @@
 // they fail: a GPU run that sees no GPU is a broken run, not a pass.
 //  - the CUDA step kernels against the CPU ones;
 //  - the Communicator on CUDA tensors at world 1 over NCCL: results, Work::wait ordering
-//    the caller's stream, argument errors, the caching allocator's figures;
+//    the caller's stream, argument errors, the caching allocator's figures, the compute
+//    stream's stall at a wait timed by events;
 //  - FullyShard on CUDA against single-process training on the same global batch: world
 //    1 over NCCL (fp32, bf16 compute with fp32 or bf16 reduction; the model moved to the
 //    GPU or built on the host and sharded onto it; CPU offload), world 2 over the TCP
@@ -17,6 +18,8 @@
 //  - activation recomputation with dropout on the GPU;
 //  - sharded checkpoints of CUDA shards, loaded on the CPU and on the GPU with offload;
 //    NoShard's and ShardOptimizerState's saved on the GPU and loaded on the CPU.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -24,6 +27,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "flatshard/flatshard.h"
@@ -113,6 +117,59 @@ TEST(CudaCommunicator, WorldOneOverNccl) {
   EXPECT_GE(stats.alloc_retries, 0);
 
   EXPECT_THROW(comm->all_reduce(at::zeros({4}), flatshard::ReduceOp::Sum), flatshard::InvalidArgument);
+}
+
+// Note [Communication wait] on the device: timing events on the compute stream measure
+// how long it sits at a wait. A collective held back behind long work on another stream
+// stalls it for about that long; one that finished while the compute stream was still
+// busy with its own work does not stall it.
+TEST(CudaCommunicator, WaitTimeIsTheComputeStreamsStall) {
+  REQUIRE_GPU();
+  flatshard::World world;
+  flatshard::CommunicatorOptions options;
+  options.timeout = std::chrono::seconds(60);
+  options.name = "wait";
+  options.device = kGpu;
+  auto comm = flatshard::Communicator::create(world, options);
+  auto a = at::randn({4096, 4096}, at::TensorOptions().device(kGpu));
+  auto c = at::empty_like(a);
+  auto busy = [&](int n) {
+    for (int i = 0; i < n; ++i) at::mm_out(c, a, a);
+  };
+  busy(2);  // library handles, kernels loaded
+  cudaEvent_t from, to;
+  ASSERT_EQ(cudaEventCreate(&from), cudaSuccess);
+  ASSERT_EQ(cudaEventCreate(&to), cudaSuccess);
+  const auto side = c10::cuda::getStreamFromPool();
+  auto t = at::ones({1024}, a.options());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  comm->time_waits(true);
+  std::optional<flatshard::Work> held;
+  {
+    const c10::cuda::CUDAStreamGuard guard(side);
+    ASSERT_EQ(cudaEventRecord(from, side.stream()), cudaSuccess);
+    busy(40);
+    ASSERT_EQ(cudaEventRecord(to, side.stream()), cudaSuccess);
+    held = comm->all_reduce(t, flatshard::ReduceOp::Sum);  // waits for the side stream's work
+  }
+  held->wait();  // the compute stream, idle, waits for it
+  const flatshard::CommunicationWait stalled = comm->waited();
+  float busy_ms = 0;
+  ASSERT_EQ(cudaEventElapsedTime(&busy_ms, from, to), cudaSuccess);
+  EXPECT_EQ(stalled.waits, 1);
+  EXPECT_GE(stalled.ms, 0.5 * busy_ms) << "the side stream was busy for " << busy_ms << " ms";
+  EXPECT_LE(stalled.ms, busy_ms + 1000.0);
+
+  comm->reset_waited();
+  auto hidden = comm->all_reduce(t, flatshard::ReduceOp::Sum);  // waits for nothing queued
+  busy(40);                                                     // the compute stream's own work
+  hidden.wait();
+  const flatshard::CommunicationWait overlapped = comm->waited();
+  EXPECT_EQ(overlapped.waits, 1);
+  EXPECT_LT(overlapped.ms, 0.1 * busy_ms);
+  EXPECT_TRUE(at::equal(t.cpu(), at::full({1024}, 1.0f)));
+  cudaEventDestroy(from);
+  cudaEventDestroy(to);
 }
 
 TEST(CudaFullyShard, WorldOneOverNcclMatchesSingleProcess) {

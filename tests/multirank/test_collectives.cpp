@@ -362,4 +362,50 @@ TEST(Collectives, DifferentSignaturesOrOrderAcrossRanksAreNamed) {
   }
 }
 
+// Note [Communication wait]: a rank that reaches a collective early waits for the late
+// one; the clock charges that stall to the rank that waited, counts every timed wait,
+// and counts nothing while off or after a reset.
+TEST(Collectives, WaitTimeIsTheStallOfTheRankThatWaited) {
+  FLATSHARD_RUN_RANKS({2, 3});
+  Rank r = join();
+  const auto late_ms = std::chrono::milliseconds(300);
+  const bool late = r.rank() == r.size() - 1;
+
+  auto t = at::ones({4096});
+  r.comm->all_reduce(t, ReduceOp::Sum).wait();  // not timed
+  EXPECT_EQ(r.comm->waited().waits, 0);
+
+  r.comm->time_waits(true);
+  for (int step = 0; step < 2; ++step) {
+    if (late) std::this_thread::sleep_for(late_ms);
+    r.comm->all_reduce(t, ReduceOp::Sum).wait();
+  }
+  // An op that completed before the wait: counted, with no stall to speak of.
+  auto done = r.comm->barrier();
+  done.synchronize();
+  done.wait();
+  const flatshard::CommunicationWait w = r.comm->waited();
+  EXPECT_EQ(w.waits, 3);
+  if (late) {
+    EXPECT_LT(w.ms, 150.0) << "the late rank found the others waiting";
+  } else {
+    EXPECT_GE(w.ms, 0.8 * 2 * late_ms.count()) << "rank " << r.rank() << " waited for the late rank";
+    EXPECT_LT(w.ms, 2 * late_ms.count() + 2000.0);
+  }
+
+  r.comm->reset_waited();
+  EXPECT_EQ(r.comm->waited().waits, 0);
+  EXPECT_EQ(r.comm->waited().ms, 0.0);
+  r.comm->time_waits(false);
+  if (late) std::this_thread::sleep_for(late_ms);
+  r.comm->all_reduce(t, ReduceOp::Sum).wait();
+  EXPECT_EQ(r.comm->waited().waits, 0);
+  // A Work issued while timing was on stays timed (it carries the clock).
+  r.comm->time_waits(true);
+  auto timed = r.comm->all_reduce(t, ReduceOp::Sum);
+  r.comm->time_waits(false);
+  timed.wait();
+  EXPECT_EQ(r.comm->waited().waits, 1);
+}
+
 }  // namespace

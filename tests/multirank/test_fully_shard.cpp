@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <sstream>
+#include <thread>
 
 #include "tests/support/cases.h"
 #include "tests/support/models.h"
@@ -422,6 +423,52 @@ TEST(FullyShard, StepInBackwardTrainsBitForBitAsAStepAfter) {
   flatshard::FullyShard<GPT> guarded(gpt_factory()(), world, skipping);
   flatshard::optim::AdamW guarded_opt(guarded, {});
   EXPECT_THROW(guarded.step_in_backward(&guarded_opt), flatshard::InvalidArgument);
+}
+
+// Note [Communication wait]: in every mode, a rank that is late to each step (slow data,
+// a slower host) makes the others wait at the engine's collectives; the wait clock charges
+// the delay to the ranks that waited, not to the late one.
+TEST(FullyShard, CommunicationWaitChargesALateRanksDelayToTheOthers) {
+  FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  const bool late = world.rank() == 1;
+  constexpr int kSteps = 3;
+  constexpr double kLateMs = 150;
+  for (Strategy strategy :
+       {Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::ShardGradOp, Strategy::FullShard}) {
+    SCOPED_TRACE(::testing::Message() << to_string(strategy) << " world " << world.world_size());
+    flatshard::FullyShardOptions options;
+    options.strategy = strategy;
+    flatshard::FullyShard<GPT> fsdp(gpt_factory()(), world, options);
+    flatshard::optim::AdamW opt(fsdp, {});
+    auto step = [&](int s) {
+      const auto b = gpt_batch(s, 4 * world.world_size());
+      const auto rows = [&](const at::Tensor& t) { return t.narrow(0, 4 * world.rank(), 4); };
+      token_loss(fsdp.forward(rows(b.input)), rows(b.target)).backward();
+      fsdp.clip_grad_norm(1.0);
+      opt.step();
+      opt.zero_grad();
+    };
+    step(0);
+    EXPECT_EQ(fsdp.communication_wait().waits, 0) << "timed while off";
+    fsdp.time_communication_waits(true);
+    for (int s = 1; s <= kSteps; ++s) {
+      if (late) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(kLateMs));
+      step(s);
+    }
+    const flatshard::CommunicationWait w = fsdp.communication_wait();
+    EXPECT_GE(w.waits, kSteps) << "every step waits for its collectives";
+    if (late) {
+      EXPECT_LT(w.ms, 0.5 * kSteps * kLateMs) << "rank 1 was the one the others waited for";
+    } else {
+      EXPECT_GE(w.ms, 0.8 * kSteps * kLateMs) << "rank " << world.rank() << " waited for rank 1";
+    }
+    fsdp.reset_communication_wait();
+    EXPECT_EQ(fsdp.communication_wait().waits, 0);
+    fsdp.time_communication_waits(false);
+    step(kSteps + 1);
+    EXPECT_EQ(fsdp.communication_wait().waits, 0);
+  }
 }
 
 TEST(FullyShard, Bf16ParametersWithFp32Masters) {
