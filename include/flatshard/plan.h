@@ -89,6 +89,12 @@ struct Plan {
   // Under cpu_offload: the host memory the offloaded states take in training (page-locked
   // on a GPU machine), which the figures above and `peak` leave out. 0 without offload.
   std::int64_t host = 0;
+  // Under cpu_offload: the host memory while the model is built and wrapped. Built whole
+  // on the host, the model (4 bytes per parameter) and the offloaded masters cut from it
+  // (the shards, DDP's whole master, ZeRO-1's slices) exist together; built into shards,
+  // the fp32 shards with the root unit and the unit being built at full size. The host's
+  // peak is the larger of this and `host`. 0 without offload.
+  std::int64_t host_construction = 0;
   // Of `host`: what exists only after the device's peak at the start of backward (the
   // sharded modes' gradient shards, made as units finish their backward; the replicated
   // modes' master gradient is made by the first bucket, at the peak).
@@ -109,9 +115,10 @@ struct Plan {
 Plan predict(const ModelShape& shape, const PlanOptions& options);
 
 // The largest model of `units` equal units (uniform_shape) whose predicted peak fits
-// `device_bytes` per rank, and whose offloaded states fit `host_bytes` per rank when
-// options.cpu_offload (0: the host is not limited), with options' other settings (the
-// activations as given). 0 when not even one parameter per unit fits.
+// `device_bytes` per rank, and whose host memory (the larger of the offloaded states and
+// the host's construction) fits `host_bytes` per rank when options.cpu_offload (0: the
+// host is not limited), with options' other settings (the activations as given). 0 when
+// not even one parameter per unit fits.
 std::int64_t largest_model(const PlanOptions& options, int units, std::int64_t device_bytes,
                            std::int64_t host_bytes = 0);
 

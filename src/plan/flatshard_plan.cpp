@@ -32,7 +32,7 @@ int usage(const char* why) {
       "                      [--offload 0|1 (cpu_offload: states in host memory)]\n"
       "                      [--fit-mib D [--host-mib H]: the largest model of K units whose peak fits "
       "D MiB\n"
-      "                       per rank, without and with offload (its host states within H MiB)]\n"
+      "                       per rank, without and with offload (its host peak within H MiB)]\n"
       "Predicts per-rank peak memory (MiB) of each mode; see docs/memory-model.md.\n");
   return why ? 2 : 0;
 }
@@ -136,7 +136,11 @@ int main(int argc, char** argv) {
         fmt::format("the largest model of {} equal units whose per-rank peak fits {:.0f} MiB{}, "
                     "{}, {} bytes of optimizer state per parameter, {:.0f} MiB of activations",
                     units, fit_mib,
-                    host > 0 ? fmt::format(" (offloaded states within {:.0f} MiB of host)", host_mib) : "",
+                    host > 0
+                        ? fmt::format(" (with offload, the host's peak within {:.0f} MiB: its states, or "
+                                      "the model while built, whichever is larger)",
+                                      host_mib)
+                        : "",
                     param_bytes == 2 ? "bf16 compute with fp32 masters" : "fp32", state_bytes, activation_mib)
             .c_str());
     std::printf("%-6s %6s %18s %18s %18s\n", "mode", "world", "params", "params offloaded", "host MiB then");
@@ -147,7 +151,8 @@ int main(int argc, char** argv) {
         const auto plain = largest_model(o, units, device);
         o.cpu_offload = true;
         const auto offloaded = largest_model(o, units, device, host);
-        const auto then = offloaded > 0 ? predict(uniform_shape(offloaded, units), o).host : 0;
+        const Plan fit = predict(uniform_shape(std::max<std::int64_t>(offloaded, 1), units), o);
+        const auto then = offloaded > 0 ? std::max(fit.host, fit.host_construction) : 0;
         std::printf("%-6s %6d %18.4g %18.4g %18.1f\n", mode_name(m), w, static_cast<double>(plain),
                     static_cast<double>(offloaded), mib(then));
       }
@@ -162,17 +167,18 @@ int main(int argc, char** argv) {
                           param_bytes == 2 ? "bf16 compute with fp32 masters" : "fp32", state_bytes)
                   .c_str());
   std::printf("%-6s %6s %14s %14s %14s %14s %14s %14s%s%s\n", "mode", "world", "peak MiB", "params+grads",
-              "optim state", "gathered", "construction", "ZeRO formula", offload ? "       host MiB" : "",
-              budget_mib > 0 ? "  fits" : "");
+              "optim state", "gathered", "construction", "ZeRO formula",
+              offload ? "       host MiB  host built MiB" : "", budget_mib > 0 ? "  fits" : "");
   for (Strategy m : modes) {
     for (int w : worlds) {
       const Plan p = predict(shape, options_for(m, w));
-      std::printf("%-6s %6d %14.1f %14.1f %14.1f %14.1f %14.1f %14.1f%s%s\n", mode_name(m), w, mib(p.peak),
-                  mib(p.params + p.masters + p.grads), mib(p.optimizer_state),
-                  mib(p.gathered_params + p.gathered_grads + p.staging),
-                  mib(std::max(p.construction, p.rebuild)), mib(p.zero_formula),
-                  offload ? fmt::format(" {:14.1f}", mib(p.host)).c_str() : "",
-                  budget_mib > 0 ? (mib(p.peak) <= budget_mib ? "  yes" : "  no") : "");
+      std::printf(
+          "%-6s %6d %14.1f %14.1f %14.1f %14.1f %14.1f %14.1f%s%s\n", mode_name(m), w, mib(p.peak),
+          mib(p.params + p.masters + p.grads), mib(p.optimizer_state),
+          mib(p.gathered_params + p.gathered_grads + p.staging), mib(std::max(p.construction, p.rebuild)),
+          mib(p.zero_formula),
+          offload ? fmt::format(" {:14.1f} {:15.1f}", mib(p.host), mib(p.host_construction)).c_str() : "",
+          budget_mib > 0 ? (mib(p.peak) <= budget_mib ? "  yes" : "  no") : "");
     }
   }
   return 0;

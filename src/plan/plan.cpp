@@ -160,6 +160,17 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
     // replicated strategies' flat buffer, one parameter crossing at a time).
     p.construction = sharded ? 0 : p.params + shape.largest_param_numel * 4;
     if (!sharded) p.rebuild = 2 * p.params + p.grads;  // ZeRO-1 gathers the masters bucket by bucket
+    // The host holds the model as built, and the masters cut from it as each unit (or
+    // bucket) is taken over: a unit's parameters are freed only once it is on the device.
+    const std::int64_t host_masters =
+        sharded ? shards_bytes : (mode == Strategy::NoShard ? psi * 4 : (psi * 4 + n - 1) / n);
+    if (sharded && o.build_into_shards) {
+      std::int64_t largest_unit = 0;
+      for (auto u : shape.unit_numels) largest_unit = std::max(largest_unit, u);
+      p.host_construction = host_masters + (shape.root_numel + largest_unit) * 4;
+    } else {
+      p.host_construction = psi * 4 + host_masters;
+    }
   } else if (sharded && o.build_into_shards) {
     std::int64_t largest_unit = 0;
     for (auto u : shape.unit_numels) largest_unit = std::max(largest_unit, u);
@@ -208,7 +219,7 @@ std::int64_t largest_model(const PlanOptions& options, int units, std::int64_t d
   const int u = std::max(units, 1);
   auto fits = [&](std::int64_t params) {
     const Plan p = predict(uniform_shape(params, u), options);
-    return p.peak <= device_bytes && (host_bytes <= 0 || p.host <= host_bytes);
+    return p.peak <= device_bytes && (host_bytes <= 0 || std::max(p.host, p.host_construction) <= host_bytes);
   };
   // Every figure grows with the parameter count: bisect between a size that fits and one
   // that does not (at most 2^50 parameters).
@@ -240,9 +251,11 @@ std::string Plan::describe() const {
              mib(peak), when, mib(params), mib(masters), mib(grads), mib(optimizer_state),
              mib(gathered_params), mib(gathered_grads), mib(activations), mib(training()), mib(construction),
              rebuild > 0 ? fmt::format("; bucket rebuild {:.1f}", mib(rebuild)) : "", mib(zero_formula)) +
-         (host > 0 ? fmt::format("; offloaded to the host {:.1f} MiB (device staging {:.1f})", mib(host),
-                                 mib(staging))
-                   : "");
+         (host > 0
+              ? fmt::format("; offloaded to the host {:.1f} MiB (host while built {:.1f}; device staging "
+                            "{:.1f})",
+                            mib(host), mib(host_construction), mib(staging))
+              : "");
 }
 
 }  // namespace flatshard::plan

@@ -31,6 +31,7 @@ TEST_P(OffloadSweep, StatesMoveFromTheDeviceToTheHost) {
   o.cpu_offload = true;
   const auto offloaded = plan::predict(shape, o);
   EXPECT_EQ(on_device.host, 0);
+  EXPECT_EQ(on_device.host_construction, 0);
   EXPECT_EQ(offloaded.optimizer_state, 0);
   EXPECT_EQ(offloaded.masters, 0);
   EXPECT_EQ(offloaded.activations, on_device.activations);
@@ -49,10 +50,16 @@ TEST_P(OffloadSweep, StatesMoveFromTheDeviceToTheHost) {
                   ? 0
                   : flatshard::padded_numel(shape.unit_numels[0], world, 16 / param_bytes) / world * 4);
     EXPECT_EQ(offloaded.construction, 0);  // built on the host, each shard goes to host memory
+    // The host holds the model as built and the master shards cut from it; built into
+    // shards, the shards and one unit at full size (the root here has no parameters).
+    EXPECT_EQ(offloaded.host_construction, psi * 4 + shards * 4);
+    o.build_into_shards = true;
+    EXPECT_EQ(plan::predict(shape, o).host_construction, shards * 4 + shape.unit_numels[0] * 4);
   } else {
     const std::int64_t master = mode == Strategy::NoShard ? psi * 4 : (psi * 4 + world - 1) / world;
     const std::int64_t state = mode == Strategy::NoShard ? psi * 8 : (psi * 8 + world - 1) / world;
     EXPECT_EQ(offloaded.host, 2 * master + state);
+    EXPECT_EQ(offloaded.host_construction, psi * 4 + master);  // the model and its masters
     EXPECT_EQ(offloaded.late_host_grads, 0);
     EXPECT_EQ(offloaded.params, psi * param_bytes);
     EXPECT_EQ(offloaded.grads, psi * param_bytes);
@@ -121,9 +128,22 @@ TEST(Planner, LargestModelIsTheBoundaryOfWhatFits) {
       const auto fit = plan::predict(plan::uniform_shape(offloaded, kUnits), o);
       const auto over = plan::predict(plan::uniform_shape(offloaded + kUnits, kUnits), o);
       EXPECT_LE(fit.peak, device);
-      EXPECT_LE(fit.host, host);
-      EXPECT_TRUE(over.peak > device || over.host > host);
+      EXPECT_LE(std::max(fit.host, fit.host_construction), host);
+      EXPECT_TRUE(over.peak > device || std::max(over.host, over.host_construction) > host);
       EXPECT_GE(plan::largest_model(o, kUnits, device), offloaded);  // without a host limit
+      if (mode == Strategy::FullShard && world == 8) {
+        // Built whole, each rank's host holds the model (4 bytes per parameter), which
+        // bounds it before the states (2 bytes per parameter at 8 ranks) do; built into
+        // shards it holds one unit at full size, and the states bound it.
+        EXPECT_GT(fit.host_construction, fit.host);
+        EXPECT_GE(fit.host_construction + 64 * kUnits, host);  // the host is what stops it
+        o.build_into_shards = true;
+        const auto into_shards = plan::largest_model(o, kUnits, device, host);
+        EXPECT_GT(into_shards, 3 * offloaded / 2);
+        const auto built = plan::predict(plan::uniform_shape(into_shards, kUnits), o);
+        EXPECT_GT(built.host, built.host_construction);
+        EXPECT_GE(built.host + 64 * kUnits, host);
+      }
     }
   }
   plan::PlanOptions o;
