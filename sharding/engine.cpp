@@ -300,10 +300,10 @@ void Engine::finish_first_reduce() {
       at::NoGradGuard no_grad;
       const auto reduced = pending->output.to(at::kFloat);
       if (pending->add) {  // an earlier backward's gradient is there: land apart, add after
-        landing_grads_.push_back({pending->unit, land(g, reduced), pending->target, true});
+        landing_grads_.push_back({pending->unit, land(g, reduced), pending->target});
       } else {  // straight into the master's gradient; the end of backward waits for it
-        pending->target.copy_(reduced, /*non_blocking=*/pending->target.is_pinned());
-        landing_grads_.push_back({pending->unit, at::Tensor(), pending->target, false});
+        pending->target.copy_(reduced, /*non_blocking=*/g.pinned());
+        landing_grads_.push_back({pending->unit, at::Tensor(), pending->target});
       }
     } else if (pending->target.defined()) {
       at::NoGradGuard no_grad;
@@ -325,7 +325,7 @@ void Engine::finish_first_reduce() {
     // Note [Offloaded gradients]: the reduced shard is copied to page-locked host memory
     // on the compute stream without blocking the host; end_of_backward waits for the
     // device once and adds every landed shard into the host gradients.
-    landing_grads_.push_back({pending->unit, land(g, reduced), at::Tensor(), false});
+    landing_grads_.push_back({pending->unit, land(g, reduced), at::Tensor()});
   } else {
     const bool adds = g.master().grad().defined();
     accumulate(g.master().mutable_grad(), reduced);
@@ -422,9 +422,9 @@ void Engine::check_nonfinite() {
 // A host copy of `reduced` (fp32, on the compute device), page-locked with the group's
 // master, made on the compute stream without blocking the host (Note [Offloaded gradients]).
 at::Tensor Engine::land(FlatParamGroup& g, const at::Tensor& reduced) {
-  auto landing = at::empty({reduced.numel()},
-                           at::TensorOptions().dtype(at::kFloat).pinned_memory(g.master().is_pinned()));
-  landing.copy_(reduced, /*non_blocking=*/landing.is_pinned());
+  auto landing =
+      at::empty({reduced.numel()}, at::TensorOptions().dtype(at::kFloat).pinned_memory(g.pinned()));
+  landing.copy_(reduced, /*non_blocking=*/g.pinned());
   return landing;
 }
 
@@ -578,24 +578,26 @@ void Engine::reset_peaks() {
   peak_gathered_units_ = gathered_non_root_units();
 }
 
-void Engine::time_communication_waits(bool on) {
+std::vector<Communicator*> Engine::communicators() const {
+  std::vector<Communicator*> all;
   for (Communicator* c : {comm_.get(), shard_comm_.get(), replica_comm_.get()}) {
-    if (c) c->time_waits(on);
+    if (c) all.push_back(c);
   }
+  return all;
+}
+
+void Engine::time_communication_waits(bool on) {
+  for (Communicator* c : communicators()) c->time_waits(on);
 }
 
 CommunicationWait Engine::communication_wait() {
   CommunicationWait total;
-  for (Communicator* c : {comm_.get(), shard_comm_.get(), replica_comm_.get()}) {
-    if (c) total += c->waited();
-  }
+  for (Communicator* c : communicators()) total += c->waited();
   return total;
 }
 
 void Engine::reset_communication_wait() {
-  for (Communicator* c : {comm_.get(), shard_comm_.get(), replica_comm_.get()}) {
-    if (c) c->reset_waited();
-  }
+  for (Communicator* c : communicators()) c->reset_waited();
 }
 
 }  // namespace flatshard::sharding

@@ -119,6 +119,7 @@ class Engine {
   void land_offloaded_grads();
   void end_of_backward();
   void step_now(int unit);
+  std::vector<Communicator*> communicators() const;  // the engine's, every one
   void account();
   int gathered_non_root_units() const;
 
@@ -161,11 +162,12 @@ class Engine {
   // (Note [Offloaded gradients]): a unit's shard, which becomes or is added to its
   // master's gradient; or a bucket's slice, copied or added into `target`, its part of the
   // master's gradient (Note [Offloaded buckets]).
+  // A bucket's entry without `landed` was copied straight into `target`: only the host's
+  // wait for the device is left to do.
   struct Landing {
     int unit = 0;
     at::Tensor landed;
     at::Tensor target;
-    bool add = false;
   };
   std::vector<Landing> landing_grads_;
   ShardMemory memory_;

@@ -161,8 +161,7 @@ FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::stri
       // copied straight into the master (from the parameter, not from a converted buffer:
       // fp32 masters keep every bit), so no full-size buffer exists while a unit is taken
       // over (a unit built on the host reaches the device as its shard only).
-      master_ = pinned_ ? host_state() : at::empty({shard_numel_}, master_options);
-      master_.zero_();
+      master_ = master_sized(master_options).zero_();
       for (std::size_t k = 0; k < segments_.size(); ++k) {
         const FlatSegment& seg = segments_[k];
         const std::int64_t begin = seg.offset + rank_ * seg.slice, end = begin + seg.slice;
@@ -258,8 +257,7 @@ void FlatParamGroup::relayout(const std::vector<int>& order, const std::vector<i
     // This rank's new slices, cut straight from the whole model's values in the old
     // layout (no permuted copy of the model is made).
     grad_block_ = at::Tensor();  // the shard's size may change
-    auto shard = pinned_ ? host_state() : at::empty({shard_numel_}, master_.options());
-    shard.zero_();
+    auto shard = master_sized(master_.options()).zero_();
     for (const FlatSegment& seg : segments_) {
       const std::int64_t begin = seg.offset + rank_ * seg.slice, end = begin + seg.slice;
       for (int i = seg.first_slot; i < seg.end_slot; ++i) {
@@ -343,27 +341,28 @@ void FlatParamGroup::copy_master_to_slot(int segment) {
       // fp32 to the device first (a page-locked source copies asynchronously), then convert
       // there: a converting copy from the host would convert on the host and block.
       auto staged = at::empty({source.numel()}, at::TensorOptions().dtype(at::kFloat).device(full_.device()));
-      staged.copy_(source, /*non_blocking=*/master_.is_pinned());
+      staged.copy_(source, /*non_blocking=*/pinned_);
       source = staged;
     }
-    slot_of(full_, k).copy_(source, /*non_blocking=*/source.is_pinned());
+    slot_of(full_, k).copy_(source, /*non_blocking=*/pinned_);
   }
 }
 
 at::Tensor FlatParamGroup::empty_master_grad() {
   if (!offload_) return pooled_empty(shard_numel_, at::kFloat);
-  if (!pinned_) return at::empty({shard_numel_}, at::TensorOptions().dtype(at::kFloat));
+  if (!pinned_) return master_sized(master_.options());
   // The gradient's block is the group's, taken again each step once the last gradient
   // made in it has been dropped (Note [Page-locked at its size]): page-locking is slow.
   if (!grad_block_.defined() || grad_block_.use_count() > 1 || grad_block_.storage().use_count() > 1) {
-    grad_block_ = host_state();
+    grad_block_ = master_sized(master_.options());
   }
   return grad_block_;
 }
 
 // Note [Page-locked at its size]
-at::Tensor FlatParamGroup::host_state() const {
-  return memory::PinnedHost::instance().empty(shard_numel_, at::kFloat);
+at::Tensor FlatParamGroup::master_sized(const at::TensorOptions& options) const {
+  if (pinned_) return memory::PinnedHost::instance().empty(shard_numel_, at::kFloat);
+  return at::empty({shard_numel_}, options);
 }
 
 void FlatParamGroup::allocate_full_grad() {

@@ -174,6 +174,9 @@ class FlatParamGroup {
   // GPU) and crosses to the compute device through staging copies (CPU offload). On a
   // CPU compute device the same path runs, host to host.
   bool offloaded() const { return offload_; }
+  // Offloaded next to a GPU: the master and its gradient are page-locked, and copies to and
+  // from them do not block the host.
+  bool pinned() const { return pinned_; }
   // Writes the master shard into this rank's slots of `full` (converting to the compute
   // dtype), on the current stream; from offloaded masters without blocking the host.
   // Nothing to do when the master aliases `full`. `segment` >= 0: that segment's slot only.
@@ -224,8 +227,9 @@ class FlatParamGroup {
   void allocate_storage(const at::Tensor& t);
   void free_storage(const at::Tensor& t);
   at::Tensor zeros(std::int64_t numel);  // compute dtype and device
-  // A master-sized fp32 block of page-locked host memory (Note [Page-locked at its size]).
-  at::Tensor host_state() const;
+  // An uninitialized master-sized fp32 tensor with `options` (the master's place), or,
+  // next to a GPU under offload, page-locked at its size (Note [Page-locked at its size]).
+  at::Tensor master_sized(const at::TensorOptions& options) const;
 
   std::shared_ptr<BufferPool> pool_;
 

@@ -137,9 +137,8 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
         // root and the first unit are still gathered (shard-grad-op: every unit). Where
         // the model's states outweigh its activations, this is the peak (measured on an
         // H100: a 5.5B GPT needs its 16 bytes per parameter).
-        late_backward = p.params + p.optimizer_state + shards * 4 +
-                        (root + (mode == Strategy::ShardGradOp ? all_units : largest(1))) * e;
         late_gathered = (root + (mode == Strategy::ShardGradOp ? all_units : largest(1))) * e;
+        late_backward = p.params + p.optimizer_state + shards * 4 + late_gathered;
       }
       break;
     }
@@ -154,6 +153,8 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   //   the persistent flat buffer and the masters; after the first backward the buckets
   //   are laid out again in arrival order, old and new buffers alive together.
   const bool sharded = mode == Strategy::ShardGradOp || mode == Strategy::FullShard;
+  const std::int64_t largest_unit =
+      shape.unit_numels.empty() ? 0 : *std::max_element(shape.unit_numels.begin(), shape.unit_numels.end());
   if (o.cpu_offload) {
     // Built on the host and placed by options.device: the shards (or the masters) go
     // straight to host memory, so the device holds only what the group keeps there (the
@@ -165,15 +166,11 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
     const std::int64_t host_masters =
         sharded ? shards_bytes : (mode == Strategy::NoShard ? psi * 4 : (psi * 4 + n - 1) / n);
     if (sharded && o.build_into_shards) {
-      std::int64_t largest_unit = 0;
-      for (auto u : shape.unit_numels) largest_unit = std::max(largest_unit, u);
       p.host_construction = host_masters + (shape.root_numel + largest_unit) * 4;
     } else {
       p.host_construction = psi * 4 + host_masters;
     }
   } else if (sharded && o.build_into_shards) {
-    std::int64_t largest_unit = 0;
-    for (auto u : shape.unit_numels) largest_unit = std::max(largest_unit, u);
     p.construction = p.params + (shape.root_numel + largest_unit) * 4;
   } else if (sharded) {
     std::int64_t largest_shard = shape.root_numel > 0
