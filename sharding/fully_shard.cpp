@@ -40,6 +40,14 @@ bool on_gpu(torch::nn::Module& model, const FullyShardOptions& options) {
   return false;
 }
 
+// Whether the model was built on the host to be placed on a GPU by options.device: the
+// device then never holds it whole.
+bool built_on_host(torch::nn::Module& model, const FullyShardOptions& options) {
+  if (!options.device || options.device->is_cpu()) return false;
+  for (const auto& p : model.parameters()) return p.device().is_cpu();
+  return false;
+}
+
 }  // namespace
 
 FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const World& world,
@@ -53,7 +61,7 @@ FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const W
   sharding::check_memory_budget(
       *model, world, mode, dtype && *dtype != at::kFloat ? 2 : 4, options.memory_budget, "FullyShard",
       options.strategy == Strategy::HybridShard ? flatshard::shard_group(world, options).size : 0,
-      options.cpu_offload, on_gpu(*model, options));
+      options.cpu_offload, on_gpu(*model, options), built_on_host(*model, options));
   engine_ = std::make_unique<sharding::Engine>(std::move(model), world, options);
 }
 

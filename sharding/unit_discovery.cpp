@@ -40,12 +40,13 @@ UnitMembership discover_units(torch::nn::Module& model) {
 
 void check_memory_budget(torch::nn::Module& model, const World& world, Strategy mode, int param_bytes,
                          const MemoryBudget& budget, const char* who, int shard_group_size, bool cpu_offload,
-                         bool on_gpu) {
+                         bool on_gpu, bool built_on_host) {
   if (budget.bytes <= 0) return;
   plan::PlanOptions o;
   // On a GPU the budget is the device's, and offloaded states are the host's; on the CPU
   // both are the same memory.
   o.cpu_offload = cpu_offload && on_gpu;
+  o.build_on_host = built_on_host && on_gpu;
   o.strategy = mode;
   o.world_size = world.world_size();
   o.shard_group_size = shard_group_size < world.world_size() ? shard_group_size : 0;
@@ -66,7 +67,7 @@ void check_memory_budget(torch::nn::Module& model, const World& world, Strategy 
     if (offloaded.peak <= budget.bytes) {
       offload_advice = fmt::format(
           "; with cpu_offload it needs {:.1f} MiB of device memory and {:.1f} MiB of host memory per rank",
-          mib(offloaded.peak), mib(offloaded.host));
+          mib(offloaded.peak), mib(std::max(offloaded.host, offloaded.host_construction)));
     }
   }
   o.strategy = Strategy::FullShard;

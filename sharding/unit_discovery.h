@@ -25,9 +25,11 @@ UnitMembership discover_units(torch::nn::Module& model);
 // Throws MemoryBudgetError when the planner's figure for `mode` exceeds the budget.
 // shard_group_size: HybridShard's group (0: the world).
 // The budget is per rank, of the compute device's memory; `on_gpu`: the compute device is
-// a GPU, whose memory the host's is apart from (CPU offload moves states out of it).
+// a GPU, whose memory the host's is apart from (CPU offload moves states out of it);
+// `built_on_host`: the model is on the host, to be placed on that GPU (the device never
+// holds it whole: PlanOptions::build_on_host).
 void check_memory_budget(torch::nn::Module& model, const World& world, Strategy mode, int param_bytes,
                          const MemoryBudget& budget, const char* who, int shard_group_size = 0,
-                         bool cpu_offload = false, bool on_gpu = false);
+                         bool cpu_offload = false, bool on_gpu = false, bool built_on_host = false);
 
 }  // namespace flatshard::sharding

@@ -62,6 +62,13 @@ struct PlanOptions {
   // The model is built into shards (build.h; sharded modes only) instead of whole before
   // wrapping. Decides the construction peak (Plan::construction).
   bool build_into_shards = false;
+  // The model is built on the host and placed on the device by FullyShardOptions::device
+  // (a GPU run whose model is made on the CPU), instead of made on, or moved whole to, the
+  // device it trains on: the device then never holds the whole model (the sharded modes
+  // receive each unit's shard, DDP and ZeRO-1 their flat buffer and masters), and the host
+  // holds it while it is built (Plan::host_construction). Implied by cpu_offload. Leave it
+  // off for training on the CPU, where the host is the device.
+  bool build_on_host = false;
   // FullyShardOptions::cpu_offload: the fp32 masters (shards, or DDP's and ZeRO-1's
   // replicated masters and slices), their gradients and the optimizer state live in host
   // memory (Plan::host) instead of on the device; the device keeps the parameters, their
@@ -89,11 +96,12 @@ struct Plan {
   // Under cpu_offload: the host memory the offloaded states take in training (page-locked
   // on a GPU machine), which the figures above and `peak` leave out. 0 without offload.
   std::int64_t host = 0;
-  // Under cpu_offload: the host memory while the model is built and wrapped. Built whole
-  // on the host, the model (4 bytes per parameter) and the offloaded masters cut from it
-  // (the shards, DDP's whole master, ZeRO-1's slices) exist together; built into shards,
-  // the fp32 shards with the root unit and the unit being built at full size. The host's
-  // peak is the larger of this and `host`. 0 without offload.
+  // Built on the host (build_on_host, cpu_offload): the host memory while the model is
+  // built and wrapped. Built whole, the model (4 bytes per parameter), beside the
+  // offloaded masters cut from it under offload (the shards, DDP's whole master, ZeRO-1's
+  // slices); built into shards, the root unit and the unit being built at full size (and
+  // the offloaded fp32 shards). The host's peak is the larger of this and `host`. 0 when
+  // the model is built on the device.
   std::int64_t host_construction = 0;
   // Of `host`: what exists only after the device's peak at the start of backward (the
   // sharded modes' gradient shards, made as units finish their backward; the replicated
@@ -116,9 +124,9 @@ Plan predict(const ModelShape& shape, const PlanOptions& options);
 
 // The largest model of `units` equal units (uniform_shape) whose predicted peak fits
 // `device_bytes` per rank, and whose host memory (the larger of the offloaded states and
-// the host's construction) fits `host_bytes` per rank when options.cpu_offload (0: the
-// host is not limited), with options' other settings (the activations as given). 0 when
-// not even one parameter per unit fits.
+// the host's construction) fits `host_bytes` per rank when the model is built on the host
+// (options.build_on_host or cpu_offload; 0: the host is not limited), with options' other
+// settings (the activations as given). 0 when not even one parameter per unit fits.
 std::int64_t largest_model(const PlanOptions& options, int units, std::int64_t device_bytes,
                            std::int64_t host_bytes = 0);
 

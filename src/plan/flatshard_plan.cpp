@@ -3,7 +3,7 @@
 //   flatshard-plan --params 1.3e9 --units 24 --world 1,2,4,8 [--dtype bf16]
 //                  [--optimizer adamw|adam|sgd|sgd-momentum] [--mode full]
 //                  [--activation-mib 512] [--recompute 1] [--build-into-shards 1] [--prefetch 1]
-//                  [--budget-mib 16000] [--shard-group-size G] [--offload 1]
+//                  [--budget-mib 16000] [--shard-group-size G] [--offload 1] [--build-on-host 1]
 //                  [--fit-mib 81559 [--host-mib 122880]]
 #include <algorithm>
 #include <cstdio>
@@ -30,9 +30,11 @@ int usage(const char* why) {
       "                      [--budget-mib B] [--shard-group-size G (hybrid: zero2/full shard "
       "within groups of G ranks)]\n"
       "                      [--offload 0|1 (cpu_offload: states in host memory)]\n"
+      "                      [--build-on-host 0|1 (built on the host, placed by options.device)]\n"
       "                      [--fit-mib D [--host-mib H]: the largest model of K units whose peak fits "
       "D MiB\n"
-      "                       per rank, without and with offload (its host peak within H MiB)]\n"
+      "                       per rank: built on the device, built on the host, and offloaded (the host's\n"
+      "                       peak within H MiB)]\n"
       "Predicts per-rank peak memory (MiB) of each mode; see docs/memory-model.md.\n");
   return why ? 2 : 0;
 }
@@ -55,7 +57,7 @@ int main(int argc, char** argv) {
   double params = 0, root = 0, activation_mib = 0, budget_mib = 0, fit_mib = 0, host_mib = 0;
   bool offload = false;
   int units = 1, prefetch = 1, param_bytes = 4, state_bytes = 8, shard_group_size = 0;
-  bool recompute = false, build_into_shards = false;
+  bool recompute = false, build_into_shards = false, build_on_host = false;
   std::vector<int> worlds{1, 2, 4, 8};
   std::vector<Strategy> modes{Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::ShardGradOp,
                               Strategy::FullShard};
@@ -80,6 +82,8 @@ int main(int argc, char** argv) {
       recompute = std::atoi(v.c_str()) != 0;
     else if (a == "--build-into-shards")
       build_into_shards = std::atoi(v.c_str()) != 0;
+    else if (a == "--build-on-host")
+      build_on_host = std::atoi(v.c_str()) != 0;
     else if (a == "--activation-mib")
       activation_mib = std::atof(v.c_str());
     else if (a == "--budget-mib")
@@ -126,6 +130,7 @@ int main(int argc, char** argv) {
     o.recompute = recompute;
     o.build_into_shards = build_into_shards;
     o.cpu_offload = offload;
+    o.build_on_host = build_on_host;
     return o;
   };
   if (fit_mib > 0) {
@@ -136,25 +141,35 @@ int main(int argc, char** argv) {
         fmt::format("the largest model of {} equal units whose per-rank peak fits {:.0f} MiB{}, "
                     "{}, {} bytes of optimizer state per parameter, {:.0f} MiB of activations",
                     units, fit_mib,
-                    host > 0
-                        ? fmt::format(" (with offload, the host's peak within {:.0f} MiB: its states, or "
-                                      "the model while built, whichever is larger)",
-                                      host_mib)
-                        : "",
+                    host > 0 ? fmt::format(" (built on the host or offloaded, the host's peak within {:.0f} "
+                                           "MiB: the model while built, or the offloaded states)",
+                                           host_mib)
+                             : "",
                     param_bytes == 2 ? "bf16 compute with fp32 masters" : "fp32", state_bytes, activation_mib)
             .c_str());
-    std::printf("%-6s %6s %18s %18s %18s\n", "mode", "world", "params", "params offloaded", "host MiB then");
+    std::printf("%-6s %6s %18s %18s %18s %18s %18s\n", "mode", "world", "built on device", "built on host",
+                "host MiB then", "offloaded", "host MiB then");
     for (Strategy m : modes) {
       for (int w : worlds) {
         auto o = options_for(m, w);
         o.cpu_offload = false;
-        const auto plain = largest_model(o, units, device);
+        o.build_on_host = false;
+        const auto on_device = largest_model(o, units, device);
+        o.build_on_host = true;
+        const auto on_host = largest_model(o, units, device, host);
         o.cpu_offload = true;
         const auto offloaded = largest_model(o, units, device, host);
-        const Plan fit = predict(uniform_shape(std::max<std::int64_t>(offloaded, 1), units), o);
-        const auto then = offloaded > 0 ? std::max(fit.host, fit.host_construction) : 0;
-        std::printf("%-6s %6d %18.4g %18.4g %18.1f\n", mode_name(m), w, static_cast<double>(plain),
-                    static_cast<double>(offloaded), mib(then));
+        const auto host_peak = [&](const PlanOptions& with, std::int64_t params) {
+          if (params <= 0) return 0.0;
+          const Plan fit = predict(uniform_shape(params, units), with);
+          return mib(std::max(fit.host, fit.host_construction));
+        };
+        o.cpu_offload = false;
+        const double on_host_peak = host_peak(o, on_host);
+        o.cpu_offload = true;
+        std::printf("%-6s %6d %18.4g %18.4g %18.1f %18.4g %18.1f\n", mode_name(m), w,
+                    static_cast<double>(on_device), static_cast<double>(on_host), on_host_peak,
+                    static_cast<double>(offloaded), host_peak(o, offloaded));
       }
     }
     return 0;
@@ -166,19 +181,20 @@ int main(int argc, char** argv) {
                           params, units, root > 0 ? fmt::format(" + {:.0f} in the root", root) : "",
                           param_bytes == 2 ? "bf16 compute with fp32 masters" : "fp32", state_bytes)
                   .c_str());
+  const bool host_columns = offload || build_on_host;
   std::printf("%-6s %6s %14s %14s %14s %14s %14s %14s%s%s\n", "mode", "world", "peak MiB", "params+grads",
               "optim state", "gathered", "construction", "ZeRO formula",
-              offload ? "       host MiB  host built MiB" : "", budget_mib > 0 ? "  fits" : "");
+              host_columns ? "       host MiB  host built MiB" : "", budget_mib > 0 ? "  fits" : "");
   for (Strategy m : modes) {
     for (int w : worlds) {
       const Plan p = predict(shape, options_for(m, w));
-      std::printf(
-          "%-6s %6d %14.1f %14.1f %14.1f %14.1f %14.1f %14.1f%s%s\n", mode_name(m), w, mib(p.peak),
-          mib(p.params + p.masters + p.grads), mib(p.optimizer_state),
-          mib(p.gathered_params + p.gathered_grads + p.staging), mib(std::max(p.construction, p.rebuild)),
-          mib(p.zero_formula),
-          offload ? fmt::format(" {:14.1f} {:15.1f}", mib(p.host), mib(p.host_construction)).c_str() : "",
-          budget_mib > 0 ? (mib(p.peak) <= budget_mib ? "  yes" : "  no") : "");
+      const std::string host =
+          host_columns ? fmt::format(" {:14.1f} {:15.1f}", mib(p.host), mib(p.host_construction)) : "";
+      std::printf("%-6s %6d %14.1f %14.1f %14.1f %14.1f %14.1f %14.1f%s%s\n", mode_name(m), w, mib(p.peak),
+                  mib(p.params + p.masters + p.grads), mib(p.optimizer_state),
+                  mib(p.gathered_params + p.gathered_grads + p.staging),
+                  mib(std::max(p.construction, p.rebuild)), mib(p.zero_formula), host.c_str(),
+                  budget_mib > 0 ? (mib(p.peak) <= budget_mib ? "  yes" : "  no") : "");
     }
   }
   return 0;

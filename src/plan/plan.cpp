@@ -152,24 +152,37 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   // - DDP and ZeRO-1 (NoShard, ShardOptimizerState): the whole model, then its copy into
   //   the persistent flat buffer and the masters; after the first backward the buckets
   //   are laid out again in arrival order, old and new buffers alive together.
+  // - Built on the host and placed by options.device (a GPU run; always under offload):
+  //   the device receives only what it keeps, and the host holds the model as built.
   const bool sharded = mode == Strategy::ShardGradOp || mode == Strategy::FullShard;
   const std::int64_t largest_unit =
       shape.unit_numels.empty() ? 0 : *std::max_element(shape.unit_numels.begin(), shape.unit_numels.end());
-  if (o.cpu_offload) {
-    // Built on the host and placed by options.device: the shards (or the masters) go
-    // straight to host memory, so the device holds only what the group keeps there (the
-    // replicated strategies' flat buffer, one parameter crossing at a time).
-    p.construction = sharded ? 0 : p.params + shape.largest_param_numel * 4;
-    if (!sharded) p.rebuild = 2 * p.params + p.grads;  // ZeRO-1 gathers the masters bucket by bucket
-    // The host holds the model as built, and the masters cut from it as each unit (or
-    // bucket) is taken over: a unit's parameters are freed only once it is on the device.
-    const std::int64_t host_masters =
-        sharded ? shards_bytes : (mode == Strategy::NoShard ? psi * 4 : (psi * 4 + n - 1) / n);
-    if (sharded && o.build_into_shards) {
-      p.host_construction = host_masters + (shape.root_numel + largest_unit) * 4;
-    } else {
-      p.host_construction = psi * 4 + host_masters;
-    }
+  // DDP's masters exist at construction; their gradients come with the first bucket.
+  const std::int64_t built_masters = mode == Strategy::NoShard && e != 4 ? p.masters / 2 : p.masters;
+  if (!sharded) {
+    // One buffer at a time is laid out again, its old and new copies side by side (the
+    // parameters' is the largest); ZeRO-1's master slices are cut from every rank's
+    // masters, gathered in fp32 under mixed precision (bucket by bucket under offload).
+    p.rebuild = 2 * p.params + p.grads + p.masters;
+    if (mode == Strategy::ShardOptimizerState && e != 4 && !o.cpu_offload) p.rebuild += psi * 4;
+  }
+  if (o.build_on_host || o.cpu_offload) {
+    // Built on the host and placed by options.device: each unit's fp32 shard is copied
+    // from the host's parameters straight to the device (under offload, to host memory),
+    // and DDP and ZeRO-1 fill their flat buffer and masters there, one parameter crossing
+    // at a time for rank 0's broadcast (above one rank). The device never holds the whole
+    // model.
+    p.construction =
+        sharded ? p.params : p.params + built_masters + (n > 1 ? shape.largest_param_numel * 4 : 0);
+    // The host holds the model as built (built into shards: the root and one unit), and
+    // under offload the masters cut from it as each unit (or bucket) is taken over: a
+    // unit's parameters are freed only once it is on the device.
+    const std::int64_t host_masters = !o.cpu_offload ? 0
+                                      : sharded
+                                          ? shards_bytes
+                                          : (mode == Strategy::NoShard ? psi * 4 : (psi * 4 + n - 1) / n);
+    p.host_construction =
+        (sharded && o.build_into_shards ? (shape.root_numel + largest_unit) * 4 : psi * 4) + host_masters;
   } else if (sharded && o.build_into_shards) {
     p.construction = p.params + (shape.root_numel + largest_unit) * 4;
   } else if (sharded) {
@@ -179,12 +192,7 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
     for (auto u : shape.unit_numels) largest_shard = std::max(largest_shard, padded(u, n, e) / n);
     p.construction = psi * 4 + largest_shard * 4;
   } else {
-    p.construction = psi * 4 + p.params + p.masters;
-    // One buffer at a time is laid out again, its old and new copies side by side (the
-    // parameters' is the largest); ZeRO-1's master slices are cut from every rank's
-    // masters, gathered in fp32 under mixed precision.
-    p.rebuild = 2 * p.params + p.grads + p.masters;
-    if (mode == Strategy::ShardOptimizerState && e != 4) p.rebuild += psi * 4;
+    p.construction = psi * 4 + p.params + built_masters;
   }
   p.peak = std::max({p.training(), p.construction, p.rebuild});
   if (late_backward > p.peak) {  // Note [Late in backward]
@@ -252,7 +260,8 @@ std::string Plan::describe() const {
               ? fmt::format("; offloaded to the host {:.1f} MiB (host while built {:.1f}; device staging "
                             "{:.1f})",
                             mib(host), mib(host_construction), mib(staging))
-              : "");
+          : host_construction > 0 ? fmt::format("; host while built {:.1f} MiB", mib(host_construction))
+                                  : "");
 }
 
 }  // namespace flatshard::plan

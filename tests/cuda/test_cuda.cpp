@@ -12,7 +12,8 @@
 //  - NoShard (DDP) and ShardOptimizerState (ZeRO-1) on CUDA against single-process
 //    training: world 1 over NCCL and world 2 over the TCP rings, fp32 and bf16 compute
 //    with fp32 masters, with and without CPU offload;
-//  - the planner's device peak, with and without CPU offload, against the allocator's;
+//  - the planner's device figures (what the wrapper places, the peak), with and without
+//    CPU offload, against the allocator's;
 //  - hybrid sharding at world 2 over TCP on one GPU, groups of 1 and 2;
 //  - a model built into shards onto the GPU (and offloaded), at worlds 1 and 2;
 //  - activation recomputation with dropout on the GPU;
@@ -332,9 +333,10 @@ TEST(CudaReplicated, StalenessMatchesSingleProcess) {
 
 // The planner's device figures against the caching allocator at world 1 over NCCL, every
 // mode with and without CPU offload (bf16 compute, fp32 masters, AdamW, the model built on
-// the host and placed by options.device): the GPU's peak from before the wrapper to the
-// end of the third step within 10% of plan::predict's (which leaves Plan::host off the
-// GPU under offload), and offload lowers it.
+// the host and placed by options.device: PlanOptions::build_on_host): what the wrapper
+// places on the GPU within 10% of Plan::construction, the GPU's peak from before the
+// wrapper to the end of the third step within 10% of plan::predict's (which leaves
+// Plan::host off the GPU under offload), and offload lowers it.
 TEST(CudaPlanner, PredictsTheDevicePeakWithAndWithoutOffload) {
   REQUIRE_GPU();
   FLATSHARD_RUN_RANKS({1}, std::chrono::seconds(300));
@@ -380,6 +382,7 @@ TEST(CudaPlanner, PredictsTheDevicePeakWithAndWithoutOffload) {
       o.param_bytes = 2;
       o.activation_bytes = activations;
       o.cpu_offload = offload;
+      o.build_on_host = true;
       const auto predicted = flatshard::plan::predict(shape, o);
       const auto base = allocated();
       flatshard::memory::reset_cuda_allocator_peak(0);
@@ -393,6 +396,16 @@ TEST(CudaPlanner, PredictsTheDevicePeakWithAndWithoutOffload) {
         options.mixed_precision.param = at::kBFloat16;
         options.mixed_precision.reduce = at::kFloat;
         flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, options);
+        // Placed from the host, the device receives what it keeps (Plan::construction:
+        // the shards, or the flat buffer and the masters; nothing of the sharded modes'
+        // under offload), never the whole model. 1 MiB of slack for the model's buffers.
+        cudaDeviceSynchronize();
+        const auto placed = flatshard::memory::cuda_allocator_stats(0).peak_bytes - base;
+        std::printf("%s%s placed on the GPU: measured %.2f MiB, predicted %.2f MiB\n",
+                    flatshard::mode_name(strategy), offload ? " offloaded" : "", placed / 1048576.0,
+                    predicted.construction / 1048576.0);
+        EXPECT_LE(placed, static_cast<std::int64_t>(1.1 * predicted.construction) + (1 << 20));
+        EXPECT_GE(placed, static_cast<std::int64_t>(0.9 * predicted.construction));
         flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
         for (int step = 0; step < 3; ++step) {
           const auto [x, y] = batch(step);

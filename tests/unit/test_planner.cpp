@@ -73,6 +73,55 @@ TEST_P(OffloadSweep, StatesMoveFromTheDeviceToTheHost) {
   }
 }
 
+// Built on the host and placed by options.device (Note [Construction]): training is the
+// same, but the device receives only what it keeps (the sharded modes' fp32 shards; DDP's
+// and ZeRO-1's flat buffer and masters, with one parameter crossing for the broadcast),
+// and the host holds the model as it is built. Offload implies it.
+TEST_P(OffloadSweep, BuiltOnTheHostTheDeviceNeverHoldsTheWholeModel) {
+  const auto [mode, world, param_bytes] = GetParam();
+  const auto shape = plan::uniform_shape(1000003, 5);
+  const std::int64_t psi = shape.total();
+  plan::PlanOptions o;
+  o.strategy = mode;
+  o.world_size = world;
+  o.param_bytes = param_bytes;
+  o.activation_bytes = 1 << 20;  // small: construction and rebuild matter to the peak
+  const auto on_device = plan::predict(shape, o);
+  o.build_on_host = true;
+  const auto on_host = plan::predict(shape, o);
+  EXPECT_EQ(on_host.training(), on_device.training());
+  EXPECT_EQ(on_host.rebuild, on_device.rebuild);
+  EXPECT_EQ(on_host.host, 0);
+  EXPECT_EQ(on_host.host_construction, psi * 4);  // the model as built, and nothing offloaded
+  EXPECT_LT(on_host.construction, on_device.construction);
+  EXPECT_LE(on_host.peak, on_device.peak);
+  const bool sharded = mode == Strategy::ShardGradOp || mode == Strategy::FullShard;
+  if (sharded) {
+    std::int64_t shards = 0;
+    for (auto u : shape.unit_numels) shards += flatshard::padded_numel(u, world, 16 / param_bytes) / world;
+    EXPECT_EQ(on_host.construction, shards * 4);  // the fp32 shards, and nothing gathered
+    o.build_into_shards = true;
+    const auto into_shards = plan::predict(shape, o);
+    EXPECT_EQ(into_shards.construction, shards * 4);
+    EXPECT_EQ(into_shards.host_construction, shape.unit_numels[0] * 4);  // one unit at full size
+  } else {
+    // DDP's masters without their gradients (made by the first bucket); a parameter
+    // crosses to the device for the broadcast above one rank.
+    const std::int64_t masters = mode == Strategy::NoShard ? on_host.masters / 2 : on_host.masters;
+    const std::int64_t crossing = world > 1 ? shape.largest_param_numel * 4 : 0;
+    EXPECT_EQ(on_host.construction, on_host.params + masters + crossing);
+    EXPECT_EQ(on_device.construction - on_host.construction, psi * 4 - crossing);
+  }
+  o.cpu_offload = true;
+  o.build_into_shards = false;
+  const auto offloaded = plan::predict(shape, o);
+  o.build_on_host = false;
+  const auto implied = plan::predict(shape, o);
+  EXPECT_EQ(offloaded.construction, implied.construction);
+  EXPECT_EQ(offloaded.host_construction, implied.host_construction);
+  EXPECT_EQ(offloaded.peak, implied.peak);
+}
+
 INSTANTIATE_TEST_SUITE_P(Planner, OffloadSweep,
                          ::testing::Combine(::testing::Values(Strategy::NoShard,
                                                               Strategy::ShardOptimizerState,
@@ -122,6 +171,25 @@ TEST(Planner, LargestModelIsTheBoundaryOfWhatFits) {
       ASSERT_GT(plain, 0);
       EXPECT_LE(plan::predict(plan::uniform_shape(plain, kUnits), o).peak, device);
       EXPECT_GT(plan::predict(plan::uniform_shape(plain + kUnits, kUnits), o).peak, device);
+      // Built on the host, the device never holds the whole model; the host does.
+      o.build_on_host = true;
+      const auto on_host = plan::largest_model(o, kUnits, device, host);
+      const auto placed = plan::predict(plan::uniform_shape(on_host, kUnits), o);
+      const auto placed_over = plan::predict(plan::uniform_shape(on_host + kUnits, kUnits), o);
+      EXPECT_GE(on_host, plain);
+      EXPECT_LE(placed.peak, device);
+      EXPECT_LE(placed.host_construction, host);
+      EXPECT_TRUE(placed_over.peak > device || placed_over.host_construction > host);
+      if (mode == Strategy::FullShard && world == 8) {
+        // Built whole on the device, the whole fp32 model is what stops it (4 bytes per
+        // parameter on 80 GiB: 20B); placed from the host, the host's 120 GiB does (30B).
+        plan::PlanOptions whole = o;
+        whole.build_on_host = false;
+        EXPECT_GT(plan::predict(plan::uniform_shape(plain + kUnits, kUnits), whole).construction, device);
+        EXPECT_GT(on_host, 3 * plain / 2);
+        EXPECT_GE(placed.host_construction + 4 * kUnits, host);
+      }
+      o.build_on_host = false;
       o.cpu_offload = true;
       const auto offloaded = plan::largest_model(o, kUnits, device, host);
       EXPECT_GT(offloaded, plain);
