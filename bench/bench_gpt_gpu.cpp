@@ -8,7 +8,9 @@
 //   bench_gpt_gpu [--dim 2048] [--layers 18] [--heads 16] [--vocab 32768] [--context 1024]
 //                 [--batch 4] [--warmup 3] [--steps 20] [--peak-tflops 989] [--offload 0|1]
 //                 [--recompute 0|1] [--csv FILE] [--profile TRACE.json] [--mode full|ddp]
+//                 [--step-in-backward 0|1] [--tag SUFFIX]
 //
+// --tag appends SUFFIX to the CSV row's name (scripts/gpu.sh: "-b1" for its batch-1 runs).
 // --step-in-backward 1 (full shard) steps each unit's shard in backward
 // (FullyShardBase::step_in_backward): the fp32 gradients never exist together.
 // --mode ddp runs the NoShard strategy instead (bf16 parameters and
@@ -41,7 +43,7 @@ struct Args {
   int warmup = 3, steps = 20;
   bool offload = false, recompute = false, step_in_backward = false;
   double peak_tflops = 989;  // H100/H200 SXM dense bf16
-  std::string csv, profile, mode = "full";
+  std::string csv, profile, mode = "full", tag;
 };
 
 Args parse(int argc, char** argv) {
@@ -79,6 +81,8 @@ Args parse(int argc, char** argv) {
       a.mode = v;
     else if (k == "--step-in-backward")
       a.step_in_backward = std::atoi(v) != 0;
+    else if (k == "--tag")
+      a.tag = v;
     else {
       std::fprintf(stderr, "bench_gpt_gpu: unknown option %s\n", k.c_str());
       std::exit(2);
@@ -205,7 +209,7 @@ int main(int argc, char** argv) {
     if (!a.csv.empty()) {
       std::ofstream f(a.csv, std::ios::app);
       f << "flatshard" << (ddp_mode ? "-ddp" : "") << (a.step_in_backward ? "-stepinbwd" : "")
-        << (a.offload ? "-offload" : "") << (a.recompute ? "-recompute" : "") << ',' << params << ','
+        << (a.offload ? "-offload" : "") << (a.recompute ? "-recompute" : "") << a.tag << ',' << params << ','
         << tokens_per_s << ',' << mfu << ',' << mem.peak_bytes / gib << ',' << mem.reserved_bytes / gib << ','
         << mem.alloc_retries << ',' << ms / a.steps << ',' << wait_share << '\n';
     }

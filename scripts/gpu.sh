@@ -10,8 +10,10 @@
 #      on the same GPU, alternating (FLATSHARD_GPU_RUNS runs each, default 2; the table
 #      gives medians): tokens/s, MFU, peak allocated and reserved memory, allocator
 #      retries, with ratios; then both with every block recomputed (FLATSHARD_GPU_RECOMPUTE=0
-#      skips it) and with CPU offload (FLATSHARD_GPU_OFFLOAD=0 skips it); and FlatShard's DDP
-#      against PyTorch DDP (FLATSHARD_GPU_DDP=0 skips it).
+#      skips it) and with CPU offload (FLATSHARD_GPU_OFFLOAD=0 skips it); FlatShard's DDP
+#      against PyTorch DDP (FLATSHARD_GPU_DDP=0 skips it); and at batch 1, where the model's
+#      states set the peak at the end of backward, FlatShard's full shard with and without
+#      stepping in backward against FSDP2 (FLATSHARD_GPU_STATES=0 skips it).
 # Logs and the CSV go to $OUT (the device tool's) or out/gpu. Extra arguments go to both
 # benchmarks (e.g. --layers 18 --batch 4). FLATSHARD_GPU_BUILD_ONLY=1 stops after the build
 # (scripts/gpu_profile.sh uses it).
@@ -57,6 +59,19 @@ if [[ "${FLATSHARD_GPU_DDP:-1}" == 1 ]]; then
   (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
     --csv "$csv" --mode ddp "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
 fi
+# Batch 1: the activations are small beside 16 bytes per parameter of fp32 states, so the
+# peak falls at the end of backward, when every unit's fp32 gradient shard exists (FSDP2's
+# too); stepping in backward (fully-shard.md#stepping-in-backward) frees each as its unit
+# steps. The planner predicts 0.87x the peak for the 1.04B GPT (flatshard-plan --step-in-backward 1).
+if [[ "${FLATSHARD_GPU_STATES:-1}" == 1 ]]; then
+  for in_backward in 0 1; do
+    "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --batch 1 --tag -b1 \
+      --step-in-backward "$in_backward" "$@" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
+  done
+  (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
+    --csv "$csv" --batch 1 --tag -b1 "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
+    | tee -a "$out/bench_fsdp2.log" || status=1
+fi
 # Activation recomputation of every block, both (FSDP2: non-reentrant activation
 # checkpointing of each block).
 if [[ "${FLATSHARD_GPU_RECOMPUTE:-1}" == 1 ]]; then
@@ -95,7 +110,8 @@ def wait(impl):  # Note [Communication wait]; the peers do not report it
 print("| | params | tokens/s | MFU | peak alloc GiB | reserved GiB | retries | step ms | comm wait | runs |")
 print("|---|---|---|---|---|---|---|---|---|---|")
 for name in ("flatshard", "fsdp2", "flatshard-ddp", "pytorch-ddp", "flatshard-recompute", "fsdp2-recompute",
-             "flatshard-offload", "fsdp2-offload", "flatshard-ddp-offload"):
+             "flatshard-offload", "fsdp2-offload", "flatshard-ddp-offload", "flatshard-b1", "flatshard-stepinbwd-b1",
+             "fsdp2-b1"):
     if name in rows:
         print(f"| {name} | {int(rows[name][0]['params'])/1e9:.2f}B | {med(name, 'tokens_per_s'):.0f} | "
               f"{100*med(name, 'mfu'):.1f}% | {med(name, 'peak_gib'):.2f} | {med(name, 'reserved_gib'):.2f} | "
@@ -109,7 +125,9 @@ if "flatshard" in rows and "fsdp2" in rows:
 for f, p, what in (("flatshard-ddp", "pytorch-ddp", "DDP against PyTorch DDP"),
                    ("flatshard-recompute", "fsdp2-recompute", "both recomputed"),
                    ("flatshard-offload", "fsdp2-offload", "both offloaded"),
-                   ("flatshard-ddp-offload", "flatshard-ddp", "FlatShard DDP offloaded against on the GPU")):
+                   ("flatshard-ddp-offload", "flatshard-ddp", "FlatShard DDP offloaded against on the GPU"),
+                   ("flatshard-b1", "fsdp2-b1", "batch 1"),
+                   ("flatshard-stepinbwd-b1", "fsdp2-b1", "batch 1, FlatShard stepping in backward")):
     if f not in rows or p not in rows:
         continue
     print(f"| ratio, {what} | | {med(f, 'tokens_per_s')/med(p, 'tokens_per_s'):.2f} | | "

@@ -47,6 +47,7 @@ void check_memory_budget(torch::nn::Module& model, const World& world, Strategy 
   // both are the same memory.
   o.cpu_offload = cpu_offload && on_gpu;
   o.build_on_host = built_on_host && on_gpu;
+  o.cpu_compute = !on_gpu;
   o.strategy = mode;
   o.world_size = world.world_size();
   o.shard_group_size = shard_group_size < world.world_size() ? shard_group_size : 0;

@@ -74,6 +74,17 @@ struct PlanOptions {
   // memory (Plan::host) instead of on the device; the device keeps the parameters, their
   // gradients, the staging copies and the activations.
   bool cpu_offload = false;
+  // FullyShardBase::step_in_backward (sharded modes): each unit's shard steps as soon as
+  // its gradient shard is final, and that gradient is freed at once, so late in backward
+  // only the shards in flight exist (the root's and one unit's) instead of every one.
+  // Under offload the gradient shards are the host's, where each group keeps its
+  // page-locked block for the next step: the figures do not change.
+  bool step_in_backward = false;
+  // Training on the CPU (the compute device is the host; sharded modes): FullyShard keeps
+  // freed gathered buffers and gradients in a pool (Note [Reused host buffers] in
+  // sharding/flat_param.h), up to two of the largest, taken again before the start of
+  // backward but still held where the peak falls late in backward (Plan::pool).
+  bool cpu_compute = false;
 };
 
 // Per-rank bytes by kind, and the predicted peak.
@@ -111,6 +122,8 @@ struct Plan {
   // values on their way (an fp32 shard crossing to the device to be converted for its
   // gather, a reduced one converted to fp32 on its way back).
   std::int64_t staging = 0;
+  // Under cpu_compute, where the peak falls late in backward: the pool's blocks then.
+  std::int64_t pool = 0;
   std::int64_t training() const;  // the sum of the device figures above `construction`
   std::int64_t peak = 0;          // what one rank needs: the largest of training(), construction, rebuild
   // The ZeRO paper's model-state formula for this mode (fp32 params and grads, K bytes

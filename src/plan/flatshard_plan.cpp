@@ -4,6 +4,7 @@
 //                  [--optimizer adamw|adam|sgd|sgd-momentum] [--mode full]
 //                  [--activation-mib 512] [--recompute 1] [--build-into-shards 1] [--prefetch 1]
 //                  [--budget-mib 16000] [--shard-group-size G] [--offload 1] [--build-on-host 1]
+//                  [--step-in-backward 1] [--cpu 1]
 //                  [--fit-mib 81559 [--host-mib 122880]]
 #include <algorithm>
 #include <cstdio>
@@ -31,6 +32,8 @@ int usage(const char* why) {
       "within groups of G ranks)]\n"
       "                      [--offload 0|1 (cpu_offload: states in host memory)]\n"
       "                      [--build-on-host 0|1 (built on the host, placed by options.device)]\n"
+      "                      [--step-in-backward 0|1 (sharded modes: each unit steps in backward)]\n"
+      "                      [--cpu 0|1 (training on the CPU: its buffer pool counted)]\n"
       "                      [--fit-mib D [--host-mib H]: the largest model of K units whose peak fits "
       "D MiB\n"
       "                       per rank: built on the device, built on the host, and offloaded (the host's\n"
@@ -57,7 +60,8 @@ int main(int argc, char** argv) {
   double params = 0, root = 0, activation_mib = 0, budget_mib = 0, fit_mib = 0, host_mib = 0;
   bool offload = false;
   int units = 1, prefetch = 1, param_bytes = 4, state_bytes = 8, shard_group_size = 0;
-  bool recompute = false, build_into_shards = false, build_on_host = false;
+  bool recompute = false, build_into_shards = false, build_on_host = false, step_in_backward = false,
+       cpu_compute = false;
   std::vector<int> worlds{1, 2, 4, 8};
   std::vector<Strategy> modes{Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::ShardGradOp,
                               Strategy::FullShard};
@@ -84,6 +88,10 @@ int main(int argc, char** argv) {
       build_into_shards = std::atoi(v.c_str()) != 0;
     else if (a == "--build-on-host")
       build_on_host = std::atoi(v.c_str()) != 0;
+    else if (a == "--step-in-backward")
+      step_in_backward = std::atoi(v.c_str()) != 0;
+    else if (a == "--cpu")
+      cpu_compute = std::atoi(v.c_str()) != 0;
     else if (a == "--activation-mib")
       activation_mib = std::atof(v.c_str());
     else if (a == "--budget-mib")
@@ -131,6 +139,8 @@ int main(int argc, char** argv) {
     o.build_into_shards = build_into_shards;
     o.cpu_offload = offload;
     o.build_on_host = build_on_host;
+    o.step_in_backward = step_in_backward;
+    o.cpu_compute = cpu_compute;
     return o;
   };
   if (fit_mib > 0) {

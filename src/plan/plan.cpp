@@ -70,7 +70,8 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   // yet done and one unit's recomputed internals remain (about half of the measured
   // activations). Measured: a proof run with plain SGD at world 4 (mostly shards)
   // peaks there; leaving the gradient shards out under-predicts it by 32%.
-  std::int64_t late_backward = 0, shards_bytes = 0, late_activations = 0, late_gathered = -1;
+  std::int64_t late_backward = 0, shards_bytes = 0, late_grads = 0, late_activations = 0, late_gathered = -1,
+               late_pool = 0, late_gathered_grads = 0;
   switch (mode) {
     case Strategy::NoShard:
     case Strategy::ShardOptimizerState: {
@@ -128,8 +129,16 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
         p.late_host_grads = shards * 4;
         break;
       }
+      // Stepping in backward, a gradient shard lives from its reduction to its unit's
+      // step: at most the root's and one unit's exist together.
+      late_grads = o.step_in_backward ? (root + largest(1)) / n * 4 : shards * 4;
+      // On the CPU the pool keeps up to two freed buffers of the largest size at the end of
+      // backward (measured: a states-heavy run at worlds 1 and 2 peaks 12-15% above the
+      // rest without them). Recomputing, the peak inside a unit's backward already counts
+      // the buffers the pool serves there.
+      if (o.cpu_compute && !o.recompute) late_pool = 2 * std::max(root, largest(1)) * e;
       if (o.recompute) {
-        late_backward = p.params + p.optimizer_state + shards * 4 + p.gathered_params + p.gathered_grads +
+        late_backward = p.params + p.optimizer_state + late_grads + p.gathered_params + p.gathered_grads +
                         p.activations / 2;
         late_activations = p.activations / 2;
       } else {
@@ -137,8 +146,12 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
         // root and the first unit are still gathered (shard-grad-op: every unit). Where
         // the model's states outweigh its activations, this is the peak (measured on an
         // H100: a 5.5B GPT needs its 16 bytes per parameter).
+        // Above one rank the root's unsharded gradient (the embeddings', last to finish)
+        // lives until its reduce-scatter is done; on one rank it is its own average.
         late_gathered = (root + (mode == Strategy::ShardGradOp ? all_units : largest(1))) * e;
-        late_backward = p.params + p.optimizer_state + shards * 4 + late_gathered;
+        late_gathered_grads = n > 1 ? root * e : 0;
+        late_backward =
+            p.params + p.optimizer_state + late_grads + late_gathered + late_gathered_grads + late_pool;
       }
       break;
     }
@@ -196,11 +209,12 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   }
   p.peak = std::max({p.training(), p.construction, p.rebuild});
   if (late_backward > p.peak) {  // Note [Late in backward]
-    p.grads = shards_bytes;
+    p.grads = late_grads;
     p.activations = late_activations;
+    p.pool = late_pool;
     if (late_gathered >= 0) {
       p.gathered_params = late_gathered;
-      p.gathered_grads = 0;
+      p.gathered_grads = late_gathered_grads;
     }
     p.peak = late_backward;
   }
@@ -242,20 +256,22 @@ std::int64_t largest_model(const PlanOptions& options, int units, std::int64_t d
 }
 
 std::string Plan::describe() const {
-  const char* when = peak == training()     ? ""
-                     : peak == construction ? " while the model is built"
-                                            : " while the buckets are rebuilt";
+  const char* when = peak == training() + pool ? ""
+                     : peak == construction    ? " while the model is built"
+                                               : " while the buckets are rebuilt";
   return fmt::format(
              "peak {:.1f} MiB{}; in training params {:.1f} + masters {:.1f} + grads {:.1f} + optimizer state "
              "{:.1f} "
              "+ "
-             "gathered params {:.1f} + gathered grads {:.1f} + activations {:.1f} = {:.1f}; construction "
+             "gathered params {:.1f} + gathered grads {:.1f} + activations {:.1f}{} = {:.1f}; construction "
              "{:.1f}{} "
              "(ZeRO "
              "formula {:.1f})",
              mib(peak), when, mib(params), mib(masters), mib(grads), mib(optimizer_state),
-             mib(gathered_params), mib(gathered_grads), mib(activations), mib(training()), mib(construction),
-             rebuild > 0 ? fmt::format("; bucket rebuild {:.1f}", mib(rebuild)) : "", mib(zero_formula)) +
+             mib(gathered_params), mib(gathered_grads), mib(activations),
+             pool > 0 ? fmt::format(" + pool {:.1f}", mib(pool)) : "", mib(training() + pool),
+             mib(construction), rebuild > 0 ? fmt::format("; bucket rebuild {:.1f}", mib(rebuild)) : "",
+             mib(zero_formula)) +
          (host > 0
               ? fmt::format("; offloaded to the host {:.1f} MiB (host while built {:.1f}; device staging "
                             "{:.1f})",

@@ -46,6 +46,11 @@ void run_ranks_and_expect_success(const std::vector<int>& world_sizes, std::chro
     const RunResult r = launch_current_test(spec);
     EXPECT_FALSE(r.timed_out) << "world size " << n << " hung past its deadline\n" << r.output;
     EXPECT_EQ(r.exit_code, 0) << "world size " << n << " failed\n" << r.output;
+    // The ranks' output is shown on failure, and always with FLATSHARD_TEST_OUTPUT=1
+    // (the figures a test prints, e.g. the planner's measured and predicted peaks).
+    const char* show = std::getenv("FLATSHARD_TEST_OUTPUT");
+    if (r.exit_code == 0 && !r.timed_out && show && std::string(show) == "1")
+      std::printf("world size %d:\n%s", n, r.output.c_str());
   }
 }
 

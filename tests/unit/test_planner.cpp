@@ -146,6 +146,21 @@ TEST(Planner, StatesHeavyModelsPeakAtTheEndOfBackward) {
       EXPECT_EQ(p.peak, shards * 16 + (mode == Strategy::FullShard ? unit : shape.total()) * 2);
       EXPECT_EQ(p.grads, shards * 4);
       EXPECT_EQ(p.activations, 0);
+      // Stepping in backward only one unit's gradient shard is in flight (no root here).
+      o.step_in_backward = true;
+      const auto stepped = plan::predict(shape, o);
+      const std::int64_t late =
+          shards * 12 + unit / world * 4 + (mode == Strategy::FullShard ? unit : shape.total()) * 2;
+      EXPECT_GE(stepped.peak, late);
+      EXPECT_EQ(stepped.peak, std::max({late, stepped.training(), stepped.construction}));
+      EXPECT_LT(stepped.peak, p.peak);
+      // On the CPU the pool's two largest blocks are still held then.
+      o.step_in_backward = false;
+      o.cpu_compute = true;
+      const auto on_cpu = plan::predict(shape, o);
+      EXPECT_EQ(on_cpu.peak, p.peak + 2 * unit * 2);
+      EXPECT_EQ(on_cpu.pool, 2 * unit * 2);
+      o.cpu_compute = false;
       o.cpu_offload = true;
       const auto offloaded = plan::predict(shape, o);
       EXPECT_EQ(offloaded.host, shards * 16);
