@@ -324,8 +324,17 @@ void Engine::finish_first_reduce() {
   if (g.offloaded()) {
     // Note [Offloaded gradients]: the reduced shard is copied to page-locked host memory
     // on the compute stream without blocking the host; end_of_backward waits for the
-    // device once and adds every landed shard into the host gradients.
-    landing_grads_.push_back({pending->unit, land(g, reduced), at::Tensor()});
+    // device once and adds every landed shard into the host gradients. With no gradient
+    // there yet it lands in the group's own gradient block (page-locked at its size and
+    // taken again every step: Note [Page-locked at its size]), which becomes the gradient;
+    // an earlier backward's gradient is there: land apart, add after.
+    if (g.master().grad().defined()) {
+      landing_grads_.push_back({pending->unit, land(g, reduced), at::Tensor()});
+    } else {
+      at::Tensor block = g.empty_master_grad();
+      block.copy_(reduced, /*non_blocking=*/g.pinned());
+      landing_grads_.push_back({pending->unit, std::move(block), at::Tensor()});
+    }
   } else {
     const bool adds = g.master().grad().defined();
     accumulate(g.master().mutable_grad(), reduced);

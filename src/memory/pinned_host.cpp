@@ -17,7 +17,9 @@ namespace flatshard::memory {
 // model the masters and gradients can take up to twice their bytes (a 5.5B-parameter
 // model offloaded at world 1 holds 40 GiB of them, which take 54 GiB that way). These
 // states do not come and go: a group allocates its master once and its gradient's block
-// once, and reuses that block every step (FlatParamGroup::empty_master_grad), so they
+// once, and reuses that block every step (FlatParamGroup::empty_master_grad: a sharded
+// unit's reduced shard lands straight in it, a replicated bucket's average is copied
+// into its slice of it; only a gradient added to an earlier one lands apart), so they
 // need neither size classes nor a cache. Each is a block of exactly its bytes (rounded to
 // a page), page-locked by the device library and released when its last tensor dies.
 // Short-lived staging buffers (landings, checkpoint staging) stay with PyTorch's

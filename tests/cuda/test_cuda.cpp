@@ -7,7 +7,8 @@
 //    stream's stall at a wait timed by events;
 //  - FullyShard on CUDA against single-process training on the same global batch: world
 //    1 over NCCL (fp32, bf16 compute with fp32 or bf16 reduction; the model moved to the
-//    GPU or built on the host and sharded onto it; CPU offload), world 2 over the TCP
+//    GPU or built on the host and sharded onto it; CPU offload, its masters and gradients
+//    page-locked at their size), world 2 over the TCP
 //    rings through host memory (two ranks on one GPU, which NCCL refuses);
 //  - NoShard (DDP) and ShardOptimizerState (ZeRO-1) on CUDA against single-process
 //    training: world 1 over NCCL and world 2 over the TCP rings, fp32 and bf16 compute
@@ -35,6 +36,7 @@
 #include "flatshard/memory.h"
 #include "flatshard/plan.h"
 #include "optim/step_kernels.h"
+#include "src/memory/pinned_host.h"
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
 
@@ -234,6 +236,49 @@ TEST(CudaFullyShard, BuiltOnTheHostAndOffloadedMatchSingleProcess) {
       EXPECT_EQ(r.shard_device, offload ? c10::Device(c10::kCPU) : kGpu);
       EXPECT_EQ(r.shards_pinned, offload);
     }
+  }
+}
+
+// Note [Page-locked at its size]: offloaded master shards and their gradients are blocks
+// of exactly their bytes (rounded to a page), not PyTorch's power-of-two pinned blocks. A
+// reduced shard lands straight in its group's gradient block, which the group keeps and
+// hands out again each step: the page-locked bytes are twice the masters', from the first
+// backward on, and do not grow.
+TEST(CudaFullyShard, OffloadedGradientsLandInPageLockedBlocksOfTheirSize) {
+  REQUIRE_GPU();
+  flatshard::World world;
+  auto& pinned = flatshard::memory::PinnedHost::instance();
+  const auto before = static_cast<std::int64_t>(pinned.live_bytes());
+  const auto page = [](std::int64_t bytes) {
+    constexpr std::int64_t kPage = flatshard::memory::PinnedHost::kPageBytes;
+    return std::max(kPage, (bytes + kPage - 1) / kPage * kPage);
+  };
+  torch::manual_seed(11);
+  flatshard::testing::GPT model(flatshard::testing::gpt_config());  // on the host
+  flatshard::FullyShardOptions options;
+  options.device = kGpu;
+  options.cpu_offload = true;
+  options.comm.transport = flatshard::Transport::Nccl;
+  options.mixed_precision.param = at::kBFloat16;
+  options.mixed_precision.reduce = at::kFloat;
+  flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, options);
+  flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
+  std::int64_t masters = 0;
+  for (const auto& s : fsdp.shards()) masters += page(s.numel() * 4);
+  EXPECT_EQ(static_cast<std::int64_t>(pinned.live_bytes()) - before, masters);
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(::testing::Message() << "step " << step);
+    const auto b = gpt_batch(step, 8);
+    token_loss(fsdp.forward(b.input.to(kGpu)).to(at::kFloat), b.target.to(kGpu)).backward();
+    for (const auto& s : fsdp.shards()) {
+      ASSERT_TRUE(s.grad().defined());
+      EXPECT_TRUE(s.grad().is_pinned());
+      EXPECT_EQ(s.grad().device(), c10::Device(c10::kCPU));
+    }
+    EXPECT_EQ(static_cast<std::int64_t>(pinned.live_bytes()) - before, 2 * masters);
+    opt.step();
+    opt.zero_grad();
+    EXPECT_EQ(static_cast<std::int64_t>(pinned.live_bytes()) - before, 2 * masters);  // kept for the next
   }
 }
 

@@ -48,11 +48,12 @@ TEST(Failures, KilledRankMidCollectiveFailsTheOthersFast) {
   auto comm = flatshard::Communicator::create(world, options);
   auto warm = at::ones({1000});
   comm->all_reduce(warm, ReduceOp::Sum).wait();
-  // Big enough that the collective is still moving when the victim dies.
-  auto t = at::ones({1 << 24});
+  // Big enough that the collective is still moving when the victim dies 5 ms into it (a
+  // 64 MiB all-reduce over direct copies at 2 ranks can finish within 30 ms).
+  auto t = at::ones({1 << 26});
   if (world.rank() == kVictim) {
     std::thread killer([] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(30));
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
       ::kill(::getpid(), SIGKILL);
     });
     comm->all_reduce(t, ReduceOp::Sum).wait();
