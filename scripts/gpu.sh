@@ -16,7 +16,9 @@
 #      stepping in backward against FSDP2 (FLATSHARD_GPU_STATES=0 skips it).
 # Logs and the CSV go to $OUT (the device tool's) or out/gpu. Extra arguments go to both
 # benchmarks (e.g. --layers 18 --batch 4). FLATSHARD_GPU_BUILD_ONLY=1 stops after the build
-# (scripts/gpu_profile.sh uses it).
+# (scripts/gpu_profile.sh uses it); FLATSHARD_GPU_BENCH=0 stops after the tests, and
+# FLATSHARD_GPU_TESTS=0 skips them, so that one device call can build and test and the
+# next (the build kept) benchmark, each within a call's time limit.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$root/out/gpu}"
@@ -38,9 +40,12 @@ TORCH_CUDA_ARCH_LIST="$arch_list" cmake --build "$build" -j "$(nproc)" \
       --target flatshard_cuda_tests bench_gpt_gpu flatshard-run -- -k 0 > "$out/build.log" 2>&1 \
       || { grep -m 20 -B2 -A8 'error' "$out/build.log"; exit 1; }
 [[ "${FLATSHARD_GPU_BUILD_ONLY:-0}" == 1 ]] && exit 0
-echo "== GPU tests"
 status=0
-"$build/flatshard_cuda_tests" --gtest_brief=1 2>&1 | tee "$out/tests.log" || status=1
+if [[ "${FLATSHARD_GPU_TESTS:-1}" == 1 ]]; then
+  echo "== GPU tests"
+  "$build/flatshard_cuda_tests" --gtest_brief=1 2>&1 | tee "$out/tests.log" || status=1
+fi
+[[ "${FLATSHARD_GPU_BENCH:-1}" == 1 ]] || exit $status
 
 echo "== 1B GPT, bf16, one GPU: FlatShard full shard vs PyTorch FSDP2 (alternating, $runs runs each), then with CPU offload"
 csv="$out/gpt_gpu.csv"
