@@ -16,6 +16,7 @@
 #include "flatshard/memory.h"
 #include "sharding/build_checks.h"
 #include "sharding/flat_param.h"
+#include "sharding/unit_discovery.h"
 
 namespace flatshard {
 
@@ -255,20 +256,7 @@ void shard_unit(BuildIntoShards::State* s, UnitBase& unit) {
   const ShardGroup shard = shard_group(s->world, s->options);
   fit.gathered_bytes = 2 * padded_numel(numel, shard.size, std::max<std::int64_t>(1, 16 / elem)) * elem;
   fit.device = device.str();
-  if (device.is_cuda()) {
-    try {
-      fit.device_bytes = memory::cuda_total_bytes(device.index() < 0 ? 0 : device.index());
-    } catch (const std::exception&) {
-      fit.device_bytes = 0;  // no such device: said below
-    }
-    if (fit.device_bytes == 0) {
-      throw InvalidArgument(fmt::format(
-          "{}: options.device is {}, but no such CUDA device can be used by this program (no GPU visible, or "
-          "flatshard::cuda not linked); {} was not sharded. Build for the CPU, or run on a GPU machine and "
-          "link flatshard::cuda",
-          who, device.str(), name));
-    }
-  }
+  fit.device_bytes = sharding::require_usable_device(device, who, name + " was not sharded");
   if (auto misfit = sharding::unit_does_not_fit(fit)) {
     throw MemoryBudgetError(misfit->need, misfit->limit,
                             fmt::format("{}: {} The model was not built; end this BuildIntoShards and start "

@@ -162,6 +162,8 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
                     "CUDA device",
                     rank_, world_size_, device_.str()));
   }
+  require_usable_device(device_, fmt::format("flatshard::FullyShard (rank {}/{})", rank_, world_size_),
+                        "nothing was placed on it and the model is untouched");
   if (!first_param.empty() && model_device != device_ && !model_device.is_cpu()) {
     throw InvalidArgument(fmt::format(
         "flatshard::FullyShard (rank {}/{}): the model is on {} and options.device is {}; build the model on "

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "flatshard/errors.h"
+#include "flatshard/memory.h"
 
 #include "flatshard/plan.h"
 #include "sharding/flat_param.h"
@@ -102,6 +103,24 @@ void check_memory_budget(torch::nn::Module& model, const World& world, Strategy 
           who, world.rank(), world.world_size(), shape.total(), mode_name(mode), mib(need.peak),
           budget.activation_bytes > 0 ? "" : " before activations", mib(budget.bytes), need.describe(),
           advice, offload_advice));
+}
+
+std::int64_t require_usable_device(const c10::Device& device, const std::string& who,
+                                   const std::string& not_done) {
+  if (!device.is_cuda()) return 0;
+  std::int64_t total = 0;
+  try {
+    total = memory::cuda_total_bytes(device.index() < 0 ? 0 : device.index());
+  } catch (const std::exception&) {
+    total = 0;  // no such device: said below
+  }
+  if (total > 0) return total;
+  throw InvalidArgument(fmt::format(
+      "{}: options.device is {}, but this process can use no such CUDA device (none visible, "
+      "CUDA_VISIBLE_DEVICES leaves it out, its index is past the visible ones, or flatshard::cuda is not "
+      "linked); {}. Give each rank a visible device (cuda:<local rank>, World::local_rank()), train on the "
+      "CPU (leave options.device unset), or link flatshard::cuda",
+      who, device.str(), not_done));
 }
 
 }  // namespace flatshard::sharding

@@ -32,4 +32,11 @@ void check_memory_budget(torch::nn::Module& model, const World& world, Strategy 
                          const MemoryBudget& budget, const char* who, int shard_group_size = 0,
                          bool cpu_offload = false, bool on_gpu = false, bool built_on_host = false);
 
+// Throws InvalidArgument when `device` is a CUDA device this process cannot use (no GPU
+// visible, an index past the visible ones, or flatshard::cuda not linked), before
+// anything is placed on it. `who` opens the message; `not_done` says what was left undone.
+// Returns the device's total memory (0 for the CPU).
+std::int64_t require_usable_device(const c10::Device& device, const std::string& who,
+                                   const std::string& not_done);
+
 }  // namespace flatshard::sharding

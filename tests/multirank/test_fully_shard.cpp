@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <sstream>
 #include <thread>
 
@@ -219,6 +220,33 @@ TEST(FullyShard, DifferentModelsOrStrategiesAcrossRanksAreRefused) {
       EXPECT_NE(what.find("rank 0 has strategy FullShard"), std::string::npos) << what;
       EXPECT_NE(what.find("rank " + last + " has strategy ShardGradOp"), std::string::npos) << what;
     }
+  }
+}
+
+// A CUDA device the process cannot see (no GPU, a build without CUDA, or an index past
+// the visible ones) is refused when the wrapper is made, naming the device, what the
+// process sees and what to do, before anything is placed or any collective is made.
+TEST(FullyShard, ADeviceTheProcessCannotSeeIsRefused) {
+  flatshard::World world;  // one rank
+  for (auto strategy : {Strategy::FullShard, Strategy::NoShard}) {
+    GPT model = gpt_factory()();
+    flatshard::FullyShardOptions options;
+    options.strategy = strategy;
+    options.device = c10::Device(c10::kCUDA, 100);
+    try {
+      flatshard::FullyShard<GPT> fsdp(model, world, options);
+      FAIL() << "FullyShard accepted cuda:100";
+    } catch (const flatshard::InvalidArgument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("rank 0/1"), std::string::npos) << what;
+      EXPECT_NE(what.find("cuda:100,"), std::string::npos) << what;
+      EXPECT_NE(what.find("CUDA device"), std::string::npos) << what;
+      EXPECT_NE(what.find("CUDA_VISIBLE_DEVICES"), std::string::npos) << what;
+    }
+    // The model is untouched: it still trains on the CPU.
+    flatshard::FullyShard<GPT> fsdp(model, world, {});
+    const auto b = gpt_batch(0, 2);
+    EXPECT_TRUE(std::isfinite(token_loss(fsdp.forward(b.input), b.target).item<double>()));
   }
 }
 
