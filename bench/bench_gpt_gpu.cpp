@@ -10,7 +10,7 @@
 //                 [--recompute 0|1] [--csv FILE] [--profile TRACE.json] [--mode full|ddp]
 //                 [--step-in-backward 0|1] [--tag SUFFIX]
 //
-// --tag appends SUFFIX to the CSV row's name (scripts/gpu.sh: "-b1" for its batch-1 runs).
+// --tag appends "-SUFFIX" to the CSV row's name (scripts/gpu.sh: "b1" for its batch-1 runs).
 // --step-in-backward 1 (full shard) steps each unit's shard in backward
 // (FullyShardBase::step_in_backward): the fp32 gradients never exist together.
 // --mode ddp runs the NoShard strategy instead (bf16 parameters and
@@ -209,9 +209,10 @@ int main(int argc, char** argv) {
     if (!a.csv.empty()) {
       std::ofstream f(a.csv, std::ios::app);
       f << "flatshard" << (ddp_mode ? "-ddp" : "") << (a.step_in_backward ? "-stepinbwd" : "")
-        << (a.offload ? "-offload" : "") << (a.recompute ? "-recompute" : "") << a.tag << ',' << params << ','
-        << tokens_per_s << ',' << mfu << ',' << mem.peak_bytes / gib << ',' << mem.reserved_bytes / gib << ','
-        << mem.alloc_retries << ',' << ms / a.steps << ',' << wait_share << '\n';
+        << (a.offload ? "-offload" : "") << (a.recompute ? "-recompute" : "")
+        << (a.tag.empty() ? "" : "-" + a.tag) << ',' << params << ',' << tokens_per_s << ',' << mfu << ','
+        << mem.peak_bytes / gib << ',' << mem.reserved_bytes / gib << ',' << mem.alloc_retries << ','
+        << ms / a.steps << ',' << wait_share << '\n';
     }
   }
   if (!a.profile.empty()) {

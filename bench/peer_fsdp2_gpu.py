@@ -32,7 +32,7 @@ def main():
     p.add_argument("--recompute", type=int, default=0)
     p.add_argument("--csv", default="")
     p.add_argument("--mode", default="fsdp2", choices=["fsdp2", "ddp"])
-    p.add_argument("--tag", default="", help="appended to the CSV row's name")
+    p.add_argument("--tag", default="", help="appended to the CSV row's name after a dash")
     p.add_argument("--profile", default="", help="Chrome trace of three more steps (torch.profiler)")
     a = p.parse_args()
 
@@ -113,7 +113,7 @@ def main():
         if a.csv:
             with open(a.csv, "a") as f:
                 name = ("fsdp2" if a.mode == "fsdp2" else "pytorch-ddp") + ("-offload" if a.offload else "")
-                name += ("-recompute" if a.recompute else "") + a.tag
+                name += ("-recompute" if a.recompute else "") + (f"-{a.tag}" if a.tag else "")
                 f.write(f"{name},{params},{tokens_per_s},{mfu},{stats['allocated_bytes.all.peak'] / gib},"
                         f"{stats['reserved_bytes.all.current'] / gib},{stats['num_alloc_retries']},"
                         f"{ms / a.steps},\n")  # no comm_wait: PyTorch does not report it

@@ -70,11 +70,11 @@ fi
 # steps. The planner predicts 0.87x the peak for the 1.04B GPT (flatshard-plan --step-in-backward 1).
 if [[ "${FLATSHARD_GPU_STATES:-1}" == 1 ]]; then
   for in_backward in 0 1; do
-    "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --batch 1 --tag -b1 \
+    "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --batch 1 --tag b1 \
       --step-in-backward "$in_backward" "$@" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
   done
   (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
-    --csv "$csv" --batch 1 --tag -b1 "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
+    --csv "$csv" --batch 1 --tag b1 "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
     | tee -a "$out/bench_fsdp2.log" || status=1
 fi
 # Activation recomputation of every block, both (FSDP2: non-reentrant activation
