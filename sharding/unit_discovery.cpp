@@ -69,7 +69,7 @@ void check_memory_budget(torch::nn::Module& model, const World& world, Strategy 
     if (offloaded.peak <= budget.bytes) {
       offload_advice = fmt::format(
           "; with cpu_offload it needs {:.1f} MiB of device memory and {:.1f} MiB of host memory per rank",
-          mib(offloaded.peak), mib(std::max(offloaded.host, offloaded.host_construction)));
+          mib(offloaded.peak), mib(offloaded.host_peak()));
     }
   }
   o.strategy = Strategy::FullShard;

@@ -114,6 +114,13 @@ struct Plan {
   // the offloaded fp32 shards). The host's peak is the larger of this and `host`. 0 when
   // the model is built on the device.
   std::int64_t host_construction = 0;
+  // Under cpu_offload, ZeRO-1 above one rank with a compute dtype other than fp32: the
+  // host while its buckets are laid out again after the first backward (every rank's
+  // master slices gathered in fp32 on the host, beside the old and new slices and the
+  // optimizer state). 0 otherwise.
+  std::int64_t host_rebuild = 0;
+  // The host's peak under offload: the largest of host, host_construction, host_rebuild.
+  std::int64_t host_peak() const;
   // Of `host`: what exists only after the device's peak at the start of backward (the
   // sharded modes' gradient shards, made as units finish their backward; the replicated
   // modes' master gradient is made by the first bucket, at the peak).
@@ -136,8 +143,8 @@ struct Plan {
 Plan predict(const ModelShape& shape, const PlanOptions& options);
 
 // The largest model of `units` equal units (uniform_shape) whose predicted peak fits
-// `device_bytes` per rank, and whose host memory (the larger of the offloaded states and
-// the host's construction) fits `host_bytes` per rank when the model is built on the host
+// `device_bytes` per rank, and whose host memory (Plan::host_peak) fits `host_bytes` per
+// rank when the model is built on the host
 // (options.build_on_host or cpu_offload; 0: the host is not limited), with options' other
 // settings (the activations as given). 0 when not even one parameter per unit fits.
 std::int64_t largest_model(const PlanOptions& options, int units, std::int64_t device_bytes,

@@ -172,7 +172,7 @@ int main(int argc, char** argv) {
         const auto host_peak = [&](const PlanOptions& with, std::int64_t params) {
           if (params <= 0) return 0.0;
           const Plan fit = predict(uniform_shape(params, units), with);
-          return mib(std::max(fit.host, fit.host_construction));
+          return mib(fit.host_peak());
         };
         o.cpu_offload = false;
         const double on_host_peak = host_peak(o, on_host);
@@ -194,12 +194,14 @@ int main(int argc, char** argv) {
   const bool host_columns = offload || build_on_host;
   std::printf("%-6s %6s %14s %14s %14s %14s %14s %14s%s%s\n", "mode", "world", "peak MiB", "params+grads",
               "optim state", "gathered", "construction", "ZeRO formula",
-              host_columns ? "       host MiB  host built MiB" : "", budget_mib > 0 ? "  fits" : "");
+              host_columns ? "       host MiB  host built MiB host rebuild MiB" : "",
+              budget_mib > 0 ? "  fits" : "");
   for (Strategy m : modes) {
     for (int w : worlds) {
       const Plan p = predict(shape, options_for(m, w));
-      const std::string host =
-          host_columns ? fmt::format(" {:14.1f} {:15.1f}", mib(p.host), mib(p.host_construction)) : "";
+      const std::string host = host_columns ? fmt::format(" {:14.1f} {:15.1f} {:16.1f}", mib(p.host),
+                                                          mib(p.host_construction), mib(p.host_rebuild))
+                                            : "";
       std::printf("%-6s %6d %14.1f %14.1f %14.1f %14.1f %14.1f %14.1f%s%s\n", mode_name(m), w, mib(p.peak),
                   mib(p.params + p.masters + p.grads), mib(p.optimizer_state),
                   mib(p.gathered_params + p.gathered_grads + p.staging),

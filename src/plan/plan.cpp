@@ -88,6 +88,9 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
         // slices) and their gradients on the host, always apart from the parameters.
         const std::int64_t master = mode == Strategy::NoShard ? psi * 4 : (psi * 4 + n - 1) / n;
         p.host = 2 * master + p.optimizer_state;  // the gradient from the first bucket on
+        // ZeRO-1 lays its buckets out again from every rank's slices, gathered on the host
+        // (under fp32 compute the parameters hold them, and nothing is gathered).
+        if (mode == Strategy::ShardOptimizerState && n > 1 && e != 4) p.host_rebuild = psi * 4 + p.host;
         p.masters = 0;
         p.optimizer_state = 0;
       }
@@ -233,12 +236,14 @@ std::int64_t Plan::training() const {
          staging;
 }
 
+std::int64_t Plan::host_peak() const { return std::max({host, host_construction, host_rebuild}); }
+
 std::int64_t largest_model(const PlanOptions& options, int units, std::int64_t device_bytes,
                            std::int64_t host_bytes) {
   const int u = std::max(units, 1);
   auto fits = [&](std::int64_t params) {
     const Plan p = predict(uniform_shape(params, u), options);
-    return p.peak <= device_bytes && (host_bytes <= 0 || std::max(p.host, p.host_construction) <= host_bytes);
+    return p.peak <= device_bytes && (host_bytes <= 0 || p.host_peak() <= host_bytes);
   };
   // Every figure grows with the parameter count: bisect between a size that fits and one
   // that does not (at most 2^50 parameters).
@@ -273,9 +278,13 @@ std::string Plan::describe() const {
              mib(construction), rebuild > 0 ? fmt::format("; bucket rebuild {:.1f}", mib(rebuild)) : "",
              mib(zero_formula)) +
          (host > 0
-              ? fmt::format("; offloaded to the host {:.1f} MiB (host while built {:.1f}; device staging "
+              ? fmt::format("; offloaded to the host {:.1f} MiB (host while built {:.1f}{}; device staging "
                             "{:.1f})",
-                            mib(host), mib(host_construction), mib(staging))
+                            mib(host), mib(host_construction),
+                            host_rebuild > 0
+                                ? fmt::format(", while the buckets are rebuilt {:.1f}", mib(host_rebuild))
+                                : "",
+                            mib(staging))
           : host_construction > 0 ? fmt::format("; host while built {:.1f} MiB", mib(host_construction))
                                   : "");
 }
