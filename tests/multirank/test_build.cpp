@@ -312,12 +312,12 @@ TEST(BuildIntoShards, BadInputIsRefusedAtConstruction) {
       flatshard::FullyShard<LateInit> fsdp(model, world, {});
     });
   }
-  // Shards for a GPU that this program cannot use.
+  // Shards for a GPU that this program cannot use (on a GPU machine too: past the visible ones).
   {
     flatshard::FullyShardOptions on_gpu;
-    on_gpu.device = c10::Device(c10::kCUDA, 0);
+    on_gpu.device = c10::Device(c10::kCUDA, 100);
     flatshard::BuildIntoShards build(world, on_gpu);
-    expect_refused<flatshard::InvalidArgument>("no gpu", {"options.device is cuda:0", "unit #1 (Block"},
+    expect_refused<flatshard::InvalidArgument>("no gpu", {"options.device is cuda:100,", "unit #1 (Block"},
                                                [&] { gpt_factory()(); });
   }
   // One build at a time.
