@@ -3,7 +3,7 @@
 //
 //   bench_modes --mode ddp|zero1|zero2|full [--layers 6 --dim 256 --heads 8 --vocab 4096
 //               --context 64 --batch 4 --steps 6] [--hook SPEC] [--staleness S]
-//               [--decentralized K] [--phases 1]
+//               [--decentralized K] [--phases 1] [--step-in-backward 1]
 //
 // FullyShard with optim::AdamW under the mode's strategy: ddp NoShard, zero1
 // ShardOptimizerState, zero2 ShardGradOp, full FullShard. Rank 0 prints one CSV
@@ -49,6 +49,7 @@ int main(int argc, char** argv) {
   std::string hook = "none";  // --hook SPEC: a communication hook (flatshard::hooks::parse)
   int staleness = 0;          // --staleness S: FullyShardOptions::staleness (asynchronous)
   int decentralized = 0;      // --decentralized K: FullyShardOptions::decentralized_every
+  bool in_backward = false;   // --step-in-backward 1: FullyShardBase::step_in_backward (zero2, full)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--phases") phases = std::atoi(argv[i + 1]) != 0;
@@ -74,6 +75,8 @@ int main(int argc, char** argv) {
       staleness = v;
     else if (a == "--decentralized")
       decentralized = v;
+    else if (a == "--step-in-backward")
+      in_backward = v != 0;
   }
   auto world = flatshard::init();
   const std::int64_t rss_before = rss_bytes("VmRSS:");
@@ -92,6 +95,8 @@ int main(int argc, char** argv) {
   flatshard::FullyShard<GPT> fsdp(model, world, options);
   if (auto h = flatshard::hooks::parse(hook)) fsdp.register_comm_hook(h);
   flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{3e-4});
+  if (in_backward) fsdp.step_in_backward(&opt);
+  const std::string label = mode + (in_backward ? "-stepinbwd" : "");
   flatshard::Communicator& comm = fsdp.comm();
   std::uint64_t sent_before = 0;
   double last_loss = 0;
@@ -163,7 +168,7 @@ int main(int argc, char** argv) {
     // grads, optimizer state), peak gathered params and grads, ZeRO formula, bytes sent
     // per step, last loss (the largest over ranks), the share of the step the ranks' compute
     // waited for communication (their mean).
-    std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f\n", mode.c_str(),
+    std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f\n", label.c_str(),
                 world.world_size(), static_cast<long long>(params), worst[1].item<double>(),
                 worst[0].item<double>(), worst[2].item<double>(), static_cast<long long>(param_bytes),
                 static_cast<long long>(grad_bytes), static_cast<long long>(state), worst[3].item<double>(),

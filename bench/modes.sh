@@ -5,7 +5,8 @@
 # forward) from the pinned torch, each at its strongest CPU settings (fused AdamW,
 # gradient_as_bucket_view, parameters_as_bucket_view). Two regimes: compute-bound (4
 # sequences of 128 tokens per rank) and communication-bound (1 sequence of 32 tokens per
-# rank). Prints a Markdown table with ratios for each.
+# rank), and full shard stepping in backward against FSDP2 as well. Prints a Markdown
+# table with ratios for each.
 #   bench/modes.sh [BUILD_DIR] [model args, default: --dim 512 --layers 8 --vocab 8192 --steps 4]
 #   REGIMES="compute comm" (default both)
 set -euo pipefail
@@ -42,7 +43,8 @@ print("| mode | FlatShard step ms | PyTorch step ms | step time ratio | FlatShar
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 pairs = [("DDP", "ddp", "torch_ddp"), ("ZeRO-1 (ZeroRedundancyOptimizer)", "zero1", "torch_zero1"),
          ("ZeRO-2 (shard-grad-op / FSDP2 no reshard)", "zero2", "torch_fsdp2_grad_op"),
-         ("full shard (FSDP2)", "full", "torch_fsdp2")]
+         ("full shard (FSDP2)", "full", "torch_fsdp2"),
+         ("full shard stepping in backward (FSDP2)", "full-stepinbwd", "torch_fsdp2")]
 for name, ours, theirs in pairs:
     o, t = r.get(ours), r.get(theirs)
     if not o: continue
@@ -66,6 +68,8 @@ for regime in ${REGIMES:-compute comm}; do
   for m in ddp zero1 zero2 full; do
     rows+="$(row "$build/bench/bench_modes" --mode "$m" "${args[@]}" "${shape[@]}")"$'\n'
   done
+  # Full shard stepping in backward (fully-shard.md#stepping-in-backward), against FSDP2.
+  rows+="$(row "$build/bench/bench_modes" --mode full --step-in-backward 1 "${args[@]}" "${shape[@]}")"$'\n'
   for m in torch_ddp torch_zero1 torch_fsdp2_grad_op torch_fsdp2; do
     rows+="$(row "$FLATSHARD_VENV/bin/python" "$root/bench/peer_pytorch_modes.py" --mode "$m" "${args[@]}" "${shape[@]}")"$'\n'
   done
