@@ -161,25 +161,23 @@ int main(int argc, char** argv) {
                 "host MiB then", "offloaded", "host MiB then");
     for (Strategy m : modes) {
       for (int w : worlds) {
-        auto o = options_for(m, w);
-        o.cpu_offload = false;
-        o.build_on_host = false;
-        const auto on_device = largest_model(o, units, device);
-        o.build_on_host = true;
-        const auto on_host = largest_model(o, units, device, host);
-        o.cpu_offload = true;
-        const auto offloaded = largest_model(o, units, device, host);
+        // The same model three ways: moved to the device whole, placed from the host, offloaded.
+        auto whole = options_for(m, w);
+        whole.cpu_offload = false;
+        whole.build_on_host = false;
+        auto placed = whole;
+        placed.build_on_host = true;
+        auto offload_opts = placed;
+        offload_opts.cpu_offload = true;
         const auto host_peak = [&](const PlanOptions& with, std::int64_t params) {
-          if (params <= 0) return 0.0;
-          const Plan fit = predict(uniform_shape(params, units), with);
-          return mib(fit.host_peak());
+          return params > 0 ? mib(predict(uniform_shape(params, units), with).host_peak()) : 0.0;
         };
-        o.cpu_offload = false;
-        const double on_host_peak = host_peak(o, on_host);
-        o.cpu_offload = true;
+        const auto on_device = largest_model(whole, units, device);
+        const auto on_host = largest_model(placed, units, device, host);
+        const auto offloaded = largest_model(offload_opts, units, device, host);
         std::printf("%-6s %6d %18.4g %18.4g %18.1f %18.4g %18.1f\n", mode_name(m), w,
-                    static_cast<double>(on_device), static_cast<double>(on_host), on_host_peak,
-                    static_cast<double>(offloaded), host_peak(o, offloaded));
+                    static_cast<double>(on_device), static_cast<double>(on_host), host_peak(placed, on_host),
+                    static_cast<double>(offloaded), host_peak(offload_opts, offloaded));
       }
     }
     return 0;

@@ -43,6 +43,16 @@ std::int64_t measure_activations(int rows, bool recompute = false) {
   return flatshard::memory::allocator_stats().peak_bytes - before;
 }
 
+// The planner's options for one mode of this process's runs (training on the CPU).
+plan::PlanOptions cpu_plan(Strategy mode, const flatshard::World& world, std::int64_t activations) {
+  plan::PlanOptions o;
+  o.strategy = mode;
+  o.world_size = world.world_size();
+  o.activation_bytes = activations;
+  o.cpu_compute = true;
+  return o;
+}
+
 // Peak of one mode from before the model is built to the end of its third step, in
 // bytes above what was allocated before (with cpu_offload: from the end of construction,
 // whose host figures the planner does not give).
@@ -96,11 +106,7 @@ TEST(Planner, PredictsMeasuredPeakWithinTenPercent) {
   for (bool offload : {false, true}) {
     for (Strategy mode :
          {Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::ShardGradOp, Strategy::FullShard}) {
-      plan::PlanOptions o;
-      o.strategy = mode;
-      o.world_size = world.world_size();
-      o.activation_bytes = activations;
-      o.cpu_compute = true;
+      auto o = cpu_plan(mode, world, activations);
       o.cpu_offload = offload;
       const auto predicted = plan::predict(shape, o);
       const auto expected =
@@ -132,11 +138,7 @@ TEST(Planner, PredictsMeasuredPeakWhenSteppingInBackward) {
   for (Strategy mode : {Strategy::FullShard, Strategy::ShardGradOp}) {
     std::int64_t measured_after = 0, predicted_after = 0;
     for (bool in_backward : {false, true}) {
-      plan::PlanOptions o;
-      o.strategy = mode;
-      o.world_size = world.world_size();
-      o.activation_bytes = activations;
-      o.cpu_compute = true;
+      auto o = cpu_plan(mode, world, activations);
       o.step_in_backward = in_backward;
       const auto predicted = plan::predict(shape, o);
       const auto measured = measure_peak(world, mode, {}, kRows, false, false, false, in_backward);
@@ -169,11 +171,7 @@ TEST(Planner, PredictsMeasuredPeakWithRecomputation) {
   torch::manual_seed(5);
   const auto shape = plan::shape_of(*GPT(plan_config()));
   for (Strategy mode : {Strategy::NoShard, Strategy::FullShard}) {
-    plan::PlanOptions o;
-    o.strategy = mode;
-    o.world_size = world.world_size();
-    o.activation_bytes = activations;
-    o.cpu_compute = true;
+    auto o = cpu_plan(mode, world, activations);
     o.recompute = true;
     const auto predicted = plan::predict(shape, o);
     const auto measured = measure_peak(world, mode, {}, 0, /*recompute=*/true);

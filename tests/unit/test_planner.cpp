@@ -12,7 +12,21 @@ namespace {
 namespace plan = flatshard::plan;
 using flatshard::Strategy;
 
-class OffloadSweep : public ::testing::TestWithParam<std::tuple<Strategy, int, int>> {};
+class OffloadSweep : public ::testing::TestWithParam<std::tuple<Strategy, int, int>> {
+ protected:
+  // A model of a prime count in 5 units (every unit pads), and the sweep's mode, world and
+  // compute dtype with `activations`.
+  const plan::ModelShape shape = plan::uniform_shape(1000003, 5);
+  plan::PlanOptions options(std::int64_t activations) const {
+    const auto [mode, world, param_bytes] = GetParam();
+    plan::PlanOptions o;
+    o.strategy = mode;
+    o.world_size = world;
+    o.param_bytes = param_bytes;
+    o.activation_bytes = activations;
+    return o;
+  }
+};
 
 // What offload takes off the device is on the host, byte for byte: the fp32 masters (whole,
 // or this rank's slices or shards), their gradients and the optimizer state. The device
@@ -20,13 +34,8 @@ class OffloadSweep : public ::testing::TestWithParam<std::tuple<Strategy, int, i
 // one fp32 shard of staging.
 TEST_P(OffloadSweep, StatesMoveFromTheDeviceToTheHost) {
   const auto [mode, world, param_bytes] = GetParam();
-  const auto shape = plan::uniform_shape(1000003, 5);  // a prime: every unit pads
   const std::int64_t psi = shape.total();
-  plan::PlanOptions o;
-  o.strategy = mode;
-  o.world_size = world;
-  o.param_bytes = param_bytes;
-  o.activation_bytes = 64 << 20;  // the peak at the start of backward, with or without offload
+  auto o = options(64 << 20);  // the peak at the start of backward, with or without offload
   const auto on_device = plan::predict(shape, o);
   o.cpu_offload = true;
   const auto offloaded = plan::predict(shape, o);
@@ -85,13 +94,8 @@ TEST_P(OffloadSweep, StatesMoveFromTheDeviceToTheHost) {
 // and the host holds the model as it is built. Offload implies it.
 TEST_P(OffloadSweep, BuiltOnTheHostTheDeviceNeverHoldsTheWholeModel) {
   const auto [mode, world, param_bytes] = GetParam();
-  const auto shape = plan::uniform_shape(1000003, 5);
   const std::int64_t psi = shape.total();
-  plan::PlanOptions o;
-  o.strategy = mode;
-  o.world_size = world;
-  o.param_bytes = param_bytes;
-  o.activation_bytes = 1 << 20;  // small: construction and rebuild matter to the peak
+  auto o = options(1 << 20);  // small: construction and rebuild matter to the peak
   const auto on_device = plan::predict(shape, o);
   o.build_on_host = true;
   const auto on_host = plan::predict(shape, o);
