@@ -5,6 +5,7 @@
 #include "sharding/engine_parts.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -36,10 +37,16 @@ void Engine::issue_gather(int index) {
   Unit& u = *units_[index];
   FlatParamGroup& g = *u.group;
   g.allocate_full();
+  std::optional<c10::StreamGuard> beside;
+  if (copy_in_ && g.pinned()) {  // Note [Copies beside compute]
+    copy_in_->follow_current();
+    beside.emplace(copy_in_->stream());
+  }
   g.copy_master_to_slot();  // the local shard goes into its slot: the gather is in place
   CollectiveOptions opts;
   opts.stream = StreamRole::AllGather;
   u.gather = shard_comm().all_gather(g.full(), g.full_slot(), opts);
+  beside.reset();
   account();
 }
 
@@ -302,7 +309,7 @@ void Engine::finish_first_reduce() {
       if (pending->add) {  // an earlier backward's gradient is there: land apart, add after
         landing_grads_.push_back({pending->unit, land(g, reduced), pending->target});
       } else {  // straight into the master's gradient; the end of backward waits for it
-        pending->target.copy_(reduced, /*non_blocking=*/g.pinned());
+        copy_to_host(pending->target, reduced, g.pinned());
         landing_grads_.push_back({pending->unit, at::Tensor(), pending->target});
       }
     } else if (pending->target.defined()) {
@@ -323,8 +330,9 @@ void Engine::finish_first_reduce() {
   auto reduced = pending->output.to(at::kFloat);
   if (g.offloaded()) {
     // Note [Offloaded gradients]: the reduced shard is copied to page-locked host memory
-    // on the compute stream without blocking the host; end_of_backward waits for the
-    // device once and adds every landed shard into the host gradients. With no gradient
+    // beside the compute stream (Note [Copies beside compute]) without blocking the host;
+    // end_of_backward waits for the device once and adds every landed shard into the host
+    // gradients. With no gradient
     // there yet it lands in the group's own gradient block (page-locked at its size and
     // taken again every step: Note [Page-locked at its size]), which becomes the gradient;
     // an earlier backward's gradient is there: land apart, add after.
@@ -332,7 +340,7 @@ void Engine::finish_first_reduce() {
       landing_grads_.push_back({pending->unit, land(g, reduced), at::Tensor()});
     } else {
       at::Tensor block = g.empty_master_grad();
-      block.copy_(reduced, /*non_blocking=*/g.pinned());
+      copy_to_host(block, reduced, g.pinned());
       landing_grads_.push_back({pending->unit, std::move(block), at::Tensor()});
     }
   } else {
@@ -429,18 +437,34 @@ void Engine::check_nonfinite() {
 }
 
 // A host copy of `reduced` (fp32, on the compute device), page-locked with the group's
-// master, made on the compute stream without blocking the host (Note [Offloaded gradients]).
+// master, made without blocking the host (Note [Offloaded gradients]).
 at::Tensor Engine::land(FlatParamGroup& g, const at::Tensor& reduced) {
   auto landing =
       at::empty({reduced.numel()}, at::TensorOptions().dtype(at::kFloat).pinned_memory(g.pinned()));
-  landing.copy_(reduced, /*non_blocking=*/g.pinned());
+  copy_to_host(landing, reduced, g.pinned());
   return landing;
+}
+
+// Copies `reduced` into `host`: from page-locked memory on the copy stream to the host
+// (Note [Copies beside compute]), otherwise where and as the caller runs.
+void Engine::copy_to_host(const at::Tensor& host, const at::Tensor& reduced, bool pinned) {
+  if (!copy_out_ || !pinned) {
+    host.copy_(reduced, /*non_blocking=*/pinned);
+    return;
+  }
+  copy_out_->follow_current();
+  copy_out_->keep_until_read(reduced);
+  const c10::StreamGuard beside(copy_out_->stream());
+  host.copy_(reduced, /*non_blocking=*/true);
 }
 
 void Engine::land_offloaded_grads() {
   if (landing_grads_.empty()) return;
-  // One host wait for the device-to-host copies queued on the compute stream.
+  // One host wait for the device: the copies to the host, and those to the device, which
+  // read the masters the optimizer is about to write (Note [Copies beside compute]).
   if (!device_.is_cpu()) c10::impl::VirtualGuardImpl(device_.type()).getStream(device_).synchronize();
+  if (copy_out_) copy_out_->synchronize();
+  if (copy_in_) copy_in_->synchronize();
   at::NoGradGuard no_grad;
   for (auto& l : landing_grads_) {
     if (l.target.defined()) {  // a bucket's slice (Note [Offloaded buckets])

@@ -20,6 +20,8 @@ class ShardOptimizer;
 
 namespace flatshard::sharding {
 
+class CopyStream;  // engine_parts.h
+
 class Engine {
  public:
   torch::nn::Module& model() { return *model_; }
@@ -115,7 +117,8 @@ class Engine {
   void check_nonfinite();
   void find_params_with_grad();
   void refresh_replicas();
-  static at::Tensor land(FlatParamGroup& g, const at::Tensor& reduced);
+  at::Tensor land(FlatParamGroup& g, const at::Tensor& reduced);
+  void copy_to_host(const at::Tensor& host, const at::Tensor& reduced, bool pinned);
   void land_offloaded_grads();
   void end_of_backward();
   void step_now(int unit);
@@ -170,6 +173,9 @@ class Engine {
     at::Tensor target;
   };
   std::vector<Landing> landing_grads_;
+  // Note [Copies beside compute]: under CPU offload on a GPU, the streams of the copies to
+  // the device and to the host; null otherwise.
+  std::unique_ptr<CopyStream> copy_in_, copy_out_;
   ShardMemory memory_;
   int peak_gathered_units_ = 0;
   std::int64_t synced_backwards_ = 0;

@@ -7,6 +7,9 @@
 #include <optional>
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/function_hook.h>
 
 #include "sharding/engine.h"
@@ -63,6 +66,47 @@ struct Engine::Delayed {
   std::deque<std::unique_ptr<PendingReduce>> queue;
   std::vector<at::Tensor> inputs, outputs;
   std::int64_t count = 0;  // copies made so far
+};
+
+// Note [Copies beside compute]
+// Under CPU offload on a GPU the copies between the host and the device run on two
+// streams of their own, one per direction, so that they overlap the compute stream's
+// kernels and each other (the bus carries both directions at once) instead of queuing
+// between them:
+//  - to the device, a gather's copy-in (the updated fp32 shard, converted on the device):
+//    the copy stream first waits for what the compute stream has queued so far (the
+//    gathered buffer was allocated there, and a kernel queued before may still use its
+//    memory), then copies, converts and issues the gather, so that the compute stream's
+//    wait for the gather (Engine::unshard) also waits for the copy;
+//  - to the host, a reduced gradient: the copy stream waits for the compute stream (the
+//    reduction is done there, or waited for there), and the device buffer is marked as
+//    used by the copy stream, so that the caching allocator does not hand it out again
+//    before the copy has read it.
+// The end of backward waits for both copy streams and the compute stream before the host
+// reads a gradient or the optimizer writes a master (Engine::land_offloaded_grads).
+class CopyStream {
+ public:
+  explicit CopyStream(c10::Device device)
+      : impl_(device.type()), device_(device), stream_(impl_.getStreamFromGlobalPool(device, false)) {}
+
+  const c10::Stream& stream() const { return stream_; }
+  // This stream waits for the work queued so far on the device's current stream.
+  void follow_current() const {
+    c10::Event queued(device_.type());
+    queued.record(impl_.getStream(device_));
+    queued.block(stream_);
+  }
+  // The caching allocator does not reuse t's memory before this stream's work queued up
+  // to t's release is done.
+  void keep_until_read(const at::Tensor& t) const {
+    impl_.recordDataPtrOnStream(t.storage().data_ptr(), stream_);
+  }
+  void synchronize() const { stream_.synchronize(); }
+
+ private:
+  c10::impl::VirtualGuardImpl impl_;
+  c10::Device device_;
+  c10::Stream stream_;
 };
 
 namespace detail {

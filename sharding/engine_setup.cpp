@@ -181,6 +181,10 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   CommunicatorOptions comm_options = options_.comm;
   comm_options.device = device_;
   comm_ = Communicator::create(world, comm_options);
+  if (options_.cpu_offload && device_.is_cuda()) {  // Note [Copies beside compute]
+    copy_in_ = std::make_unique<CopyStream>(device_);
+    copy_out_ = std::make_unique<CopyStream>(device_);
+  }
   {
     std::vector<std::string> units{"root unit"};
     for (std::size_t i = 0; i < declared.size(); ++i) {

@@ -187,8 +187,9 @@ void Engine::reduce_segment(int s) {
 // the buckets' gradients, as DeepSpeed's offload_optimizer does under ZeRO-1. A bucket is
 // reduced on the device as without offload (all-reduce, reduce-scatter or the hook, in the
 // reduce dtype), and its average (this rank's slice of it) is copied into its part of the
-// master's gradient in page-locked host memory, on the compute stream without blocking the
-// host (when an earlier backward left a gradient there, into a landing buffer, added after);
+// master's gradient in page-locked host memory, beside the compute stream without blocking
+// the host (Note [Copies beside compute]; when an earlier backward left a gradient there,
+// into a landing buffer, added after);
 // the end of backward waits for the device once (Note [Offloaded gradients]). The
 // optimizer steps on the host; the refresh copies each stepped slice to the device
 // (fp32, converted there) before the all-gather. On a CPU compute device the same path
