@@ -1,67 +1,119 @@
-// One optimizer step over one flat fp32 shard: FlatShard's Thrust kernels (C++ back end
-// on the CPU) against LibTorch's own torch::optim step on the same flat tensor.
-// Single-threaded, as each rank runs. Bytes/s counts the tensors the step touches.
+// One optimizer step over one flat fp32 shard: FlatShard's step kernels against
+// PyTorch's fused CPU kernels (at::_fused_adamw_ and at::_fused_sgd_, what
+// torch.optim.AdamW(fused=True) and SGD(fused=True) run, and FSDP2's CPU offload step)
+// and LibTorch's torch::optim classes, on the same sizes.
+// Each runs at 1 and 2 intra-op threads, and at every core of a larger machine (the second
+// argument): one thread is a rank of a CPU run, every core a CPU-offloaded rank's step.
+// 2^26 elements is the size of a transformer block's shard (a 1B GPT's block holds 50M
+// parameters). Bytes/s counts the tensors the step touches.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
+#include <thread>
+#include <vector>
+
 #include "flatshard/optim.h"
 
 namespace {
 
-at::Tensor flat_param(std::int64_t numel) {
-  auto p = at::randn({numel});
-  p.mutable_grad() = at::randn({numel});
-  return p;
+constexpr double kLr = 1e-3, kBeta1 = 0.9, kBeta2 = 0.999, kDecay = 0.01, kEps = 1e-8;
+
+struct Shard {
+  at::Tensor param, grad, exp_avg, exp_avg_sq;
+  explicit Shard(std::int64_t numel)
+      : param(at::randn({numel})),
+        grad(at::randn({numel})),
+        exp_avg(at::zeros({numel})),
+        exp_avg_sq(at::zeros({numel})) {}
+};
+
+void set_threads(const benchmark::State& state) { at::set_num_threads(static_cast<int>(state.range(1))); }
+
+void BM_FlatShard_AdamW(benchmark::State& state) {
+  set_threads(state);
+  auto p = at::randn({state.range(0)});
+  p.mutable_grad() = at::randn({state.range(0)});
+  flatshard::optim::AdamW opt(
+      {p}, {.lr = kLr, .beta1 = kBeta1, .beta2 = kBeta2, .eps = kEps, .weight_decay = kDecay});
+  for (auto _ : state) opt.step();
+  state.SetBytesProcessed(state.iterations() * state.range(0) * 4 * 7);  // p, g, m, v read; p, m, v written
 }
 
-void BM_Thrust_AdamW(benchmark::State& state) {
-  auto p = flat_param(state.range(0));
-  flatshard::optim::AdamW opt({p}, {});
-  for (auto _ : state) opt.step();
-  state.SetBytesProcessed(state.iterations() * state.range(0) * 4 * 5);  // p, g, m, v read; p, m, v written
+void BM_PyTorchFused_AdamW(benchmark::State& state) {
+  set_threads(state);
+  Shard s(state.range(0));
+  auto step = at::zeros({}, at::kFloat);
+  for (auto _ : state) {
+    step.add_(1);
+    at::_fused_adamw_({s.param}, {s.grad}, {s.exp_avg}, {s.exp_avg_sq}, {}, {step}, kLr, kBeta1, kBeta2,
+                      kDecay, kEps, /*amsgrad=*/false, /*maximize=*/false);
+  }
+  state.SetBytesProcessed(state.iterations() * state.range(0) * 4 * 7);
 }
 
 void BM_LibTorch_AdamW(benchmark::State& state) {
-  auto p = flat_param(state.range(0)).set_requires_grad(true);
+  set_threads(state);
+  auto p = at::randn({state.range(0)}).set_requires_grad(true);
   p.mutable_grad() = at::randn({state.range(0)});
-  torch::optim::AdamW opt({p}, torch::optim::AdamWOptions(1e-3));
+  torch::optim::AdamW opt({p}, torch::optim::AdamWOptions(kLr).weight_decay(kDecay));
+  for (auto _ : state) opt.step();
+  state.SetBytesProcessed(state.iterations() * state.range(0) * 4 * 7);
+}
+
+void BM_FlatShard_SGD(benchmark::State& state) {
+  set_threads(state);
+  auto p = at::randn({state.range(0)});
+  p.mutable_grad() = at::randn({state.range(0)});
+  flatshard::optim::SGD opt({p}, {0.01, 0.9, 0, 0.01, true});
+  for (auto _ : state) opt.step();
+  state.SetBytesProcessed(state.iterations() * state.range(0) * 4 * 5);  // p, g, buf read; p, buf written
+}
+
+void BM_PyTorchFused_SGD(benchmark::State& state) {
+  set_threads(state);
+  Shard s(state.range(0));
+  bool first = true;
+  for (auto _ : state) {
+    at::_fused_sgd_({s.param}, {s.grad}, {s.exp_avg}, /*weight_decay=*/0.01, /*momentum=*/0.9, /*lr=*/0.01,
+                    /*dampening=*/0, /*nesterov=*/true, /*maximize=*/false, /*is_first_step=*/first);
+    first = false;
+  }
+  state.SetBytesProcessed(state.iterations() * state.range(0) * 4 * 5);
+}
+
+void BM_LibTorch_SGD(benchmark::State& state) {
+  set_threads(state);
+  auto p = at::randn({state.range(0)}).set_requires_grad(true);
+  p.mutable_grad() = at::randn({state.range(0)});
+  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.01).momentum(0.9).nesterov(true).weight_decay(0.01));
   for (auto _ : state) opt.step();
   state.SetBytesProcessed(state.iterations() * state.range(0) * 4 * 5);
 }
 
-void BM_Thrust_SGD(benchmark::State& state) {
-  auto p = flat_param(state.range(0));
-  flatshard::optim::SGD opt({p}, {0.01, 0.9, 0, 0.01, true});
-  for (auto _ : state) opt.step();
-  state.SetBytesProcessed(state.iterations() * state.range(0) * 4 * 4);
-}
-
-void BM_LibTorch_SGD(benchmark::State& state) {
-  auto p = flat_param(state.range(0)).set_requires_grad(true);
-  p.mutable_grad() = at::randn({state.range(0)});
-  torch::optim::SGD opt({p}, torch::optim::SGDOptions(0.01).momentum(0.9).nesterov(true).weight_decay(0.01));
-  for (auto _ : state) opt.step();
-  state.SetBytesProcessed(state.iterations() * state.range(0) * 4 * 4);
-}
-
 void sizes(benchmark::internal::Benchmark* b) {
-  for (std::int64_t n : {std::int64_t{1} << 16, std::int64_t{1} << 20, std::int64_t{1} << 24}) b->Arg(n);
+  std::vector<int> threads{1, 2};
+  if (std::thread::hardware_concurrency() > 2)
+    threads.push_back(static_cast<int>(std::thread::hardware_concurrency()));
+  for (int t : threads) {
+    for (std::int64_t n :
+         {std::int64_t{1} << 16, std::int64_t{1} << 20, std::int64_t{1} << 24, std::int64_t{1} << 26}) {
+      b->Args({n, t});
+    }
+  }
+  b->ArgNames({"numel", "threads"});
   b->Unit(benchmark::kMillisecond);
+  b->UseRealTime();
 }
 
 }  // namespace
 
-BENCHMARK(BM_Thrust_AdamW)->Apply(sizes);
+BENCHMARK(BM_FlatShard_AdamW)->Apply(sizes);
+BENCHMARK(BM_PyTorchFused_AdamW)->Apply(sizes);
 BENCHMARK(BM_LibTorch_AdamW)->Apply(sizes);
-BENCHMARK(BM_Thrust_SGD)->Apply(sizes);
+BENCHMARK(BM_FlatShard_SGD)->Apply(sizes);
+BENCHMARK(BM_PyTorchFused_SGD)->Apply(sizes);
 BENCHMARK(BM_LibTorch_SGD)->Apply(sizes);
 
-int main(int argc, char** argv) {
-  at::set_num_threads(1);
-  benchmark::Initialize(&argc, argv);
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+BENCHMARK_MAIN();

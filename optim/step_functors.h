@@ -8,7 +8,14 @@
 
 #include "optim/step_kernels.h"
 
+// Each CPU instruction set's build of these functors (step_kernels_isa.cpp) names its own
+// inline namespace, so that the linker never merges one build's inline code into another's.
+#ifndef FLATSHARD_KERNEL_ISA
+#define FLATSHARD_KERNEL_ISA portable
+#endif
+
 namespace flatshard::optim::kernels {
+inline namespace FLATSHARD_KERNEL_ISA {
 
 // torch::optim::SGD, per element:
 //   d = g + wd * p;  buf = first ? d : momentum * buf + (1 - dampening) * d
@@ -81,8 +88,52 @@ AdamFunctor<kDecay> make_adam(float* param, const float* grad, float* m, float* 
                              static_cast<float>(std::sqrt(bc2))};
 }
 
+// The step over `numel` elements for h's modes: run(numel, functor) with the functor
+// instantiated for them (each back end's run loops over the elements).
+template <bool kDecay, bool kMomentum, bool kFirst, bool kNesterov, typename Run>
+void sgd_with(const Run& run, float* param, const float* grad, float* buf, std::int64_t numel,
+              const SgdHyper& h) {
+  run(numel, SgdFunctor<kDecay, kMomentum, kFirst, kNesterov>{param, grad, buf, h.lr, h.momentum, h.dampening,
+                                                              h.weight_decay});
+}
+
+template <bool kDecay, typename Run>
+void sgd_with_decay(const Run& run, float* param, const float* grad, float* buf, std::int64_t numel,
+                    const SgdHyper& h) {
+  if (h.momentum == 0.0f) return sgd_with<kDecay, false, false, false>(run, param, grad, buf, numel, h);
+  if (h.first_step) {
+    return h.nesterov ? sgd_with<kDecay, true, true, true>(run, param, grad, buf, numel, h)
+                      : sgd_with<kDecay, true, true, false>(run, param, grad, buf, numel, h);
+  }
+  return h.nesterov ? sgd_with<kDecay, true, false, true>(run, param, grad, buf, numel, h)
+                    : sgd_with<kDecay, true, false, false>(run, param, grad, buf, numel, h);
+}
+
+template <typename Run>
+void sgd_modes(const Run& run, float* param, const float* grad, float* buf, std::int64_t numel,
+               const SgdHyper& h) {
+  if (h.weight_decay != 0.0f) {
+    sgd_with_decay<true>(run, param, grad, buf, numel, h);
+  } else {
+    sgd_with_decay<false>(run, param, grad, buf, numel, h);
+  }
+}
+
+template <typename Run>
+void adam_modes(const Run& run, float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                std::int64_t numel, const AdamHyper& h) {
+  if (h.weight_decay == 0.0f) {
+    run(numel, make_adam<0>(param, grad, exp_avg, exp_avg_sq, h));
+  } else if (h.decoupled_weight_decay) {
+    run(numel, make_adam<2>(param, grad, exp_avg, exp_avg_sq, h));
+  } else {
+    run(numel, make_adam<1>(param, grad, exp_avg, exp_avg_sq, h));
+  }
+}
+
 struct Square {
   __host__ __device__ double operator()(float x) const { return static_cast<double>(x) * x; }
 };
 
+}  // namespace FLATSHARD_KERNEL_ISA
 }  // namespace flatshard::optim::kernels

@@ -1,28 +1,60 @@
-// The CPU instantiation of the step kernels: Thrust's C++ back end over fixed chunks
-// that LibTorch's intra-op pool runs in parallel (a CPU-offloaded step of a billion
-// parameters is memory-bound work for every core). The CUDA build compiles the same
-// bodies (step_kernels_impl.h) with the CUDA back end.
-#define THRUST_DEVICE_SYSTEM THRUST_DEVICE_SYSTEM_CPP
-#include <thrust/execution_policy.h>
-
-#include "optim/step_kernels_impl.h"
+// The CPU step kernels: a shard is cut into fixed chunks that LibTorch's intra-op pool
+// runs in parallel (a CPU-offloaded step of a billion parameters is memory-bound work for
+// every core), each chunk by the widest build of the chunk kernels this CPU runs
+// (step_kernels_cpu.h). The CUDA build compiles the same functors with Thrust's CUDA back
+// end (step_kernels_impl.h, cuda/step_kernels.cu).
+#include "optim/step_kernels_cpu.h"
 
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "flatshard/errors.h"
 
 namespace flatshard::optim::kernels {
-namespace {
+namespace cpu {
 
-const detail::Kernels<decltype(thrust::host)> host{thrust::host};
+std::vector<const ChunkKernels*> runnable() {
+  std::vector<const ChunkKernels*> out{&portable()};
+#if defined(FLATSHARD_X86_KERNELS)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) out.push_back(&avx2());
+  if (__builtin_cpu_supports("avx512f")) out.push_back(&avx512());
+#endif
+  return out;
+}
+
+const ChunkKernels& pick(const char* isa) {
+  const auto builds = runnable();
+  if (isa == nullptr || *isa == '\0') return *builds.back();
+  std::string names;
+  for (const ChunkKernels* k : builds) {
+    if (k->isa == std::string(isa)) return *k;
+    names += names.empty() ? k->isa : std::string(", ") + k->isa;
+  }
+  throw InvalidArgument(fmt::format(
+      "flatshard: FLATSHARD_CPU_KERNELS={} is not a build of the CPU step kernels this CPU runs ({}); "
+      "name one of those, or unset it for the widest",
+      isa, names));
+}
+
+const ChunkKernels& chosen() {
+  static const ChunkKernels& kernels = pick(std::getenv("FLATSHARD_CPU_KERNELS"));
+  return kernels;
+}
+
+}  // namespace cpu
+
+namespace {
 
 // Chunk boundaries depend on the element count alone, never on the number of threads,
 // so results (the sum of squares too) are the same at any thread count.
-constexpr std::int64_t kChunk = std::int64_t{1} << 16;
+constexpr std::int64_t kChunk = std::int64_t{1} << 14;
 
 template <typename F>
 void for_chunks(std::int64_t numel, const F& f) {
@@ -35,23 +67,26 @@ void for_chunks(std::int64_t numel, const F& f) {
 }  // namespace
 
 void sgd_step(float* param, const float* grad, float* momentum_buf, std::int64_t numel, const SgdHyper& h) {
+  const auto& k = cpu::chosen();
   for_chunks(numel, [&](std::int64_t, std::int64_t b, std::int64_t n) {
-    host.sgd_step(param + b, grad + b, momentum_buf ? momentum_buf + b : nullptr, n, h);
+    k.sgd_step(param + b, grad + b, momentum_buf ? momentum_buf + b : nullptr, n, h);
   });
 }
 
 void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, std::int64_t numel,
                const AdamHyper& h) {
+  const auto& k = cpu::chosen();
   for_chunks(numel, [&](std::int64_t, std::int64_t b, std::int64_t n) {
-    host.adam_step(param + b, grad + b, exp_avg + b, exp_avg_sq + b, n, h);
+    k.adam_step(param + b, grad + b, exp_avg + b, exp_avg_sq + b, n, h);
   });
 }
 
 double sum_of_squares(const float* x, std::int64_t numel) {
-  if (numel <= kChunk) return host.sum_of_squares(x, numel);
+  const auto& k = cpu::chosen();
+  if (numel <= kChunk) return k.sum_of_squares(x, numel);
   std::vector<double> partial(static_cast<std::size_t>((numel + kChunk - 1) / kChunk));
   for_chunks(numel, [&](std::int64_t c, std::int64_t b, std::int64_t n) {
-    partial[static_cast<std::size_t>(c)] = host.sum_of_squares(x + b, n);
+    partial[static_cast<std::size_t>(c)] = k.sum_of_squares(x + b, n);
   });
   double total = 0;
   for (double p : partial) total += p;
