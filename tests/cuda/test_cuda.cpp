@@ -8,7 +8,8 @@
 //  - FullyShard on CUDA against single-process training on the same global batch: world
 //    1 over NCCL (fp32, bf16 compute with fp32 or bf16 reduction; the model moved to the
 //    GPU or built on the host and sharded onto it; CPU offload, its masters and gradients
-//    page-locked at their size), world 2 over the TCP
+//    page-locked at their size, its copies waiting for a lagging compute stream), world
+//    2 over the TCP
 //    rings through host memory (two ranks on one GPU, which NCCL refuses);
 //  - NoShard (DDP) and ShardOptimizerState (ZeRO-1) on CUDA against single-process
 //    training: world 1 over NCCL and world 2 over the TCP rings, fp32 and bf16 compute
@@ -20,6 +21,7 @@
 //  - activation recomputation with dropout on the GPU;
 //  - sharded checkpoints of CUDA shards, loaded on the CPU and on the GPU with offload;
 //    NoShard's and ShardOptimizerState's saved on the GPU and loaded on the CPU.
+#include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -279,6 +281,54 @@ TEST(CudaFullyShard, OffloadedGradientsLandInPageLockedBlocksOfTheirSize) {
     opt.step();
     opt.zero_grad();
     EXPECT_EQ(static_cast<std::int64_t>(pinned.live_bytes()) - before, 2 * masters);  // kept for the next
+  }
+}
+
+// Note [Copies beside compute]: with the compute stream held back (a spinning kernel before
+// each forward and each backward), the host queues a whole step ahead of the GPU: gathered
+// buffers are freed and allocated again, and reduced gradients released, while the copies
+// to and from the host wait on their own streams for the compute they depend on. Training
+// must be bit for bit what it is without the hold-ups, under full shard (a unit's gather
+// and its gradient shard) and DDP (the buckets' averages).
+TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
+  REQUIRE_GPU();
+  flatshard::World world;
+  constexpr std::int64_t kLagCycles = 100'000'000;  // tens of milliseconds
+  const auto train = [&](flatshard::Strategy strategy, bool lag) {
+    torch::manual_seed(11);
+    flatshard::testing::GPT model(flatshard::testing::gpt_config());  // on the host
+    flatshard::FullyShardOptions options;
+    options.strategy = strategy;
+    options.device = kGpu;
+    options.cpu_offload = true;
+    options.comm.transport = flatshard::Transport::Nccl;
+    options.mixed_precision.param = at::kBFloat16;
+    options.mixed_precision.reduce = at::kFloat;
+    flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, options);
+    flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
+    std::vector<at::Tensor> out;
+    for (int step = 0; step < 3; ++step) {
+      const auto b = gpt_batch(step, 8);
+      const auto input = b.input.to(kGpu), target = b.target.to(kGpu);
+      if (lag) at::cuda::sleep(kLagCycles);
+      auto loss = token_loss(fsdp.forward(input).to(at::kFloat), target);
+      if (lag) at::cuda::sleep(kLagCycles);
+      loss.backward();
+      opt.step();
+      opt.zero_grad();
+      out.push_back(loss.detach().cpu());
+    }
+    for (const auto& shard : fsdp.shards()) out.push_back(shard.detach().cpu().clone());
+    return out;
+  };
+  for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::NoShard}) {
+    SCOPED_TRACE(flatshard::to_string(strategy));
+    const auto steady = train(strategy, false), lagging = train(strategy, true);
+    ASSERT_EQ(steady.size(), lagging.size());
+    for (std::size_t i = 0; i < steady.size(); ++i) {
+      EXPECT_TRUE(at::equal(steady[i], lagging[i]))
+          << (i < 3 ? "loss of step " : "shard ") << (i < 3 ? i : i - 3);
+    }
   }
 }
 
