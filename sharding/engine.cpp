@@ -332,10 +332,10 @@ void Engine::finish_first_reduce() {
     // Note [Offloaded gradients]: the reduced shard is copied to page-locked host memory
     // beside the compute stream (Note [Copies beside compute]) without blocking the host;
     // end_of_backward waits for the device once and adds every landed shard into the host
-    // gradients. With no gradient
-    // there yet it lands in the group's own gradient block (page-locked at its size and
-    // taken again every step: Note [Page-locked at its size]), which becomes the gradient;
-    // an earlier backward's gradient is there: land apart, add after.
+    // gradients. With no gradient there yet it lands in the group's own gradient block
+    // (page-locked at its size and taken again every step: Note [Page-locked at its
+    // size]), which becomes the gradient; an earlier backward's gradient is there: land
+    // apart, add after.
     if (g.master().grad().defined()) {
       landing_grads_.push_back({pending->unit, land(g, reduced), at::Tensor()});
     } else {
@@ -445,8 +445,8 @@ at::Tensor Engine::land(FlatParamGroup& g, const at::Tensor& reduced) {
   return landing;
 }
 
-// Copies `reduced` into `host`: from page-locked memory on the copy stream to the host
-// (Note [Copies beside compute]), otherwise where and as the caller runs.
+// Copies `reduced` into `host`: into page-locked host memory on the copy stream to the
+// host (Note [Copies beside compute]); otherwise on the caller's stream.
 void Engine::copy_to_host(const at::Tensor& host, const at::Tensor& reduced, bool pinned) {
   if (!copy_out_ || !pinned) {
     host.copy_(reduced, /*non_blocking=*/pinned);
