@@ -74,6 +74,8 @@ if(FLATSHARD_HAVE_CUDA)
   add_library(flatshard_cuda_kernels OBJECT cuda/step_kernels.cu)
   target_include_directories(flatshard_cuda_kernels PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
   target_compile_options(flatshard_cuda_kernels PRIVATE --expt-relaxed-constexpr)
+  # The functors' own inline namespace (step_functors.h), apart from the CPU builds'.
+  target_compile_definitions(flatshard_cuda_kernels PRIVATE FLATSHARD_KERNEL_ISA=device)
   add_library(flatshard_cuda cuda/device.cpp cuda/nccl_transport.cpp cuda/host_staged_transport.cpp
               cuda/register.cpp $<TARGET_OBJECTS:flatshard_cuda_kernels>)
   add_library(flatshard::cuda ALIAS flatshard_cuda)

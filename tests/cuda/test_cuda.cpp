@@ -241,6 +241,19 @@ TEST(CudaFullyShard, BuiltOnTheHostAndOffloadedMatchSingleProcess) {
   }
 }
 
+// A model built on the host, sharded onto the GPU and offloaded: bf16 compute, fp32
+// reduction and masters, NCCL.
+flatshard::FullyShardOptions offloaded_bf16(flatshard::Strategy strategy) {
+  flatshard::FullyShardOptions options;
+  options.strategy = strategy;
+  options.device = kGpu;
+  options.cpu_offload = true;
+  options.comm.transport = flatshard::Transport::Nccl;
+  options.mixed_precision.param = at::kBFloat16;
+  options.mixed_precision.reduce = at::kFloat;
+  return options;
+}
+
 // Note [Page-locked at its size]: offloaded master shards and their gradients are blocks
 // of exactly their bytes (rounded to a page), not PyTorch's power-of-two pinned blocks. A
 // reduced shard lands straight in its group's gradient block, which the group keeps and
@@ -257,13 +270,8 @@ TEST(CudaFullyShard, OffloadedGradientsLandInPageLockedBlocksOfTheirSize) {
   };
   torch::manual_seed(11);
   flatshard::testing::GPT model(flatshard::testing::gpt_config());  // on the host
-  flatshard::FullyShardOptions options;
-  options.device = kGpu;
-  options.cpu_offload = true;
-  options.comm.transport = flatshard::Transport::Nccl;
-  options.mixed_precision.param = at::kBFloat16;
-  options.mixed_precision.reduce = at::kFloat;
-  flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, options);
+  flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world,
+                                                      offloaded_bf16(flatshard::Strategy::FullShard));
   flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
   std::int64_t masters = 0;
   for (const auto& s : fsdp.shards()) masters += page(s.numel() * 4);
@@ -297,14 +305,7 @@ TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
   const auto train = [&](flatshard::Strategy strategy, bool lag) {
     torch::manual_seed(11);
     flatshard::testing::GPT model(flatshard::testing::gpt_config());  // on the host
-    flatshard::FullyShardOptions options;
-    options.strategy = strategy;
-    options.device = kGpu;
-    options.cpu_offload = true;
-    options.comm.transport = flatshard::Transport::Nccl;
-    options.mixed_precision.param = at::kBFloat16;
-    options.mixed_precision.reduce = at::kFloat;
-    flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, options);
+    flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, offloaded_bf16(strategy));
     flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
     std::vector<at::Tensor> out;
     for (int step = 0; step < 3; ++step) {
