@@ -8,14 +8,17 @@
 //   bench_gpt_gpu [--dim 2048] [--layers 18] [--heads 16] [--vocab 32768] [--context 1024]
 //                 [--batch 4] [--warmup 3] [--steps 20] [--peak-tflops 989] [--offload 0|1]
 //                 [--recompute 0|1] [--csv FILE] [--profile TRACE.json] [--mode full|ddp]
-//                 [--step-in-backward 0|1] [--tag SUFFIX]
+//                 [--step-in-backward 0|1] [--tag SUFFIX] [--bf16-copy 0|1]
 //
+// --bf16-copy 0 (with --offload 1) sends the fp32 masters to the GPU instead of their bf16
+// copies (FullyShardOptions::offload_bf16_copy; scripts/gpu.sh tags that run "fp32send").
 // --tag appends "-SUFFIX" to the CSV row's name (scripts/gpu.sh: "b1" for its batch-1 runs).
 // --step-in-backward 1 (full shard) steps each unit's shard in backward
 // (FullyShardBase::step_in_backward): the fp32 gradients never exist together.
 // --mode ddp runs the NoShard strategy instead (bf16 parameters and
-// gradients, fp32 all-reduce and masters, flatshard::optim::Adam over the masters; the
-// model moved to the GPU whole); peer_fsdp2_gpu.py --mode ddp is PyTorch DDP's run.
+// gradients, fp32 all-reduce and masters, flatshard::optim::AdamW over the masters; the
+// model moved to the GPU whole, or with --offload 1 built on the host with its fp32 master
+// kept there); peer_fsdp2_gpu.py --mode ddp is PyTorch DDP's run.
 //
 // --profile writes a Chrome trace (LibTorch's Kineto profiler, CPU and CUDA activity) of
 // three more steps after the timed ones; bench/trace_summary.py breaks it down by kernel kind.
@@ -41,7 +44,7 @@ namespace {
 struct Args {
   int dim = 2048, layers = 18, heads = 16, vocab = 32768, context = 1024, batch = 4;
   int warmup = 3, steps = 20;
-  bool offload = false, recompute = false, step_in_backward = false;
+  bool offload = false, recompute = false, step_in_backward = false, bf16_copy = true;
   double peak_tflops = 989;  // H100/H200 SXM dense bf16
   std::string csv, profile, mode = "full", tag;
 };
@@ -71,6 +74,8 @@ Args parse(int argc, char** argv) {
       a.recompute = std::atoi(v) != 0;
     else if (k == "--offload")
       a.offload = std::atoi(v) != 0;
+    else if (k == "--bf16-copy")
+      a.bf16_copy = std::atoi(v) != 0;
     else if (k == "--peak-tflops")
       a.peak_tflops = std::atof(v);
     else if (k == "--csv")
@@ -133,14 +138,14 @@ int main(int argc, char** argv) {
   flatshard::FullyShardOptions options;
   options.mixed_precision.param = at::kBFloat16;
   options.mixed_precision.reduce = at::kFloat;
-  if (ddp_mode) {
+  options.cpu_offload = a.offload;
+  options.offload_bf16_copy = a.bf16_copy;
+  if (ddp_mode && !a.offload) {
     model->to(gpu);  // a whole replica on the GPU, as DDP
-    options.strategy = flatshard::Strategy::NoShard;
   } else {
-    options.device = gpu;  // built on the host, sharded onto the GPU unit by unit
-    options.cpu_offload = a.offload;
-    options.strategy = flatshard::Strategy::FullShard;
+    options.device = gpu;  // built on the host, its masters kept there or sharded onto the GPU unit by unit
   }
+  options.strategy = ddp_mode ? flatshard::Strategy::NoShard : flatshard::Strategy::FullShard;
   flatshard::FullyShard<flatshard::models::GPT> fsdp(model, world, options);
   auto adam = std::make_unique<flatshard::optim::AdamW>(fsdp, adamw);
   if (a.step_in_backward) fsdp.step_in_backward(adam.get());
@@ -202,10 +207,10 @@ int main(int argc, char** argv) {
         "%lld retries), host peak %.1f GiB, step %.1f ms, waiting for communication %.1f%% of it "
         "(%lld waits), loss %.3f\n",
         ddp_mode ? "DDP" : (a.step_in_backward ? "full shard, step in backward" : "full shard"),
-        a.offload ? " + CPU offload" : "", a.recompute ? " + recompute" : "", params / 1e9, tokens_per_s,
-        100 * mfu, mem.peak_bytes / gib, mem.reserved_bytes / gib, static_cast<long long>(mem.alloc_retries),
-        host_peak_gib(), ms / a.steps, 100 * wait_share, static_cast<long long>(waited.waits),
-        loss.item<double>());
+        a.offload ? (a.bf16_copy ? " + CPU offload" : " + CPU offload (fp32 masters sent)") : "",
+        a.recompute ? " + recompute" : "", params / 1e9, tokens_per_s, 100 * mfu, mem.peak_bytes / gib,
+        mem.reserved_bytes / gib, static_cast<long long>(mem.alloc_retries), host_peak_gib(), ms / a.steps,
+        100 * wait_share, static_cast<long long>(waited.waits), loss.item<double>());
     if (!a.csv.empty()) {
       std::ofstream f(a.csv, std::ios::app);
       f << "flatshard" << (ddp_mode ? "-ddp" : "") << (a.step_in_backward ? "-stepinbwd" : "")

@@ -198,6 +198,17 @@ void ShardOptimizer::step_shard(std::size_t i) {
   auto stepped = [&](std::size_t p) { return got.empty() || got[p] != 0; };
   ensure_state(i);
   const auto g = grad.contiguous();
+  // Note [The bf16 copy of an offloaded master] (sharding/flat_param.cpp): the kernels
+  // write the master through raw pointers, so each run bumps its version, as an ATen
+  // in-place write would, and says when the bf16 copy was written alongside.
+  const at::Tensor copy = fsdp_ && writes_bf16_copies() ? fsdp_->bf16_copy_for_step(i) : at::Tensor();
+  auto* copy_data = copy.defined() ? reinterpret_cast<std::uint16_t*>(copy.data_ptr()) : nullptr;
+  auto step_and_mark = [&](Run& r) {
+    r.bf16_copy = copy_data ? copy_data + r.offset : nullptr;
+    step_run(i, g, r);
+    shards_[i].unsafeGetTensorImpl()->bump_version();
+    if (copy_data) fsdp_->bf16_copy_written(i);
+  };
   // Runs never cross a segment, and each segment is reported once stepped (Note
   // [Gathers behind the step] in sharding/replicated.cpp).
   std::size_t reported = 0;
@@ -216,13 +227,13 @@ void ShardOptimizer::step_shard(std::size_t i) {
       run.numel += piece.numel;
       continue;
     }
-    if (open) step_run(i, g, run);
+    if (open) step_and_mark(run);
     report_until(piece.segment);
     run = {piece.offset, piece.numel, group, step};
     run_segment = piece.segment;
     open = true;
   }
-  if (open) step_run(i, g, run);
+  if (open) step_and_mark(run);
   report_until(s.segments);
   for (std::size_t p = 0; p < s.steps.size(); ++p) {
     if (stepped(p)) ++s.steps[p];
@@ -377,7 +388,7 @@ void SGD::step_run(std::size_t i, const at::Tensor& grad, const Run& run) {
   if (shards_[i].is_cuda()) {
     kernels::cuda_kernels("optim::SGD").sgd_step(param, g, momentum, run.numel, h, nullptr);
   } else {
-    kernels::sgd_step(param, g, momentum, run.numel, h);
+    kernels::sgd_step(param, g, momentum, run.numel, h, run.bf16_copy);
   }
 }
 
@@ -499,7 +510,7 @@ void Adam::step_run(std::size_t i, const at::Tensor& grad, const Run& run) {
   if (shards_[i].is_cuda()) {
     kernels::cuda_kernels("optim::Adam").adam_step(param, g, m, v, run.numel, h, nullptr);
   } else {
-    kernels::adam_step(param, g, m, v, run.numel, h);
+    kernels::adam_step(param, g, m, v, run.numel, h, run.bf16_copy);
   }
 }
 

@@ -66,19 +66,29 @@ void for_chunks(std::int64_t numel, const F& f) {
 
 }  // namespace
 
-void sgd_step(float* param, const float* grad, float* momentum_buf, std::int64_t numel, const SgdHyper& h) {
+// A bf16 copy of a stepped chunk is written while the chunk is still in cache: 2 bytes of
+// memory traffic per element on top of AdamW's 28, instead of a pass of its own.
+void sgd_step(float* param, const float* grad, float* momentum_buf, std::int64_t numel, const SgdHyper& h,
+              std::uint16_t* bf16_copy) {
   const auto& k = cpu::chosen();
   for_chunks(numel, [&](std::int64_t, std::int64_t b, std::int64_t n) {
     k.sgd_step(param + b, grad + b, momentum_buf ? momentum_buf + b : nullptr, n, h);
+    if (bf16_copy) k.to_bf16(param + b, bf16_copy + b, n);
   });
 }
 
 void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, std::int64_t numel,
-               const AdamHyper& h) {
+               const AdamHyper& h, std::uint16_t* bf16_copy) {
   const auto& k = cpu::chosen();
   for_chunks(numel, [&](std::int64_t, std::int64_t b, std::int64_t n) {
     k.adam_step(param + b, grad + b, exp_avg + b, exp_avg_sq + b, n, h);
+    if (bf16_copy) k.to_bf16(param + b, bf16_copy + b, n);
   });
+}
+
+void to_bf16(const float* x, std::uint16_t* out, std::int64_t numel) {
+  const auto& k = cpu::chosen();
+  for_chunks(numel, [&](std::int64_t, std::int64_t b, std::int64_t n) { k.to_bf16(x + b, out + b, n); });
 }
 
 double sum_of_squares(const float* x, std::int64_t numel) {

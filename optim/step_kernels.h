@@ -18,8 +18,10 @@ struct SgdHyper {
 };
 
 // param -= lr * update, where update follows torch::optim::SGD.
-// `momentum_buf` may be null when momentum == 0.
-void sgd_step(float* param, const float* grad, float* momentum_buf, std::int64_t numel, const SgdHyper& h);
+// `momentum_buf` may be null when momentum == 0. `bf16_copy` (may be null): also writes
+// each updated parameter rounded to bf16 there (as to_bf16 does).
+void sgd_step(float* param, const float* grad, float* momentum_buf, std::int64_t numel, const SgdHyper& h,
+              std::uint16_t* bf16_copy = nullptr);
 
 struct AdamHyper {
   float lr = 0;
@@ -32,11 +34,16 @@ struct AdamHyper {
 };
 
 // torch::optim::Adam (L2 weight decay) or AdamW (decoupled), without amsgrad.
+// `bf16_copy` as for sgd_step.
 void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, std::int64_t numel,
-               const AdamHyper& h);
+               const AdamHyper& h, std::uint16_t* bf16_copy = nullptr);
 
 // Sum of squares of `numel` values of x, accumulated in double.
 double sum_of_squares(const float* x, std::int64_t numel);
+
+// x rounded to bf16, its bits in `out`: to nearest, ties to even, as c10::BFloat16 rounds
+// on the host (a NaN becomes bf16's quiet NaN).
+void to_bf16(const float* x, std::uint16_t* out, std::int64_t numel);
 
 // The same kernels on CUDA device pointers (built when the CUDA toolkit is found;
 // cuda/step_kernels.cu), issued on `stream` (a cudaStream_t; null: the calling thread's

@@ -21,6 +21,7 @@ struct ChunkKernels {
   void (*adam_step)(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, std::int64_t numel,
                     const AdamHyper& h);
   double (*sum_of_squares)(const float* x, std::int64_t numel);
+  void (*to_bf16)(const float* x, std::uint16_t* out, std::int64_t numel);
 };
 
 // Every build this CPU can run, narrowest first.

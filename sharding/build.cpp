@@ -246,6 +246,7 @@ void shard_unit(BuildIntoShards::State* s, UnitBase& unit) {
   sharding::FlatParamGroup::Placement placement;
   placement.compute = device;
   placement.offload = s->options.cpu_offload;
+  placement.bf16_copy = s->options.offload_bf16_copy;
   const std::int64_t elem = static_cast<std::int64_t>(c10::elementSize(compute));
   sharding::UnitFit fit;
   fit.unit = name;

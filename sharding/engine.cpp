@@ -592,6 +592,7 @@ ShardMemory Engine::memory() const {
     m.unsharded_param_bytes += static_cast<std::int64_t>(u->group->full().storage().nbytes());
     m.unsharded_grad_bytes += u->group->full_grad_bytes();
     if (u->group->master().grad().defined()) m.grad_shard_bytes += u->group->master().grad().nbytes();
+    m.bf16_copy_bytes += u->group->bf16_copy_bytes();
   }
   return m;
 }

@@ -41,6 +41,8 @@ class Engine {
   const std::vector<char>& params_with_grad(std::size_t shard) const;
   // Note [Gathers behind the step]
   void segment_stepped(std::size_t shard, std::size_t segment);
+  at::Tensor bf16_copy_for_step(std::size_t shard);
+  void bf16_copy_written(std::size_t shard);
   double clip_grad_norm(double max_norm);
   // Note [Step in backward]; nullptr: step after backward, as usual.
   void set_step_in_backward(optim::ShardOptimizer* optimizer);
@@ -116,6 +118,7 @@ class Engine {
   void end_of_replicated_backward();
   void check_nonfinite();
   void find_params_with_grad();
+  FlatParamGroup& group_of_shard(std::size_t shard);  // shards()[shard]'s group
   void refresh_replicas();
   at::Tensor land(FlatParamGroup& g, const at::Tensor& reduced);
   void copy_to_host(const at::Tensor& host, const at::Tensor& reduced, bool pinned);

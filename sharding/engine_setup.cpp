@@ -173,6 +173,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   FlatParamGroup::Placement placement;
   placement.compute = device_;
   placement.offload = options_.cpu_offload;
+  placement.bf16_copy = options_.offload_bf16_copy;
   for (const auto& g : built) {
     if (g) adopt_built(*g, rank_, world_size_, shard_, compute, placement, built_names);
   }
@@ -300,6 +301,19 @@ std::vector<at::Tensor> Engine::shards() const {
   }
   return out;
 }
+
+FlatParamGroup& Engine::group_of_shard(std::size_t shard) {
+  std::size_t k = 0;  // shard i is the i-th unit that has a group (shards())
+  for (const auto& u : units_) {
+    if (u->group && k++ == shard) return *u->group;
+  }
+  throw InvalidArgument(fmt::format("flatshard::FullyShard: there is no shard {} (there are {})", shard, k));
+}
+
+at::Tensor Engine::bf16_copy_for_step(std::size_t shard) {
+  return group_of_shard(shard).bf16_copy_for_step();
+}
+void Engine::bf16_copy_written(std::size_t shard) { group_of_shard(shard).bf16_copy_written(); }
 
 at::ScalarType Engine::param_dtype() const {
   for (const auto& u : units_) {

@@ -8,6 +8,7 @@
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "optim/step_kernels.h"
 #include "src/errors.h"
 #include "src/memory/pinned_host.h"
 
@@ -146,6 +147,7 @@ FlatParamGroup::FlatParamGroup(std::string name, std::vector<std::pair<std::stri
   const auto master_options =
       at::TensorOptions().dtype(at::kFloat).device(offload_ ? c10::kCPU : placement.compute);
   pinned_ = offload_ && placement.compute.is_cuda();
+  keeps_bf16_copy_ = offload_ && placement.bf16_copy && compute_dtype_ == at::kBFloat16;
   {
     at::NoGradGuard no_grad;
     if (persistent_) {
@@ -238,6 +240,8 @@ void FlatParamGroup::relayout(const std::vector<int>& order, const std::vector<i
   }
   drop_param_grads();
   master_.mutable_grad().reset();
+  bf16_copy_ = at::Tensor();  // the shard is laid out again; a new copy is made at the next step
+  bf16_copy_version_ = -1;
   std::vector<ParamSlot> old = std::move(slots_);
   slots_.clear();
   for (int i : order) slots_.push_back(old[i]);
@@ -335,9 +339,10 @@ void FlatParamGroup::copy_master_to_slot(int segment) {
   at::NoGradGuard no_grad;
   const int first = segment < 0 ? 0 : segment;
   const int end = segment < 0 ? static_cast<int>(segments_.size()) : segment + 1;
+  const bool from_copy = bf16_copy_current();
   for (int k = first; k < end; ++k) {
-    at::Tensor source = master_part(master_, k);
-    if (offload_ && compute_dtype_ != at::kFloat) {
+    at::Tensor source = master_part(from_copy ? bf16_copy_ : master_, k);
+    if (offload_ && !from_copy && compute_dtype_ != at::kFloat) {
       // fp32 to the device first (a page-locked source copies asynchronously), then convert
       // there: a converting copy from the host would convert on the host and block.
       auto staged = at::empty({source.numel()}, at::TensorOptions().dtype(at::kFloat).device(full_.device()));
@@ -346,6 +351,44 @@ void FlatParamGroup::copy_master_to_slot(int segment) {
     }
     slot_of(full_, k).copy_(source, /*non_blocking=*/pinned_);
   }
+}
+
+// Note [The bf16 copy of an offloaded master]
+// Under offload every gather sends the master shard to the device (twice a step under
+// full shard), where it is rounded to the compute dtype. With a bf16 compute dtype the
+// rounding can as well happen on the host, once per step, as the optimizer writes the
+// master: the CPU step kernels round each chunk they stepped while it is still in cache
+// (optim/step_kernels.cpp), and the gathers copy 2 bytes per parameter instead of 4. The
+// kernels round as c10::BFloat16 does, so the gathered weights are the same bits either
+// way.
+// The copy is current while the master's version counter is what it was when the copy
+// was last made or written alongside the master. Every write to the master bumps it: an
+// ATen in-place operation (a loaded checkpoint, a user's optimizer) does, and so do the
+// optimizers over shards, which write through raw pointers and bump it themselves
+// (ShardOptimizer::step_shard). A stale copy is never read: the gathers then send the
+// fp32 master, and the next step's bf16_copy_for_step converts the whole master again.
+// The copy is read by the gathers' asynchronous copies and written by the optimizer on
+// the host, under the same ordering as the master itself: the end of backward waits for
+// every copy to the device before the optimizer runs (Note [Copies beside compute]).
+at::Tensor FlatParamGroup::bf16_copy_for_step() {
+  if (!keeps_bf16_copy_) return {};
+  if (bf16_copy_current()) return bf16_copy_;
+  if (!bf16_copy_.defined()) {
+    bf16_copy_ = pinned_ ? memory::PinnedHost::instance().empty(shard_numel_, at::kBFloat16)
+                         : at::empty({shard_numel_}, at::TensorOptions().dtype(at::kBFloat16));
+  }
+  optim::kernels::to_bf16(master_.data_ptr<float>(), reinterpret_cast<std::uint16_t*>(bf16_copy_.data_ptr()),
+                          shard_numel_);
+  bf16_copy_version_ = master_._version();
+  return bf16_copy_;
+}
+
+void FlatParamGroup::bf16_copy_written() {
+  if (bf16_copy_.defined()) bf16_copy_version_ = master_._version();
+}
+
+bool FlatParamGroup::bf16_copy_current() const {
+  return bf16_copy_.defined() && bf16_copy_version_ == master_._version();
 }
 
 at::Tensor FlatParamGroup::empty_master_grad() {

@@ -107,6 +107,9 @@ class FlatParamGroup {
     // one rank holds the whole group in fp32 on the compute device (DDP without mixed
     // precision: the optimizer steps the parameters themselves).
     bool persistent = false;
+    // Under offload with a bf16 compute dtype: keep the master's bf16 copy (Note [The bf16
+    // copy of an offloaded master]).
+    bool bf16_copy = false;
   };
 
   // Takes over `params` (name, parameter) in this order: copies this rank's slice of
@@ -178,9 +181,20 @@ class FlatParamGroup {
   // from them do not block the host.
   bool pinned() const { return pinned_; }
   // Writes the master shard into this rank's slots of `full` (converting to the compute
-  // dtype), on the current stream; from offloaded masters without blocking the host.
-  // Nothing to do when the master aliases `full`. `segment` >= 0: that segment's slot only.
+  // dtype), on the current stream; from offloaded masters without blocking the host, and
+  // from the master's bf16 copy while that is current. Nothing to do when the master
+  // aliases `full`. `segment` >= 0: that segment's slot only.
   void copy_master_to_slot(int segment = -1);
+  // Note [The bf16 copy of an offloaded master]: an offloaded group with a bf16 compute
+  // dtype (and Placement::bf16_copy) keeps the master rounded to bf16 in host memory.
+  // bf16_copy_for_step() makes it current (allocating it, or converting the master when
+  // the master changed since) and returns it for the optimizer to write as it steps (an
+  // undefined tensor for a group without one); bf16_copy_written() says the optimizer
+  // wrote master and copy alike. Current while the master's version is what it was then.
+  at::Tensor bf16_copy_for_step();
+  void bf16_copy_written();
+  bool bf16_copy_current() const;
+  std::int64_t bf16_copy_bytes() const { return bf16_copy_.defined() ? bf16_copy_.nbytes() : 0; }
   // An uninitialized fp32 tensor of shard_numel elements where the master shard lives,
   // for its gradient: host memory (page-locked with the master) under offload, else the
   // compute device (from the pool on the host).
@@ -240,6 +254,9 @@ class FlatParamGroup {
   bool offload_;
   bool pinned_ = false;    // offloaded next to a GPU: host states are page-locked
   at::Tensor grad_block_;  // pinned_: the block empty_master_grad hands out while free
+  bool keeps_bf16_copy_ = false;
+  at::Tensor bf16_copy_;                 // host (page-locked when pinned_), shard_numel bf16
+  std::int64_t bf16_copy_version_ = -1;  // the master's version it was made at (-1: none)
   std::int64_t element_size_;
   std::int64_t numel_ = 0;
   std::int64_t padded_numel_ = 0;

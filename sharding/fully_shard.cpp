@@ -73,6 +73,10 @@ std::int64_t FullyShardBase::layout_version() const { return engine_->layout_ver
 void FullyShardBase::segment_stepped(std::size_t shard, std::size_t segment) {
   engine_->segment_stepped(shard, segment);
 }
+at::Tensor FullyShardBase::bf16_copy_for_step(std::size_t shard) {
+  return engine_->bf16_copy_for_step(shard);
+}
+void FullyShardBase::bf16_copy_written(std::size_t shard) { engine_->bf16_copy_written(shard); }
 const std::vector<char>& FullyShardBase::params_with_grad(std::size_t shard) const {
   return engine_->params_with_grad(shard);
 }
@@ -138,6 +142,8 @@ std::string FullyShardBase::memory_report(std::int64_t optimizer_state_bytes) co
       world_.rank(), world_.world_size(), mib(m.param_shard_bytes), mib(m.grad_shard_bytes),
       mib(m.unsharded_param_bytes), mib(m.peak_unsharded_param_bytes), mib(m.unsharded_grad_bytes),
       mib(m.peak_unsharded_grad_bytes), peak_gathered_units());
+  if (m.bf16_copy_bytes > 0)
+    line += fmt::format(" | bf16 copies of param shards {:.2f}", mib(m.bf16_copy_bytes));
   if (optimizer_state_bytes >= 0)
     line += fmt::format(" | optimizer states {:.2f}", mib(optimizer_state_bytes));
   const auto a = memory::allocator_stats();

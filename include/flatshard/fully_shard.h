@@ -104,6 +104,12 @@ struct FullyShardOptions {
   // values to the device and each reduced gradient is copied back, both without blocking
   // the host. Not with decentralized_every.
   bool cpu_offload = false;
+  // Under cpu_offload with a bf16 compute dtype (mixed_precision.param): the optimizer's
+  // step also writes each master shard rounded to bf16 into host memory beside it, and the
+  // gathers copy that to the device instead of the fp32 master: half the bytes cross, for
+  // 2 more bytes of host memory per parameter (DeepSpeed's offload keeps such a copy too).
+  // Training is bit for bit the same either way.
+  bool offload_bf16_copy = true;
   // NoShard and ShardOptimizerState: asynchronous data parallelism with bounded staleness
   // (0: off; at most kMaxStaleness). The gradients of synced backward t are averaged while
   // the next `staleness` steps compute, and backward t + staleness hands the optimizer step
@@ -135,6 +141,7 @@ ShardGroup shard_group(const World& world, const FullyShardOptions& options);
 // Byte counts of one rank (see memory accounting in docs/fully-shard.md).
 struct ShardMemory {
   std::int64_t param_shard_bytes = 0;      // fp32 master shards
+  std::int64_t bf16_copy_bytes = 0;        // their bf16 copies (cpu_offload, offload_bf16_copy)
   std::int64_t grad_shard_bytes = 0;       // fp32 shard gradients
   std::int64_t unsharded_param_bytes = 0;  // gathered flat buffers now
   std::int64_t unsharded_grad_bytes = 0;   // unsharded flat gradients now
@@ -198,6 +205,12 @@ class FullyShardBase {
   // Optimizers over shards call it after stepping each segment of shard i, in order
   // (ShardOptimizerState then gathers that bucket while the next ones step).
   void segment_stepped(std::size_t shard, std::size_t segment);
+  // Optimizers over shards call it before stepping shard i: the shard's bf16 copy, made
+  // current, for the step to write as it writes the master (an undefined tensor when the
+  // shard has none; FullyShardOptions::offload_bf16_copy). After each run they write, they
+  // bump the master's version and call bf16_copy_written(i).
+  at::Tensor bf16_copy_for_step(std::size_t shard);
+  void bf16_copy_written(std::size_t shard);
 
   // Scales every shard gradient so that the global norm over all ranks is at most
   // max_norm; returns the norm before clipping. A collective: every rank calls it.

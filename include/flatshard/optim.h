@@ -144,9 +144,18 @@ class ShardOptimizer {
     std::int64_t numel = 0;
     std::size_t group = 0;
     std::int64_t step = 1;
+    // Where the run starts in the shard's bf16 copy (CPU offload:
+    // FullyShardOptions::offload_bf16_copy), for step_run to write each updated element
+    // rounded to bf16 (optim/step_kernels.h does it as it steps); null when the shard has
+    // none, or the optimizer does not write copies.
+    std::uint16_t* bf16_copy = nullptr;
   };
   // Steps one run of shard i, whose gradient is `grad` (contiguous, same length).
   virtual void step_run(std::size_t i, const at::Tensor& grad, const Run& run) = 0;
+  // Whether step_run writes Run::bf16_copy. An optimizer that does not leaves the copies
+  // stale (its step still counts as a write of the masters), and the gathers then send
+  // the fp32 masters.
+  virtual bool writes_bf16_copies() const { return false; }
   // Makes shard i's state before its first run steps.
   virtual void ensure_state(std::size_t i) = 0;
 
@@ -175,6 +184,7 @@ class SGD final : public ShardOptimizer {
 
  private:
   void step_run(std::size_t i, const at::Tensor& grad, const Run& run) override;
+  bool writes_bf16_copies() const override { return true; }
   void ensure_state(std::size_t i) override;
   bool has_momentum() const;
   std::vector<SGDOptions> options_;   // by group
@@ -201,6 +211,7 @@ class Adam : public ShardOptimizer {
 
  private:
   void step_run(std::size_t i, const at::Tensor& grad, const Run& run) override;
+  bool writes_bf16_copies() const override { return true; }
   void ensure_state(std::size_t i) override;
   std::vector<AdamOptions> options_;  // by group
   bool decoupled_ = false;

@@ -74,6 +74,10 @@ struct PlanOptions {
   // memory (Plan::host) instead of on the device; the device keeps the parameters, their
   // gradients, the staging copies and the activations.
   bool cpu_offload = false;
+  // FullyShardOptions::offload_bf16_copy: under cpu_offload with a 2-byte compute dtype
+  // (taken as bf16), the host also keeps the masters rounded to bf16 (2 bytes per master
+  // element, in Plan::host).
+  bool offload_bf16_copy = true;
   // FullyShardBase::step_in_backward (sharded modes): each unit's shard steps as soon as
   // its gradient shard is final, and that gradient is freed at once, so late in backward
   // only the shards in flight exist (the root's and one unit's) instead of every one.
@@ -105,7 +109,9 @@ struct Plan {
   // and new parameter and gradient buckets exist at once.
   std::int64_t rebuild = 0;
   // Under cpu_offload: the host memory the offloaded states take in training (page-locked
-  // on a GPU machine), which the figures above and `peak` leave out. 0 without offload.
+  // on a GPU machine), which the figures above and `peak` leave out: the fp32 masters,
+  // their gradients, the optimizer state and the masters' bf16 copies
+  // (PlanOptions::offload_bf16_copy). 0 without offload.
   std::int64_t host = 0;
   // Built on the host (build_on_host, cpu_offload): the host memory while the model is
   // built and wrapped. Built whole, the model (4 bytes per parameter), beside the

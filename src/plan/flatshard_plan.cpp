@@ -4,7 +4,7 @@
 //                  [--optimizer adamw|adam|sgd|sgd-momentum] [--mode full]
 //                  [--activation-mib 512] [--recompute 1] [--build-into-shards 1] [--prefetch 1]
 //                  [--budget-mib 16000] [--shard-group-size G] [--offload 1] [--build-on-host 1]
-//                  [--step-in-backward 1] [--cpu 1]
+//                  [--step-in-backward 1] [--cpu 1] [--offload-bf16-copy 0]
 //                  [--fit-mib 81559 [--host-mib 122880]]
 #include <algorithm>
 #include <cstdio>
@@ -31,6 +31,9 @@ int usage(const char* why) {
       "                      [--budget-mib B] [--shard-group-size G (hybrid: zero2/full shard "
       "within groups of G ranks)]\n"
       "                      [--offload 0|1 (cpu_offload: states in host memory)]\n"
+      "                      [--offload-bf16-copy 0|1 (under offload in bf16: the masters' bf16 copies on "
+      "the "
+      "host; default 1)]\n"
       "                      [--build-on-host 0|1 (built on the host, placed by options.device)]\n"
       "                      [--step-in-backward 0|1 (sharded modes: each unit steps in backward)]\n"
       "                      [--cpu 0|1 (training on the CPU: its buffer pool counted)]\n"
@@ -58,7 +61,7 @@ int main(int argc, char** argv) {
   using namespace flatshard::plan;
   using flatshard::Strategy;
   double params = 0, root = 0, activation_mib = 0, budget_mib = 0, fit_mib = 0, host_mib = 0;
-  bool offload = false;
+  bool offload = false, offload_bf16_copy = true;
   int units = 1, prefetch = 1, param_bytes = 4, state_bytes = 8, shard_group_size = 0;
   bool recompute = false, build_into_shards = false, build_on_host = false, step_in_backward = false,
        cpu_compute = false;
@@ -102,6 +105,8 @@ int main(int argc, char** argv) {
       host_mib = std::atof(v.c_str());
     else if (a == "--offload")
       offload = std::atoi(v.c_str()) != 0;
+    else if (a == "--offload-bf16-copy")
+      offload_bf16_copy = std::atoi(v.c_str()) != 0;
     else if (a == "--dtype") {
       if (v != "fp32" && v != "bf16") return usage("--dtype is fp32 or bf16");
       param_bytes = v == "bf16" ? 2 : 4;
@@ -138,6 +143,7 @@ int main(int argc, char** argv) {
     o.recompute = recompute;
     o.build_into_shards = build_into_shards;
     o.cpu_offload = offload;
+    o.offload_bf16_copy = offload_bf16_copy;
     o.build_on_host = build_on_host;
     o.step_in_backward = step_in_backward;
     o.cpu_compute = cpu_compute;

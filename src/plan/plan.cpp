@@ -63,6 +63,8 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   const std::int64_t psi = shape.total();
   const std::int64_t k = o.optimizer_state_bytes;
   p.activations = o.activation_bytes;
+  // Note [The bf16 copy of an offloaded master] (sharding/flat_param.cpp).
+  const bool bf16_copy = o.cpu_offload && o.offload_bf16_copy && e == 2;
   // Note [Late in backward]
   // With recomputation the activations alive at the start of backward are small, and the
   // sharded modes may peak late in backward instead: the gradient shards of the units
@@ -89,8 +91,10 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
         const std::int64_t master = mode == Strategy::NoShard ? psi * 4 : (psi * 4 + n - 1) / n;
         p.host = 2 * master + p.optimizer_state;  // the gradient from the first bucket on
         // ZeRO-1 lays its buckets out again from every rank's slices, gathered on the host
-        // (under fp32 compute the parameters hold them, and nothing is gathered).
+        // (under fp32 compute the parameters hold them, and nothing is gathered), before
+        // the first step makes the bf16 copy.
         if (mode == Strategy::ShardOptimizerState && n > 1 && e != 4) p.host_rebuild = psi * 4 + p.host;
+        if (bf16_copy) p.host += master / 2;
         p.masters = 0;
         p.optimizer_state = 0;
       }
@@ -124,7 +128,7 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
         // Note [Offloaded gradients]: masters, gradient shards and optimizer state on the
         // host; on the device, a unit's fp32 shard crossing to be converted for its gather,
         // or its reduced shard on its way back.
-        p.host = shards * (8 + k);
+        p.host = shards * (bf16_copy ? 10 + k : 8 + k);
         p.params = 0;
         p.optimizer_state = 0;
         // fp32 compute copies straight from the host's shard and reduces into fp32.

@@ -273,8 +273,12 @@ TEST(CudaFullyShard, OffloadedGradientsLandInPageLockedBlocksOfTheirSize) {
   flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world,
                                                       offloaded_bf16(flatshard::Strategy::FullShard));
   flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
-  std::int64_t masters = 0;
-  for (const auto& s : fsdp.shards()) masters += page(s.numel() * 4);
+  std::int64_t masters = 0, copies = 0, copy_bytes = 0;
+  for (const auto& s : fsdp.shards()) {
+    masters += page(s.numel() * 4);
+    copies += page(s.numel() * 2);  // Note [The bf16 copy of an offloaded master]
+    copy_bytes += s.numel() * 2;
+  }
   EXPECT_EQ(static_cast<std::int64_t>(pinned.live_bytes()) - before, masters);
   for (int step = 0; step < 3; ++step) {
     SCOPED_TRACE(::testing::Message() << "step " << step);
@@ -285,10 +289,12 @@ TEST(CudaFullyShard, OffloadedGradientsLandInPageLockedBlocksOfTheirSize) {
       EXPECT_TRUE(s.grad().is_pinned());
       EXPECT_EQ(s.grad().device(), c10::Device(c10::kCPU));
     }
-    EXPECT_EQ(static_cast<std::int64_t>(pinned.live_bytes()) - before, 2 * masters);
+    const std::int64_t made = step > 0 ? copies : 0;  // the first step makes the bf16 copies
+    EXPECT_EQ(static_cast<std::int64_t>(pinned.live_bytes()) - before, 2 * masters + made);
     opt.step();
     opt.zero_grad();
-    EXPECT_EQ(static_cast<std::int64_t>(pinned.live_bytes()) - before, 2 * masters);  // kept for the next
+    EXPECT_EQ(static_cast<std::int64_t>(pinned.live_bytes()) - before, 2 * masters + copies);  // kept
+    EXPECT_EQ(fsdp.memory().bf16_copy_bytes, copy_bytes);
   }
 }
 
@@ -297,15 +303,19 @@ TEST(CudaFullyShard, OffloadedGradientsLandInPageLockedBlocksOfTheirSize) {
 // buffers are freed and allocated again, and reduced gradients released, while the copies
 // to and from the host wait on their own streams for the compute they depend on. Training
 // must be bit for bit what it is without the hold-ups, under full shard (a unit's gather
-// and its gradient shard) and DDP (the buckets' averages).
+// and its gradient shard) and DDP (the buckets' averages). And bit for bit what it is
+// when the fp32 masters cross instead of their bf16 copies (Note [The bf16 copy of an
+// offloaded master]): the host rounds as the GPU does.
 TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
   REQUIRE_GPU();
   flatshard::World world;
   constexpr std::int64_t kLagCycles = 100'000'000;  // tens of milliseconds
-  const auto train = [&](flatshard::Strategy strategy, bool lag) {
+  const auto train = [&](flatshard::Strategy strategy, bool lag, bool bf16_copies = true) {
     torch::manual_seed(11);
     flatshard::testing::GPT model(flatshard::testing::gpt_config());  // on the host
-    flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, offloaded_bf16(strategy));
+    auto options = offloaded_bf16(strategy);
+    options.offload_bf16_copy = bf16_copies;
+    flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, options);
     flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
     std::vector<at::Tensor> out;
     for (int step = 0; step < 3; ++step) {
@@ -324,11 +334,15 @@ TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
   };
   for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::NoShard}) {
     SCOPED_TRACE(flatshard::to_string(strategy));
-    const auto steady = train(strategy, false), lagging = train(strategy, true);
-    ASSERT_EQ(steady.size(), lagging.size());
-    for (std::size_t i = 0; i < steady.size(); ++i) {
-      EXPECT_TRUE(at::equal(steady[i], lagging[i]))
-          << (i < 3 ? "loss of step " : "shard ") << (i < 3 ? i : i - 3);
+    const auto steady = train(strategy, false), lagging = train(strategy, true),
+               fp32_sent = train(strategy, false, false);
+    for (const auto* other : {&lagging, &fp32_sent}) {
+      ASSERT_EQ(steady.size(), other->size());
+      for (std::size_t i = 0; i < steady.size(); ++i) {
+        EXPECT_TRUE(at::equal(steady[i], (*other)[i]))
+            << (other == &lagging ? "lagging: " : "fp32 sent: ") << (i < 3 ? "loss of step " : "shard ")
+            << (i < 3 ? i : i - 3);
+      }
     }
   }
 }

@@ -403,6 +403,72 @@ TEST(FullyShard, CpuOffloadTrainsBitForBitAsWithout) {
   }
 }
 
+// Note [The bf16 copy of an offloaded master]: the gathers send the masters' bf16 copies
+// only while no other write reached the masters. Between steps of FlatShard's AdamW, the
+// masters are scaled in place (as a user's code or a loaded checkpoint writes them) and
+// stepped by an optimizer that knows nothing of the copies: training must stay bit for bit
+// what it is without offload, under every strategy, and the copies must exist only where
+// they are asked for.
+TEST(FullyShard, OffloadedBf16CopiesAreNeverSentStale) {
+  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  for (Strategy strategy :
+       {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    struct Run {
+      std::vector<float> losses;
+      std::vector<at::Tensor> shards;
+      std::int64_t copy_bytes = 0;
+    };
+    auto train = [&](bool offload, bool copies) {
+      auto model = gpt_factory()();
+      flatshard::FullyShardOptions options;
+      options.strategy = strategy;
+      options.mixed_precision.param = at::kBFloat16;
+      options.mixed_precision.reduce = at::kFloat;
+      options.cpu_offload = offload;
+      options.offload_bf16_copy = copies;
+      options.comm.timeout = std::chrono::seconds(60);
+      flatshard::FullyShard<GPT> fsdp(model, world, options);
+      flatshard::optim::AdamW adamw(fsdp, {});
+      Run r;
+      for (int step = 0; step < 5; ++step) {
+        const auto b = gpt_batch(step, 4 * world.world_size());
+        const auto rows = [&](const at::Tensor& t) { return t.narrow(0, 4 * world.rank(), 4); };
+        const auto loss = token_loss(fsdp.forward(rows(b.input)), rows(b.target));
+        loss.backward();
+        r.losses.push_back(loss.item<float>());
+        if (step == 3) {  // an optimizer over the shards alone: it writes the masters, not the copies
+          flatshard::optim::SGD sgd(fsdp.shards(), {0.05});
+          sgd.step();
+        } else {
+          adamw.step();
+        }
+        adamw.zero_grad();
+        if (step == 1) {  // a write of the user's own
+          at::NoGradGuard no_grad;
+          for (auto& shard : fsdp.shards()) shard.mul_(0.75);
+        }
+        r.copy_bytes = std::max(r.copy_bytes, fsdp.memory().bf16_copy_bytes);
+      }
+      for (const auto& shard : fsdp.shards()) r.shards.push_back(shard.clone());
+      return r;
+    };
+    const Run plain = train(false, true), offloaded = train(true, true), without = train(true, false);
+    SCOPED_TRACE(::testing::Message() << to_string(strategy) << " world " << world.world_size());
+    EXPECT_EQ(plain.copy_bytes, 0);
+    EXPECT_EQ(without.copy_bytes, 0);
+    std::int64_t shard_numel = 0;
+    for (const auto& shard : plain.shards) shard_numel += shard.numel();
+    EXPECT_EQ(offloaded.copy_bytes, 2 * shard_numel) << "a bf16 copy of every master shard";
+    for (const Run* r : {&offloaded, &without}) {
+      EXPECT_EQ(r->losses, plain.losses);
+      ASSERT_EQ(r->shards.size(), plain.shards.size());
+      for (std::size_t i = 0; i < plain.shards.size(); ++i)
+        EXPECT_TRUE(at::equal(r->shards[i], plain.shards[i])) << i;
+    }
+  }
+}
+
 // Stepping in backward (Note [Step in backward]) is the step after backward, bit for bit,
 // with gradient accumulation, under both strategies and with offload; it leaves no
 // gradient shard behind, and refuses what needs every gradient first.

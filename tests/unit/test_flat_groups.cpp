@@ -110,6 +110,54 @@ TEST(FlatParamGroup, GradientViewsAccumulateInTheFlatGradient) {
   EXPECT_FALSE(g.full_grad_allocated());
 }
 
+// Note [The bf16 copy of an offloaded master]: an offloaded bf16 group sends its bf16 copy
+// while the master's version is the one the copy was made at, and the fp32 master (rounded
+// on the way) otherwise; a group without offload, in fp32, or told not to, keeps none.
+TEST(FlatParamGroup, OffloadedMasterSendsItsBf16CopyOnlyWhileCurrent) {
+  FlatParamGroup::Placement offloaded;
+  offloaded.offload = true;
+  offloaded.bf16_copy = true;
+  FlatParamGroup g("g", three_params(), 2, 1, at::kBFloat16, offloaded);
+  auto slot = [&] {
+    g.allocate_full();
+    g.full().zero_();
+    g.copy_master_to_slot();
+    return g.full_slot().clone();
+  };
+  const auto rounded = [&] { return g.master().to(at::kBFloat16); };
+  EXPECT_EQ(g.bf16_copy_bytes(), 0) << "made at the first step, not before";
+  EXPECT_TRUE(at::equal(slot(), rounded()));
+
+  at::Tensor copy = g.bf16_copy_for_step();
+  ASSERT_TRUE(copy.defined());
+  EXPECT_EQ(g.bf16_copy_bytes(), g.shard_numel() * 2);
+  EXPECT_TRUE(at::equal(copy, rounded())) << "made from the master";
+  // What the step writes into the copy is what the gathers send: the master is not read.
+  copy.fill_(-3);
+  g.bf16_copy_written();
+  EXPECT_TRUE(g.bf16_copy_current());
+  EXPECT_TRUE(at::equal(slot(), at::full({g.shard_numel()}, -3, at::kBFloat16)));
+  // A write to the master the copy did not see (an ATen in-place operation) makes it stale.
+  {
+    at::NoGradGuard no_grad;
+    g.master().add_(0.5);
+  }
+  EXPECT_FALSE(g.bf16_copy_current());
+  EXPECT_TRUE(at::equal(slot(), rounded()));
+  EXPECT_TRUE(at::equal(g.bf16_copy_for_step(), rounded())) << "the next step converts the master again";
+  EXPECT_TRUE(g.bf16_copy_current());
+
+  for (const auto& [dtype, placement] : {std::pair{at::kBFloat16, FlatParamGroup::Placement{}},
+                                         std::pair{at::kFloat, offloaded}, std::pair{at::kHalf, offloaded}}) {
+    FlatParamGroup none("none", three_params(), 2, 1, dtype, placement);
+    EXPECT_FALSE(none.bf16_copy_for_step().defined()) << c10::toString(dtype);
+    EXPECT_EQ(none.bf16_copy_bytes(), 0);
+  }
+  offloaded.bf16_copy = false;
+  FlatParamGroup off("off", three_params(), 2, 1, at::kBFloat16, offloaded);
+  EXPECT_FALSE(off.bf16_copy_for_step().defined()) << "FullyShardOptions::offload_bf16_copy = false";
+}
+
 // Note [Reused host buffers]: a freed block serves the next request it fits (up to a
 // quarter larger), the pool keeps at most its limit (oldest dropped first), and blocks
 // over the limit are not kept.

@@ -51,7 +51,12 @@ TEST_P(OffloadSweep, StatesMoveFromTheDeviceToTheHost) {
     // Master shards, gradient shards (4 bytes each) and AdamW's 8 bytes, per padded shard.
     std::int64_t shards = 0;
     for (auto u : shape.unit_numels) shards += flatshard::padded_numel(u, world, 16 / param_bytes) / world;
-    EXPECT_EQ(offloaded.host, shards * 16);
+    // Under bf16, the masters' bf16 copies too (2 bytes per element; Note [The bf16 copy of an
+    // offloaded master]).
+    EXPECT_EQ(offloaded.host, shards * (param_bytes == 2 ? 18 : 16));
+    auto without_copies = o;
+    without_copies.offload_bf16_copy = false;
+    EXPECT_EQ(plan::predict(shape, without_copies).host, shards * 16);
     EXPECT_EQ(offloaded.params, 0);
     EXPECT_EQ(offloaded.late_host_grads, shards * 4);
     EXPECT_EQ(offloaded.staging,  // bf16 gathers convert an fp32 shard on the device
@@ -61,18 +66,19 @@ TEST_P(OffloadSweep, StatesMoveFromTheDeviceToTheHost) {
     EXPECT_EQ(offloaded.construction, 0);  // built on the host, each shard goes to host memory
     // The host holds the model as built and the master shards cut from it; built into
     // shards, the shards and one unit at full size (the root here has no parameters).
-    EXPECT_EQ(offloaded.host_construction, psi * 4 + shards * 4);
+    EXPECT_EQ(offloaded.host_construction, psi * 4 + shards * 4);  // the copies come with the first step
     o.build_into_shards = true;
     EXPECT_EQ(plan::predict(shape, o).host_construction, shards * 4 + shape.unit_numels[0] * 4);
   } else {
     const std::int64_t master = mode == Strategy::NoShard ? psi * 4 : (psi * 4 + world - 1) / world;
     const std::int64_t state = mode == Strategy::NoShard ? psi * 8 : (psi * 8 + world - 1) / world;
-    EXPECT_EQ(offloaded.host, 2 * master + state);
+    const std::int64_t copy = param_bytes == 2 ? master / 2 : 0;
+    EXPECT_EQ(offloaded.host, 2 * master + state + copy);
     EXPECT_EQ(offloaded.host_construction, psi * 4 + master);  // the model and its masters
     // ZeRO-1 gathers every rank's slices on the host to lay its buckets out again (not
     // under fp32, where the parameters hold them, nor on one rank, where the slices are all).
     const bool gathers = mode == Strategy::ShardOptimizerState && world > 1 && param_bytes != 4;
-    EXPECT_EQ(offloaded.host_rebuild, gathers ? psi * 4 + offloaded.host : 0);
+    EXPECT_EQ(offloaded.host_rebuild, gathers ? psi * 4 + offloaded.host - copy : 0);
     EXPECT_EQ(offloaded.host_peak(),
               std::max({offloaded.host, offloaded.host_construction, offloaded.host_rebuild}));
     EXPECT_EQ(offloaded.late_host_grads, 0);
@@ -83,8 +89,10 @@ TEST_P(OffloadSweep, StatesMoveFromTheDeviceToTheHost) {
     // keep no separate master: the parameters are the masters).
     const bool aliased = param_bytes == 4 && (mode == Strategy::NoShard || world == 1);
     EXPECT_EQ(on_device.training() - offloaded.training(), on_device.masters + on_device.optimizer_state);
-    EXPECT_EQ(offloaded.host - (on_device.masters + on_device.optimizer_state),
+    EXPECT_EQ(offloaded.host - copy - (on_device.masters + on_device.optimizer_state),
               aliased ? 2 * master : (mode == Strategy::NoShard ? 0 : master));
+    o.offload_bf16_copy = false;
+    EXPECT_EQ(plan::predict(shape, o).host, offloaded.host - copy);
   }
 }
 
@@ -173,7 +181,7 @@ TEST(Planner, StatesHeavyModelsPeakAtTheEndOfBackward) {
       o.cpu_compute = false;
       o.cpu_offload = true;
       const auto offloaded = plan::predict(shape, o);
-      EXPECT_EQ(offloaded.host, shards * 16);
+      EXPECT_EQ(offloaded.host, shards * 18);           // with the masters' bf16 copies
       EXPECT_LE(offloaded.peak + shards * 12, p.peak);  // at least masters and AdamW's state leave
     }
   }

@@ -9,6 +9,10 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/BFloat16.h>
+
+#include <limits>
+
 #include "flatshard/errors.h"
 #include "optim/step_kernels_cpu.h"
 
@@ -93,6 +97,57 @@ TEST(CpuStepKernels, EveryBuildThisCpuRunsComputesThePortableBits) {
     const double got = k->sum_of_squares(x.data(), kNumel), want = reference.sum_of_squares(x.data(), kNumel);
     EXPECT_EQ(std::memcmp(&got, &want, sizeof got), 0) << got << " against " << want;
   }
+}
+
+// The bf16 copies that CPU offload sends to the GPU instead of the fp32 masters must be
+// the bits the GPU would make of those masters: c10::BFloat16's rounding, in every build,
+// on ties, subnormals, infinities, overflow to infinity and NaN too.
+TEST(CpuStepKernels, Bf16CopiesRoundAsLibTorchDoes) {
+  std::vector<float> x = values(40, 1.0f);
+  const auto big = values(41, 1e30f), tiny = values(42, 1e-39f);
+  x.insert(x.end(), big.begin(), big.end());
+  x.insert(x.end(), tiny.begin(), tiny.end());
+  for (std::uint32_t low : {0x8000u, 0x7FFFu, 0x8001u}) {  // ties, and either side of them
+    for (std::uint32_t high : {0x3F80u, 0x3F81u, 0xBF81u, 0x0001u, 0x7F7Fu}) {
+      const std::uint32_t u = high << 16 | low;
+      float f;
+      std::memcpy(&f, &u, sizeof f);
+      x.push_back(f);
+    }
+  }
+  for (float f :
+       {0.0f, -0.0f, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+        std::numeric_limits<float>::max(), std::numeric_limits<float>::denorm_min(),
+        std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN()}) {
+    x.push_back(f);
+  }
+  const auto n = static_cast<std::int64_t>(x.size());
+  std::vector<std::uint16_t> want(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) want[i] = c10::BFloat16(x[i]).x;
+  for (const ChunkKernels* k : runnable()) {
+    SCOPED_TRACE(k->isa);
+    std::vector<std::uint16_t> got(x.size());
+    k->to_bf16(x.data(), got.data(), n);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      ASSERT_EQ(got[i], want[i]) << "element " << i << " = " << x[i];
+    }
+  }
+  // The steps write each stepped element's copy, across chunks and threads.
+  constexpr std::int64_t kMany = 3 * (std::int64_t{1} << 14) + 5;
+  std::vector<float> param(kMany, 0.5f), grad(kMany), m(kMany, 0.0f), v(kMany, 0.0f);
+  for (std::int64_t i = 0; i < kMany; ++i) grad[i] = std::sin(static_cast<float>(i));
+  std::vector<std::uint16_t> copy(kMany, 0), rounded(kMany);
+  AdamHyper h;
+  h.lr = 1e-3f;
+  kernels::adam_step(param.data(), grad.data(), m.data(), v.data(), kMany, h, copy.data());
+  kernels::to_bf16(param.data(), rounded.data(), kMany);
+  EXPECT_EQ(copy, rounded);
+  EXPECT_EQ(rounded[kMany - 1], c10::BFloat16(param[kMany - 1]).x);
+  SgdHyper s;
+  s.lr = 0.1f;
+  kernels::sgd_step(param.data(), grad.data(), nullptr, kMany, s, copy.data());
+  kernels::to_bf16(param.data(), rounded.data(), kMany);
+  EXPECT_EQ(copy, rounded);
 }
 
 TEST(CpuStepKernels, TheWidestRunnableBuildIsPickedUnlessOneIsNamed) {
