@@ -6,6 +6,8 @@
 // argument): one thread is a rank of a CPU run, every core a CPU-offloaded rank's step.
 // 2^26 elements is the size of a transformer block's shard (a 1B GPT's block holds 50M
 // parameters). Bytes/s counts the tensors the step touches.
+// FlatShard_AdamW_Bf16Copy is CPU offload's step under bf16 compute: AdamW that also
+// writes the masters' bf16 copies, which the gathers send (FullyShardOptions::offload_bf16_copy).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "flatshard/optim.h"
+#include "optim/step_kernels.h"
 
 namespace {
 
@@ -39,6 +42,27 @@ void BM_FlatShard_AdamW(benchmark::State& state) {
       {p}, {.lr = kLr, .beta1 = kBeta1, .beta2 = kBeta2, .eps = kEps, .weight_decay = kDecay});
   for (auto _ : state) opt.step();
   state.SetBytesProcessed(state.iterations() * state.range(0) * 4 * 7);  // p, g, m, v read; p, m, v written
+}
+
+void BM_FlatShard_AdamW_Bf16Copy(benchmark::State& state) {
+  set_threads(state);
+  Shard s(state.range(0));
+  std::vector<std::uint16_t> copy(static_cast<std::size_t>(state.range(0)));
+  flatshard::optim::kernels::AdamHyper h;
+  h.lr = static_cast<float>(kLr);
+  h.beta1 = static_cast<float>(kBeta1);
+  h.beta2 = static_cast<float>(kBeta2);
+  h.eps = static_cast<float>(kEps);
+  h.weight_decay = static_cast<float>(kDecay);
+  h.decoupled_weight_decay = true;
+  h.step = 0;
+  for (auto _ : state) {
+    ++h.step;
+    flatshard::optim::kernels::adam_step(s.param.data_ptr<float>(), s.grad.data_ptr<float>(),
+                                         s.exp_avg.data_ptr<float>(), s.exp_avg_sq.data_ptr<float>(),
+                                         state.range(0), h, copy.data());
+  }
+  state.SetBytesProcessed(state.iterations() * state.range(0) * (4 * 7 + 2));  // and the copy written
 }
 
 void BM_PyTorchFused_AdamW(benchmark::State& state) {
@@ -110,6 +134,7 @@ void sizes(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK(BM_FlatShard_AdamW)->Apply(sizes);
+BENCHMARK(BM_FlatShard_AdamW_Bf16Copy)->Apply(sizes);
 BENCHMARK(BM_PyTorchFused_AdamW)->Apply(sizes);
 BENCHMARK(BM_LibTorch_AdamW)->Apply(sizes);
 BENCHMARK(BM_FlatShard_SGD)->Apply(sizes);
