@@ -403,12 +403,36 @@ TEST(FullyShard, CpuOffloadTrainsBitForBitAsWithout) {
   }
 }
 
+// A user's optimizer over the wrapper that knows nothing of the bf16 copies: plain SGD,
+// writing the masters through raw pointers as FlatShard's kernels do.
+class RawSgd final : public flatshard::optim::ShardOptimizer {
+ public:
+  RawSgd(flatshard::FullyShardBase& fsdp, double lr) : ShardOptimizer(fsdp, {}, "RawSgd"), lr_(lr) {}
+  std::int64_t state_bytes() const override { return 0; }
+  double lr(std::size_t) const override { return lr_; }
+  void set_lr(std::size_t, double lr) override { lr_ = lr; }
+  std::map<std::string, double> hyperparameters(std::size_t) const override { return {{"lr", lr_}}; }
+  void set_hyperparameters(std::size_t, const std::map<std::string, double>& v) override { lr_ = v.at("lr"); }
+  std::vector<std::pair<std::string, at::Tensor>> named_state(std::size_t) const override { return {}; }
+  std::vector<std::string> state_names() const override { return {}; }
+  at::Tensor mutable_state(std::size_t, const std::string&) override { return {}; }
+
+ private:
+  void step_run(std::size_t i, const at::Tensor& grad, const Run& run) override {
+    float* p = shards_[i].data_ptr<float>() + run.offset;
+    const float* g = grad.data_ptr<float>() + run.offset;
+    for (std::int64_t k = 0; k < run.numel; ++k) p[k] -= static_cast<float>(lr_) * g[k];
+  }
+  void ensure_state(std::size_t) override {}
+  double lr_;
+};
+
 // Note [The bf16 copy of an offloaded master]: the gathers send the masters' bf16 copies
 // only while no other write reached the masters. Between steps of FlatShard's AdamW, the
 // masters are scaled in place (as a user's code or a loaded checkpoint writes them) and
-// stepped by an optimizer that knows nothing of the copies: training must stay bit for bit
-// what it is without offload, under every strategy, and the copies must exist only where
-// they are asked for.
+// stepped by optimizers that know nothing of the copies (one over the bare shards, one of
+// the user's own over the wrapper): training must stay bit for bit what it is without
+// offload, under every strategy, and the copies must exist only where they are asked for.
 TEST(FullyShard, OffloadedBf16CopiesAreNeverSentStale) {
   FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(240));
   auto world = flatshard::init();
@@ -431,7 +455,7 @@ TEST(FullyShard, OffloadedBf16CopiesAreNeverSentStale) {
       flatshard::FullyShard<GPT> fsdp(model, world, options);
       flatshard::optim::AdamW adamw(fsdp, {});
       Run r;
-      for (int step = 0; step < 5; ++step) {
+      for (int step = 0; step < 6; ++step) {
         const auto b = gpt_batch(step, 4 * world.world_size());
         const auto rows = [&](const at::Tensor& t) { return t.narrow(0, 4 * world.rank(), 4); };
         const auto loss = token_loss(fsdp.forward(rows(b.input)), rows(b.target));
@@ -440,6 +464,8 @@ TEST(FullyShard, OffloadedBf16CopiesAreNeverSentStale) {
         if (step == 3) {  // an optimizer over the shards alone: it writes the masters, not the copies
           flatshard::optim::SGD sgd(fsdp.shards(), {0.05});
           sgd.step();
+        } else if (step == 2) {
+          RawSgd(fsdp, 0.05).step();
         } else {
           adamw.step();
         }
