@@ -12,7 +12,8 @@
 #      retries, with ratios; then both with every block recomputed (FLATSHARD_GPU_RECOMPUTE=0
 #      skips it) and with CPU offload (FLATSHARD_GPU_OFFLOAD=0 skips it; FlatShard's once
 #      more sending fp32 masters instead of bf16 copies, FLATSHARD_GPU_OFFLOAD_FP32=0 skips
-#      that, and its DDP offloaded, which FLATSHARD_GPU_DDP=0 skips); FlatShard's DDP
+#      that, once stepping in backward, FLATSHARD_GPU_OFFLOAD_STEP=0 skips that, and its DDP
+#      offloaded, which FLATSHARD_GPU_DDP=0 skips); FlatShard's DDP
 #      against PyTorch DDP (FLATSHARD_GPU_DDP=0 skips it); and at batch 1, where the model's
 #      states set the peak at the end of backward, FlatShard's full shard with and without
 #      stepping in backward against FSDP2 (FLATSHARD_GPU_STATES=0 skips it).
@@ -103,6 +104,12 @@ if [[ "${FLATSHARD_GPU_OFFLOAD:-1}" == 1 ]]; then
     "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --offload 1 --bf16-copy 0 \
       --tag fp32send "$@" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
   fi
+  # Stepping in backward, offloaded: each unit steps on the host beside the rest of backward
+  # (Note [Offloaded steps beside backward]).
+  if [[ "${FLATSHARD_GPU_OFFLOAD_STEP:-1}" == 1 ]]; then
+    "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --offload 1 \
+      --step-in-backward 1 "$@" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
+  fi
   # FlatShard's DDP offloaded (ZeRO-Offload's layout without sharding): no PyTorch peer
   # offloads DDP; the table sets it against FlatShard's DDP on the GPU.
   if [[ "${FLATSHARD_GPU_DDP:-1}" == 1 ]]; then
@@ -123,7 +130,8 @@ def wait(impl):  # Note [Communication wait]; the peers do not report it
 print("| | params | tokens/s | MFU | peak alloc GiB | reserved GiB | retries | step ms | comm wait | runs |")
 print("|---|---|---|---|---|---|---|---|---|---|")
 for name in ("flatshard", "fsdp2", "flatshard-ddp", "pytorch-ddp", "flatshard-recompute", "fsdp2-recompute",
-             "flatshard-offload", "fsdp2-offload", "flatshard-offload-fp32send", "flatshard-ddp-offload", "flatshard-b1", "flatshard-stepinbwd-b1",
+             "flatshard-offload", "fsdp2-offload", "flatshard-offload-fp32send", "flatshard-stepinbwd-offload",
+             "flatshard-ddp-offload", "flatshard-b1", "flatshard-stepinbwd-b1",
              "fsdp2-b1"):
     if name in rows:
         print(f"| {name} | {int(rows[name][0]['params'])/1e9:.2f}B | {med(name, 'tokens_per_s'):.0f} | "
@@ -140,6 +148,7 @@ for f, p, what in (("flatshard-ddp", "pytorch-ddp", "DDP against PyTorch DDP"),
                    ("flatshard-offload", "fsdp2-offload", "both offloaded"),
                    ("flatshard-offload-fp32send", "fsdp2-offload", "both offloaded, FlatShard sending fp32 masters"),
                    ("flatshard-offload", "flatshard-offload-fp32send", "offloaded, bf16 copies against fp32 masters sent"),
+                   ("flatshard-stepinbwd-offload", "fsdp2-offload", "both offloaded, FlatShard stepping in backward"),
                    ("flatshard-ddp-offload", "flatshard-ddp", "FlatShard DDP offloaded against on the GPU"),
                    ("flatshard-b1", "fsdp2-b1", "batch 1"),
                    ("flatshard-stepinbwd-b1", "fsdp2-b1", "batch 1, FlatShard stepping in backward")):

@@ -95,6 +95,9 @@ void Engine::prefetch(int index) {
 
 void Engine::pre_forward(int index) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
+  // A backward that failed midway did not wait for its steps (Note [Offloaded steps beside
+  // backward]): no gather reads a master while one may still be stepped.
+  if (!steps_beside_.empty()) finish_steps_beside_backward();
   Unit& u = *units_[index];
   if (replicated_) {
     refresh_replicas();
@@ -341,7 +344,11 @@ void Engine::finish_first_reduce() {
     } else {
       at::Tensor block = g.empty_master_grad();
       copy_to_host(block, reduced, g.pinned());
-      landing_grads_.push_back({pending->unit, std::move(block), at::Tensor()});
+      if (step_in_backward_) {
+        step_beside_backward(pending->unit, std::move(block));
+      } else {
+        landing_grads_.push_back({pending->unit, std::move(block), at::Tensor()});
+      }
     }
   } else {
     const bool adds = g.master().grad().defined();
@@ -372,6 +379,14 @@ void Engine::end_of_backward() {
     if (units_[i]->pre_backward_done && !units_[i]->post_backward_done) post_backward(i);
   }
   finish_pending_reduce();
+  // A failed step (Note [Offloaded steps beside backward]) is rethrown once backward's
+  // bookkeeping is done, so that the next forward starts from a finished backward.
+  std::exception_ptr failed_step;
+  try {
+    finish_steps_beside_backward();
+  } catch (...) {
+    failed_step = std::current_exception();
+  }
   land_offloaded_grads();
   for (int i = 0; i < num_units(); ++i) {
     reshard(i);
@@ -382,6 +397,7 @@ void Engine::end_of_backward() {
   if (no_sync_) return;
   ++synced_backwards_;
   find_params_with_grad();
+  if (failed_step) std::rethrow_exception(failed_step);
   check_nonfinite();
 }
 
@@ -458,6 +474,44 @@ void Engine::copy_to_host(const at::Tensor& host, const at::Tensor& reduced, boo
   host.copy_(reduced, /*non_blocking=*/true);
 }
 
+// Note [Offloaded steps beside backward]
+// Stepping in backward under CPU offload, a unit whose reduced gradient shard is on its
+// way to the host (copied into the group's own block, no earlier gradient to add to) is
+// handed to a host thread of the engine's own (step_stream_), which waits for that copy
+// alone (an event recorded on the copy stream after it; on the CPU the copy is done) and
+// steps the unit's master there, in the order the units were reduced. The thread that
+// runs backward goes on queueing the next units' backward meanwhile, so the optimizer's
+// work on the host, which after backward would leave the GPU idle, runs beside the rest of
+// backward instead. A unit's step touches its own group only (its master, gradient and
+// bf16 copy, and its entry of params_with_grad_): backward no longer reads them, and the
+// next forward's gathers come after the end of backward, which waits for every step
+// (finish_steps_beside_backward) and then rethrows the first step's error. The arithmetic
+// is the step's after backward, bit for bit.
+void Engine::step_beside_backward(int unit, at::Tensor landing) {
+  std::shared_ptr<c10::Event> copied;
+  if (copy_out_) copied = copy_out_->record();
+  if (!step_stream_) step_stream_ = std::make_unique<Stream>("flatshard offloaded steps");
+  steps_beside_.push_back(step_stream_->submit([this, unit, copied, landing = std::move(landing)]() mutable {
+    if (copied) copied->synchronize();
+    at::NoGradGuard no_grad;
+    units_[unit]->group->master().mutable_grad() = std::move(landing);
+    step_now(unit);
+  }));
+}
+
+void Engine::finish_steps_beside_backward() {
+  std::exception_ptr first;
+  for (auto& step : steps_beside_) {
+    try {
+      step.synchronize();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  steps_beside_.clear();
+  if (first) std::rethrow_exception(first);
+}
+
 void Engine::land_offloaded_grads() {
   if (landing_grads_.empty()) return;
   // One host wait for the device: the copies to the host, and those to the device, which
@@ -487,6 +541,7 @@ void Engine::land_offloaded_grads() {
 // whatever needs every gradient first: clipping the global norm, and skipping a step for
 // NaN/Inf.
 void Engine::set_step_in_backward(optim::ShardOptimizer* optimizer) {
+  finish_steps_beside_backward();
   step_in_backward_ = nullptr;
   shard_of_unit_.clear();
   if (!optimizer) return;

@@ -12,6 +12,7 @@
 #include "flatshard/comm_hooks.h"
 #include "flatshard/communicator.h"
 #include "flatshard/fully_shard.h"
+#include "flatshard/stream.h"
 #include "sharding/flat_param.h"
 
 namespace flatshard::optim {
@@ -123,6 +124,9 @@ class Engine {
   at::Tensor land(FlatParamGroup& g, const at::Tensor& reduced);
   void copy_to_host(const at::Tensor& host, const at::Tensor& reduced, bool pinned);
   void land_offloaded_grads();
+  // Note [Offloaded steps beside backward]
+  void step_beside_backward(int unit, at::Tensor landing);
+  void finish_steps_beside_backward();
   void end_of_backward();
   void step_now(int unit);
   std::vector<Communicator*> communicators() const;  // the engine's, every one
@@ -211,6 +215,11 @@ class Engine {
   std::int64_t layout_version_ = 0;   // changes when layout() does
   std::vector<int> shard_of_unit_;    // unit -> index in shards(), -1 without parameters
   std::recursive_mutex hooks_mutex_;  // forward and backward hooks (see Engine::Unit)
+  // Note [Offloaded steps beside backward]: the host thread that steps offloaded units
+  // whose gradients have landed while backward goes on, and its steps not yet waited for.
+  // Last, so that it is drained before anything it uses goes.
+  std::unique_ptr<Stream> step_stream_;
+  std::vector<Event> steps_beside_;
 };
 
 }  // namespace flatshard::sharding

@@ -102,6 +102,12 @@ class CopyStream {
     impl_.recordDataPtrOnStream(t.storage().data_ptr(), stream_);
   }
   void synchronize() const { stream_.synchronize(); }
+  // An event after the work queued on this stream so far.
+  std::shared_ptr<c10::Event> record() const {
+    auto done = std::make_shared<c10::Event>(device_.type());
+    done->record(stream_);
+    return done;
+  }
 
  private:
   c10::impl::VirtualGuardImpl impl_;

@@ -281,6 +281,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
 
 Engine::~Engine() {
   try {
+    finish_steps_beside_backward();
     finish_pending_reduce();
     for (auto& w : early_gathers_) w.wait();
     for (auto& u : units_) {

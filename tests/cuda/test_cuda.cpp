@@ -305,18 +305,21 @@ TEST(CudaFullyShard, OffloadedGradientsLandInPageLockedBlocksOfTheirSize) {
 // must be bit for bit what it is without the hold-ups, under full shard (a unit's gather
 // and its gradient shard) and DDP (the buckets' averages). And bit for bit what it is
 // when the fp32 masters cross instead of their bf16 copies (Note [The bf16 copy of an
-// offloaded master]): the host rounds as the GPU does.
+// offloaded master]): the host rounds as the GPU does; and, lagging, when each unit steps
+// in backward on the host as its gradient lands (full shard).
 TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
   REQUIRE_GPU();
   flatshard::World world;
   constexpr std::int64_t kLagCycles = 100'000'000;  // tens of milliseconds
-  const auto train = [&](flatshard::Strategy strategy, bool lag, bool bf16_copies = true) {
+  const auto train = [&](flatshard::Strategy strategy, bool lag, bool bf16_copies = true,
+                         bool in_backward = false) {
     torch::manual_seed(11);
     flatshard::testing::GPT model(flatshard::testing::gpt_config());  // on the host
     auto options = offloaded_bf16(strategy);
     options.offload_bf16_copy = bf16_copies;
     flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, options);
     flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
+    if (in_backward) fsdp.step_in_backward(&opt);
     std::vector<at::Tensor> out;
     for (int step = 0; step < 3; ++step) {
       const auto b = gpt_batch(step, 8);
@@ -334,14 +337,20 @@ TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
   };
   for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::NoShard}) {
     SCOPED_TRACE(flatshard::to_string(strategy));
+    const bool sharded = strategy == flatshard::Strategy::FullShard;
     const auto steady = train(strategy, false), lagging = train(strategy, true),
                fp32_sent = train(strategy, false, false);
-    for (const auto* other : {&lagging, &fp32_sent}) {
+    // Stepping in backward, each unit steps on the host once its gradient's copy is done
+    // (Note [Offloaded steps beside backward]), which the lag holds back.
+    const auto in_backward = sharded ? train(strategy, true, true, true) : steady;
+    for (const auto* other : {&lagging, &fp32_sent, &in_backward}) {
       ASSERT_EQ(steady.size(), other->size());
       for (std::size_t i = 0; i < steady.size(); ++i) {
         EXPECT_TRUE(at::equal(steady[i], (*other)[i]))
-            << (other == &lagging ? "lagging: " : "fp32 sent: ") << (i < 3 ? "loss of step " : "shard ")
-            << (i < 3 ? i : i - 3);
+            << (other == &lagging     ? "lagging: "
+                : other == &fp32_sent ? "fp32 sent: "
+                                      : "in backward: ")
+            << (i < 3 ? "loss of step " : "shard ") << (i < 3 ? i : i - 3);
       }
     }
   }

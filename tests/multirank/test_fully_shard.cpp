@@ -405,9 +405,11 @@ TEST(FullyShard, CpuOffloadTrainsBitForBitAsWithout) {
 
 // A user's optimizer over the wrapper that knows nothing of the bf16 copies: plain SGD,
 // writing the masters through raw pointers as FlatShard's kernels do.
+// It throws instead of stepping its run number `fail_at` (counted from 0; -1: never).
 class RawSgd final : public flatshard::optim::ShardOptimizer {
  public:
-  RawSgd(flatshard::FullyShardBase& fsdp, double lr) : ShardOptimizer(fsdp, {}, "RawSgd"), lr_(lr) {}
+  RawSgd(flatshard::FullyShardBase& fsdp, double lr, int fail_at = -1)
+      : ShardOptimizer(fsdp, {}, "RawSgd"), lr_(lr), fail_at_(fail_at) {}
   std::int64_t state_bytes() const override { return 0; }
   double lr(std::size_t) const override { return lr_; }
   void set_lr(std::size_t, double lr) override { lr_ = lr; }
@@ -419,12 +421,15 @@ class RawSgd final : public flatshard::optim::ShardOptimizer {
 
  private:
   void step_run(std::size_t i, const at::Tensor& grad, const Run& run) override {
+    if (runs_++ == fail_at_) throw std::runtime_error("RawSgd: this run fails");
     float* p = shards_[i].data_ptr<float>() + run.offset;
     const float* g = grad.data_ptr<float>() + run.offset;
     for (std::int64_t k = 0; k < run.numel; ++k) p[k] -= static_cast<float>(lr_) * g[k];
   }
   void ensure_state(std::size_t) override {}
   double lr_;
+  int fail_at_;
+  int runs_ = 0;
 };
 
 // Note [The bf16 copy of an offloaded master]: the gathers send the masters' bf16 copies
@@ -492,6 +497,51 @@ TEST(FullyShard, OffloadedBf16CopiesAreNeverSentStale) {
       for (std::size_t i = 0; i < plain.shards.size(); ++i)
         EXPECT_TRUE(at::equal(r->shards[i], plain.shards[i])) << i;
     }
+  }
+}
+
+// Note [Offloaded steps beside backward]: under offload each unit steps on the engine's
+// host thread while backward goes on. Backward returns with every unit stepped and no
+// gradient shard left; a step that fails surfaces from backward, on the thread that ran
+// it, after the rest of backward's work (the other units still step), and training goes on.
+TEST(FullyShard, OffloadedStepsBesideBackwardFinishInIt) {
+  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  for (int fail_at : {-1, 2}) {
+    SCOPED_TRACE(::testing::Message() << "fail at " << fail_at << " world " << world.world_size());
+    auto model = gpt_factory()();
+    flatshard::FullyShardOptions options;
+    options.cpu_offload = true;
+    options.mixed_precision.param = at::kBFloat16;
+    options.comm.timeout = std::chrono::seconds(60);
+    flatshard::FullyShard<GPT> fsdp(model, world, options);
+    RawSgd opt(fsdp, 0.05, fail_at);
+    fsdp.step_in_backward(&opt);
+    const auto before = fsdp.shards().front().clone();
+    const auto backward = [&](int step) {
+      const auto b = gpt_batch(step, 4 * world.world_size());
+      const auto rows = [&](const at::Tensor& t) { return t.narrow(0, 4 * world.rank(), 4); };
+      token_loss(fsdp.forward(rows(b.input)), rows(b.target)).backward();
+    };
+    if (fail_at < 0) {
+      backward(0);
+    } else {
+      try {
+        backward(0);
+        ADD_FAILURE() << "the failed step was not reported";
+      } catch (const std::exception& e) {
+        EXPECT_NE(std::string(e.what()).find("RawSgd: this run fails"), std::string::npos) << e.what();
+      }
+    }
+    // Every unit stepped in backward: no gradient shard is left for a step after it, but the
+    // failed one's (a unit's shard steps in one run here).
+    int left = 0;
+    for (const auto& shard : fsdp.shards()) left += shard.grad().defined() ? 1 : 0;
+    EXPECT_EQ(left, fail_at < 0 ? 0 : 1);
+    EXPECT_FALSE(at::equal(before, fsdp.shards().front())) << "the root unit stepped";
+    opt.zero_grad();
+    backward(1);  // and training goes on
+    EXPECT_EQ(fsdp.memory().grad_shard_bytes, 0);
   }
 }
 
