@@ -4,7 +4,9 @@
 #         binary (build-asan/); runs the unit, multi-rank and training tests.
 #   tsan: ThreadSanitizer on the scheduler: CPU streams, the communicator and the TCP
 #         rings (build-tsan/); runs their unit and multi-rank tests.
-#   scripts/sanitize.sh [asan|tsan|all]      (default: all)
+#   tsan-training: ThreadSanitizer on the training tests too (every strategy, offload's
+#         host step thread, checkpoints): about 13 more minutes on 2 cores, so not in CI.
+#   scripts/sanitize.sh [asan|tsan|tsan-training|all]      (default: all)
 # LibTorch itself is not instrumented: the options below keep the checks to our code
 # (no container-overflow checks on LibTorch's vectors, no vptr checks on its classes).
 set -euo pipefail
@@ -33,11 +35,19 @@ if [[ "$what" == asan || "$what" == all ]]; then
   (cd "$root/build-asan" && ctest --output-on-failure -j 1 -E 'install\.|examples\.')
 fi
 
-if [[ "$what" == tsan || "$what" == all ]]; then
+if [[ "$what" == tsan || "$what" == tsan-training || "$what" == all ]]; then
   echo "== ThreadSanitizer (streams, communicator, TCP rings)"
   flags="-fsanitize=thread -fno-omit-frame-pointer"
   configure "$root/build-tsan" "$flags"
-  cmake --build "$root/build-tsan" -j "$jobs" --target flatshard_unit_tests flatshard_multirank_tests flatshard-run
+  targets=(flatshard_unit_tests flatshard_multirank_tests flatshard-run)
+  [[ "$what" == tsan-training ]] && targets+=(flatshard_training_tests)
+  cmake --build "$root/build-tsan" -j "$jobs" --target "${targets[@]}"
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$root/scripts/tsan.supp"
   (cd "$root/build-tsan" && ctest --output-on-failure -j 1 -R '^(Stream|Collectives|Failures)\.')
+  if [[ "$what" == tsan-training ]]; then
+    echo "== ThreadSanitizer (training tests)"
+    (cd "$root/build-tsan" && ctest --output-on-failure -j 1 --timeout 900 \
+      -R "^($(sed -n 's/^add_test(\[=\[\([^]]*\)\]=\].*/\1/p' "tests/flatshard_training_tests[1]_tests.cmake" |
+              sed 's/\./\\./' | paste -sd'|'))\$")
+  fi
 fi

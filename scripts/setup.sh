@@ -15,7 +15,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 log() { printf '[setup] %s\n' "$*"; }
 
 # --- Debian packages -------------------------------------------------------------
-debs=(cmake ninja-build g++ pkg-config libfmt-dev libgtest-dev libgmock-dev
+debs=(cmake ninja-build g++ ccache pkg-config libfmt-dev libgtest-dev libgmock-dev
       libbenchmark-dev libthrust-dev python3-venv zlib1g-dev nlohmann-json3-dev
       dataset-fashion-mnist)
 missing=()
