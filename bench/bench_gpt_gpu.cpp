@@ -20,6 +20,10 @@
 // model moved to the GPU whole, or with --offload 1 built on the host with its fp32 master
 // kept there); peer_fsdp2_gpu.py --mode ddp is PyTorch DDP's run.
 //
+// Each run also prints the host's time per step in forward, backward and the optimizer's
+// step (peer_fsdp2_gpu.py prints the same): under CPU offload, where the host's step and its
+// waits for the device set the pace, they say where a step's time goes.
+//
 // --profile writes a Chrome trace (LibTorch's Kineto profiler, CPU and CUDA activity) of
 // three more steps after the timed ones; bench/trace_summary.py breaks it down by kernel kind.
 #include <cuda_runtime.h>
@@ -154,12 +158,27 @@ int main(int argc, char** argv) {
   auto tokens =
       at::randint(a.vocab, {a.batch, a.context + 1}, at::TensorOptions().dtype(at::kLong).device(gpu));
   auto x = tokens.narrow(1, 0, a.context).contiguous(), y = tokens.narrow(1, 1, a.context).contiguous();
+  // Host time per phase over the timed steps: where the host blocks (under offload, the
+  // end of backward waiting for the device and the optimizer's step on the host) or falls
+  // behind the GPU. Without offload the phases only queue work, and the GPU sets the pace.
+  using Clock = std::chrono::steady_clock;
+  double host_ms[3] = {0, 0, 0};  // forward and loss, backward, step and zero_grad
+  bool time_phases = false;
+  auto phase = [&](int i, Clock::time_point& since) {
+    const auto now = Clock::now();
+    if (time_phases) host_ms[i] += std::chrono::duration<double, std::milli>(now - since).count();
+    since = now;
+  };
   auto step = [&] {
+    auto since = Clock::now();
     auto logits = fsdp.forward(x);
     auto loss = torch::cross_entropy_loss(logits.reshape({-1, a.vocab}).to(at::kFloat), y.reshape({-1}));
+    phase(0, since);
     loss.backward();
+    phase(1, since);
     opt.step();
     opt.zero_grad();
+    phase(2, since);
     return loss;
   };
   for (int i = 0; i < a.warmup; ++i) step();
@@ -171,7 +190,9 @@ int main(int argc, char** argv) {
   check(cudaEventCreate(&stop), "cudaEventCreate");
   check(cudaEventRecord(start, c10::cuda::getCurrentCUDAStream().stream()), "cudaEventRecord");
   at::Tensor loss;
+  time_phases = true;
   for (int i = 0; i < a.steps; ++i) loss = step();
+  time_phases = false;
   check(cudaEventRecord(stop, c10::cuda::getCurrentCUDAStream().stream()), "cudaEventRecord");
   check(cudaEventSynchronize(stop), "cudaEventSynchronize");
   float ms = 0;
@@ -211,6 +232,8 @@ int main(int argc, char** argv) {
         a.recompute ? " + recompute" : "", params / 1e9, tokens_per_s, 100 * mfu, mem.peak_bytes / gib,
         mem.reserved_bytes / gib, static_cast<long long>(mem.alloc_retries), host_peak_gib(), ms / a.steps,
         100 * wait_share, static_cast<long long>(waited.waits), loss.item<double>());
+    std::printf("  host ms per step: forward %.1f, backward %.1f, optimizer step %.1f\n",
+                host_ms[0] / a.steps, host_ms[1] / a.steps, host_ms[2] / a.steps);
     if (!a.csv.empty()) {
       std::ofstream f(a.csv, std::ios::app);
       f << "flatshard" << (ddp_mode ? "-ddp" : "") << (a.step_in_backward ? "-stepinbwd" : "")

@@ -13,6 +13,7 @@ peak in the same form; scripts/gpu.sh runs both and prints the ratios.
 import argparse
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -70,13 +71,27 @@ def main():
     tokens = torch.randint(a.vocab, (a.batch, a.context + 1), device="cuda")
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
+    # Host time per phase over the timed steps, as bench_gpt_gpu prints it.
+    host_ms = [0.0, 0.0, 0.0]  # forward and loss, backward, step and zero_grad
+    timing = [False]
+
+    def phase(i, since):
+        now = time.perf_counter()
+        if timing[0]:
+            host_ms[i] += (now - since) * 1000.0
+        return now
+
     def step():
+        since = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.mode == "ddp"):
             logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, a.vocab).float(), y.reshape(-1))
+        since = phase(0, since)
         loss.backward()
+        since = phase(1, since)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        phase(2, since)
         return loss
 
     for i in range(a.warmup):
@@ -93,8 +108,10 @@ def main():
     torch.cuda.reset_peak_memory_stats()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    timing[0] = True
     for _ in range(a.steps):
         loss = step()
+    timing[0] = False
     stop.record()
     stop.synchronize()
     ms = start.elapsed_time(stop)
@@ -110,6 +127,8 @@ def main():
               f"peak {stats['allocated_bytes.all.peak'] / gib:.2f} GiB (reserved "
               f"{stats['reserved_bytes.all.current'] / gib:.2f} GiB, {stats['num_alloc_retries']} retries), "
               f"step {ms / a.steps:.1f} ms, loss {loss.item():.3f}")
+        print(f"  host ms per step: forward {host_ms[0] / a.steps:.1f}, backward {host_ms[1] / a.steps:.1f}, "
+              f"optimizer step {host_ms[2] / a.steps:.1f}")
         if a.csv:
             with open(a.csv, "a") as f:
                 name = ("fsdp2" if a.mode == "fsdp2" else "pytorch-ddp") + ("-offload" if a.offload else "")
