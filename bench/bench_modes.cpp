@@ -1,12 +1,13 @@
 // End-to-end step time and per-rank peak memory of the GPT-style model in one training
 // mode (start with flatshard-run -n N; bench/modes.sh and bench/fully_shard.sh run grids).
 //
-//   bench_modes --mode ddp|zero1|zero2|full [--layers 6 --dim 256 --heads 8 --vocab 4096
+//   bench_modes --mode ddp|zero1|zero2|full|hybrid [--group G] [--layers 6 --dim 256 --heads 8 --vocab 4096
 //               --context 64 --batch 4 --steps 6] [--hook SPEC] [--staleness S]
-//               [--decentralized K] [--phases 1] [--step-in-backward 1]
+//               [--decentralized K] [--phases 1] [--step-in-backward 1] [--recompute 1]
 //
 // FullyShard with optim::AdamW under the mode's strategy: ddp NoShard, zero1
-// ShardOptimizerState, zero2 ShardGradOp, full FullShard. Rank 0 prints one CSV
+// ShardOptimizerState, zero2 ShardGradOp, full FullShard, hybrid HybridShard over shard
+// groups of G ranks (--group; default: the ranks of one machine). Rank 0 prints one CSV
 // line: mode,world,params,step_ms,alloc_peak_bytes,rss_growth_bytes,param_shard,
 // grad_shard,optim_state,peak_unsharded_params,peak_unsharded_grads,formula_bytes,
 // bytes_sent_per_step,last_loss,comm_wait_share (figures are the largest over ranks but
@@ -49,7 +50,9 @@ int main(int argc, char** argv) {
   std::string hook = "none";  // --hook SPEC: a communication hook (flatshard::hooks::parse)
   int staleness = 0;          // --staleness S: FullyShardOptions::staleness (asynchronous)
   int decentralized = 0;      // --decentralized K: FullyShardOptions::decentralized_every
+  int group = 0;              // --group G: FullyShardOptions::shard_group_size (hybrid)
   bool in_backward = false;   // --step-in-backward 1: FullyShardBase::step_in_backward (zero2, full)
+  bool recompute = false;     // --recompute 1: every block recomputed in backward (recompute.h)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--phases") phases = std::atoi(argv[i + 1]) != 0;
@@ -77,6 +80,10 @@ int main(int argc, char** argv) {
       decentralized = v;
     else if (a == "--step-in-backward")
       in_backward = v != 0;
+    else if (a == "--recompute")
+      recompute = v != 0;
+    else if (a == "--group")
+      group = v;
   }
   auto world = flatshard::init();
   const std::int64_t rss_before = rss_bytes("VmRSS:");
@@ -84,6 +91,7 @@ int main(int argc, char** argv) {
   GPT model(cfg);
   std::int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
+  flatshard::set_recompute(*model, recompute);
 
   flatshard::FullyShardOptions options;
   if (!flatshard::parse_strategy(mode, options.strategy)) {
@@ -92,6 +100,7 @@ int main(int argc, char** argv) {
   }
   options.staleness = staleness;
   options.decentralized_every = decentralized;
+  options.shard_group_size = group;
   flatshard::FullyShard<GPT> fsdp(model, world, options);
   if (auto h = flatshard::hooks::parse(hook)) fsdp.register_comm_hook(h);
   flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{3e-4});
@@ -110,7 +119,7 @@ int main(int argc, char** argv) {
       flatshard::memory::reset_allocator_peak();
       fsdp.reset_peaks();
       comm.barrier().wait();
-      sent_before = comm.bytes_sent();
+      sent_before = fsdp.bytes_sent();
       fsdp.time_communication_waits(true);  // Note [Communication wait]
     }
     using Clock = std::chrono::steady_clock;
@@ -140,7 +149,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s rank %d phases ms: forward %.1f, backward %.1f, step %.1f\n", mode.c_str(),
                  world.rank(), phase_ms[0] / steps, phase_ms[1] / steps, phase_ms[2] / steps);
   }
-  const double sent_per_step = static_cast<double>(comm.bytes_sent() - sent_before) / steps;
+  const double sent_per_step = static_cast<double>(fsdp.bytes_sent() - sent_before) / steps;
   const double wait_share = total_ms > 0 ? fsdp.communication_wait().ms / total_ms : 0;
   const std::int64_t rss_growth = rss_bytes("VmHWM:") - rss_before;
   const flatshard::ShardMemory m = fsdp.memory();
@@ -160,10 +169,12 @@ int main(int argc, char** argv) {
   if (world.rank() == 0) {
     const double n = world.world_size();
     const double psi = static_cast<double>(params);
-    const double formula = mode == "full"    ? 16 * psi / n
-                           : mode == "zero2" ? 4 * psi + 12 * psi / n
-                           : mode == "zero1" ? 8 * psi + 8 * psi / n
-                                             : 16 * psi;
+    const double shards = group > 0 ? group : world.local_world_size();
+    const double formula = mode == "full"     ? 16 * psi / n
+                           : mode == "hybrid" ? 16 * psi / shards
+                           : mode == "zero2"  ? 4 * psi + 12 * psi / n
+                           : mode == "zero1"  ? 8 * psi + 8 * psi / n
+                                              : 16 * psi;
     // mode, ranks, parameters, step ms, allocator peak, RSS growth, shard bytes (params,
     // grads, optimizer state), peak gathered params and grads, ZeRO formula, bytes sent
     // per step, last loss (the largest over ranks), the share of the step the ranks' compute

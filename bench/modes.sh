@@ -5,10 +5,14 @@
 # forward) from the pinned torch, each at its strongest CPU settings (fused AdamW,
 # gradient_as_bucket_view, parameters_as_bucket_view). Two regimes: compute-bound (4
 # sequences of 128 tokens per rank) and communication-bound (1 sequence of 32 tokens per
-# rank), and full shard stepping in backward against FSDP2 as well. Prints a Markdown
-# table with ratios for each.
+# rank), and full shard stepping in backward against FSDP2 as well. A third regime,
+# recompute, is the compute-bound one with every block recomputed in backward on both sides
+# (FlatShard's set_recompute; PyTorch's non-reentrant activation checkpointing of each
+# block, applied before DDP or fully_shard). At 4 ranks or more (RANKS, even) hybrid
+# sharding over groups of RANKS/2 ranks runs against FSDP2's 2-D mesh (HSDP) as well.
+# Prints a Markdown table with ratios for each.
 #   bench/modes.sh [BUILD_DIR] [model args, default: --dim 512 --layers 8 --vocab 8192 --steps 4]
-#   REGIMES="compute comm" (default both)
+#   REGIMES="compute comm recompute" (default: compute comm)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$root/scripts/env.sh"
@@ -44,7 +48,8 @@ print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 pairs = [("DDP", "ddp", "torch_ddp"), ("ZeRO-1 (ZeroRedundancyOptimizer)", "zero1", "torch_zero1"),
          ("ZeRO-2 (shard-grad-op / FSDP2 no reshard)", "zero2", "torch_fsdp2_grad_op"),
          ("full shard (FSDP2)", "full", "torch_fsdp2"),
-         ("full shard stepping in backward (FSDP2)", "full-stepinbwd", "torch_fsdp2")]
+         ("full shard stepping in backward (FSDP2)", "full-stepinbwd", "torch_fsdp2"),
+         ("hybrid shard (FSDP2 2-D mesh, HSDP)", "hybrid", "torch_hsdp")]
 for name, ours, theirs in pairs:
     o, t = r.get(ours), r.get(theirs)
     if not o: continue
@@ -62,7 +67,10 @@ for regime in ${REGIMES:-compute comm}; do
   case "$regime" in
     compute) shape=(--batch 4 --context 128) title="compute-bound: 4 sequences of 128 tokens per rank" ;;
     comm) shape=(--batch 1 --context 32) title="communication-bound: 1 sequence of 32 tokens per rank" ;;
-    *) echo "modes.sh: REGIMES holds compute and/or comm, not $regime" >&2; exit 2 ;;
+    recompute)
+      shape=(--batch 4 --context 128 --recompute 1)
+      title="compute-bound, every block recomputed: 4 sequences of 128 tokens per rank" ;;
+    *) echo "modes.sh: REGIMES holds compute, comm and/or recompute, not $regime" >&2; exit 2 ;;
   esac
   rows=""
   for m in ddp zero1 zero2 full; do
@@ -70,6 +78,11 @@ for regime in ${REGIMES:-compute comm}; do
   done
   # Full shard stepping in backward (fully-shard.md#stepping-in-backward), against FSDP2.
   rows+="$(row "$build/bench/bench_modes" --mode full --step-in-backward 1 "${args[@]}" "${shape[@]}")"$'\n'
+  if ((ranks >= 4 && ranks % 2 == 0)); then  # hybrid: two shard groups
+    rows+="$(row "$build/bench/bench_modes" --mode hybrid --group $((ranks / 2)) "${args[@]}" "${shape[@]}")"$'\n'
+    rows+="$(row "$FLATSHARD_VENV/bin/python" "$root/bench/peer_pytorch_modes.py" --mode torch_hsdp \
+               --group $((ranks / 2)) "${args[@]}" "${shape[@]}")"$'\n'
+  fi
   for m in torch_ddp torch_zero1 torch_fsdp2_grad_op torch_fsdp2; do
     rows+="$(row "$FLATSHARD_VENV/bin/python" "$root/bench/peer_pytorch_modes.py" --mode "$m" "${args[@]}" "${shape[@]}")"$'\n'
   done

@@ -2,7 +2,11 @@
 
 Run with torchrun or flatshard-run. Modes: torch_ddp (DistributedDataParallel + AdamW),
 torch_zero1 (DDP + ZeroRedundancyOptimizer(AdamW)), torch_fsdp2 (fully_shard on every
-block and the root), torch_fsdp2_grad_op (the same with reshard_after_forward=False).
+block and the root), torch_fsdp2_grad_op (the same with reshard_after_forward=False),
+torch_hsdp (fully_shard over a 2-D mesh: sharded within groups of --group ranks,
+replicated across them).
+--recompute 1 recomputes every block in backward (PyTorch's activation checkpointing,
+non-reentrant, as checkpoint_wrapper applies it before fully_shard or DDP).
 Rank 0 prints: mode,world,params,step_ms,-,rss_growth_bytes (the largest over ranks).
 """
 import argparse
@@ -77,6 +81,8 @@ def main():
                           ("batch", 4), ("steps", 6)]:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--phases", type=int, default=0, help="1: each rank prints its mean phase times")
+    ap.add_argument("--recompute", type=int, default=0, help="1: every block recomputed in backward")
+    ap.add_argument("--group", type=int, default=0, help="torch_hsdp: ranks per shard group")
     a = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -85,12 +91,21 @@ def main():
     torch.manual_seed(0)
     model = GPT(a.vocab, a.context, a.dim, a.heads, a.layers)
     params = sum(p.numel() for p in model.parameters())
-    if a.mode in ("torch_fsdp2", "torch_fsdp2_grad_op"):
+    if a.recompute:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        model.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
+    if a.mode in ("torch_fsdp2", "torch_fsdp2_grad_op", "torch_hsdp"):
         from torch.distributed.fsdp import fully_shard
-        reshard = a.mode == "torch_fsdp2"
+        reshard = a.mode != "torch_fsdp2_grad_op"
+        mesh = None
+        if a.mode == "torch_hsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            if a.group <= 0 or world % a.group:
+                sys.exit(f"peer_pytorch_modes: torch_hsdp needs --group G dividing the world size {world}")
+            mesh = init_device_mesh("cpu", (world // a.group, a.group), mesh_dim_names=("replicate", "shard"))
         for b in model.blocks:
-            fully_shard(b, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
         run = model
     else:

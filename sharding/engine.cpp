@@ -685,6 +685,12 @@ CommunicationWait Engine::communication_wait() {
   return total;
 }
 
+std::uint64_t Engine::bytes_sent() const {
+  std::uint64_t total = 0;
+  for (Communicator* c : communicators()) total += c->bytes_sent();
+  return total;
+}
+
 void Engine::reset_communication_wait() {
   for (Communicator* c : communicators()) c->reset_waited();
 }

@@ -66,6 +66,8 @@ class Engine {
   // The root unit's gathered bytes (root), or the largest other unit's.
   std::int64_t unit_bytes(bool root) const;
   Communicator& comm() { return *comm_; }
+  // Bytes this rank has sent over every communicator of the engine.
+  std::uint64_t bytes_sent() const;
   // Note [Communication wait], over every communicator of the engine.
   void time_communication_waits(bool on);
   CommunicationWait communication_wait();

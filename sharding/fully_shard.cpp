@@ -106,6 +106,7 @@ int FullyShardBase::num_units() const { return engine_->num_units(); }
 std::int64_t FullyShardBase::largest_unit_bytes() const { return engine_->unit_bytes(false); }
 std::int64_t FullyShardBase::root_unit_bytes() const { return engine_->unit_bytes(true); }
 Communicator& FullyShardBase::comm() { return engine_->comm(); }
+std::uint64_t FullyShardBase::bytes_sent() const { return engine_->bytes_sent(); }
 ShardGroup FullyShardBase::shard_group() const { return engine_->shard_group(); }
 Strategy FullyShardBase::strategy() const { return engine_->strategy(); }
 at::ScalarType FullyShardBase::param_dtype() const { return engine_->param_dtype(); }

@@ -289,6 +289,9 @@ class FullyShardBase {
   std::int64_t root_unit_bytes() const;
   // A communicator over every rank (checkpoints, loss averaging, your own collectives).
   Communicator& comm();
+  // Bytes this rank has sent over all of the engine's communicators: comm()'s, and under
+  // HybridShard its shard group's and replica set's (Communicator::bytes_sent).
+  std::uint64_t bytes_sent() const;
   const World& world() const { return world_; }
   ShardGroup shard_group() const;
   Strategy strategy() const;

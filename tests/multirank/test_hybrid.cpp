@@ -118,6 +118,34 @@ TEST(HybridShard, HoldsOneGroupsShareOfTheStates) {
   EXPECT_EQ(hybrid_plan.peak, two.peak);
 }
 
+// bytes_sent() counts every communicator of the engine: a hybrid step of groups of 2 at
+// world 4 sends what full shard over the group's two ranks sends for the same step, plus
+// the replica all-reduce of each unit's fp32 shard gradient (over two ranks a ring
+// all-reduce sends its whole input once).
+TEST(HybridShard, BytesSentCountTheGroupAndTheReplicas) {
+  FLATSHARD_RUN_RANKS({4}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const int r = world.rank();
+  const auto pair = flatshard::subworld(world, {r / 2 * 2, r / 2 * 2 + 1}, "group");
+  const auto b = gpt_batch(0, 8);
+  auto step_bytes = [&](const flatshard::World& w, flatshard::FullyShardOptions options) {
+    auto model = gpt_factory()();
+    flatshard::FullyShard<GPT> fsdp(model, w, options);
+    const auto before = fsdp.bytes_sent();
+    token_loss(fsdp.forward(b.input.narrow(0, 2 * r, 2)), b.target.narrow(0, 2 * r, 2)).backward();
+    std::uint64_t shard_bytes = 0;
+    for (const auto& l : fsdp.layout()) shard_bytes += static_cast<std::uint64_t>(l.shard_numel) * 4;
+    return std::make_pair(fsdp.bytes_sent() - before, shard_bytes);
+  };
+  auto full = hybrid(0);
+  full.strategy = Strategy::FullShard;
+  const auto [in_group, shard_bytes] = step_bytes(pair, full);
+  const auto [hybrid_step, hybrid_shard_bytes] = step_bytes(world, hybrid(2));
+  EXPECT_GT(in_group, 0u);
+  EXPECT_EQ(hybrid_shard_bytes, shard_bytes);
+  EXPECT_EQ(hybrid_step, in_group + shard_bytes);
+}
+
 // A group size that does not divide the world is refused on every rank, before any
 // communicator is made.
 TEST(HybridShard, RefusesAGroupSizeThatDoesNotDivideTheWorld) {
