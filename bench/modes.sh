@@ -21,13 +21,17 @@ shift || true
 args=("$@")
 [[ ${#args[@]} -gt 0 ]] || args=(--dim 512 --layers 8 --vocab 8192 --steps 4)
 ranks="${RANKS:-2}"
-# Rank 0's result line of one run; a run that fails is named on stderr (its row is then
-# missing from the table) instead of ending the script.
+# Rank 0's result line of one run; a run that fails is named on stderr with the end of its
+# output (its row is then missing from the table, or, where rank 0 finished, kept)
+# instead of ending the script.
 row() {
-  local out
-  if ! out="$("$build/flatshard-run" -n "$ranks" "$@" 2>/dev/null)"; then
-    echo "modes.sh: failed (its row is left out): $*" >&2
+  local out err
+  err="$(mktemp)"
+  if ! out="$("$build/flatshard-run" -n "$ranks" "$@" 2>"$err")"; then
+    echo "modes.sh: failed: $*" >&2
+    tail -n 20 "$err" >&2
   fi
+  rm -f "$err"
   printf '%s\n' "$out" | sed -n 's/^\[rank 0\] //p'
 }
 table() {
