@@ -107,6 +107,7 @@ TEST(CpuStepKernels, Bf16CopiesRoundAsLibTorchDoes) {
   const auto big = values(41, 1e30f), tiny = values(42, 1e-39f);
   x.insert(x.end(), big.begin(), big.end());
   x.insert(x.end(), tiny.begin(), tiny.end());
+  const auto first_special = static_cast<std::ptrdiff_t>(x.size());
   for (std::uint32_t low : {0x8000u, 0x7FFFu, 0x8001u}) {  // ties, and either side of them
     for (std::uint32_t high : {0x3F80u, 0x3F81u, 0xBF81u, 0x0001u, 0x7F7Fu}) {
       const std::uint32_t u = high << 16 | low;
@@ -121,15 +122,35 @@ TEST(CpuStepKernels, Bf16CopiesRoundAsLibTorchDoes) {
         std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN()}) {
     x.push_back(f);
   }
+  // The special values again at every position of a 16-wide vector, and any bit pattern
+  // at all (NaNs with payloads and either sign among them).
+  const std::vector<float> special(x.begin() + first_special, x.end());
+  for (int lane = 0; lane < 17; ++lane) {
+    x.insert(x.end(), special.begin(), special.end());
+    x.push_back(1.0f);
+  }
+  std::mt19937 bits(7);
+  for (int i = 0; i < 4096; ++i) {
+    const std::uint32_t u = bits();
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    x.push_back(f);
+  }
   const auto n = static_cast<std::int64_t>(x.size());
   std::vector<std::uint16_t> want(x.size());
   for (std::size_t i = 0; i < x.size(); ++i) want[i] = c10::BFloat16(x[i]).x;
   for (const ChunkKernels* k : runnable()) {
     SCOPED_TRACE(k->isa);
-    std::vector<std::uint16_t> got(x.size());
-    k->to_bf16(x.data(), got.data(), n);
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      ASSERT_EQ(got[i], want[i]) << "element " << i << " = " << x[i];
+    // Written at every alignment of the destination, and in lengths that end mid-vector.
+    for (std::int64_t offset = 0; offset < 17; ++offset) {
+      std::vector<std::uint16_t> got(x.size() + offset + 1, 0xABCD);
+      const std::int64_t count = n - offset;
+      k->to_bf16(x.data(), got.data() + offset, count);
+      for (std::int64_t i = 0; i < count; ++i) {
+        ASSERT_EQ(got[offset + i], want[i]) << "element " << i << " = " << x[i] << ", offset " << offset;
+      }
+      ASSERT_EQ(got[offset + count], 0xABCD) << "written past the end, offset " << offset;
+      if (offset > 0) ASSERT_EQ(got[offset - 1], 0xABCD) << "written before the start, offset " << offset;
     }
   }
   // The steps write each stepped element's copy, across chunks and threads.
