@@ -169,9 +169,8 @@ int main(int argc, char** argv) {
   if (world.rank() == 0) {
     const double n = world.world_size();
     const double psi = static_cast<double>(params);
-    const double shards = group > 0 ? group : world.local_world_size();
     const double formula = mode == "full"     ? 16 * psi / n
-                           : mode == "hybrid" ? 16 * psi / shards
+                           : mode == "hybrid" ? 16 * psi / fsdp.shard_group().size
                            : mode == "zero2"  ? 4 * psi + 12 * psi / n
                            : mode == "zero1"  ? 8 * psi + 8 * psi / n
                                               : 16 * psi;
