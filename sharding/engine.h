@@ -75,6 +75,11 @@ class Engine {
   const ShardGroup& shard_group() const { return shard_; }
   Strategy strategy() const { return options_.strategy; }
   at::ScalarType param_dtype() const;
+  // Note [Casting forward inputs]: MixedPrecision::param under cast_forward_inputs.
+  std::optional<at::ScalarType> input_dtype() const {
+    return options_.mixed_precision.cast_forward_inputs ? options_.mixed_precision.param : std::nullopt;
+  }
+  std::optional<at::ScalarType> output_dtype() const { return options_.mixed_precision.output; }
   // The replicated strategies' buckets (see FullyShardBase).
   std::vector<std::vector<std::string>> bucket_layout() const;
   std::vector<std::string> bucket_order() const;
@@ -149,9 +154,11 @@ class Engine {
   std::unique_ptr<Communicator> replica_comm_;
   Communicator& shard_comm() { return shard_comm_ ? *shard_comm_ : *comm_; }
   std::vector<std::unique_ptr<Unit>> units_;  // [0] is the root unit
-  std::vector<int> forward_order_;            // non-root units in the order the first forward ran them
-  bool order_recorded_ = false;               // set after the first forward
-  bool backward_active_ = false;              // between the first backward hook and the end callback
+  // The replicated strategies' declared units: hooks that only cast their inputs.
+  std::vector<std::pair<UnitBase*, std::unique_ptr<UnitHooks>>> input_casts_;
+  std::vector<int> forward_order_;  // non-root units in the order the first forward ran them
+  bool order_recorded_ = false;     // set after the first forward
+  bool backward_active_ = false;    // between the first backward hook and the end callback
   bool no_sync_ = false;
   c10::Device device_{c10::kCPU};  // the compute device: gathered units, collectives
   std::shared_ptr<BufferPool> host_buffers_;

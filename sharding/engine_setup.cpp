@@ -56,10 +56,24 @@ void adopt_built(FlatParamGroup& g, int rank, int world_size, const ShardGroup& 
   }
 }
 
+// Under the replicated strategies the declared units are not scheduled (the model is one
+// group of buckets); they keep only the cast of their inputs (Note [Casting forward inputs]).
+class InputCast final : public UnitHooks {
+ public:
+  explicit InputCast(const Engine* engine) : engine_(engine) {}
+  void pre_forward() override {}
+  std::vector<at::Tensor> post_forward(std::vector<at::Tensor> outputs) override { return outputs; }
+  std::optional<at::ScalarType> input_dtype() const override { return engine_->input_dtype(); }
+
+ private:
+  const Engine* engine_;
+};
+
 class Driver final : public UnitHooks {
  public:
   Driver(Engine* engine, int unit) : engine_(engine), unit_(unit) {}
   void pre_forward() override { engine_->pre_forward(unit_); }
+  std::optional<at::ScalarType> input_dtype() const override { return engine_->input_dtype(); }
   std::vector<at::Tensor> post_forward(std::vector<at::Tensor> outputs) override {
     return engine_->post_forward(unit_, std::move(outputs));
   }
@@ -84,6 +98,16 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
                                       rank_, world_size_, options_.prefetch));
   }
   check_communication_options();
+  for (const auto& [field, dtype] : {std::pair{"param", options_.mixed_precision.param},
+                                     std::pair{"reduce", options_.mixed_precision.reduce},
+                                     std::pair{"output", options_.mixed_precision.output}}) {
+    if (dtype && !at::isFloatingType(*dtype)) {
+      throw InvalidArgument(fmt::format(
+          "flatshard::FullyShard (rank {}/{}): mixed_precision.{} is {}, not a floating-point dtype; use "
+          "kBFloat16, kHalf or kFloat, or leave it unset",
+          rank_, world_size_, field, c10::toString(*dtype)));
+    }
+  }
   const auto membership = discover_units(*model_);
   const auto& declared = membership.declared;
   const auto& owner = membership.owner;
@@ -224,6 +248,12 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   }
   if (replicated_) {
     make_replicated_group(std::move(params[0]), compute, placement);
+    if (input_dtype()) {
+      for (UnitBase* unit : declared) {
+        input_casts_.emplace_back(unit, std::make_unique<InputCast>(this));
+        unit->attach(input_casts_.back().second.get());
+      }
+    }
   }
   for (std::size_t i = 0; !replicated_ && i <= declared.size(); ++i) {
     auto unit = std::make_unique<Unit>();
@@ -293,6 +323,7 @@ Engine::~Engine() {
   for (auto& u : units_) {
     if (u->declared) u->declared->attach(nullptr);
   }
+  for (auto& [unit, cast] : input_casts_) unit->attach(nullptr);
 }
 
 std::vector<at::Tensor> Engine::shards() const {

@@ -122,8 +122,14 @@ void FullyShardBase::restore_bucket_order(const std::vector<std::string>& names)
 void FullyShardBase::root_pre_forward() { engine_->pre_forward(sharding::Engine::kRoot); }
 
 std::vector<at::Tensor> FullyShardBase::root_post_forward(std::vector<at::Tensor> outputs) {
-  return engine_->post_forward(sharding::Engine::kRoot, std::move(outputs));
+  outputs = engine_->post_forward(sharding::Engine::kRoot, std::move(outputs));
+  if (const auto dtype = engine_->output_dtype()) {
+    for (auto& t : outputs) t = detail::cast_floating(t, *dtype);
+  }
+  return outputs;
 }
+
+std::optional<at::ScalarType> FullyShardBase::input_dtype() const { return engine_->input_dtype(); }
 
 FullyShardBase::NoSync::NoSync(FullyShardBase& owner) : owner_(owner) { owner_.engine_->set_no_sync(true); }
 FullyShardBase::NoSync::~NoSync() { owner_.engine_->set_no_sync(false); }

@@ -52,6 +52,8 @@ at::Tensor SequentialUnitsImpl::forward(at::Tensor x) {
     UnitHooks* hooks = groups_[g]->hooks();
     if (hooks) {
       hooks->pre_forward();
+      if (const auto dtype = hooks->input_dtype())
+        x = detail::cast_floating(x, *dtype);  // Note [Casting forward inputs]
     } else {
       groups_[g]->check_runnable();
     }

@@ -34,12 +34,20 @@
 
 namespace flatshard {
 
+// FSDP2's MixedPrecisionPolicy, for every unit of the model (docs/fully-shard.md#mixed-precision).
 struct MixedPrecision {
   // dtype of gathered parameters, activations' weights and gradients (default: as the
   // model's). Master shards and optimizer states stay fp32.
   std::optional<at::ScalarType> param;
   // dtype gradients are reduce-scattered in (default: the param dtype).
   std::optional<at::ScalarType> reduce;
+  // dtype the wrapper's floating-point outputs are cast to (default: left as computed),
+  // e.g. kFloat to take the loss in fp32 from a bf16 model.
+  std::optional<at::ScalarType> output;
+  // With `param` set: floating-point tensor arguments of the wrapper's forward and of each
+  // unit's are cast to it first (integer ones, such as token ids, are left alone), so that
+  // fp32 inputs, or an fp32 buffer added between units, meet bf16 weights as bf16.
+  bool cast_forward_inputs = true;
 };
 
 // A per-rank memory budget, checked when a wrapper is built: if the model's states
@@ -308,7 +316,10 @@ class FullyShardBase {
 
  protected:
   void root_pre_forward();
+  // Casts the outputs to MixedPrecision::output, when set.
   std::vector<at::Tensor> root_post_forward(std::vector<at::Tensor> outputs);
+  // MixedPrecision::param under cast_forward_inputs; nullopt: no cast.
+  std::optional<at::ScalarType> input_dtype() const;
 
  private:
   World world_;
@@ -322,10 +333,14 @@ class FullyShard : public FullyShardBase {
       : FullyShardBase(model.ptr(), world, options), model_(std::move(model)) {}
 
   // The model's forward, with the root unit gathered around it.
+  // Under mixed precision its floating-point arguments are cast to the param dtype first,
+  // and its outputs to MixedPrecision::output after (MixedPrecision::cast_forward_inputs).
   template <typename... Args>
   auto forward(Args&&... args) {
     root_pre_forward();
-    auto out = model_->forward(std::forward<Args>(args)...);
+    auto out = detail::call_with_inputs_cast(
+        input_dtype(), [this](auto&&... a) { return model_->forward(std::forward<decltype(a)>(a)...); },
+        std::forward<Args>(args)...);
     auto wrapped = root_post_forward(detail::tensors_of(out));
     return detail::rebuild(out, wrapped);
   }

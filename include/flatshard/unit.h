@@ -19,6 +19,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -44,6 +45,9 @@ class UnitHooks {
   // Called with every tensor the unit's forward returned; returns them (possibly
   // wrapped for the backward hooks) in the same order.
   virtual std::vector<at::Tensor> post_forward(std::vector<at::Tensor> outputs) = 0;
+  // The dtype the unit's floating-point tensor arguments are cast to before its forward
+  // (MixedPrecision::cast_forward_inputs); nullopt: none.
+  virtual std::optional<at::ScalarType> input_dtype() const { return std::nullopt; }
 };
 
 // A sharding unit: the parameters of `unit_modules()` (recursively, minus those of any
@@ -111,6 +115,35 @@ template <typename T>
 void collect_tensor(const T&, std::vector<at::Tensor>&) {}
 inline void collect_tensor(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
 
+// Note [Casting forward inputs]
+// Under mixed precision, the floating-point tensors passed to the wrapper's forward and to
+// each unit's are cast to the compute dtype before the call, as FSDP2 does
+// (MixedPrecisionPolicy.cast_forward_inputs): an fp32 batch of features, or an activation
+// that an fp32 buffer promoted to fp32 between units, would otherwise meet bf16 weights in
+// a matrix product and fail. Integer tensors (token ids, labels) and other arguments pass
+// as they are. The cast is an autograd op, so the gradient goes back in the caller's dtype.
+inline at::Tensor cast_floating(const at::Tensor& t, at::ScalarType dtype) {
+  return t.defined() && t.is_floating_point() && t.scalar_type() != dtype ? t.to(dtype) : t;
+}
+inline std::vector<at::Tensor> cast_floating(const std::vector<at::Tensor>& v, at::ScalarType dtype) {
+  std::vector<at::Tensor> out;
+  out.reserve(v.size());
+  for (const auto& t : v) out.push_back(cast_floating(t, dtype));
+  return out;
+}
+template <typename T>
+const T& cast_floating(const T& x, at::ScalarType) {
+  return x;
+}
+
+// Calls f(args...), with the floating-point tensors among them cast to `dtype` when set.
+template <typename F, typename... Args>
+auto call_with_inputs_cast(std::optional<at::ScalarType> dtype, F&& f, Args&&... args) {
+  if (!dtype) return f(std::forward<Args>(args)...);
+  std::tuple<std::decay_t<Args>...> cast{cast_floating(args, *dtype)...};
+  return std::apply([&](auto&... a) { return f(a...); }, cast);
+}
+
 // A unit's constructor has run: an active BuildIntoShards (build.h) shards it now.
 void unit_constructed(UnitBase& unit);
 struct ConstructedNotice {
@@ -145,7 +178,10 @@ class UnitImpl : public Impl, public UnitBase, public UnitProvider {
       return run(std::forward<Args>(args)...);
     }
     h->pre_forward();
-    auto out = run(std::forward<Args>(args)...);
+    // Note [Casting forward inputs]
+    auto out = detail::call_with_inputs_cast(
+        h->input_dtype(), [this](auto&&... a) { return run(std::forward<decltype(a)>(a)...); },
+        std::forward<Args>(args)...);
     auto wrapped = h->post_forward(detail::tensors_of(out));
     return detail::rebuild(out, wrapped);
   }

@@ -678,4 +678,84 @@ TEST(FullyShard, Bf16ParametersWithFp32Masters) {
   }
 }
 
+// A block whose fp32 buffer promotes its bf16 output to fp32, so that the next unit's
+// input is fp32 while its weights are bf16; the head is a unit too.
+struct ShiftedBlockImpl : torch::nn::Module {
+  explicit ShiftedBlockImpl(int dim)
+      : lin(register_module("lin", torch::nn::Linear(dim, dim))),
+        shift(register_buffer("shift", torch::full({dim}, 0.25))) {}
+  at::Tensor forward(const at::Tensor& x) { return torch::tanh(lin(x)) + shift; }
+  torch::nn::Linear lin;
+  at::Tensor shift;
+};
+TORCH_MODULE(ShiftedBlock);
+
+struct ShiftedNetImpl : torch::nn::Module {
+  ShiftedNetImpl() {
+    for (int i = 0; i < 3; ++i)
+      blocks.push_back(register_module("b" + std::to_string(i), flatshard::Unit<ShiftedBlock>(6)));
+    head = register_module("head", flatshard::Unit<torch::nn::Linear>(6, 2));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& b : blocks) x = b(x);
+    return head(x);
+  }
+  std::vector<flatshard::Unit<ShiftedBlock>> blocks;
+  flatshard::Unit<torch::nn::Linear> head{nullptr};
+};
+TORCH_MODULE(ShiftedNet);
+
+// Note [Casting forward inputs]: under bf16 compute, fp32 features enter the wrapper and an
+// fp32 buffer promotes each block's output, yet every unit computes in bf16 and training
+// matches fp32 single-process training within bf16's tolerance; the outputs come back in
+// MixedPrecision::output. Without the casts the first matrix product refuses the mix.
+TEST(FullyShard, MixedPrecisionCastsFloatingInputsToTheComputeDtype) {
+  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  auto make = [] {
+    torch::manual_seed(5);
+    return ShiftedNet();
+  };
+  auto batch = [](int step, int rows) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(4000 + step);
+    return Batch{at::randn({rows, 6}, g), at::randn({rows, 2}, g)};
+  };
+  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard}) {
+    SCOPED_TRACE(to_string(strategy));
+    TrainSpec spec;
+    spec.strategy = strategy;
+    spec.param_dtype = at::kBFloat16;
+    spec.output_dtype = at::kFloat;  // the harness checks every output's dtype
+    const auto r = train_and_compare<ShiftedNet>(
+        world, make, [&](int s) { return batch(s, spec.global_batch); }, mse, spec);
+    EXPECT_LE(r.global_rel_weight_diff, 5e-3) << r.worst_param;  // Note [bf16 tolerance]
+    EXPECT_LE(r.max_rel_loss_diff, 5e-3);
+    EXPECT_GT(r.max_rel_loss_diff, 1e-6) << "bf16 must really be in use";
+
+    auto options = options_for(strategy);
+    options.mixed_precision.param = at::kBFloat16;
+    const auto x = batch(0, 4).input;
+    {
+      auto model = make();
+      flatshard::FullyShard<ShiftedNet> fsdp(model, world, options);
+      EXPECT_EQ(fsdp.forward(x).scalar_type(), at::kBFloat16) << "no output dtype: as computed";
+    }
+    options.mixed_precision.cast_forward_inputs = false;
+    {
+      auto model = make();
+      flatshard::FullyShard<ShiftedNet> fsdp(model, world, options);
+      EXPECT_THROW(fsdp.forward(x), c10::Error) << "fp32 features against bf16 weights";
+    }
+    options.mixed_precision.cast_forward_inputs = true;
+    options.mixed_precision.output = at::kLong;
+    try {
+      auto model = make();
+      flatshard::FullyShard<ShiftedNet> fsdp(model, world, options);
+      ADD_FAILURE() << "an integer output dtype was accepted";
+    } catch (const flatshard::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("mixed_precision.output is Long"), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace

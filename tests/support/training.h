@@ -39,6 +39,7 @@ struct TrainSpec {
   double clip = 0;  // > 0: clip the global gradient norm to this
   std::optional<at::ScalarType> param_dtype;
   std::optional<at::ScalarType> reduce_dtype;
+  std::optional<at::ScalarType> output_dtype;  // MixedPrecision::output
   int prefetch = 1;
   // Where both models train (the batches are moved there), and the transport of the
   // sharded side's collectives.
@@ -59,6 +60,9 @@ struct TrainSpec {
   // `staleness` steps late (and does not step in the first `staleness` steps).
   int staleness = 0;
   std::shared_ptr<CommHook> hook;  // registered on the sharded side when set
+  // Parameters whose name it accepts are frozen (requires_grad off) on both sides before
+  // the sharded side is wrapped (fine-tuning with a frozen embedding or backbone).
+  std::function<bool(const std::string&)> frozen;
   // Called before each step with the reference and the sharded model (e.g. to make a
   // unit go unused in that step).
   std::function<void(int step, torch::nn::Module& reference, torch::nn::Module& sharded)> before_step;

@@ -198,7 +198,8 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
     bool ref_steps = true;
     if (spec.staleness > 0) {  // this step applies the gradients of `staleness` steps ago
       std::vector<at::Tensor> grads;
-      for (auto& p : reference->parameters()) grads.push_back(p.grad().clone());
+      for (auto& p : reference->parameters())
+        grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
       delayed.push_back(std::move(grads));
       ref_steps = static_cast<int>(delayed.size()) > spec.staleness;
       if (ref_steps) {
@@ -242,6 +243,13 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   TrainResult result;
   Holder reference = make();
   reference->to(spec.device);
+  auto freeze = [&](torch::nn::Module& m) {
+    if (!spec.frozen) return;
+    for (auto& item : m.named_parameters()) {
+      if (spec.frozen(item.key())) item.value().requires_grad_(false);
+    }
+  };
+  freeze(*reference);
   auto ref_opt = reference_optimizer(spec.optimizer, *reference, spec.param_groups);
   FullyShardOptions options;
   options.cpu_offload = spec.cpu_offload;
@@ -253,6 +261,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   options.prefetch = spec.prefetch;
   options.mixed_precision.param = spec.param_dtype;
   options.mixed_precision.reduce = spec.reduce_dtype;
+  options.mixed_precision.output = spec.output_dtype;
   options.comm.timeout = std::chrono::seconds(60);
   options.comm.name = "test";
   options.comm.transport = spec.transport;
@@ -270,6 +279,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
       model->to(spec.device);
     }
   }
+  freeze(*model);
   if (spec.recompute) set_recompute(*model);
   FullyShard<Holder> fsdp(model, world, options);
   auto opt = sharded_optimizer(spec.optimizer, fsdp, spec.param_groups);
@@ -277,7 +287,11 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   if (spec.hook) fsdp.register_comm_hook(spec.hook);
 
   DistributedSide side;
-  side.forward = [&](const at::Tensor& x) { return fsdp.forward(x); };
+  side.forward = [&](const at::Tensor& x) {
+    auto out = fsdp.forward(x);
+    if (spec.output_dtype) EXPECT_EQ(out.scalar_type(), *spec.output_dtype) << "MixedPrecision::output";
+    return out;
+  };
   if (!spec.reduce_every_micro_batch)
     side.no_sync = [&] { return std::make_shared<typename FullyShardBase::NoSync>(fsdp); };
   side.clip = [&](double bound) { return fsdp.clip_grad_norm(bound); };
