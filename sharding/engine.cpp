@@ -173,8 +173,10 @@ void Engine::pre_backward(int index) {
     return;
   }
   unshard(index);
-  u.group->allocate_full_grad();  // kept, not zeroed, while accumulating under no_sync
-  u.group->use_grad_views();
+  if (u.group->trains()) {          // Note [Frozen units]
+    u.group->allocate_full_grad();  // kept, not zeroed, while accumulating under no_sync
+    u.group->use_grad_views();
+  }
   account();
   u.pending_grads = 0;
   for (auto& slot : u.group->slots()) u.pending_grads += slot.accumulator ? 1 : 0;
@@ -221,11 +223,22 @@ void Engine::post_backward(int index) {
   u.post_backward_done = true;
   if (!u.group) return;
   FlatParamGroup& g = *u.group;
-  fold_strays(g, 0, static_cast<int>(g.slots().size()));
-  g.drop_param_grads();
-  if (!no_sync_) reduce(index);
+  if (g.trains()) {  // Note [Frozen units]
+    fold_strays(g, 0, static_cast<int>(g.slots().size()));
+    g.drop_param_grads();
+    if (!no_sync_) reduce(index);
+  }
   if (reshard_after_forward_ && index != kRoot) reshard(index);
 }
+
+// Note [Frozen units]
+// A unit whose parameters all have requires_grad off (set before the wrapper is made: a
+// fine-tuning's frozen embedding or lower blocks) is still gathered for backward when a
+// gradient flows through it to earlier units, but it gets no gradient buffer, no
+// reduce-scatter and no gradient shard, and the optimizer finds nothing to step (nor
+// makes state for it), as under FSDP2. A unit with some parameters frozen reduces its
+// whole flat gradient, zeros included, and the optimizer leaves the frozen ones untouched
+// (Note [Parameters without gradients]).
 
 // Note [One reduce-scatter in flight]
 // Before a unit's gradients are reduce-scattered, the previous unit's reduction is

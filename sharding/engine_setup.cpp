@@ -271,6 +271,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
                                                      shard_.rank, compute, placement);
     }
     if (unit->group) {
+      unit->group->forget_frozen();
       for (auto& slot : unit->group->slots()) {
         if (slot.accumulator)
           slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, index, slot.id));

@@ -128,6 +128,21 @@ class FlatParamGroup {
   c10::Device device() const { return full_.device(); }
   std::vector<ParamSlot>& slots() { return slots_; }
   const std::vector<ParamSlot>& slots() const { return slots_; }
+  // Whether any parameter requires grad (has an accumulator): a group that trains nothing
+  // gets no gradient buffer and no reduction (Note [Frozen units] in sharding/engine.cpp).
+  bool trains() const {
+    for (const auto& s : slots_) {
+      if (s.accumulator) return true;
+    }
+    return false;
+  }
+  // Drops the accumulators of parameters frozen (requires_grad off) since the group was
+  // made: a unit built into shards takes them while its parameters all still require grad.
+  void forget_frozen() {
+    for (auto& s : slots_) {
+      if (!s.param.requires_grad()) s.accumulator.reset();
+    }
+  }
   const std::vector<FlatSegment>& segments() const { return segments_; }
   bool persistent() const { return persistent_; }
   // The master shard is the flat buffer itself (see Placement::persistent).

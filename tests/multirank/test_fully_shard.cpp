@@ -758,4 +758,74 @@ TEST(FullyShard, MixedPrecisionCastsFloatingInputsToTheComputeDtype) {
   }
 }
 
+// Note [Frozen units]: a GPT fine-tuned with its first block frozen trains as single-process
+// training does, and that block costs no gradient: no reduce-scatter (the bytes sent fall
+// by exactly one reduce-scatter of its flat buffer), no gradient shard, no optimizer state.
+TEST(FullyShard, FrozenUnitsGetNoGradientReductionOrState) {
+  FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  auto frozen = [](const std::string& name) { return name.rfind("h0.", 0) == 0; };
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    SCOPED_TRACE(to_string(strategy));
+    TrainSpec spec;
+    spec.strategy = strategy;
+    spec.optimizer = OptKind::AdamW;
+    spec.frozen = frozen;
+    const auto r = train_and_compare<GPT>(
+        world, gpt_factory(), [&](int s) { return gpt_batch(s, spec.global_batch); }, token_loss, spec);
+    EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+    EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance);
+
+    struct Step {
+      std::uint64_t bytes_sent = 0;
+      std::int64_t grad_shard_bytes = 0, state_bytes = 0;
+      std::vector<bool> has_grad;
+      std::int64_t h0_padded_numel = 0, h0_shard_numel = 0;
+    };
+    auto step = [&](bool freeze) {
+      auto model = gpt_factory()();
+      for (auto& item : model->named_parameters()) {
+        if (freeze && frozen(item.key())) item.value().requires_grad_(false);
+      }
+      flatshard::FullyShard<GPT> fsdp(model, world, options_for(strategy));
+      flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
+      const auto b = gpt_batch(0, 2 * world.world_size());
+      const auto rows = [&](const at::Tensor& t) { return t.narrow(0, 2 * world.rank(), 2); };
+      Step out;
+      const auto before = fsdp.bytes_sent();
+      token_loss(fsdp.forward(rows(b.input)), rows(b.target)).backward();
+      out.bytes_sent = fsdp.bytes_sent() - before;
+      out.grad_shard_bytes = fsdp.memory().grad_shard_bytes;
+      const auto shards = fsdp.shards();
+      const auto layout = fsdp.layout();
+      for (std::size_t k = 0; k < shards.size(); ++k) {
+        out.has_grad.push_back(shards[k].grad().defined());
+        if (layout[k].params.front().name.rfind("h0.", 0) == 0) {
+          out.h0_padded_numel = layout[k].padded_numel;
+          out.h0_shard_numel = layout[k].shard_numel;
+        }
+      }
+      opt.step();
+      out.state_bytes = opt.state_bytes();
+      return out;
+    };
+    const Step trained = step(false), tuned = step(true);
+    ASSERT_GT(tuned.h0_shard_numel, 0);
+    for (std::size_t k = 0; k < tuned.has_grad.size(); ++k) EXPECT_TRUE(trained.has_grad[k]) << "shard " << k;
+    EXPECT_EQ(std::count(tuned.has_grad.begin(), tuned.has_grad.end(), false), 1)
+        << "only h0's shard has none";
+    EXPECT_EQ(trained.grad_shard_bytes - tuned.grad_shard_bytes, 4 * tuned.h0_shard_numel);
+    EXPECT_EQ(trained.state_bytes - tuned.state_bytes, 8 * tuned.h0_shard_numel) << "AdamW's two moments";
+    // What one reduce-scatter of h0's flat gradient sends from this rank (0 over one rank).
+    auto comm_options = options_for(strategy).comm;
+    comm_options.name = "probe";
+    auto comm = flatshard::Communicator::create(world, comm_options);
+    const auto input = at::zeros({tuned.h0_padded_numel});
+    const auto output = at::empty({tuned.h0_shard_numel});
+    const auto before = comm->bytes_sent();
+    if (world.world_size() > 1) comm->reduce_scatter(output, input, flatshard::ReduceOp::Avg).wait();
+    EXPECT_EQ(trained.bytes_sent - tuned.bytes_sent, comm->bytes_sent() - before);
+  }
+}
+
 }  // namespace
