@@ -127,6 +127,20 @@ void Engine::reduce_segment(int s) {
     finish_pending_reduce();
   }
   const FlatSegment& seg = g.segments()[s];
+  if (std::none_of(g.slots().begin() + seg.first_slot, g.slots().begin() + seg.end_slot,
+                   [](const ParamSlot& slot) { return slot.accumulator != nullptr; })) {
+    // Note [Frozen buckets]
+    if (!g.master_aliases_full()) {
+      at::NoGradGuard no_grad;
+      at::Tensor& master_grad = g.master().mutable_grad();
+      if (!master_grad.defined()) {
+        master_grad = g.empty_master_grad();
+        fresh_grad_ = true;
+      }
+      if (fresh_grad_) g.master_part(master_grad, s).zero_();
+    }
+    return;
+  }
   g.allocate_segment_grad(s);  // a bucket no parameter got a gradient in reduces zeros
   fold_strays(g, seg.first_slot, seg.end_slot);
   at::NoGradGuard no_grad;
@@ -179,6 +193,15 @@ void Engine::reduce_segment(int s) {
   }
   in_flight_.push_back(std::move(pending));
 }
+
+// Note [Frozen buckets]
+// A bucket whose parameters all have requires_grad off is not reduced: no gradient buffer,
+// no collective, only zeros written into its part of a fresh master gradient (so that the
+// norm and the non-finite check read zeros there; an aliased master gradient, NoShard's
+// flat gradient, was zeroed when allocated and is never written there). The first
+// backward's rebuild lays the buckets out in arrival order with the parameters that got no
+// gradient last, so frozen parameters end up in buckets of their own from the second step
+// on, as DDP leaves them out of its buckets.
 
 // Note [Offloaded buckets]
 // With cpu_offload under NoShard and ShardOptimizerState the fp32 master (the whole model,

@@ -335,4 +335,80 @@ TEST(Replicated, OptimizerStateShareAndConsolidation) {
   }
 }
 
+// Note [Frozen buckets]: fine-tuning with the GPT's position embedding and first block
+// frozen trains as single-process training does (clipping included, which reads the frozen
+// buckets' zeros), and from the second step on, once the rebuild has put the frozen
+// parameters in buckets of their own, a backward sends exactly the reductions of the
+// buckets that train.
+TEST(Replicated, FrozenBucketsAreNotReduced) {
+  FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  auto frozen = [](const std::string& name) {
+    return name.rfind("wpe", 0) == 0 || name.rfind("h0.", 0) == 0;
+  };
+  for (Strategy strategy : kReplicated) {
+    SCOPED_TRACE(to_string(strategy));
+    TrainSpec spec;
+    spec.strategy = strategy;
+    spec.optimizer = OptKind::AdamW;
+    spec.clip = 0.05;
+    spec.frozen = frozen;
+    const auto r = train_and_compare<GPT>(
+        world, gpt_factory(), [&](int s) { return gpt_batch(s, spec.global_batch); }, token_loss, spec);
+    EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+    EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance);
+    EXPECT_GT(r.max_grad_norm, spec.clip);
+
+    auto model = gpt_factory()();
+    for (auto& item : model->named_parameters()) {
+      if (frozen(item.key())) item.value().requires_grad_(false);
+    }
+    auto options = options_for(strategy);
+    options.first_bucket_bytes = 2 << 10;
+    options.bucket_bytes = 16 << 10;
+    flatshard::FullyShard<GPT> fsdp(model, world, options);
+    flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
+    std::uint64_t sent = 0;
+    for (int step = 0; step < 3; ++step) {  // the first lays the buckets out again
+      const auto b = gpt_batch(step, 2 * world.world_size());
+      const auto rows = [&](const at::Tensor& t) { return t.narrow(0, 2 * world.rank(), 2); };
+      auto loss = token_loss(fsdp.forward(rows(b.input)), rows(b.target));
+      const auto before = fsdp.bytes_sent();
+      loss.backward();
+      sent = fsdp.bytes_sent() - before;
+      opt.step();
+      opt.zero_grad();
+    }
+    // What reducing each bucket that trains sends from this rank, bucket by bucket.
+    auto comm_options = options.comm;
+    comm_options.name = "probe";
+    auto probe = flatshard::Communicator::create(world, comm_options);
+    const auto layout = fsdp.layout().front();
+    std::uint64_t expected = 0;
+    int frozen_buckets = 0;
+    for (const auto& seg : layout.segments) {
+      bool trains = false;
+      for (const auto& p : layout.params) {
+        if (p.offset >= seg.offset && p.offset < seg.offset + seg.padded_numel) trains |= !frozen(p.name);
+      }
+      if (!trains) {
+        ++frozen_buckets;
+        continue;
+      }
+      const auto input = at::zeros({seg.padded_numel});
+      const auto before = probe->bytes_sent();
+      if (world.world_size() > 1) {
+        if (strategy == Strategy::NoShard) {
+          probe->all_reduce(input, flatshard::ReduceOp::Avg).wait();
+        } else {
+          probe->reduce_scatter(at::empty({seg.slice}), input, flatshard::ReduceOp::Avg).wait();
+        }
+      }
+      expected += probe->bytes_sent() - before;
+    }
+    EXPECT_GT(frozen_buckets, 0) << "the rebuild puts the frozen parameters in buckets of their own";
+    EXPECT_EQ(sent, expected);
+  }
+}
+
 }  // namespace
