@@ -828,4 +828,79 @@ TEST(FullyShard, FrozenUnitsGetNoGradientReductionOrState) {
   }
 }
 
+// Low-rank adapters (LoRA) as units of their own inside frozen blocks: each block's unit
+// holds only frozen weights, so it gets no gradient shard, while the adapters train.
+struct AdapterImpl : torch::nn::Module {
+  AdapterImpl(int dim, int rank)
+      : down(register_module("down", torch::nn::Linear(torch::nn::LinearOptions(dim, rank).bias(false)))),
+        up(register_module("up", torch::nn::Linear(torch::nn::LinearOptions(rank, dim).bias(false)))) {}
+  at::Tensor forward(const at::Tensor& x) { return up(down(x)); }
+  torch::nn::Linear down, up;
+};
+TORCH_MODULE(Adapter);
+
+struct AdaptedBlockImpl : torch::nn::Module {
+  explicit AdaptedBlockImpl(int dim)
+      : base(register_module("base", torch::nn::Linear(dim, dim))),
+        adapter(register_module("adapter", flatshard::Unit<Adapter>(dim, 2))) {}
+  at::Tensor forward(const at::Tensor& x) { return torch::tanh(base(x) + adapter(x)); }
+  torch::nn::Linear base;
+  flatshard::Unit<Adapter> adapter;
+};
+TORCH_MODULE(AdaptedBlock);
+
+struct AdaptedNetImpl : torch::nn::Module {
+  AdaptedNetImpl() : head(register_module("head", torch::nn::Linear(8, 3))) {
+    for (int i = 0; i < 3; ++i)
+      blocks.push_back(register_module("b" + std::to_string(i), flatshard::Unit<AdaptedBlock>(8)));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& b : blocks) x = b(x);
+    return head(x);
+  }
+  std::vector<flatshard::Unit<AdaptedBlock>> blocks;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(AdaptedNet);
+
+TEST(FullyShard, AdaptersAsNestedUnitsTrainBesideFrozenBlocks) {
+  FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  auto make = [] {
+    torch::manual_seed(9);
+    return AdaptedNet();
+  };
+  auto batch = [](int step, int rows) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(5000 + step);
+    return Batch{at::randn({rows, 8}, g), at::randn({rows, 3}, g)};
+  };
+  auto frozen = [](const std::string& name) { return name.find(".base.") != std::string::npos; };
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    SCOPED_TRACE(to_string(strategy));
+    TrainSpec spec;
+    spec.strategy = strategy;
+    spec.optimizer = OptKind::AdamW;
+    spec.frozen = frozen;
+    const auto r = train_and_compare<AdaptedNet>(
+        world, make, [&](int s) { return batch(s, spec.global_batch); }, mse, spec);
+    EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+    EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance);
+
+    auto model = make();
+    for (auto& item : model->named_parameters()) {
+      if (frozen(item.key())) item.value().requires_grad_(false);
+    }
+    flatshard::FullyShard<AdaptedNet> fsdp(model, world, options_for(strategy));
+    const auto b = batch(0, world.world_size());
+    mse(fsdp.forward(b.input.narrow(0, world.rank(), 1)), b.target.narrow(0, world.rank(), 1)).backward();
+    const auto shards = fsdp.shards();
+    const auto layout = fsdp.layout();
+    ASSERT_EQ(shards.size(), 7u) << "the root, three blocks and three adapters";
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      const bool block = frozen(layout[k].params.front().name);
+      EXPECT_EQ(shards[k].grad().defined(), !block) << layout[k].params.front().name;
+    }
+  }
+}
+
 }  // namespace
