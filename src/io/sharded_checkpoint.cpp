@@ -62,13 +62,24 @@ Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool 
                             begin + share.offset + share.numel, spans, kind});
     }
   };
+  // A shard whose parameters are all frozen has no optimizer state (Note [Frozen units]),
+  // and loading makes none for it.
+  const auto named = fsdp.root_module().named_parameters(/*recurse=*/true);
+  auto trains = [&](const ShardLayout& l) {
+    return std::any_of(l.params.begin(), l.params.end(), [&](const ShardLayout::Param& p) {
+      const at::Tensor* t = named.find(p.name);
+      return t == nullptr || t->requires_grad();
+    });
+  };
   for (std::size_t i = 0; i < layout.size(); ++i) {
     const auto spans = unit_spans(layout[i]);
     hold(shards[i].detach(), layout[i], spans, "param");
     if (!opt) continue;
     std::vector<std::pair<std::string, at::Tensor>> states;
     if (loading) {
-      for (const auto& name : load_states) states.emplace_back(name, opt->mutable_state(i, name));
+      if (trains(layout[i])) {
+        for (const auto& name : load_states) states.emplace_back(name, opt->mutable_state(i, name));
+      }
     } else {
       states = opt->named_state(i);
     }

@@ -51,10 +51,19 @@ flatshard::testing::WrappedOptions test_options() {
   return o;
 }
 
+// The test model with its first block frozen (fine-tuning): requires_grad off.
+GPT frozen_first_block(GPT model) {
+  for (auto& item : model->named_parameters()) {
+    if (item.key().rfind("h0.", 0) == 0) item.value().requires_grad_(false);
+  }
+  return model;
+}
+
 // The GPT-style test model trained with AdamW under one mode.
 struct Trainer : flatshard::testing::Wrapped<GPT> {
-  Trainer(const flatshard::World& w, Strategy m, const GPTConfig& config = gpt_config())
-      : Wrapped(seeded_gpt(config), w, m, test_options()), world(w) {}
+  Trainer(const flatshard::World& w, Strategy m, const GPTConfig& config = gpt_config(), bool freeze = false)
+      : Wrapped(freeze ? frozen_first_block(seeded_gpt(config)) : seeded_gpt(config), w, m, test_options()),
+        world(w) {}
 
   void train(int first_step, int steps) {
     const int n = world.world_size(), local = kGlobalBatch / n;
@@ -112,27 +121,31 @@ std::string scratch_dir(const std::string& name) {
 
 // Training K steps equals training K/2, saving, loading into fresh objects and training
 // K/2 more: bit for bit, at the same world size and mode.
-TEST(Checkpoint, ResumeIsBitIdentical) {
-  FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(240));
-  auto world = flatshard::init();
+void expect_resume_bit_identical(const flatshard::World& world, bool freeze) {
   constexpr int kSteps = 4;
   for (Strategy mode :
        {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
     SCOPED_TRACE(mode_name(mode));
-    const std::string root = fmt::format("/tmp/flatshard-resume-{}-{}-{}", mode_name(mode),
-                                         world.world_size(), env("MASTER_PORT"));
-    Trainer straight(world, mode);
+    const std::string root = fmt::format("/tmp/flatshard-resume-{}-{}{}-{}", mode_name(mode),
+                                         world.world_size(), freeze ? "-frozen" : "", env("MASTER_PORT"));
+    Trainer straight(world, mode, gpt_config(), freeze);
     straight.train(0, kSteps);
     const auto want = straight.params();
     const auto want_state = straight.adam_state();
+    if (freeze) {
+      for (const auto& item : seeded_gpt(gpt_config())->named_parameters()) {
+        if (item.key().rfind("h0.", 0) == 0)
+          EXPECT_TRUE(at::equal(want.at(item.key()), item.value())) << item.key() << " is frozen";
+      }
+    }
 
     {
-      Trainer first(world, mode);
+      Trainer first(world, mode, gpt_config(), freeze);
       first.train(0, kSteps / 2);
       const auto info = first.save(root, kSteps / 2);
       EXPECT_EQ(info.step, kSteps / 2);
     }
-    Trainer resumed(world, mode);
+    Trainer resumed(world, mode, gpt_config(), freeze);
     const auto info = resumed.load(root);
     EXPECT_EQ(info.step, kSteps / 2);
     EXPECT_EQ(info.world_size, world.world_size());
@@ -140,9 +153,24 @@ TEST(Checkpoint, ResumeIsBitIdentical) {
     expect_identical(resumed.params(), want, "parameters");
     const auto state = resumed.adam_state();
     if (world.rank() == 0) expect_identical(state, want_state, "optimizer state");
+    EXPECT_EQ(resumed.shard_optimizer()->state_bytes(), straight.shard_optimizer()->state_bytes())
+        << "no state made for a frozen unit when loading";
     resumed.comm().barrier().wait();
     if (world.rank() == 0) fs::remove_all(root);
   }
+}
+
+TEST(Checkpoint, ResumeIsBitIdentical) {
+  FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(240));
+  expect_resume_bit_identical(flatshard::init(), /*freeze=*/false);
+}
+
+// Fine-tuning with a frozen block (Note [Frozen units], Note [Frozen buckets]): its unit has
+// no gradient and no optimizer state to save, and the resumed run still continues bit for
+// bit, the frozen weights unchanged.
+TEST(Checkpoint, ResumeWithFrozenParametersIsBitIdentical) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
+  expect_resume_bit_identical(flatshard::init(), /*freeze=*/true);
 }
 
 // One phase of ReshardsAcrossWorldSizesAndModes, in its own launch (env says which).
