@@ -1,7 +1,8 @@
 // Random mixes of the options every strategy takes — accumulation with and without
 // no_sync, clipping, bf16 compute and reduction, prefetch depth, CPU offload,
 // recomputation, building into shards, stepping in backward, staleness, unused-parameter
-// search, parameter groups — each trained against single-process training on the same
+// search, parameter groups, frozen parameters, and a sharded checkpoint halfway loaded by a
+// wrapper with other options — each trained against single-process training on the same
 // global batch. The other tests pin each option down alone or in pairs; this one looks
 // for the interactions between them that nobody wrote a test for.
 //
@@ -40,15 +41,10 @@ std::uint64_t env_or(const char* name, std::uint64_t fallback) {
   return v && *v ? std::strtoull(v, nullptr, 10) : fallback;
 }
 
-std::string describe(const Mix& m, int world_size) {
-  const TrainSpec& s = m.spec;
+std::string describe_engine(const TrainSpec& s) {
   std::ostringstream o;
-  o << "seed " << m.seed << ": world " << world_size << ", " << (m.model == Model::Gpt ? "gpt" : "mlp units")
-    << ", " << to_string(s.strategy);
+  o << to_string(s.strategy);
   if (s.strategy == Strategy::HybridShard) o << " (groups of " << s.shard_group_size << ")";
-  o << ", " << to_string(s.optimizer) << (s.param_groups ? " with groups" : "") << ", " << s.micro_batches
-    << " micro-batch(es)" << (s.micro_batches > 1 && s.reduce_every_micro_batch ? " reduced each" : "");
-  if (s.clip > 0) o << ", clip " << s.clip;
   if (s.param_dtype) o << ", param " << c10::toString(*s.param_dtype);
   if (s.reduce_dtype) o << ", reduce " << c10::toString(*s.reduce_dtype);
   if (s.output_dtype) o << ", output " << c10::toString(*s.output_dtype);
@@ -57,69 +53,106 @@ std::string describe(const Mix& m, int world_size) {
   if (s.recompute) o << ", recompute";
   if (s.build_into_shards) o << ", built into shards";
   if (s.step_in_backward) o << ", step in backward";
-  if (s.staleness > 0) o << ", staleness " << s.staleness;
   if (s.find_unused_parameters) o << ", find unused";
-  if (s.frozen) o << ", some frozen";
   return o.str();
 }
 
-// One mix of options that FullyShard accepts together at `world_size`.
-Mix draw(std::uint64_t seed, int world_size) {
-  std::mt19937_64 rng(seed);
-  auto chance = [&](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
-  auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<std::uint64_t>(n)); };
-  Mix m;
-  m.seed = seed;
-  m.model = chance(0.7) ? Model::Gpt : Model::MlpUnits;
-  TrainSpec& s = m.spec;
+std::string describe(const Mix& m, int world_size) {
+  const TrainSpec& s = m.spec;
+  std::ostringstream o;
+  o << "seed " << m.seed << ": world " << world_size << ", " << (m.model == Model::Gpt ? "gpt" : "mlp units")
+    << ", " << to_string(s.optimizer) << (s.param_groups ? " with groups" : "") << ", " << s.micro_batches
+    << " micro-batch(es)" << (s.micro_batches > 1 && s.reduce_every_micro_batch ? " reduced each" : "");
+  if (s.clip > 0) o << ", clip " << s.clip;
+  if (s.frozen) o << ", some frozen";
+  if (s.staleness > 0) o << ", staleness " << s.staleness;
+  o << ", " << describe_engine(s);
+  if (s.resume_as) o << "; resumed as " << describe_engine(*s.resume_as);
+  return o.str();
+}
+
+struct Draw {
+  explicit Draw(std::uint64_t seed) : rng(seed) {}
+  bool chance(double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; }
+  int pick(int n) { return static_cast<int>(rng() % static_cast<std::uint64_t>(n)); }
+  std::mt19937_64 rng;
+};
+
+bool replicates(Strategy s) { return s == Strategy::NoShard || s == Strategy::ShardOptimizerState; }
+
+// The options that change how the wrapper trains but not what the reference does: the
+// strategy and its group size, precision, prefetch, offload, recomputation, building into
+// shards, stepping in backward, the unused-parameter search, bucket sizes.
+void draw_engine(Draw& d, TrainSpec& s, int world_size) {
   const Strategy strategies[] = {Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::ShardGradOp,
                                  Strategy::FullShard, Strategy::HybridShard};
-  s.strategy = strategies[pick(world_size > 1 ? 5 : 4)];
+  s.strategy = strategies[d.pick(world_size > 1 ? 5 : 4)];
+  s.shard_group_size = 0;
   if (s.strategy == Strategy::HybridShard) {  // a group size that divides the world, below it
     std::vector<int> sizes;
     for (int g = 1; g < world_size; ++g) {
       if (world_size % g == 0) sizes.push_back(g);
     }
-    s.shard_group_size = sizes[pick(static_cast<int>(sizes.size()))];
+    s.shard_group_size = sizes[d.pick(static_cast<int>(sizes.size()))];
   }
-  const bool replicated = s.strategy == Strategy::NoShard || s.strategy == Strategy::ShardOptimizerState;
-  s.optimizer = std::array{OptKind::SGD, OptKind::Adam, OptKind::AdamW}[pick(3)];
-  s.param_groups = m.model == Model::Gpt && chance(0.3);  // its groups pick the GPT's head by name
-  s.steps = 5;
-  s.micro_batches = chance(0.35) ? 2 : 1;
-  s.global_batch = world_size * s.micro_batches * (1 + pick(3));
-  if (chance(0.3)) {
+  s.param_dtype = s.reduce_dtype = s.output_dtype = std::nullopt;
+  if (d.chance(0.3)) {
     s.param_dtype = at::kBFloat16;
-    if (chance(0.5)) s.reduce_dtype = chance(0.5) ? at::kFloat : at::kBFloat16;
-    if (chance(0.5)) s.output_dtype = at::kFloat;
+    if (d.chance(0.5)) s.reduce_dtype = d.chance(0.5) ? at::kFloat : at::kBFloat16;
+    if (d.chance(0.5)) s.output_dtype = at::kFloat;
   }
-  s.prefetch = pick(3);
-  s.cpu_offload = chance(0.3);
-  s.recompute = chance(0.3);
-  if (!replicated) {
-    s.build_into_shards = chance(0.25);
-    s.step_in_backward = chance(0.3);
+  s.prefetch = d.pick(3);
+  s.cpu_offload = d.chance(0.3);
+  s.recompute = d.chance(0.3);
+  const bool replicated = replicates(s.strategy);
+  s.build_into_shards = !replicated && d.chance(0.25);
+  // Clipping needs every gradient after backward; a step in backward at every micro-batch's
+  // reduction would step twice in a step.
+  s.step_in_backward = !replicated && s.clip == 0 && !s.reduce_every_micro_batch && d.chance(0.3);
+  s.find_unused_parameters = replicated && d.chance(0.25);
+  TrainSpec defaults;
+  s.first_bucket_bytes = defaults.first_bucket_bytes;
+  s.bucket_bytes = defaults.bucket_bytes;
+  if (replicated && d.chance(0.3)) {  // buckets of another size than the tests' default
+    s.first_bucket_bytes = 512 << d.pick(4);
+    s.bucket_bytes = 4096 << d.pick(4);
   }
-  if (!s.step_in_backward && chance(0.3)) s.clip = 0.05;
-  if (replicated) {
-    s.staleness = chance(0.25) ? 1 + pick(2) : 0;
-    s.find_unused_parameters = chance(0.25);
-    if (chance(0.3)) {  // buckets of another size than the tests' default
-      s.first_bucket_bytes = 512 << pick(4);
-      s.bucket_bytes = 4096 << pick(4);
-    }
-  }
+}
+
+// One mix of options that FullyShard accepts together at `world_size`.
+Mix draw(std::uint64_t seed, int world_size) {
+  Draw d(seed);
+  Mix m;
+  m.seed = seed;
+  m.model = d.chance(0.7) ? Model::Gpt : Model::MlpUnits;
+  TrainSpec& s = m.spec;
+  // What the reference sees: the optimizer and its groups, batches, accumulation, clipping,
+  // frozen parameters.
+  s.optimizer = std::array{OptKind::SGD, OptKind::Adam, OptKind::AdamW}[d.pick(3)];
+  s.param_groups = m.model == Model::Gpt && d.chance(0.3);  // its groups pick the GPT's head by name
+  s.steps = 6;
+  s.micro_batches = d.chance(0.35) ? 2 : 1;
+  s.global_batch = world_size * s.micro_batches * (1 + d.pick(3));
+  s.reduce_every_micro_batch = s.micro_batches > 1 && d.chance(0.4);
+  if (d.chance(0.3)) s.clip = 0.05;
   // Fine-tuning: the GPT's position embedding and first block frozen, or the MLP's first layer.
-  if (chance(0.25)) {
+  if (d.chance(0.25)) {
     if (m.model == Model::Gpt) {
       s.frozen = [](const std::string& n) { return n.rfind("wpe", 0) == 0 || n.rfind("h0.", 0) == 0; };
     } else {
       s.frozen = [](const std::string& n) { return n.rfind("0.", 0) == 0; };
     }
   }
-  // Staleness counts synced backwards, and a step in backward steps at every one: both
-  // would see each micro-batch as a step of its own, unlike the reference.
-  s.reduce_every_micro_batch = s.micro_batches > 1 && !s.step_in_backward && s.staleness == 0 && chance(0.5);
+  draw_engine(d, s, world_size);
+  // Staleness counts synced backwards: it would see each micro-batch reduced apart as a
+  // step of its own, unlike the reference; a resumed run starts its delay over.
+  if (replicates(s.strategy) && !s.reduce_every_micro_batch && d.chance(0.25)) s.staleness = 1 + d.pick(2);
+  // Halfway, a sharded checkpoint, loaded by a wrapper with other options, which trains on.
+  if (s.staleness == 0 && d.chance(0.35)) {
+    s.resume_as = std::make_shared<TrainSpec>(s);
+    s.resume_as->resume_as = nullptr;
+    draw_engine(d, *s.resume_as, world_size);
+  }
   return m;
 }
 
@@ -153,7 +186,8 @@ TEST(Combinations, RandomOptionMixesMatchSingleProcess) {
                   r.max_rel_weight_diff, r.worst_param.c_str(), r.global_rel_weight_diff,
                   r.max_rel_loss_diff);
     }
-    if (spec.param_dtype || spec.reduce_dtype == at::kBFloat16) {
+    auto bf16 = [](const TrainSpec& t) { return t.param_dtype || t.reduce_dtype == at::kBFloat16; };
+    if (bf16(spec) || (spec.resume_as && bf16(*spec.resume_as))) {
       EXPECT_LE(r.global_rel_weight_diff, kBf16Tolerance) << r.worst_param;
       EXPECT_LE(r.max_rel_loss_diff, kBf16Tolerance);
     } else {

@@ -63,6 +63,11 @@ struct TrainSpec {
   // Parameters whose name it accepts are frozen (requires_grad off) on both sides before
   // the sharded side is wrapped (fine-tuning with a frozen embedding or backbone).
   std::function<bool(const std::string&)> frozen;
+  // After steps / 2 steps the sharded side saves a sharded checkpoint, and a new sharded
+  // side made by *resume_as (another strategy, offload, precision...) loads it and trains
+  // the remaining steps. Whatever the reference sees (optimizer, groups, clipping, batches,
+  // micro-batches, frozen parameters) must be this spec's; staleness must be 0.
+  std::shared_ptr<TrainSpec> resume_as;
   // Called before each step with the reference and the sharded model (e.g. to make a
   // unit go unused in that step).
   std::function<void(int step, torch::nn::Module& reference, torch::nn::Module& sharded)> before_step;

@@ -1,7 +1,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdlib>
 #include <deque>
+#include <filesystem>
 #include <map>
 
 namespace flatshard::testing {
@@ -169,18 +171,18 @@ struct DistributedSide {
   Communicator* comm = nullptr;                    // to average the ranks' losses
 };
 
-// spec.steps steps of single-process training on the global batch (reference) and of
-// distributed training on this rank's rows (side), recording loss differences.
+// Steps [first_step, end_step) of single-process training on the global batch (reference)
+// and of distributed training on this rank's rows (side), recording loss differences.
 template <typename Holder>
 void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& ref_opt, Holder& model,
                DistributedSide& side, const std::function<Batch(int)>& batch,
                const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss,
-               const TrainSpec& spec, TrainResult& result) {
+               const TrainSpec& spec, TrainResult& result, int first_step, int end_step) {
   const int n = world.world_size();
   const int rank = world.rank();
   auto loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(side.comm->device()));
   std::deque<std::vector<at::Tensor>> delayed;  // spec.staleness: gradients waiting to be applied
-  for (int step = 0; step < spec.steps; ++step) {
+  for (int step = first_step; step < end_step; ++step) {
     if (spec.before_step) spec.before_step(step, *reference, *model);
     const Batch host = batch(step);
     const Batch b{host.input.to(spec.device), host.target.to(spec.device)};
@@ -235,22 +237,26 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
   }
 }
 
+// The distributed side of train_and_compare: the model, its wrapper and optimizer.
 template <typename Holder>
-TrainResult train_and_compare(const World& world, const std::function<Holder()>& make,
-                              const std::function<Batch(int)>& batch,
-                              const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss,
-                              const TrainSpec& spec) {
-  TrainResult result;
-  Holder reference = make();
-  reference->to(spec.device);
-  auto freeze = [&](torch::nn::Module& m) {
-    if (!spec.frozen) return;
-    for (auto& item : m.named_parameters()) {
-      if (spec.frozen(item.key())) item.value().requires_grad_(false);
-    }
-  };
-  freeze(*reference);
-  auto ref_opt = reference_optimizer(spec.optimizer, *reference, spec.param_groups);
+struct ShardedSide {
+  Holder model{nullptr};
+  std::unique_ptr<FullyShard<Holder>> fsdp;
+  ShardedOptimizer opt;
+  DistributedSide side;
+};
+
+inline void freeze(torch::nn::Module& m, const TrainSpec& spec) {
+  if (!spec.frozen) return;
+  for (auto& item : m.named_parameters()) {
+    if (spec.frozen(item.key())) item.value().requires_grad_(false);
+  }
+}
+
+template <typename Holder>
+std::unique_ptr<ShardedSide<Holder>> make_sharded_side(const World& world,
+                                                       const std::function<Holder()>& make,
+                                                       const TrainSpec& spec) {
   FullyShardOptions options;
   options.cpu_offload = spec.cpu_offload;
   options.strategy = spec.strategy;
@@ -266,42 +272,78 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   options.comm.name = "test";
   options.comm.transport = spec.transport;
   options.staleness = spec.staleness;
-  Holder model{nullptr};
+  auto s = std::make_unique<ShardedSide<Holder>>();
   if (spec.build_into_shards) {
     options.device = spec.device;
     BuildIntoShards build(world, options);
-    model = make();
+    s->model = make();
   } else {
-    model = make();
+    s->model = make();
     if (spec.build_on_host) {
       options.device = spec.device;
     } else {
-      model->to(spec.device);
+      s->model->to(spec.device);
     }
   }
-  freeze(*model);
-  if (spec.recompute) set_recompute(*model);
-  FullyShard<Holder> fsdp(model, world, options);
-  auto opt = sharded_optimizer(spec.optimizer, fsdp, spec.param_groups);
-  if (spec.step_in_backward) fsdp.step_in_backward(opt.opt.get());
+  freeze(*s->model, spec);
+  if (spec.recompute) set_recompute(*s->model);
+  s->fsdp = std::make_unique<FullyShard<Holder>>(s->model, world, options);
+  FullyShard<Holder>& fsdp = *s->fsdp;
+  s->opt = sharded_optimizer(spec.optimizer, fsdp, spec.param_groups);
+  if (spec.step_in_backward) fsdp.step_in_backward(s->opt.opt.get());
   if (spec.hook) fsdp.register_comm_hook(spec.hook);
 
-  DistributedSide side;
-  side.forward = [&](const at::Tensor& x) {
+  DistributedSide& side = s->side;
+  const std::optional<at::ScalarType> output_dtype = spec.output_dtype;
+  side.forward = [&fsdp, output_dtype](const at::Tensor& x) {
     auto out = fsdp.forward(x);
-    if (spec.output_dtype) EXPECT_EQ(out.scalar_type(), *spec.output_dtype) << "MixedPrecision::output";
+    if (output_dtype) EXPECT_EQ(out.scalar_type(), *output_dtype) << "MixedPrecision::output";
     return out;
   };
   if (!spec.reduce_every_micro_batch)
-    side.no_sync = [&] { return std::make_shared<typename FullyShardBase::NoSync>(fsdp); };
-  side.clip = [&](double bound) { return fsdp.clip_grad_norm(bound); };
-  side.step = [&] {
-    opt.step();
-    opt.zero_grad();
+    side.no_sync = [&fsdp] { return std::make_shared<typename FullyShardBase::NoSync>(fsdp); };
+  side.clip = [&fsdp](double bound) { return fsdp.clip_grad_norm(bound); };
+  ShardedOptimizer* opt = &s->opt;
+  side.step = [opt] {
+    opt->step();
+    opt->zero_grad();
   };
   side.comm = &fsdp.comm();
-  run_steps(world, reference, *ref_opt, model, side, batch, loss, spec, result);
+  return s;
+}
 
+template <typename Holder>
+TrainResult train_and_compare(const World& world, const std::function<Holder()>& make,
+                              const std::function<Batch(int)>& batch,
+                              const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& loss,
+                              const TrainSpec& spec) {
+  TrainResult result;
+  Holder reference = make();
+  reference->to(spec.device);
+  freeze(*reference, spec);
+  auto ref_opt = reference_optimizer(spec.optimizer, *reference, spec.param_groups);
+  auto sharded = make_sharded_side<Holder>(world, make, spec);
+  const int split = spec.resume_as ? spec.steps / 2 : spec.steps;
+  run_steps(world, reference, *ref_opt, sharded->model, sharded->side, batch, loss, spec, result, 0, split);
+  if (spec.resume_as) {
+    // Every rank makes the same calls in the same order: the count names the same directory.
+    static int resumes = 0;
+    const char* port = std::getenv("MASTER_PORT");
+    const std::string dir = "/tmp/flatshard-resume-as-" + std::string(port ? port : "0") + "-" +
+                            std::to_string(world.world_size()) + "-" + std::to_string(resumes++);
+    checkpoint::SaveOptions save;
+    save.step = split;
+    checkpoint::save_sharded(dir, *sharded->fsdp, sharded->opt.opt.get(), save);
+    sharded.reset();
+    sharded = make_sharded_side<Holder>(world, make, *spec.resume_as);
+    const auto info = checkpoint::load_sharded(dir, *sharded->fsdp, sharded->opt.opt.get());
+    EXPECT_EQ(info.step, split);
+    run_steps(world, reference, *ref_opt, sharded->model, sharded->side, batch, loss, *spec.resume_as, result,
+              split, spec.steps);
+    sharded->fsdp->comm().barrier().wait();
+    if (world.rank() == 0) std::filesystem::remove_all(dir);
+  }
+  FullyShard<Holder>& fsdp = *sharded->fsdp;
   result.peak_gathered_units = fsdp.peak_gathered_units();
   result.peak_unsharded_param_bytes = fsdp.memory().peak_unsharded_param_bytes;
   result.largest_unit_bytes = fsdp.largest_unit_bytes();
@@ -309,7 +351,7 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   result.shard_device = fsdp.shards().front().device();
   result.shards_pinned = fsdp.shards().front().is_pinned();
   auto full = fsdp.summon_full_params();
-  compare_weights(model, reference, result);
+  compare_weights(sharded->model, reference, result);
   return result;
 }
 
