@@ -1,10 +1,10 @@
 // Random mixes of the options every strategy takes — accumulation with and without
 // no_sync, clipping, bf16 compute and reduction, prefetch depth, CPU offload,
 // recomputation, building into shards, stepping in backward, staleness, unused-parameter
-// search, parameter groups, frozen parameters, and a sharded checkpoint halfway loaded by a
-// wrapper with other options — each trained against single-process training on the same
-// global batch. The other tests pin each option down alone or in pairs; this one looks
-// for the interactions between them that nobody wrote a test for.
+// search, parameter groups, frozen parameters, communication hooks, and a sharded checkpoint halfway loaded
+// by a wrapper with other options — each trained against single-process training on the same global batch.
+// The other tests pin each option down alone or in pairs; this one looks for the interactions between them
+// that nobody wrote a test for.
 //
 // The mixes are drawn from a seeded generator, the same on every rank; a failure names
 // its seed and mix, and FLATSHARD_COMBINATION_SEED=<seed> FLATSHARD_COMBINATIONS=1 runs it
@@ -54,6 +54,7 @@ std::string describe_engine(const TrainSpec& s) {
   if (s.build_into_shards) o << ", built into shards";
   if (s.step_in_backward) o << ", step in backward";
   if (s.find_unused_parameters) o << ", find unused";
+  if (s.hook) o << ", hook " << s.hook->describe();
   return o.str();
 }
 
@@ -110,6 +111,22 @@ void draw_engine(Draw& d, TrainSpec& s, int world_size) {
   // reduction would step twice in a step.
   s.step_in_backward = !replicated && s.clip == 0 && !s.reduce_every_micro_batch && d.chance(0.3);
   s.find_unused_parameters = replicated && d.chance(0.25);
+  // A communication hook where gradients are averaged over replicas: the plain average, bf16
+  // on the wire, or PowerSGD before its start step (uncompressed, through its machinery).
+  s.hook = nullptr;
+  const bool replicas = replicated || (s.strategy == Strategy::HybridShard && world_size > 1);
+  if (replicas && d.chance(0.3)) {
+    switch (d.pick(3)) {
+      case 0: s.hook = flatshard::hooks::all_reduce(); break;
+      case 1: s.hook = flatshard::hooks::low_precision(); break;
+      default: {
+        flatshard::hooks::PowerSGDOptions o;
+        o.rank = 2;
+        o.start_step = 1000;
+        s.hook = flatshard::hooks::power_sgd(o);
+      }
+    }
+  }
   TrainSpec defaults;
   s.first_bucket_bytes = defaults.first_bucket_bytes;
   s.bucket_bytes = defaults.bucket_bytes;
@@ -186,7 +203,10 @@ TEST(Combinations, RandomOptionMixesMatchSingleProcess) {
                   r.max_rel_weight_diff, r.worst_param.c_str(), r.global_rel_weight_diff,
                   r.max_rel_loss_diff);
     }
-    auto bf16 = [](const TrainSpec& t) { return t.param_dtype || t.reduce_dtype == at::kBFloat16; };
+    auto bf16 = [](const TrainSpec& t) {
+      return t.param_dtype || t.reduce_dtype == at::kBFloat16 ||
+             (t.hook && t.hook->describe().find("BFloat16") != std::string::npos);
+    };
     if (bf16(spec) || (spec.resume_as && bf16(*spec.resume_as))) {
       EXPECT_LE(r.global_rel_weight_diff, kBf16Tolerance) << r.worst_param;
       EXPECT_LE(r.max_rel_loss_diff, kBf16Tolerance);
