@@ -1,10 +1,11 @@
 // Random mixes of the options every strategy takes — accumulation with and without
 // no_sync, clipping, bf16 compute and reduction, prefetch depth, CPU offload,
 // recomputation, building into shards, stepping in backward, staleness, unused-parameter
-// search, parameter groups, frozen parameters, communication hooks, and a sharded checkpoint halfway loaded
-// by a wrapper with other options — each trained against single-process training on the same global batch.
-// The other tests pin each option down alone or in pairs; this one looks for the interactions between them
-// that nobody wrote a test for.
+// search, parameter groups, frozen parameters, communication hooks, and a sharded
+// checkpoint halfway loaded by a wrapper with other options — each trained against
+// single-process training on the same global batch. The other tests pin each option down
+// alone or in pairs; this one looks for the interactions between them that nobody wrote a
+// test for.
 //
 // The mixes are drawn from a seeded generator, the same on every rank; a failure names
 // its seed and mix, and FLATSHARD_COMBINATION_SEED=<seed> FLATSHARD_COMBINATIONS=1 runs it
