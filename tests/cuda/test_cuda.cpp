@@ -40,6 +40,7 @@
 #include "optim/step_kernels.h"
 #include "src/memory/pinned_host.h"
 #include "tests/support/cases.h"
+#include "tests/support/mixes.h"
 #include "tests/support/multirank.h"
 
 namespace {
@@ -758,6 +759,22 @@ TEST(CudaCheckpoint, ReplicatedModesSaveOnTheGpuAndLoadOnTheCpu) {
     }
   }
   std::system(("rm -rf " + dir).c_str());
+}
+
+// Random mixes of every strategy's options (tests/support/mixes.h: precision, offload,
+// recomputation, building into shards or on the host, stepping in backward, staleness,
+// frozen parameters, hooks, a checkpoint halfway loaded with other options) on CUDA
+// tensors: world 1 over NCCL, world 2 over the TCP transport on one GPU, each against
+// single-process training on the GPU. FLATSHARD_COMBINATIONS / FLATSHARD_COMBINATION_SEED
+// as on the CPU.
+TEST(CudaCombinations, RandomOptionMixesMatchSingleProcess) {
+  REQUIRE_GPU();
+  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(600));
+  auto world = flatshard::init();
+  namespace mixes = flatshard::testing::mixes;
+  mixes::train_mixes(world, mixes::env_or("FLATSHARD_COMBINATION_SEED", 20261125),
+                     mixes::env_or("FLATSHARD_COMBINATIONS", 6), kGpu,
+                     world.world_size() == 1 ? flatshard::Transport::Nccl : flatshard::Transport::Tcp, 3e-2);
 }
 
 }  // namespace
