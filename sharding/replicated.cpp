@@ -199,9 +199,9 @@ void Engine::reduce_segment(int s) {
 // no collective, only zeros written into its part of a fresh master gradient (so that the
 // norm and the non-finite check read zeros there; an aliased master gradient, NoShard's
 // flat gradient, was zeroed when allocated and is never written there). The first
-// backward's rebuild lays the buckets out in arrival order with the parameters that got no
-// gradient last, so frozen parameters end up in buckets of their own from the second step
-// on, as DDP leaves them out of its buckets.
+// backward's rebuild lays the buckets out in arrival order with the frozen parameters last,
+// in buckets of their own (rebuild_buckets), so from the second step on no frozen
+// parameter is reduced, as DDP leaves them out of its buckets.
 
 // Note [Offloaded buckets]
 // With cpu_offload under NoShard and ShardOptimizerState the fp32 master (the whole model,
@@ -516,6 +516,15 @@ void Engine::rebuild_buckets(std::vector<int> order) {
   }
   std::vector<int> slot_of_id(g.slots().size());
   for (int k = 0; k < static_cast<int>(g.slots().size()); ++k) slot_of_id[g.slots()[k].id] = k;
+  // Note [Frozen buckets]: frozen parameters last, in buckets of their own (the same rule
+  // on every rank and for a restored order, so the layout depends on the order alone).
+  const auto frozen_begin = std::stable_partition(
+      order.begin(), order.end(), [&](int id) { return g.slots()[slot_of_id[id]].accumulator != nullptr; });
+  const std::vector<int> trainable(order.begin(), frozen_begin), frozen(frozen_begin, order.end());
+  std::vector<int> sizes = bucket_sizes(trainable);
+  for (const auto& bucket :
+       assign_buckets(param_bytes_, frozen, options_.bucket_bytes, options_.bucket_bytes))
+    sizes.push_back(static_cast<int>(bucket.size()));
   std::vector<int> slot_order;
   for (int id : order) slot_order.push_back(slot_of_id[id]);
   at::Tensor values;  // every rank's master slices, in the layout before
@@ -537,7 +546,7 @@ void Engine::rebuild_buckets(std::vector<int> order) {
       }
     }
   }
-  g.relayout(slot_order, bucket_sizes(order), values);
+  g.relayout(slot_order, sizes, values);
   for (int k = 0; k < static_cast<int>(g.segments().size()); ++k) {
     for (int i = g.segments()[k].first_slot; i < g.segments()[k].end_slot; ++i)
       segment_of_param_[g.slots()[i].id] = k;

@@ -338,8 +338,8 @@ TEST(Replicated, OptimizerStateShareAndConsolidation) {
 // Note [Frozen buckets]: fine-tuning with the GPT's position embedding and first block
 // frozen trains as single-process training does (clipping included, which reads the frozen
 // buckets' zeros), and from the second step on, once the rebuild has put the frozen
-// parameters in buckets of their own, a backward sends exactly the reductions of the
-// buckets that train.
+// parameters in buckets of their own (none mixes them with trainable ones), a backward
+// sends exactly the reductions of the buckets that train.
 TEST(Replicated, FrozenBucketsAreNotReduced) {
   FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(120));
   auto world = flatshard::init();
@@ -387,10 +387,13 @@ TEST(Replicated, FrozenBucketsAreNotReduced) {
     std::uint64_t expected = 0;
     int frozen_buckets = 0;
     for (const auto& seg : layout.segments) {
-      bool trains = false;
+      bool trains = false, holds_frozen = false;
       for (const auto& p : layout.params) {
-        if (p.offset >= seg.offset && p.offset < seg.offset + seg.padded_numel) trains |= !frozen(p.name);
+        if (p.offset < seg.offset || p.offset >= seg.offset + seg.padded_numel) continue;
+        trains |= !frozen(p.name);
+        holds_frozen |= frozen(p.name);
       }
+      EXPECT_FALSE(trains && holds_frozen) << "a bucket mixes frozen and trainable parameters";
       if (!trains) {
         ++frozen_buckets;
         continue;
