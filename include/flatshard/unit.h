@@ -120,10 +120,14 @@ inline void collect_tensor(const at::Tensor& t, std::vector<at::Tensor>& out) { 
 // each unit's are cast to the compute dtype before the call, as FSDP2 does
 // (MixedPrecisionPolicy.cast_forward_inputs): an fp32 batch of features, or an activation
 // that an fp32 buffer promoted to fp32 between units, would otherwise meet bf16 weights in
-// a matrix product and fail. Integer tensors (token ids, labels) and other arguments pass
-// as they are. The cast is an autograd op, so the gradient goes back in the caller's dtype.
+// a matrix product and fail. Tensors, optional tensors and vectors of tensors are cast;
+// integer tensors (token ids, labels) and other arguments pass as they are. The cast is an autograd op, so
+// the gradient goes back in the caller's dtype.
 inline at::Tensor cast_floating(const at::Tensor& t, at::ScalarType dtype) {
   return t.defined() && t.is_floating_point() && t.scalar_type() != dtype ? t.to(dtype) : t;
+}
+inline std::optional<at::Tensor> cast_floating(const std::optional<at::Tensor>& t, at::ScalarType dtype) {
+  return t ? std::optional<at::Tensor>(cast_floating(*t, dtype)) : t;
 }
 inline std::vector<at::Tensor> cast_floating(const std::vector<at::Tensor>& v, at::ScalarType dtype) {
   std::vector<at::Tensor> out;

@@ -773,7 +773,7 @@ TEST(CudaCombinations, RandomOptionMixesMatchSingleProcess) {
   auto world = flatshard::init();
   namespace mixes = flatshard::testing::mixes;
   mixes::train_mixes(world, mixes::env_or("FLATSHARD_COMBINATION_SEED", 20261125),
-                     mixes::env_or("FLATSHARD_COMBINATIONS", 6), kGpu,
+                     mixes::env_or("FLATSHARD_COMBINATIONS", 4), kGpu,
                      world.world_size() == 1 ? flatshard::Transport::Nccl : flatshard::Transport::Tcp, 3e-2);
 }
 

@@ -679,12 +679,16 @@ TEST(FullyShard, Bf16ParametersWithFp32Masters) {
 }
 
 // A block whose fp32 buffer promotes its bf16 output to fp32, so that the next unit's
-// input is fp32 while its weights are bf16; the head is a unit too.
+// input is fp32 while its weights are bf16, and which takes an optional fp32 gate; the
+// head is a unit too.
 struct ShiftedBlockImpl : torch::nn::Module {
   explicit ShiftedBlockImpl(int dim)
       : lin(register_module("lin", torch::nn::Linear(dim, dim))),
         shift(register_buffer("shift", torch::full({dim}, 0.25))) {}
-  at::Tensor forward(const at::Tensor& x) { return torch::tanh(lin(x)) + shift; }
+  // `gate`, fp32 and optional, scales the input of the matrix product.
+  at::Tensor forward(const at::Tensor& x, const std::optional<at::Tensor>& gate = std::nullopt) {
+    return torch::tanh(lin(gate ? x * *gate : x)) + shift;
+  }
   torch::nn::Linear lin;
   at::Tensor shift;
 };
@@ -697,7 +701,8 @@ struct ShiftedNetImpl : torch::nn::Module {
     head = register_module("head", flatshard::Unit<torch::nn::Linear>(6, 2));
   }
   at::Tensor forward(at::Tensor x) {
-    for (auto& b : blocks) x = b(x);
+    const std::optional<at::Tensor> gate = torch::full({x.size(-1)}, 0.5);
+    for (auto& b : blocks) x = b(x, gate);
     return head(x);
   }
   std::vector<flatshard::Unit<ShiftedBlock>> blocks;
