@@ -52,8 +52,9 @@ void Engine::issue_gather(int index) {
 
 void Engine::unshard(int index) {
   Unit& u = *units_[index];
+  if (u.group && !u.gathered && !u.gather) issue_gather(index);
+  if (u.frozen_part >= 0) unshard(u.frozen_part);  // its gather issued behind ours
   if (!u.group || u.gathered) return;
-  if (!u.gather) issue_gather(index);
   u.gather->wait();
   u.gather.reset();
   u.group->use_full_views();
@@ -70,14 +71,20 @@ void Engine::reshard(int index) {
   if (u.gathered) u.group->use_empty_views();
   u.group->free_full();
   u.gathered = false;
+  if (u.frozen_part >= 0) reshard(u.frozen_part);
 }
 
 int Engine::gathered_non_root_units() const {
   int n = 0;
   for (std::size_t i = 1; i < units_.size(); ++i) {
-    if (units_[i]->group && units_[i]->group->full_allocated()) ++n;
+    if (units_[i]->owner < 0 && units_[i]->group && units_[i]->group->full_allocated()) ++n;
   }
   return n;
+}
+
+int Engine::num_units() const {
+  return static_cast<int>(
+      std::count_if(units_.begin(), units_.end(), [](const auto& u) { return u->owner < 0; }));
 }
 
 // Note [Prefetch bound]
@@ -89,6 +96,8 @@ void Engine::prefetch(int index) {
   if (!u.group || u.gathered || u.gather) return;
   if (reshard_after_forward_ && gathered_non_root_units() >= options_.prefetch + 1) return;
   issue_gather(index);
+  const int frozen = u.frozen_part;
+  if (frozen >= 0 && !units_[frozen]->gathered && !units_[frozen]->gather) issue_gather(frozen);
 }
 
 // --- forward --------------------------------------------------------------------
@@ -198,7 +207,8 @@ void Engine::on_grad_accumulated(int index, int param) {
   }
   got_grad_[index][param] = 1;
   if (!replicated_) {
-    if (--u.pending_grads == 0) post_backward(index);
+    --u.pending_grads;
+    post_backward_if_done(index);
     return;
   }
   if (used_[param]) return;  // counted once per backward
@@ -215,6 +225,49 @@ void Engine::on_grad_accumulated(int index, int param) {
   --pending_[s];
   // The first synced backward reduces nothing until it has laid the buckets out again.
   if (!no_sync_ && rebuilt_) launch_ready_segments();
+}
+
+// Note [Partly frozen units]
+// A unit whose parameters are partly frozen (a block of frozen base weights with low-rank
+// adapters beside them, as PEFT's LoRA writes it) keeps its frozen parameters in a part of
+// their own: a second flat group, gathered right behind the unit's and resharded with it,
+// that is never reduced, so that the gradient buffer, the reduce-scatter, the gradient
+// shard and the optimizer state cover the trained parameters only, as under FSDP2. The
+// part is a unit without a driver (`owner` names the unit it belongs to); shards() lists
+// it after its owner. A unit built into shards keeps its one group.
+// The gradients of a unit's trained parameters may all arrive before its backward is
+// done: autograd runs the nodes made last first, and a product with a frozen weight that
+// was made before the adapters' (whose result only flows back to the unit's input) runs
+// after their gradients are in. So a unit holding frozen parameters (partly or wholly
+// frozen) also waits for the gradients of the tensors its forward got (hooks on them,
+// which fire once every node that used them has run) before it is resharded; one whose
+// inputs need no gradient has no frozen node left to run once its parameters' gradients
+// are in. A wholly frozen unit is then resharded as soon as its backward is done, not at
+// the end of backward.
+void Engine::watch_inputs(int index, const std::vector<at::Tensor>& inputs) {
+  std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
+  Unit& u = *units_[index];
+  if (!u.waits_for_inputs || !at::GradMode::is_enabled()) return;
+  for (const at::Tensor& t : inputs) {
+    if (!t.requires_grad()) continue;
+    ++u.pending_inputs;
+    const std::int64_t backward = backwards_;
+    at::Tensor watched = t;  // a hook on the caller's tensor
+    watched.register_hook([this, index, backward](const at::Tensor&) { input_grad_ready(index, backward); });
+  }
+}
+
+void Engine::input_grad_ready(int index, std::int64_t backward) {
+  std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
+  if (backward != backwards_) return;  // a graph of an earlier backward's forward
+  Unit& u = *units_[index];
+  if (u.pending_inputs > 0) --u.pending_inputs;
+  post_backward_if_done(index);
+}
+
+void Engine::post_backward_if_done(int index) {
+  const Unit& u = *units_[index];
+  if (u.pre_backward_done && u.pending_grads == 0 && u.pending_inputs == 0) post_backward(index);
 }
 
 void Engine::post_backward(int index) {
@@ -236,9 +289,11 @@ void Engine::post_backward(int index) {
 // fine-tuning's frozen embedding or lower blocks) is still gathered for backward when a
 // gradient flows through it to earlier units, but it gets no gradient buffer, no
 // reduce-scatter and no gradient shard, and the optimizer finds nothing to step (nor
-// makes state for it), as under FSDP2. A unit with some parameters frozen reduces its
-// whole flat gradient, zeros included, and the optimizer leaves the frozen ones untouched
-// (Note [Parameters without gradients]).
+// makes state for it), as under FSDP2; it is resharded once the gradients of its inputs
+// are in. A unit with some parameters frozen puts them in a part of their own (Note
+// [Partly frozen units]). A unit built into shards whose parameters are frozen afterwards
+// keeps them in its one group: it reduces its whole flat gradient, zeros included, and
+// the optimizer leaves the frozen ones untouched (Note [Parameters without gradients]).
 
 // Note [One reduce-scatter in flight]
 // Before a unit's gradients are reduce-scattered, the previous unit's reduction is
@@ -388,7 +443,7 @@ void Engine::end_of_backward() {
     return;
   }
   // Units whose hooks did not all fire (parameters that got no gradient this step).
-  for (int i = num_units() - 1; i >= 0; --i) {
+  for (int i = static_cast<int>(units_.size()) - 1; i >= 0; --i) {
     if (units_[i]->pre_backward_done && !units_[i]->post_backward_done) post_backward(i);
   }
   finish_pending_reduce();
@@ -401,12 +456,14 @@ void Engine::end_of_backward() {
     failed_step = std::current_exception();
   }
   land_offloaded_grads();
-  for (int i = 0; i < num_units(); ++i) {
+  for (int i = 0; i < static_cast<int>(units_.size()); ++i) {
     reshard(i);
     units_[i]->pre_backward_done = false;
     units_[i]->post_backward_done = false;
+    units_[i]->pending_inputs = 0;
   }
   backward_active_ = false;
+  ++backwards_;
   if (no_sync_) return;
   ++synced_backwards_;
   find_params_with_grad();
@@ -426,7 +483,7 @@ void Engine::end_of_backward() {
 void Engine::find_params_with_grad() {
   step_begins_ = true;
   std::vector<int> units;
-  for (int i = 0; i < num_units(); ++i) {
+  for (int i = 0; i < static_cast<int>(units_.size()); ++i) {
     if (units_[i]->group) units.push_back(i);
   }
   std::vector<float> flags;
@@ -439,14 +496,15 @@ void Engine::find_params_with_grad() {
     t = t.cpu();
     flags.assign(t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
   }
-  const bool all = std::find(flags.begin(), flags.end(), 0.0f) == flags.end();
   std::size_t k = 0;
   params_with_grad_.assign(units.size(), {});
   for (std::size_t s = 0; s < units.size(); ++s) {
     const std::size_t n = units_[units[s]]->group->slots().size();
-    if (!all) {
+    const auto first = flags.begin() + static_cast<std::ptrdiff_t>(k);
+    if (std::find(first, first + static_cast<std::ptrdiff_t>(n), 0.0f) !=
+        first + static_cast<std::ptrdiff_t>(n)) {
       for (std::size_t j = 0; j < n; ++j) params_with_grad_[s].push_back(flags[k + j] > 0 ? 1 : 0);
-    }
+    }  // else empty: every one
     k += n;
   }
 }
@@ -629,11 +687,11 @@ void Engine::zero_grad() {
 
 void Engine::gather_all() {
   if (replicated_) refresh_replicas();
-  for (int i = 0; i < num_units(); ++i) unshard(i);
+  for (int i = 0; i < static_cast<int>(units_.size()); ++i) unshard(i);
 }
 
 void Engine::reshard_all() {
-  for (int i = 0; i < num_units(); ++i) reshard(i);
+  for (int i = 0; i < static_cast<int>(units_.size()); ++i) reshard(i);
 }
 
 void Engine::account() {
@@ -668,7 +726,11 @@ ShardMemory Engine::memory() const {
 std::int64_t Engine::unit_bytes(bool root) const {
   std::int64_t bytes = 0;
   for (std::size_t i = root ? 0 : 1; i < (root ? 1 : units_.size()); ++i) {
-    if (units_[i]->group) bytes = std::max(bytes, units_[i]->group->full_bytes());
+    const Unit& u = *units_[i];
+    if (u.owner >= 0) continue;  // counted with its owner
+    std::int64_t unit = u.group ? u.group->full_bytes() : 0;
+    if (u.frozen_part >= 0) unit += units_[u.frozen_part]->group->full_bytes();
+    bytes = std::max(bytes, unit);
   }
   return bytes;
 }

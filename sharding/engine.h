@@ -33,6 +33,8 @@ class Engine {
   void pre_forward(int unit);
   std::vector<at::Tensor> post_forward(int unit, std::vector<at::Tensor> outputs);
   void pre_backward(int unit);
+  // Note [Partly frozen units]: the tensors a unit's forward gets.
+  void watch_inputs(int unit, const std::vector<at::Tensor>& inputs);
   // `param`: the parameter's index in its group's slots when the group was made.
   void on_grad_accumulated(int unit, int param);
 
@@ -62,7 +64,8 @@ class Engine {
   int peak_gathered_units() const { return peak_gathered_units_; }
   std::int64_t skipped_steps() const { return skipped_steps_; }
   void reset_peaks();
-  int num_units() const { return static_cast<int>(units_.size()); }
+  // The root and the declared units (Note [Partly frozen units]: not their frozen parts).
+  int num_units() const;
   // The root unit's gathered bytes (root), or the largest other unit's.
   std::int64_t unit_bytes(bool root) const;
   Communicator& comm() { return *comm_; }
@@ -102,6 +105,8 @@ class Engine {
   void reshard(int unit);
   void prefetch(int unit);
   void post_backward(int unit);
+  void input_grad_ready(int unit, std::int64_t backward);
+  void post_backward_if_done(int unit);
   void reduce(int unit);
   void finish_pending_reduce();     // every one, waiting for each
   void finish_completed_reduces();  // those that have completed, without waiting
@@ -195,6 +200,7 @@ class Engine {
   ShardMemory memory_;
   int peak_gathered_units_ = 0;
   std::int64_t synced_backwards_ = 0;
+  std::int64_t backwards_ = 0;  // every backward that ended, under no_sync too
   std::int64_t skipped_steps_ = 0;
   optim::ShardOptimizer* step_in_backward_ = nullptr;
   // The replicated strategies (Note [Replicated strategies]).

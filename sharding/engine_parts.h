@@ -30,6 +30,17 @@ struct Engine::Unit {
   bool post_backward_done = false;
   int pending_grads = 0;      // parameters whose gradient has not been accumulated yet
   int forward_position = -1;  // index in forward_order_
+  // Note [Partly frozen units]: the unit that holds this unit's frozen parameters, which
+  // is gathered and resharded with it (-1: none); for that unit, the one it belongs to.
+  int frozen_part = -1;
+  int owner = -1;
+  // The replicated strategies' frozen part: its master's version when the parameters were
+  // last written from it (Note [Frozen parameters in the replicated strategies]).
+  std::int64_t refreshed_version = 0;
+  // The unit holds frozen parameters: its backward is done when its parameters' gradients
+  // have arrived and its inputs' too (watched inputs whose gradient has not yet).
+  bool waits_for_inputs = false;
+  int pending_inputs = 0;
 };
 
 struct Engine::PendingReduce {

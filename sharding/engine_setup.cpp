@@ -74,6 +74,7 @@ class Driver final : public UnitHooks {
   Driver(Engine* engine, int unit) : engine_(engine), unit_(unit) {}
   void pre_forward() override { engine_->pre_forward(unit_); }
   std::optional<at::ScalarType> input_dtype() const override { return engine_->input_dtype(); }
+  void watch_inputs(const std::vector<at::Tensor>& inputs) override { engine_->watch_inputs(unit_, inputs); }
   std::vector<at::Tensor> post_forward(std::vector<at::Tensor> outputs) override {
     return engine_->post_forward(unit_, std::move(outputs));
   }
@@ -257,6 +258,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   }
   for (std::size_t i = 0; !replicated_ && i <= declared.size(); ++i) {
     auto unit = std::make_unique<Unit>();
+    std::unique_ptr<Unit> frozen_part;  // Note [Partly frozen units]
     const int index = static_cast<int>(units_.size());
     unit->name = i == 0 ? "root" : fmt::format("unit{}", i);
     if (built[i]) {
@@ -267,22 +269,39 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
       declared[i - 1]->set_built_shard(nullptr);
     } else if (!params[i].empty()) {
       unit->name = i == 0 ? "root" : params[i].front().first.substr(0, params[i].front().first.rfind('.'));
-      unit->group = std::make_shared<FlatParamGroup>(unit->name, std::move(params[i]), shard_.size,
-                                                     shard_.rank, compute, placement);
+      auto& all = params[i];
+      const auto trained_end = std::stable_partition(all.begin(), all.end(),
+                                                     [](const auto& p) { return p.second.requires_grad(); });
+      if (trained_end != all.begin() && trained_end != all.end()) {  // Note [Partly frozen units]
+        std::vector<std::pair<std::string, at::Tensor>> frozen(std::make_move_iterator(trained_end),
+                                                               std::make_move_iterator(all.end()));
+        all.erase(trained_end, all.end());
+        frozen_part = std::make_unique<Unit>();
+        frozen_part->name = unit->name + " (frozen)";
+        frozen_part->owner = index;
+        frozen_part->group = std::make_shared<FlatParamGroup>(frozen_part->name, std::move(frozen),
+                                                              shard_.size, shard_.rank, compute, placement);
+        unit->frozen_part = index + 1;
+      }
+      unit->group = std::make_shared<FlatParamGroup>(unit->name, std::move(all), shard_.size, shard_.rank,
+                                                     compute, placement);
     }
     if (unit->group) {
       unit->group->forget_frozen();
       for (auto& slot : unit->group->slots()) {
         if (slot.accumulator)
           slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, index, slot.id));
+        if (!slot.accumulator && i > 0) unit->waits_for_inputs = true;
       }
     }
+    if (frozen_part && i > 0) unit->waits_for_inputs = true;
     if (i > 0) {
       unit->declared = declared[i - 1];
       unit->driver = std::make_unique<Driver>(this, index);
       unit->declared->attach(unit->driver.get());
     }
     units_.push_back(std::move(unit));
+    if (frozen_part) units_.push_back(std::move(frozen_part));
   }
   if (device_.is_cpu()) {
     // Note [Reused host buffers]: two of the largest buffers (a bucket's gradient under

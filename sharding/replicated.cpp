@@ -58,6 +58,12 @@ void Engine::make_replicated_group(std::vector<std::pair<std::string, at::Tensor
     }
     for (auto& b : buffers_) comm_->broadcast(b, 0).wait();
   }
+  // Note [Frozen parameters in the replicated strategies]
+  const auto trained_end = std::stable_partition(params.begin(), params.end(),
+                                                 [](const auto& p) { return p.second.requires_grad(); });
+  std::vector<std::pair<std::string, at::Tensor>> frozen(std::make_move_iterator(trained_end),
+                                                         std::make_move_iterator(params.end()));
+  params.erase(trained_end, params.end());
   // Reverse registration order: roughly the order backward produces gradients.
   std::reverse(params.begin(), params.end());
   for (const auto& [name, p] : params) {
@@ -82,6 +88,17 @@ void Engine::make_replicated_group(std::vector<std::pair<std::string, at::Tensor
     master_version_ = unit->group->master()._version();
   }
   units_.push_back(std::move(unit));
+  if (!frozen.empty()) {
+    auto part = std::make_unique<Unit>();
+    part->name = "frozen";
+    part->owner = kRoot;
+    part->group = std::make_shared<FlatParamGroup>("model (frozen)", std::move(frozen), shard_.size,
+                                                   shard_.rank, compute, placement);
+    part->gathered = true;
+    part->refreshed_version = part->group->master()._version();
+    units_[kRoot]->frozen_part = static_cast<int>(units_.size());
+    units_.push_back(std::move(part));
+  }
   segment_of_param_.assign(param_names_.size(), 0);
   used_.assign(param_names_.size(), false);
   if (units_[kRoot]->group) {
@@ -127,20 +144,6 @@ void Engine::reduce_segment(int s) {
     finish_pending_reduce();
   }
   const FlatSegment& seg = g.segments()[s];
-  if (std::none_of(g.slots().begin() + seg.first_slot, g.slots().begin() + seg.end_slot,
-                   [](const ParamSlot& slot) { return slot.accumulator != nullptr; })) {
-    // Note [Frozen buckets]
-    if (!g.master_aliases_full()) {
-      at::NoGradGuard no_grad;
-      at::Tensor& master_grad = g.master().mutable_grad();
-      if (!master_grad.defined()) {
-        master_grad = g.empty_master_grad();
-        fresh_grad_ = true;
-      }
-      if (fresh_grad_) g.master_part(master_grad, s).zero_();
-    }
-    return;
-  }
   g.allocate_segment_grad(s);  // a bucket no parameter got a gradient in reduces zeros
   fold_strays(g, seg.first_slot, seg.end_slot);
   at::NoGradGuard no_grad;
@@ -194,14 +197,16 @@ void Engine::reduce_segment(int s) {
   in_flight_.push_back(std::move(pending));
 }
 
-// Note [Frozen buckets]
-// A bucket whose parameters all have requires_grad off is not reduced: no gradient buffer,
-// no collective, only zeros written into its part of a fresh master gradient (so that the
-// norm and the non-finite check read zeros there; an aliased master gradient, NoShard's
-// flat gradient, was zeroed when allocated and is never written there). The first
-// backward's rebuild lays the buckets out in arrival order with the frozen parameters last,
-// in buckets of their own (rebuild_buckets), so from the second step on no frozen
-// parameter is reduced, as DDP leaves them out of its buckets.
+// Note [Frozen parameters in the replicated strategies]
+// Parameters with requires_grad off when the wrapper is made (a fine-tuning's frozen
+// backbone) are left out of the buckets, as DDP leaves them out of its reducer: they go,
+// in registration order, into a persistent group of their own (the root's frozen part,
+// a unit without a driver) that is gathered once and never reduced. So they cost no
+// gradient, no reduction and no optimizer state: under NoShard the optimizer steps only
+// the trained parameters, and under ShardOptimizerState each rank holds its slice of the
+// frozen parameters' fp32 values and the gathered parameters, as of every other parameter.
+// The part's parameters change only when a checkpoint is loaded into it; the next forward
+// then writes them from its master (and all-gathers them under ShardOptimizerState).
 
 // Note [Offloaded buckets]
 // With cpu_offload under NoShard and ShardOptimizerState the fp32 master (the whole model,
@@ -516,15 +521,7 @@ void Engine::rebuild_buckets(std::vector<int> order) {
   }
   std::vector<int> slot_of_id(g.slots().size());
   for (int k = 0; k < static_cast<int>(g.slots().size()); ++k) slot_of_id[g.slots()[k].id] = k;
-  // Note [Frozen buckets]: frozen parameters last, in buckets of their own (the same rule
-  // on every rank and for a restored order, so the layout depends on the order alone).
-  const auto frozen_begin = std::stable_partition(
-      order.begin(), order.end(), [&](int id) { return g.slots()[slot_of_id[id]].accumulator != nullptr; });
-  const std::vector<int> trainable(order.begin(), frozen_begin), frozen(frozen_begin, order.end());
-  std::vector<int> sizes = bucket_sizes(trainable);
-  for (const auto& bucket :
-       assign_buckets(param_bytes_, frozen, options_.bucket_bytes, options_.bucket_bytes))
-    sizes.push_back(static_cast<int>(bucket.size()));
+  const std::vector<int> sizes = bucket_sizes(order);
   std::vector<int> slot_order;
   for (int id : order) slot_order.push_back(slot_of_id[id]);
   at::Tensor values;  // every rank's master slices, in the layout before
@@ -599,6 +596,15 @@ void Engine::refresh_replicas() {
     auto gathers = std::move(early_gathers_);
     early_gathers_.clear();
     for (auto& w : gathers) w.wait();
+  }
+  if (const int k = units_[kRoot]->frozen_part; k >= 0) {  // changed only by a loaded checkpoint
+    Unit& part = *units_[k];
+    FlatParamGroup& g = *part.group;
+    if (g.master()._version() != part.refreshed_version) {
+      g.copy_master_to_slot();
+      if (shard_.size > 1) shard_comm().all_gather(g.full(), g.full_slot()).wait();
+      part.refreshed_version = g.master()._version();
+    }
   }
   if (!group || (!stale_ && group->master()._version() == master_version_)) return;
   FlatParamGroup& g = *group;

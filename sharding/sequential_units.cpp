@@ -54,6 +54,7 @@ at::Tensor SequentialUnitsImpl::forward(at::Tensor x) {
       hooks->pre_forward();
       if (const auto dtype = hooks->input_dtype())
         x = detail::cast_floating(x, *dtype);  // Note [Casting forward inputs]
+      hooks->watch_inputs({x});
     } else {
       groups_[g]->check_runnable();
     }

@@ -48,6 +48,10 @@ class UnitHooks {
   // The dtype the unit's floating-point tensor arguments are cast to before its forward
   // (MixedPrecision::cast_forward_inputs); nullopt: none.
   virtual std::optional<at::ScalarType> input_dtype() const { return std::nullopt; }
+  // Called after pre_forward with the tensors the unit's forward is about to get (after
+  // the cast): the engine learns from their gradients when the unit's backward is done
+  // (Note [Partly frozen units]).
+  virtual void watch_inputs(const std::vector<at::Tensor>& /*inputs*/) {}
 };
 
 // A sharding unit: the parameters of `unit_modules()` (recursively, minus those of any
@@ -114,6 +118,19 @@ inline at::Tensor substitute(const at::Tensor&, const std::vector<at::Tensor>& t
 template <typename T>
 void collect_tensor(const T&, std::vector<at::Tensor>&) {}
 inline void collect_tensor(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
+
+// Every tensor among a forward's arguments: tensors, optional tensors, vectors of tensors.
+template <typename T>
+void tensor_arguments(const T&, std::vector<at::Tensor>&) {}
+inline void tensor_arguments(const at::Tensor& t, std::vector<at::Tensor>& out) {
+  if (t.defined()) out.push_back(t);
+}
+inline void tensor_arguments(const std::optional<at::Tensor>& t, std::vector<at::Tensor>& out) {
+  if (t) tensor_arguments(*t, out);
+}
+inline void tensor_arguments(const std::vector<at::Tensor>& v, std::vector<at::Tensor>& out) {
+  for (const auto& t : v) tensor_arguments(t, out);
+}
 
 // Note [Casting forward inputs]
 // Under mixed precision, the floating-point tensors passed to the wrapper's forward and to
@@ -184,7 +201,13 @@ class UnitImpl : public Impl, public UnitBase, public UnitProvider {
     h->pre_forward();
     // Note [Casting forward inputs]
     auto out = detail::call_with_inputs_cast(
-        h->input_dtype(), [this](auto&&... a) { return run(std::forward<decltype(a)>(a)...); },
+        h->input_dtype(),
+        [this, h](auto&&... a) {
+          std::vector<at::Tensor> inputs;
+          (detail::tensor_arguments(a, inputs), ...);
+          h->watch_inputs(inputs);
+          return run(std::forward<decltype(a)>(a)...);
+        },
         std::forward<Args>(args)...);
     auto wrapped = h->post_forward(detail::tensors_of(out));
     return detail::rebuild(out, wrapped);

@@ -52,9 +52,14 @@ flatshard::testing::WrappedOptions test_options() {
 }
 
 // The test model with its first block frozen (fine-tuning): requires_grad off.
-GPT frozen_first_block(GPT model) {
+// Fine-tuning: the first block frozen, and every block's attention (partly frozen units).
+bool frozen_in_fine_tuning(const std::string& name) {
+  return name.rfind("h0.", 0) == 0 || name.find(".attn.") != std::string::npos;
+}
+
+GPT frozen_for_fine_tuning(GPT model) {
   for (auto& item : model->named_parameters()) {
-    if (item.key().rfind("h0.", 0) == 0) item.value().requires_grad_(false);
+    if (frozen_in_fine_tuning(item.key())) item.value().requires_grad_(false);
   }
   return model;
 }
@@ -62,7 +67,8 @@ GPT frozen_first_block(GPT model) {
 // The GPT-style test model trained with AdamW under one mode.
 struct Trainer : flatshard::testing::Wrapped<GPT> {
   Trainer(const flatshard::World& w, Strategy m, const GPTConfig& config = gpt_config(), bool freeze = false)
-      : Wrapped(freeze ? frozen_first_block(seeded_gpt(config)) : seeded_gpt(config), w, m, test_options()),
+      : Wrapped(freeze ? frozen_for_fine_tuning(seeded_gpt(config)) : seeded_gpt(config), w, m,
+                test_options()),
         world(w) {}
 
   void train(int first_step, int steps) {
@@ -134,7 +140,7 @@ void expect_resume_bit_identical(const flatshard::World& world, bool freeze) {
     const auto want_state = straight.adam_state();
     if (freeze) {
       for (const auto& item : seeded_gpt(gpt_config())->named_parameters()) {
-        if (item.key().rfind("h0.", 0) == 0)
+        if (frozen_in_fine_tuning(item.key()))
           EXPECT_TRUE(at::equal(want.at(item.key()), item.value())) << item.key() << " is frozen";
       }
     }
@@ -165,9 +171,10 @@ TEST(Checkpoint, ResumeIsBitIdentical) {
   expect_resume_bit_identical(flatshard::init(), /*freeze=*/false);
 }
 
-// Fine-tuning with a frozen block (Note [Frozen units], Note [Frozen buckets]): its unit has
-// no gradient and no optimizer state to save, and the resumed run still continues bit for
-// bit, the frozen weights unchanged.
+// Fine-tuning with a frozen block and frozen attention in every block (Note [Frozen
+// units], Note [Partly frozen units], Note [Frozen parameters in the replicated
+// strategies]): the frozen parameters have no gradient and no optimizer state to save,
+// and the resumed run still continues bit for bit, the frozen weights unchanged.
 TEST(Checkpoint, ResumeWithFrozenParametersIsBitIdentical) {
   FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
   expect_resume_bit_identical(flatshard::init(), /*freeze=*/true);

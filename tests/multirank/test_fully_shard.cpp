@@ -854,31 +854,40 @@ struct AdaptedBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(AdaptedBlock);
 
-struct AdaptedNetImpl : torch::nn::Module {
-  AdaptedNetImpl() : head(register_module("head", torch::nn::Linear(8, 3))) {
-    for (int i = 0; i < 3; ++i)
-      blocks.push_back(register_module("b" + std::to_string(i), flatshard::Unit<AdaptedBlock>(8)));
+// `blocks` units of Block(dim), then a linear head to 3 outputs.
+template <typename Block>
+struct BlockStackImpl : torch::nn::Module {
+  BlockStackImpl(int dim, int count) : head(register_module("head", torch::nn::Linear(dim, 3))) {
+    for (int i = 0; i < count; ++i)
+      blocks.push_back(register_module("b" + std::to_string(i), flatshard::Unit<Block>(dim)));
   }
   at::Tensor forward(at::Tensor x) {
     for (auto& b : blocks) x = b(x);
     return head(x);
   }
-  std::vector<flatshard::Unit<AdaptedBlock>> blocks;
+  std::vector<flatshard::Unit<Block>> blocks;
   torch::nn::Linear head;
 };
-TORCH_MODULE(AdaptedNet);
+template <typename Block>
+struct BlockStack : torch::nn::ModuleHolder<BlockStackImpl<Block>> {
+  using torch::nn::ModuleHolder<BlockStackImpl<Block>>::ModuleHolder;
+};
+using AdaptedNet = BlockStack<AdaptedBlock>;
+
+// A regression batch for a BlockStack of width `dim`, drawn from `seed`.
+Batch stack_batch(std::uint64_t seed, int rows, int dim) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return Batch{at::randn({rows, dim}, g), at::randn({rows, 3}, g)};
+}
 
 TEST(FullyShard, AdaptersAsNestedUnitsTrainBesideFrozenBlocks) {
   FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(120));
   auto world = flatshard::init();
   auto make = [] {
     torch::manual_seed(9);
-    return AdaptedNet();
+    return AdaptedNet(8, 3);
   };
-  auto batch = [](int step, int rows) {
-    auto g = at::make_generator<at::CPUGeneratorImpl>(5000 + step);
-    return Batch{at::randn({rows, 8}, g), at::randn({rows, 3}, g)};
-  };
+  auto batch = [](int step, int rows) { return stack_batch(5000 + step, rows, 8); };
   auto frozen = [](const std::string& name) { return name.find(".base.") != std::string::npos; };
   for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
     SCOPED_TRACE(to_string(strategy));
@@ -905,6 +914,90 @@ TEST(FullyShard, AdaptersAsNestedUnitsTrainBesideFrozenBlocks) {
       const bool block = frozen(layout[k].params.front().name);
       EXPECT_EQ(shards[k].grad().defined(), !block) << layout[k].params.front().name;
     }
+  }
+}
+
+// LoRA as PEFT writes it: the adapter is a plain submodule of the block, beside the frozen
+// base weight, in one unit. Its backward reaches the adapter's weights before the base
+// weight's product has run (autograd runs the later-made nodes first), so the unit's
+// frozen weights must stay gathered until the whole unit's backward is done.
+struct LoraBlockImpl : torch::nn::Module {
+  explicit LoraBlockImpl(int dim)
+      : base(register_module("base", torch::nn::Linear(dim, dim))),
+        norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})))),
+        down(register_module("down", torch::nn::Linear(torch::nn::LinearOptions(dim, 2).bias(false)))),
+        up(register_module("up", torch::nn::Linear(torch::nn::LinearOptions(2, dim).bias(false)))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    const at::Tensor frozen = base(norm(x));  // first, as PEFT's LoRA layers do
+    return x + torch::tanh(frozen + up(down(x)));
+  }
+  torch::nn::Linear base;
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear down, up;
+};
+TORCH_MODULE(LoraBlock);
+
+using LoraNet = BlockStack<LoraBlock>;
+
+// Note [Partly frozen units]: each block's frozen base weights form a part of their own,
+// gathered and resharded with the block, that gets no gradient, no reduce-scatter, no
+// gradient shard and no optimizer state; the adapters and the head train as in a single
+// process.
+TEST(FullyShard, PartlyFrozenUnitsKeepGradientsAndStateForTheTrainedParametersOnly) {
+  FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  auto make = [] {
+    torch::manual_seed(11);
+    return LoraNet(16, 4);
+  };
+  auto batch = [](int step, int rows) { return stack_batch(7000 + step, rows, 16); };
+  auto frozen = [](const std::string& name) {
+    return name.find(".base.") != std::string::npos || name.find(".norm.") != std::string::npos;
+  };
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    for (bool recompute : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << to_string(strategy) << (recompute ? " recompute" : ""));
+      TrainSpec spec;
+      spec.strategy = strategy;
+      spec.optimizer = OptKind::AdamW;
+      spec.frozen = frozen;
+      spec.recompute = recompute;
+      const auto r = train_and_compare<LoraNet>(
+          world, make, [&](int s) { return batch(s, spec.global_batch); }, mse, spec);
+      EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+      EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance);
+    }
+
+    auto model = make();
+    std::int64_t trained = 0;
+    for (auto& item : model->named_parameters()) {
+      if (frozen(item.key())) {
+        item.value().requires_grad_(false);
+      } else {
+        trained += item.value().numel();
+      }
+    }
+    flatshard::FullyShard<LoraNet> fsdp(model, world, options_for(strategy));
+    EXPECT_EQ(fsdp.num_units(), 5) << "the root and four blocks";
+    flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
+    const auto b = batch(0, world.world_size());
+    mse(fsdp.forward(b.input.narrow(0, world.rank(), 1)), b.target.narrow(0, world.rank(), 1)).backward();
+    const auto shards = fsdp.shards();
+    const auto layout = fsdp.layout();
+    std::int64_t grad_numel = 0, padded_trained = 0;
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      bool any_frozen = false, any_trained = false;
+      for (const auto& p : layout[k].params) (frozen(p.name) ? any_frozen : any_trained) = true;
+      EXPECT_FALSE(any_frozen && any_trained) << "shard " << k << " mixes frozen and trained parameters";
+      EXPECT_EQ(shards[k].grad().defined(), any_trained) << layout[k].params.front().name;
+      if (shards[k].grad().defined()) grad_numel += shards[k].grad().numel();
+      if (any_trained) padded_trained += layout[k].padded_numel;
+    }
+    EXPECT_EQ(grad_numel * world.world_size(), padded_trained);
+    EXPECT_LT(padded_trained, trained + static_cast<std::int64_t>(shards.size()) * 4 * world.world_size());
+    EXPECT_EQ(fsdp.memory().grad_shard_bytes, 4 * grad_numel);
+    opt.step();
+    EXPECT_EQ(opt.state_bytes(), 8 * grad_numel) << "AdamW's two moments, for the trained parameters only";
   }
 }
 

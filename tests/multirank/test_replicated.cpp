@@ -335,12 +335,12 @@ TEST(Replicated, OptimizerStateShareAndConsolidation) {
   }
 }
 
-// Note [Frozen buckets]: fine-tuning with the GPT's position embedding and first block
-// frozen trains as single-process training does (clipping included, which reads the frozen
-// buckets' zeros), and from the second step on, once the rebuild has put the frozen
-// parameters in buckets of their own (none mixes them with trainable ones), a backward
-// sends exactly the reductions of the buckets that train.
-TEST(Replicated, FrozenBucketsAreNotReduced) {
+// Note [Frozen parameters in the replicated strategies]: fine-tuning with the GPT's position
+// embedding and first block frozen trains as single-process training does (clipping
+// included), the frozen parameters are in no bucket (a backward sends exactly the
+// reductions of the buckets, which hold the trained parameters only) but in a part of
+// their own that gets no gradient, and AdamW keeps state for the trained parameters only.
+TEST(Replicated, FrozenParametersAreInNoBucketAndGetNoState) {
   FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(120));
   auto world = flatshard::init();
   auto frozen = [](const std::string& name) {
@@ -360,8 +360,14 @@ TEST(Replicated, FrozenBucketsAreNotReduced) {
     EXPECT_GT(r.max_grad_norm, spec.clip);
 
     auto model = gpt_factory()();
+    std::int64_t trained = 0, held_frozen = 0;
     for (auto& item : model->named_parameters()) {
-      if (frozen(item.key())) item.value().requires_grad_(false);
+      if (frozen(item.key())) {
+        item.value().requires_grad_(false);
+        held_frozen += item.value().numel();
+      } else {
+        trained += item.value().numel();
+      }
     }
     auto options = options_for(strategy);
     options.first_bucket_bytes = 2 << 10;
@@ -376,28 +382,28 @@ TEST(Replicated, FrozenBucketsAreNotReduced) {
       const auto before = fsdp.bytes_sent();
       loss.backward();
       sent = fsdp.bytes_sent() - before;
+      const auto shards = fsdp.shards();
+      ASSERT_EQ(shards.size(), 2u) << "the buckets, and the frozen part";
+      EXPECT_TRUE(shards[0].grad().defined());
+      EXPECT_FALSE(shards[1].grad().defined());
       opt.step();
       opt.zero_grad();
     }
-    // What reducing each bucket that trains sends from this rank, bucket by bucket.
+    const auto shards = fsdp.shards();
+    const auto layout = fsdp.layout();
+    for (const auto& p : layout[0].params) EXPECT_FALSE(frozen(p.name)) << p.name << " is in a bucket";
+    for (const auto& p : layout[1].params) EXPECT_TRUE(frozen(p.name)) << p.name << " is in the frozen part";
+    EXPECT_LT(layout[0].padded_numel,
+              trained + 64 * static_cast<std::int64_t>(layout[0].segments.size()) * world.world_size());
+    EXPECT_GE(layout[1].padded_numel, held_frozen);
+    EXPECT_EQ(opt.state_bytes(), 8 * shards[0].numel())
+        << "AdamW's two moments, for the trained parameters only";
+    // What reducing each bucket sends from this rank, bucket by bucket.
     auto comm_options = options.comm;
     comm_options.name = "probe";
     auto probe = flatshard::Communicator::create(world, comm_options);
-    const auto layout = fsdp.layout().front();
     std::uint64_t expected = 0;
-    int frozen_buckets = 0;
-    for (const auto& seg : layout.segments) {
-      bool trains = false, holds_frozen = false;
-      for (const auto& p : layout.params) {
-        if (p.offset < seg.offset || p.offset >= seg.offset + seg.padded_numel) continue;
-        trains |= !frozen(p.name);
-        holds_frozen |= frozen(p.name);
-      }
-      EXPECT_FALSE(trains && holds_frozen) << "a bucket mixes frozen and trainable parameters";
-      if (!trains) {
-        ++frozen_buckets;
-        continue;
-      }
+    for (const auto& seg : layout[0].segments) {
       const auto input = at::zeros({seg.padded_numel});
       const auto before = probe->bytes_sent();
       if (world.world_size() > 1) {
@@ -409,7 +415,6 @@ TEST(Replicated, FrozenBucketsAreNotReduced) {
       }
       expected += probe->bytes_sent() - before;
     }
-    EXPECT_GT(frozen_buckets, 0) << "the rebuild puts the frozen parameters in buckets of their own";
     EXPECT_EQ(sent, expected);
   }
 }

@@ -146,12 +146,29 @@ inline Mix draw(std::uint64_t seed, int world_size) {
   s.global_batch = world_size * s.micro_batches * (1 + d.pick(3));
   s.reduce_every_micro_batch = s.micro_batches > 1 && d.chance(0.4);
   if (d.chance(0.3)) s.clip = 0.05;
-  // Fine-tuning: the GPT's position embedding and first block frozen, or the MLP's first layer.
-  if (d.chance(0.25)) {
-    if (m.model == Model::Gpt) {
-      s.frozen = [](const std::string& n) { return n.rfind("wpe", 0) == 0 || n.rfind("h0.", 0) == 0; };
-    } else {
-      s.frozen = [](const std::string& n) { return n.rfind("0.", 0) == 0; };
+  // Fine-tuning: whole units frozen (the GPT's position embedding and first block, the MLP's
+  // first layer), or part of every unit (each block's attention and the norm before it,
+  // whose backward ends after the rest of the block's, or the MLP's second weight; every
+  // weight but the biases).
+  if (d.chance(0.3)) {
+    const auto ends_with = [](const std::string& n, const std::string& end) {
+      return n.size() >= end.size() && n.compare(n.size() - end.size(), end.size(), end) == 0;
+    };
+    switch (d.pick(3)) {
+      case 0:
+        if (m.model == Model::Gpt) {
+          s.frozen = [](const std::string& n) { return n.rfind("wpe", 0) == 0 || n.rfind("h0.", 0) == 0; };
+        } else {
+          s.frozen = [](const std::string& n) { return n.rfind("0.", 0) == 0; };
+        }
+        break;
+      case 1:
+        s.frozen = [](const std::string& n) {
+          return n.find(".attn.") != std::string::npos || n.find(".ln1.") != std::string::npos ||
+                 n == "2.weight";
+        };
+        break;
+      default: s.frozen = [ends_with](const std::string& n) { return !ends_with(n, "bias"); };
     }
   }
   draw_engine(d, s, world_size);
