@@ -29,6 +29,9 @@
 //   --optimizer adamw|sgd [adamw]   adamw: weight decay 0.1 except biases, norms and embeddings
 //                           (their own group, no decay); sgd: plain SGD, no optimizer state
 //   --dropout P [0]         residual dropout
+//   --freeze A,B,...        fine-tuning: parameters whose name contains one of these are frozen
+//                           (requires_grad off before wrapping), e.g. .attn. for every block's
+//                           attention (docs/fully-shard.md#frozen-parameters-fine-tuning)
 //   --memory-every N        every N steps, rank 0 prints MEMORY,step,current_bytes,peak_bytes,rss_bytes
 //                           (counting allocator, resident set; bench/soak.sh watches them for leaks)
 //
@@ -42,7 +45,9 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -63,6 +68,7 @@ struct Args {
   double lr = 3e-4, budget_mib = 0, min_lr_ratio = 0.1;
   int warmup = -1;
   std::string precision = "fp32";
+  std::vector<std::string> freeze;
   bool resume = false, result = false, recompute = false, build_into_shards = false, sgd = false;
 };
 
@@ -122,7 +128,12 @@ Args parse(int argc, char** argv) {
       a.build_into_shards = true;
     else if (k == "--embedding-units")
       a.model.embedding_units = true;
-    else if (k == "--optimizer") {
+    else if (k == "--freeze") {
+      std::stringstream list(next());
+      for (std::string part; std::getline(list, part, ',');) {
+        if (!part.empty()) a.freeze.push_back(part);
+      }
+    } else if (k == "--optimizer") {
       const auto v = next();
       if (v != "adamw" && v != "sgd") throw std::invalid_argument("--optimizer is adamw or sgd");
       a.sgd = v == "sgd";
@@ -233,6 +244,15 @@ int main(int argc, char** argv) {
       model = GPT(a.model);
     }
     flatshard::set_recompute(*model, a.recompute);
+    std::int64_t frozen = 0;
+    for (auto& item : model->named_parameters()) {
+      for (const auto& part : a.freeze) {
+        if (item.key().find(part) == std::string::npos) continue;
+        item.value().requires_grad_(false);
+        frozen += item.value().numel();
+        break;
+      }
+    }
     const auto shape = plan::shape_of(*model);  // before wrapping: FullyShard empties the parameters
     const std::int64_t params = shape.total();
     flatshard::FullyShard<GPT> run(model, world, options);
@@ -282,6 +302,7 @@ int main(int argc, char** argv) {
           "%d sequences per rank\n",
           static_cast<long long>(params), a.model.layers, a.model.dim, a.model.vocab, a.model.context,
           a.mode.c_str(), n, a.batch);
+      if (frozen > 0) std::printf("frozen: %lld parameters (--freeze)\n", static_cast<long long>(frozen));
       std::fflush(stdout);
     }
 
