@@ -180,6 +180,38 @@ TEST(Checkpoint, ResumeWithFrozenParametersIsBitIdentical) {
   expect_resume_bit_identical(flatshard::init(), /*freeze=*/true);
 }
 
+// A fine-tuning's checkpoint (the first block and every block's attention frozen) loads
+// into a model that trains every parameter, in every mode: the weights are the saved
+// ones, the state of the parameters trained before is the saved one, and the parameters
+// frozen before start with no state, as torch::optim starts a parameter it has not stepped.
+TEST(Checkpoint, AFineTuningsCheckpointLoadsIntoAFullyTrainedModel) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  for (Strategy mode :
+       {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    SCOPED_TRACE(mode_name(mode));
+    const std::string root = fmt::format("/tmp/flatshard-unfreeze-{}-{}", mode_name(mode), env("MASTER_PORT"));
+    Trainer tuned(world, mode, gpt_config(), /*freeze=*/true);
+    tuned.train(0, 2);
+    tuned.save(root, 2);
+    const auto want = tuned.params();
+    const auto want_state = tuned.adam_state();
+    Trainer full(world, mode, gpt_config(), /*freeze=*/false);
+    full.load(root);
+    expect_identical(full.params(), want, "parameters");
+    const auto state = full.adam_state();
+    if (world.rank() == 0) {
+      for (const auto& [name, t] : want_state) {
+        ASSERT_TRUE(state.count(name)) << name;
+        EXPECT_TRUE(at::equal(state.at(name), t)) << name;
+      }
+    }
+    full.train(2, 1);  // every parameter trains from here
+    full.comm().barrier().wait();
+    if (world.rank() == 0) fs::remove_all(root);
+  }
+}
+
 // One phase of ReshardsAcrossWorldSizesAndModes, in its own launch (env says which).
 void reshard_phase() {
   auto world = flatshard::init();
