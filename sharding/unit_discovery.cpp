@@ -131,6 +131,7 @@ ModelShape shape_of(torch::nn::Module& model) {
   const auto m = sharding::discover_units(model);
   ModelShape shape;
   shape.unit_numels.assign(m.declared.size(), 0);
+  shape.unit_frozen.assign(m.declared.size(), 0);
   std::set<const c10::TensorImpl*> seen;
   // A unit built into shards (build.h) has empty parameters: its group knows their sizes.
   for (std::size_t i = 0; i < m.declared.size(); ++i) {
@@ -147,6 +148,8 @@ ModelShape shape_of(torch::nn::Module& model) {
     if (!seen.insert(impl).second) continue;
     const int unit = m.owner.at(impl);
     (unit == 0 ? shape.root_numel : shape.unit_numels[unit - 1]) += item.value().numel();
+    if (!item.value().requires_grad())
+      (unit == 0 ? shape.root_frozen : shape.unit_frozen[unit - 1]) += item.value().numel();
     shape.largest_param_numel = std::max(shape.largest_param_numel, item.value().numel());
   }
   return shape;

@@ -25,11 +25,18 @@ namespace flatshard::plan {
 
 // Element counts: the root unit (parameters in no declared unit) and each declared unit,
 // and the largest single parameter (DDP's optimizer step works per parameter).
+// Of those, the elements of frozen parameters (requires_grad off: no gradient, no
+// optimizer state; docs/fully-shard.md#frozen-parameters-fine-tuning), for the root and by
+// unit (an empty unit_frozen: none).
 struct ModelShape {
   std::int64_t root_numel = 0;
   std::vector<std::int64_t> unit_numels;
   std::int64_t largest_param_numel = 0;
+  std::int64_t root_frozen = 0;
+  std::vector<std::int64_t> unit_frozen;
   std::int64_t total() const;
+  std::int64_t frozen() const;
+  std::int64_t frozen_in_unit(std::size_t i) const { return i < unit_frozen.size() ? unit_frozen[i] : 0; }
 };
 
 // The units and sizes FullyShard would build for `model` (Unit<M> declarations).

@@ -37,6 +37,7 @@ int usage(const char* why) {
       "                      [--build-on-host 0|1 (built on the host, placed by options.device)]\n"
       "                      [--step-in-backward 0|1 (sharded modes: each unit steps in backward)]\n"
       "                      [--cpu 0|1 (training on the CPU: its buffer pool counted)]\n"
+      "                      [--frozen F (fine-tuning: this fraction of every unit's parameters frozen)]\n"
       "                      [--fit-mib D [--host-mib H]: the largest model of K units whose peak fits "
       "D MiB\n"
       "                       per rank: built on the device, built on the host, and offloaded (the host's\n"
@@ -60,7 +61,7 @@ double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
 int main(int argc, char** argv) {
   using namespace flatshard::plan;
   using flatshard::Strategy;
-  double params = 0, root = 0, activation_mib = 0, budget_mib = 0, fit_mib = 0, host_mib = 0;
+  double params = 0, root = 0, activation_mib = 0, budget_mib = 0, fit_mib = 0, host_mib = 0, frozen = 0;
   bool offload = false, offload_bf16_copy = true;
   int units = 1, prefetch = 1, param_bytes = 4, state_bytes = 8, shard_group_size = 0;
   bool recompute = false, build_into_shards = false, build_on_host = false, step_in_backward = false,
@@ -99,6 +100,8 @@ int main(int argc, char** argv) {
       activation_mib = std::atof(v.c_str());
     else if (a == "--budget-mib")
       budget_mib = std::atof(v.c_str());
+    else if (a == "--frozen")
+      frozen = std::atof(v.c_str());
     else if (a == "--fit-mib")
       fit_mib = std::atof(v.c_str());
     else if (a == "--host-mib")
@@ -149,6 +152,7 @@ int main(int argc, char** argv) {
     o.cpu_compute = cpu_compute;
     return o;
   };
+  if (fit_mib > 0 && frozen > 0) return usage("--frozen plans a given model: leave out --fit-mib");
   if (fit_mib > 0) {
     const auto device = static_cast<std::int64_t>(fit_mib * (1 << 20));
     const auto host = static_cast<std::int64_t>(host_mib * (1 << 20));
@@ -188,11 +192,16 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+  if (frozen < 0 || frozen > 1) return usage("--frozen is a fraction in [0, 1]");
   ModelShape shape = uniform_shape(static_cast<std::int64_t>(params - root), units);
   shape.root_numel = static_cast<std::int64_t>(root);
+  shape.root_frozen = static_cast<std::int64_t>(frozen * static_cast<double>(shape.root_numel));
+  for (auto n : shape.unit_numels)
+    shape.unit_frozen.push_back(static_cast<std::int64_t>(frozen * static_cast<double>(n)));
   std::printf("%s\n",
-              fmt::format("{:.0f} parameters in {} units{}, {}, {} bytes of optimizer state per parameter",
+              fmt::format("{:.0f} parameters in {} units{}{}, {}, {} bytes of optimizer state per parameter",
                           params, units, root > 0 ? fmt::format(" + {:.0f} in the root", root) : "",
+                          frozen > 0 ? fmt::format(" ({:.0f}% of each frozen)", 100 * frozen) : "",
                           param_bytes == 2 ? "bf16 compute with fp32 masters" : "fp32", state_bytes)
                   .c_str());
   const bool host_columns = offload || build_on_host;

@@ -25,6 +25,12 @@ std::int64_t ModelShape::total() const {
   return t;
 }
 
+std::int64_t ModelShape::frozen() const {
+  std::int64_t t = root_frozen;
+  for (auto n : unit_frozen) t += n;
+  return t;
+}
+
 ModelShape uniform_shape(std::int64_t params, int units) {
   ModelShape s;
   const int u = std::max(units, 1);
@@ -61,6 +67,10 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   const int n = sharded_mode && o.shard_group_size > 0 ? std::min(o.shard_group_size, world) : world;
   const int e = o.param_bytes;
   const std::int64_t psi = shape.total();
+  // Frozen parameters get no gradient and no optimizer state, and the sharded modes keep
+  // them in a group of their own within their unit (Note [Partly frozen units] in
+  // sharding/engine.cpp; Note [Frozen parameters in the replicated strategies]).
+  const std::int64_t trained = psi - shape.frozen();
   const std::int64_t k = o.optimizer_state_bytes;
   p.activations = o.activation_bytes;
   // Note [The bf16 copy of an offloaded master] (sharding/flat_param.cpp).
@@ -78,23 +88,27 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
     case Strategy::NoShard:
     case Strategy::ShardOptimizerState: {
       p.params = psi * e;
-      p.grads = psi * e;
-      if (mode == Strategy::NoShard && e != 4) p.masters = 2 * psi * 4;  // fp32 masters and their gradients
+      p.grads = trained * e;
+      // fp32 masters and their gradients
+      if (mode == Strategy::NoShard && e != 4) p.masters = psi * 4 + trained * 4;
       // ZeRO-1: this rank's fp32 slices of the masters (their reduced gradient slices come
       // after the peak, as the buckets' gradients are freed); on one rank in fp32 the
       // masters are the parameters themselves.
       if (mode == Strategy::ShardOptimizerState && (n > 1 || e != 4)) p.masters = (psi * 4 + n - 1) / n;
-      p.optimizer_state = mode == Strategy::NoShard ? psi * k : (psi * k + n - 1) / n;
+      p.optimizer_state = mode == Strategy::NoShard ? trained * k : (trained * k + n - 1) / n;
       if (o.cpu_offload) {
         // Note [Offloaded buckets]: the fp32 masters (the whole model, or this rank's
         // slices) and their gradients on the host, always apart from the parameters.
-        const std::int64_t master = mode == Strategy::NoShard ? psi * 4 : (psi * 4 + n - 1) / n;
-        p.host = 2 * master + p.optimizer_state;  // the gradient from the first bucket on
+        auto share = [&](std::int64_t numel) {
+          return mode == Strategy::NoShard ? numel : (numel + n - 1) / n;
+        };
+        const std::int64_t master = share(psi * 4), trained_master = share(trained * 4);
+        p.host = master + trained_master + p.optimizer_state;  // the gradient from the first bucket on
         // ZeRO-1 lays its buckets out again from every rank's slices, gathered on the host
         // (under fp32 compute the parameters hold them, and nothing is gathered), before
         // the first step makes the bf16 copy.
-        if (mode == Strategy::ShardOptimizerState && n > 1 && e != 4) p.host_rebuild = psi * 4 + p.host;
-        if (bf16_copy) p.host += master / 2;
+        if (mode == Strategy::ShardOptimizerState && n > 1 && e != 4) p.host_rebuild = trained * 4 + p.host;
+        if (bf16_copy) p.host += trained_master / 2;
         p.masters = 0;
         p.optimizer_state = 0;
       }
@@ -103,42 +117,53 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
     case Strategy::ShardGradOp:
     case Strategy::HybridShard:
     case Strategy::FullShard: {
-      std::vector<std::int64_t> units;  // padded flat buffers of the declared units
-      std::int64_t shards = 0;
-      const std::int64_t root = shape.root_numel > 0 ? padded(shape.root_numel, n, e) : 0;
+      // Padded flat buffers of the declared units (a partly frozen unit's trained and
+      // frozen groups, each padded), and of their trained groups.
+      std::vector<std::int64_t> units, trained_units;
+      auto group = [&](std::int64_t numel) { return numel > 0 ? padded(numel, n, e) : 0; };
+      std::int64_t shards = 0, trained_shards = 0;
+      const std::int64_t root_trained = group(shape.root_numel - shape.root_frozen);
+      const std::int64_t root = root_trained + group(shape.root_frozen);
       shards += root / n;
-      for (auto u : shape.unit_numels) {
-        units.push_back(padded(u, n, e));
+      trained_shards += root_trained / n;
+      for (std::size_t i = 0; i < shape.unit_numels.size(); ++i) {
+        const std::int64_t frozen = shape.frozen_in_unit(i);
+        trained_units.push_back(group(shape.unit_numels[i] - frozen));
+        units.push_back(trained_units.back() + group(frozen));
         shards += units.back() / n;
+        trained_shards += trained_units.back() / n;
       }
       p.params = shards * 4;  // fp32 masters
-      p.optimizer_state = shards * k;
+      p.optimizer_state = trained_shards * k;
       std::sort(units.rbegin(), units.rend());
-      auto largest = [&](int count) {
+      std::sort(trained_units.rbegin(), trained_units.rend());
+      auto largest_of = [](const std::vector<std::int64_t>& sorted, int count) {
         std::int64_t s = 0;
-        for (int i = 0; i < count && i < static_cast<int>(units.size()); ++i) s += units[i];
+        for (int i = 0; i < count && i < static_cast<int>(sorted.size()); ++i) s += sorted[i];
         return s;
       };
+      auto largest = [&](int count) { return largest_of(units, count); };
+      auto largest_trained = [&](int count) { return largest_of(trained_units, count); };
       std::int64_t all_units = 0;
       for (auto u : units) all_units += u;
       p.gathered_params = (root + (mode == Strategy::ShardGradOp ? all_units : largest(1 + o.prefetch))) * e;
-      p.gathered_grads = (root + (o.recompute ? largest(2) : 0)) * e;
+      p.gathered_grads = (root_trained + (o.recompute ? largest_trained(2) : 0)) * e;
       shards_bytes = shards * 4;
       if (o.cpu_offload) {
         // Note [Offloaded gradients]: masters, gradient shards and optimizer state on the
         // host; on the device, a unit's fp32 shard crossing to be converted for its gather,
         // or its reduced shard on its way back.
-        p.host = shards * (bf16_copy ? 10 + k : 8 + k);
+        p.host = shards * 4 + trained_shards * (bf16_copy ? 6 + k : 4 + k);
         p.params = 0;
         p.optimizer_state = 0;
         // fp32 compute copies straight from the host's shard and reduces into fp32.
         if (e != 4) p.staging = (units.empty() ? root : std::max(root, units.front())) / n * 4;
-        p.late_host_grads = shards * 4;
+        p.late_host_grads = trained_shards * 4;
         break;
       }
       // Stepping in backward, a gradient shard lives from its reduction to its unit's
       // step: at most the root's and one unit's exist together.
-      late_grads = o.step_in_backward ? (root + largest(1)) / n * 4 : shards * 4;
+      late_grads = o.step_in_backward ? (root_trained + largest_trained(1)) / n * 4 : trained_shards * 4;
       // On the CPU the pool keeps up to two freed buffers of the largest size at the end of
       // backward (measured: a states-heavy run at worlds 1 and 2 peaks 12-15% above the
       // rest without them). Recomputing, the peak inside a unit's backward already counts
@@ -156,7 +181,7 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
         // Above one rank the root's unsharded gradient (the embeddings', last to finish)
         // lives until its reduce-scatter is done; on one rank it is its own average.
         late_gathered = (root + (mode == Strategy::ShardGradOp ? all_units : largest(1))) * e;
-        late_gathered_grads = n > 1 ? root * e : 0;
+        late_gathered_grads = n > 1 ? root_trained * e : 0;
         late_backward =
             p.params + p.optimizer_state + late_grads + late_gathered + late_gathered_grads + late_pool;
       }
@@ -178,13 +203,14 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   const std::int64_t largest_unit =
       shape.unit_numels.empty() ? 0 : *std::max_element(shape.unit_numels.begin(), shape.unit_numels.end());
   // DDP's masters exist at construction; their gradients come with the first bucket.
-  const std::int64_t built_masters = mode == Strategy::NoShard && e != 4 ? p.masters / 2 : p.masters;
+  const std::int64_t built_masters = mode == Strategy::NoShard && e != 4 ? psi * 4 : p.masters;
   if (!sharded) {
     // One buffer at a time is laid out again, its old and new copies side by side (the
     // parameters' is the largest); ZeRO-1's master slices are cut from every rank's
     // masters, gathered in fp32 under mixed precision (bucket by bucket under offload).
-    p.rebuild = 2 * p.params + p.grads + p.masters;
-    if (mode == Strategy::ShardOptimizerState && e != 4 && !o.cpu_offload) p.rebuild += psi * 4;
+    // The frozen parameters' group is not laid out again.
+    p.rebuild = p.params + trained * e + p.grads + p.masters;
+    if (mode == Strategy::ShardOptimizerState && e != 4 && !o.cpu_offload) p.rebuild += trained * 4;
   }
   if (o.build_on_host || o.cpu_offload) {
     // Built on the host and placed by options.device: each unit's fp32 shard is copied

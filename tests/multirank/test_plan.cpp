@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <string>
+
 #include "flatshard/plan.h"
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
@@ -26,15 +29,28 @@ Batch batch_of(int step, int rows) {
   return {tokens.narrow(1, 0, c.context).contiguous(), tokens.narrow(1, 1, c.context).contiguous()};
 }
 
+// Parameters it accepts are frozen (fine-tuning); none when empty.
+using Frozen = std::function<bool(const std::string&)>;
+
+GPT plan_model(const Frozen& frozen) {
+  GPT model(plan_config());
+  for (auto& item : model->named_parameters()) {
+    if (frozen && frozen(item.key())) item.value().requires_grad_(false);
+  }
+  return model;
+}
+
 // Activations and backward temporaries of one micro-batch: the allocator's peak over a
 // forward and backward of the plain model whose gradients already exist (with every
 // block recomputed, when asked: the planner accounts for recomputation through what is
 // measured).
-std::int64_t measure_activations(int rows, bool recompute = false) {
+std::int64_t measure_activations(int rows, bool recompute = false, const Frozen& frozen = {}) {
   torch::manual_seed(5);
-  GPT model(plan_config());
+  GPT model = plan_model(frozen);
   flatshard::set_recompute(*model, recompute);
-  for (auto& p : model->parameters()) p.mutable_grad() = at::zeros_like(p);
+  for (auto& p : model->parameters()) {
+    if (p.requires_grad()) p.mutable_grad() = at::zeros_like(p);
+  }
   const auto b = batch_of(0, rows);
   token_loss(model->forward(b.input), b.target).backward();  // warm-up, as the modes' first step
   flatshard::memory::reset_allocator_peak();
@@ -59,7 +75,7 @@ plan::PlanOptions cpu_plan(Strategy mode, const flatshard::World& world, std::in
 std::int64_t measure_peak(const flatshard::World& world, Strategy mode,
                           const flatshard::MemoryBudget& budget = {}, int rows = 0, bool recompute = false,
                           bool build_into_shards = false, bool cpu_offload = false,
-                          bool step_in_backward = false) {
+                          bool step_in_backward = false, const Frozen& frozen = {}) {
   if (rows == 0) rows = kGlobalBatch / world.world_size();
   const auto base = flatshard::memory::allocator_stats().current_bytes;
   flatshard::memory::reset_allocator_peak();
@@ -73,7 +89,7 @@ std::int64_t measure_peak(const flatshard::World& world, Strategy mode,
     flatshard::BuildIntoShards build(world, o.fully_shard);
     model = GPT(plan_config());
   } else {
-    model = GPT(plan_config());
+    model = plan_model(frozen);
   }
   flatshard::set_recompute(*model, recompute);
   flatshard::testing::Wrapped<GPT> run(model, world, mode, o);
@@ -119,6 +135,33 @@ TEST(Planner, PredictsMeasuredPeakWithinTenPercent) {
       EXPECT_LE(std::abs(error), 0.10)
           << mode_name(mode) << " at world " << world.world_size() << (offload ? " offloaded" : "");
     }
+  }
+}
+
+// A fine-tuning (the embeddings and every block's attention frozen: a partly frozen root
+// and partly frozen blocks), whose frozen parameters take no gradient and no optimizer
+// state: every mode within 10%.
+TEST(Planner, PredictsMeasuredPeakOfAFineTuning) {
+  FLATSHARD_RUN_RANKS({1, 2, 4}, std::chrono::seconds(300));
+  at::set_num_threads(1);
+  flatshard::memory::install_counting_allocator();
+  auto world = flatshard::init();
+  const Frozen frozen = [](const std::string& name) {
+    return name.rfind("wte", 0) == 0 || name.rfind("wpe", 0) == 0 || name.find(".attn.") != std::string::npos;
+  };
+  const auto activations = measure_activations(kGlobalBatch / world.world_size(), false, frozen);
+  torch::manual_seed(5);
+  const auto shape = plan::shape_of(*plan_model(frozen));
+  ASSERT_GT(shape.frozen(), shape.total() / 4);
+  for (Strategy mode :
+       {Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::ShardGradOp, Strategy::FullShard}) {
+    const auto predicted = plan::predict(shape, cpu_plan(mode, world, activations));
+    const auto measured = measure_peak(world, mode, {}, 0, false, false, false, false, frozen);
+    const double error = static_cast<double>(predicted.peak - measured) / static_cast<double>(measured);
+    std::printf("fine-tuning, %s world %d: measured %.2f MiB, predicted %.2f MiB (%+.1f%%): %s\n",
+                mode_name(mode), world.world_size(), measured / 1048576.0, predicted.peak / 1048576.0,
+                100 * error, predicted.describe().c_str());
+    EXPECT_LE(std::abs(error), 0.10) << mode_name(mode) << " at world " << world.world_size();
   }
 }
 

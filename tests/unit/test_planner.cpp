@@ -253,3 +253,50 @@ TEST(Planner, LargestModelIsTheBoundaryOfWhatFits) {
 }
 
 }  // namespace
+
+namespace {
+
+// Frozen parameters (plan::ModelShape::unit_frozen) take no gradient and no optimizer state
+// in any mode, on the device or offloaded, and the sharded modes pad a partly frozen unit's
+// two groups apart; the parameters themselves (and their masters) stay.
+TEST(Planner, FrozenParametersTakeNoGradientOrState) {
+  const std::int64_t unit = 1 << 20, frozen = 3 << 18;  // three quarters of the first unit frozen
+  plan::ModelShape tuned = plan::uniform_shape(4 * unit, 4);
+  const plan::ModelShape full = tuned;
+  tuned.unit_frozen = {frozen, 0, 0, 0};
+  EXPECT_EQ(tuned.frozen(), frozen);
+  for (Strategy mode :
+       {Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::ShardGradOp, Strategy::FullShard}) {
+    for (int world : {1, 4}) {
+      for (bool offload : {false, true}) {
+        SCOPED_TRACE(::testing::Message()
+                     << flatshard::to_string(mode) << " world " << world << (offload ? " offloaded" : ""));
+        plan::PlanOptions o;
+        o.strategy = mode;
+        o.world_size = world;
+        o.optimizer_state_bytes = 8;
+        o.cpu_offload = offload;
+        const auto a = plan::predict(full, o), b = plan::predict(tuned, o);
+        const bool sharded = mode == Strategy::ShardGradOp || mode == Strategy::FullShard;
+        const std::int64_t per_rank = sharded || mode == Strategy::ShardOptimizerState ? world : 1;
+        // AdamW's 8 bytes and the fp32 gradient's 4 per frozen element (this rank's share).
+        const std::int64_t state = 8 * frozen / per_rank, grad = 4 * frozen / per_rank;
+        if (offload) {
+          EXPECT_EQ(a.host - b.host, state + grad) << "the master gradients and the state on the host";
+        } else {
+          EXPECT_EQ(a.optimizer_state - b.optimizer_state, state);
+          if (sharded) {
+            EXPECT_EQ(b.params, a.params) << "the masters stay";
+          } else {
+            EXPECT_EQ(a.grads - b.grads, 4 * frozen) << "no bucket holds them";
+            EXPECT_EQ(b.params, a.params);
+          }
+        }
+        EXPECT_LE(b.peak, a.peak);
+        if (!offload) EXPECT_LT(b.training(), a.training());
+      }
+    }
+  }
+}
+
+}  // namespace
