@@ -190,7 +190,8 @@ TEST(Checkpoint, AFineTuningsCheckpointLoadsIntoAFullyTrainedModel) {
   for (Strategy mode :
        {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
     SCOPED_TRACE(mode_name(mode));
-    const std::string root = fmt::format("/tmp/flatshard-unfreeze-{}-{}", mode_name(mode), env("MASTER_PORT"));
+    const std::string root =
+        fmt::format("/tmp/flatshard-unfreeze-{}-{}", mode_name(mode), env("MASTER_PORT"));
     Trainer tuned(world, mode, gpt_config(), /*freeze=*/true);
     tuned.train(0, 2);
     tuned.save(root, 2);
