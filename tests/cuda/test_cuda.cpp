@@ -429,6 +429,42 @@ TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
   }
 }
 
+// Fine-tuning on the GPU: the embeddings and every block's norm and attention frozen (a
+// partly frozen root and partly frozen blocks, whose backward ends in frozen products:
+// Note [Partly frozen units]; the replicated strategies' frozen group: Note [Frozen
+// parameters in the replicated strategies]), every strategy, fp32 and bf16, world 1 over
+// NCCL and world 2 over TCP on one GPU, against single-process training.
+TEST(CudaFullyShard, FineTuningMatchesSingleProcessInEveryMode) {
+  REQUIRE_GPU();
+  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(300));
+  auto world = flatshard::init();
+  for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::ShardGradOp,
+                        flatshard::Strategy::NoShard, flatshard::Strategy::ShardOptimizerState}) {
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << flatshard::to_string(strategy) << (bf16 ? " bf16" : " fp32")
+                                        << " world " << world.world_size());
+      TrainSpec spec;
+      spec.strategy = strategy;
+      spec.optimizer = OptKind::AdamW;
+      spec.steps = 4;
+      spec.global_batch = 8;
+      spec.param_dtype = bf16 ? std::optional<at::ScalarType>{at::kBFloat16} : std::nullopt;
+      spec.reduce_dtype = bf16 ? std::optional<at::ScalarType>{at::kFloat} : std::nullopt;
+      spec.device = kGpu;
+      spec.transport = world.world_size() == 1 ? flatshard::Transport::Nccl : flatshard::Transport::Tcp;
+      spec.frozen = [](const std::string& n) {
+        return n.rfind("wte", 0) == 0 || n.rfind("wpe", 0) == 0 || n.find(".attn.") != std::string::npos ||
+               n.find(".ln1.") != std::string::npos;
+      };
+      const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
+          world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+      const double tolerance = bf16 ? 3e-2 : 1e-5;
+      EXPECT_LE(r.global_rel_weight_diff, tolerance) << "worst " << r.worst_param;
+      EXPECT_LE(r.max_rel_loss_diff, tolerance);
+    }
+  }
+}
+
 // Staleness on the GPU (Note [Bounded staleness]): the copies, their reductions and the
 // delayed averages on the device, against one process applying each gradient a step late.
 TEST(CudaReplicated, StalenessMatchesSingleProcess) {
