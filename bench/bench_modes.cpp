@@ -4,6 +4,7 @@
 //   bench_modes --mode ddp|zero1|zero2|full|hybrid [--group G] [--layers 6 --dim 256 --heads 8 --vocab 4096
 //               --context 64 --batch 4 --steps 6] [--hook SPEC] [--staleness S]
 //               [--decentralized K] [--phases 1] [--step-in-backward 1] [--recompute 1]
+//               [--freeze PART: parameters whose name contains PART are frozen, e.g. .attn.]
 //
 // FullyShard with optim::AdamW under the mode's strategy: ddp NoShard, zero1
 // ShardOptimizerState, zero2 ShardGradOp, full FullShard, hybrid HybridShard over shard
@@ -53,10 +54,12 @@ int main(int argc, char** argv) {
   int group = 0;              // --group G: FullyShardOptions::shard_group_size (hybrid)
   bool in_backward = false;   // --step-in-backward 1: FullyShardBase::step_in_backward (zero2, full)
   bool recompute = false;     // --recompute 1: every block recomputed in backward (recompute.h)
+  std::string freeze;         // --freeze PART: fine-tuning (requires_grad off before wrapping)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--phases") phases = std::atoi(argv[i + 1]) != 0;
     if (a == "--hook") hook = argv[i + 1];
+    if (a == "--freeze") freeze = argv[i + 1];
     const int v = std::atoi(argv[i + 1]);
     if (a == "--mode")
       mode = argv[i + 1];
@@ -92,6 +95,9 @@ int main(int argc, char** argv) {
   std::int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   flatshard::set_recompute(*model, recompute);
+  for (auto& item : model->named_parameters()) {
+    if (!freeze.empty() && item.key().find(freeze) != std::string::npos) item.value().requires_grad_(false);
+  }
 
   flatshard::FullyShardOptions options;
   if (!flatshard::parse_strategy(mode, options.strategy)) {

@@ -12,7 +12,9 @@
 # sharding over groups of RANKS/2 ranks runs against FSDP2's 2-D mesh (HSDP) as well.
 # Prints a Markdown table with ratios for each.
 #   bench/modes.sh [BUILD_DIR] [model args, default: --dim 512 --layers 8 --vocab 8192 --steps 4]
-#   REGIMES="compute comm recompute" (default: compute comm)
+#   REGIMES="compute comm recompute finetune" (default: compute comm; finetune: the compute-bound
+#   regime with every block's attention frozen on both sides, the peers' optimizers over the
+#   trained parameters only)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$root/scripts/env.sh"
@@ -74,7 +76,10 @@ for regime in ${REGIMES:-compute comm}; do
     recompute)
       shape=(--batch 4 --context 128 --recompute 1)
       title="compute-bound, every block recomputed: 4 sequences of 128 tokens per rank" ;;
-    *) echo "modes.sh: REGIMES holds compute, comm and/or recompute, not $regime" >&2; exit 2 ;;
+    finetune)
+      shape=(--batch 4 --context 128 --freeze .attn.)
+      title="fine-tuning, every block's attention frozen: 4 sequences of 128 tokens per rank" ;;
+    *) echo "modes.sh: REGIMES holds compute, comm, recompute and/or finetune, not $regime" >&2; exit 2 ;;
   esac
   rows=""
   for m in ddp zero1 zero2 full; do

@@ -84,6 +84,7 @@ def main():
     ap.add_argument("--phases", type=int, default=0, help="1: each rank prints its mean phase times")
     ap.add_argument("--recompute", type=int, default=0, help="1: every block recomputed in backward")
     ap.add_argument("--group", type=int, default=0, help="torch_hsdp: ranks per shard group")
+    ap.add_argument("--freeze", default="", help="parameters whose name contains it are frozen (fine-tuning)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -92,6 +93,10 @@ def main():
     torch.manual_seed(0)
     model = GPT(a.vocab, a.context, a.dim, a.heads, a.layers)
     params = sum(p.numel() for p in model.parameters())
+    if a.freeze:
+        for name, p in model.named_parameters():
+            if a.freeze in name:
+                p.requires_grad_(False)
     if a.recompute:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         model.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
@@ -107,7 +112,7 @@ def main():
         for b in model.blocks:
             fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4, fused=True)
         run = model
     else:
         # The strongest settings: gradients are views of the buckets (no copy in or out),
@@ -115,10 +120,11 @@ def main():
         run = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         if a.mode == "torch_zero1":
             from torch.distributed.optim import ZeroRedundancyOptimizer
-            opt = ZeroRedundancyOptimizer(run.parameters(), optimizer_class=torch.optim.AdamW,
+            opt = ZeroRedundancyOptimizer([p for p in run.parameters() if p.requires_grad],
+                                          optimizer_class=torch.optim.AdamW,
                                           parameters_as_bucket_view=True, lr=3e-4, fused=True)
         else:
-            opt = torch.optim.AdamW(run.parameters(), lr=3e-4, fused=True)
+            opt = torch.optim.AdamW([p for p in run.parameters() if p.requires_grad], lr=3e-4, fused=True)
     g = torch.Generator().manual_seed(rank)
     total = 0.0
     phase = [0.0, 0.0, 0.0]  # forward (with the loss), backward, step and zero_grad
