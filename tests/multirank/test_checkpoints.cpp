@@ -206,6 +206,7 @@ TEST(Checkpoint, AFineTuningsCheckpointLoadsIntoAFullyTrainedModel) {
         ASSERT_TRUE(state.count(name)) << name;
         EXPECT_TRUE(at::equal(state.at(name), t)) << name;
       }
+      EXPECT_EQ(state.size(), want_state.size()) << "no state made for the parameters frozen before";
     }
     full.train(2, 1);  // every parameter trains from here
     full.comm().barrier().wait();
