@@ -500,11 +500,10 @@ void Engine::find_params_with_grad() {
   params_with_grad_.assign(units.size(), {});
   for (std::size_t s = 0; s < units.size(); ++s) {
     const std::size_t n = units_[units[s]]->group->slots().size();
-    const auto first = flags.begin() + static_cast<std::ptrdiff_t>(k);
-    if (std::find(first, first + static_cast<std::ptrdiff_t>(n), 0.0f) !=
-        first + static_cast<std::ptrdiff_t>(n)) {
-      for (std::size_t j = 0; j < n; ++j) params_with_grad_[s].push_back(flags[k + j] > 0 ? 1 : 0);
-    }  // else empty: every one
+    const auto first = flags.begin() + k, last = first + n;
+    if (std::find(first, last, 0.0f) != last) {  // else empty: every one
+      for (auto f = first; f != last; ++f) params_with_grad_[s].push_back(*f > 0 ? 1 : 0);
+    }
     k += n;
   }
 }

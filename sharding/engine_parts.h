@@ -2,9 +2,14 @@
 // a reduction in flight, the gradient hook, and the helpers the strategies share.
 #pragma once
 
+#include <algorithm>
 #include <deque>
 #include <functional>
+#include <iterator>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
@@ -171,6 +176,19 @@ inline void fold_strays(FlatParamGroup& g, int first_slot, int end_slot) {
     view.add_(grad.reshape({-1}));
     slot.param.mutable_grad() = view.view(slot.shape);
   }
+}
+
+// Moves the frozen parameters (requires_grad off) out of `params`, keeping both in order,
+// and returns them (Note [Partly frozen units], Note [Frozen parameters in the replicated
+// strategies]).
+inline std::vector<std::pair<std::string, at::Tensor>> take_frozen(
+    std::vector<std::pair<std::string, at::Tensor>>& params) {
+  const auto trained_end = std::stable_partition(params.begin(), params.end(),
+                                                 [](const auto& p) { return p.second.requires_grad(); });
+  std::vector<std::pair<std::string, at::Tensor>> frozen(std::make_move_iterator(trained_end),
+                                                         std::make_move_iterator(params.end()));
+  params.erase(trained_end, params.end());
+  return frozen;
 }
 
 }  // namespace detail

@@ -269,13 +269,10 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
       declared[i - 1]->set_built_shard(nullptr);
     } else if (!params[i].empty()) {
       unit->name = i == 0 ? "root" : params[i].front().first.substr(0, params[i].front().first.rfind('.'));
-      auto& all = params[i];
-      const auto trained_end = std::stable_partition(all.begin(), all.end(),
-                                                     [](const auto& p) { return p.second.requires_grad(); });
-      if (trained_end != all.begin() && trained_end != all.end()) {  // Note [Partly frozen units]
-        std::vector<std::pair<std::string, at::Tensor>> frozen(std::make_move_iterator(trained_end),
-                                                               std::make_move_iterator(all.end()));
-        all.erase(trained_end, all.end());
+      auto frozen = detail::take_frozen(params[i]);
+      if (params[i].empty()) {
+        std::swap(params[i], frozen);  // wholly frozen: one group (Note [Frozen units])
+      } else if (!frozen.empty()) {    // Note [Partly frozen units]
         frozen_part = std::make_unique<Unit>();
         frozen_part->name = unit->name + " (frozen)";
         frozen_part->owner = index;
@@ -283,18 +280,19 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
                                                               shard_.size, shard_.rank, compute, placement);
         unit->frozen_part = index + 1;
       }
-      unit->group = std::make_shared<FlatParamGroup>(unit->name, std::move(all), shard_.size, shard_.rank,
-                                                     compute, placement);
+      unit->group = std::make_shared<FlatParamGroup>(unit->name, std::move(params[i]), shard_.size,
+                                                     shard_.rank, compute, placement);
     }
     if (unit->group) {
       unit->group->forget_frozen();
       for (auto& slot : unit->group->slots()) {
         if (slot.accumulator)
           slot.accumulator->add_post_hook(std::make_unique<AccumulatedHook>(this, index, slot.id));
-        if (!slot.accumulator && i > 0) unit->waits_for_inputs = true;
+        else
+          unit->waits_for_inputs = i > 0;
       }
     }
-    if (frozen_part && i > 0) unit->waits_for_inputs = true;
+    if (frozen_part) unit->waits_for_inputs = i > 0;
     if (i > 0) {
       unit->declared = declared[i - 1];
       unit->driver = std::make_unique<Driver>(this, index);

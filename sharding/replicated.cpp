@@ -58,12 +58,7 @@ void Engine::make_replicated_group(std::vector<std::pair<std::string, at::Tensor
     }
     for (auto& b : buffers_) comm_->broadcast(b, 0).wait();
   }
-  // Note [Frozen parameters in the replicated strategies]
-  const auto trained_end = std::stable_partition(params.begin(), params.end(),
-                                                 [](const auto& p) { return p.second.requires_grad(); });
-  std::vector<std::pair<std::string, at::Tensor>> frozen(std::make_move_iterator(trained_end),
-                                                         std::make_move_iterator(params.end()));
-  params.erase(trained_end, params.end());
+  auto frozen = detail::take_frozen(params);  // Note [Frozen parameters in the replicated strategies]
   // Reverse registration order: roughly the order backward produces gradients.
   std::reverse(params.begin(), params.end());
   for (const auto& [name, p] : params) {
@@ -521,7 +516,6 @@ void Engine::rebuild_buckets(std::vector<int> order) {
   }
   std::vector<int> slot_of_id(g.slots().size());
   for (int k = 0; k < static_cast<int>(g.slots().size()); ++k) slot_of_id[g.slots()[k].id] = k;
-  const std::vector<int> sizes = bucket_sizes(order);
   std::vector<int> slot_order;
   for (int id : order) slot_order.push_back(slot_of_id[id]);
   at::Tensor values;  // every rank's master slices, in the layout before
@@ -543,7 +537,7 @@ void Engine::rebuild_buckets(std::vector<int> order) {
       }
     }
   }
-  g.relayout(slot_order, sizes, values);
+  g.relayout(slot_order, bucket_sizes(order), values);
   for (int k = 0; k < static_cast<int>(g.segments().size()); ++k) {
     for (int i = g.segments()[k].first_slot; i < g.segments()[k].end_slot; ++i)
       segment_of_param_[g.slots()[i].id] = k;
