@@ -234,7 +234,8 @@ void Engine::on_grad_accumulated(int index, int param) {
 // that is never reduced, so that the gradient buffer, the reduce-scatter, the gradient
 // shard and the optimizer state cover the trained parameters only, as under FSDP2. The
 // part is a unit without a driver (`owner` names the unit it belongs to); shards() lists
-// it after its owner. A unit built into shards keeps its one group.
+// it after its owner. A unit built into shards and frozen in part afterwards is laid out
+// again when it is adopted (Note [Built units frozen afterwards] in engine_setup.cpp).
 // The gradients of a unit's trained parameters may all arrive before its backward is
 // done: autograd runs the nodes made last first, and a product with a frozen weight that
 // was made before the adapters' (whose result only flows back to the unit's input) runs
@@ -244,15 +245,21 @@ void Engine::on_grad_accumulated(int index, int param) {
 // inputs need no gradient has no frozen node left to run once its parameters' gradients
 // are in. A wholly frozen unit is then resharded as soon as its backward is done, not at
 // the end of backward.
+// The units' forwards get their leaves as aliases (Note [Watching a unit's inputs]), so the
+// hooks are on tensors of the graph.
+bool Engine::watches_inputs(int index) const {
+  return units_[index]->waits_for_inputs && at::GradMode::is_enabled();
+}
+
 void Engine::watch_inputs(int index, const std::vector<at::Tensor>& inputs) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   Unit& u = *units_[index];
-  if (!u.waits_for_inputs || !at::GradMode::is_enabled()) return;
+  if (!watches_inputs(index)) return;
   for (const at::Tensor& t : inputs) {
     if (!t.requires_grad()) continue;
     ++u.pending_inputs;
     const std::int64_t backward = backwards_;
-    at::Tensor watched = t;  // a hook on the caller's tensor
+    at::Tensor watched = t;
     watched.register_hook([this, index, backward](const at::Tensor&) { input_grad_ready(index, backward); });
   }
 }
@@ -291,9 +298,8 @@ void Engine::post_backward(int index) {
 // reduce-scatter and no gradient shard, and the optimizer finds nothing to step (nor
 // makes state for it), as under FSDP2; it is resharded once the gradients of its inputs
 // are in. A unit with some parameters frozen puts them in a part of their own (Note
-// [Partly frozen units]). A unit built into shards whose parameters are frozen afterwards
-// keeps them in its one group: it reduces its whole flat gradient, zeros included, and
-// the optimizer leaves the frozen ones untouched (Note [Parameters without gradients]).
+// [Partly frozen units]), built into shards or not (Note [Built units frozen afterwards]
+// in engine_setup.cpp).
 
 // Note [One reduce-scatter in flight]
 // Before a unit's gradients are reduce-scattered, the previous unit's reduction is

@@ -34,6 +34,7 @@ class Engine {
   std::vector<at::Tensor> post_forward(int unit, std::vector<at::Tensor> outputs);
   void pre_backward(int unit);
   // Note [Partly frozen units]: the tensors a unit's forward gets.
+  bool watches_inputs(int unit) const;
   void watch_inputs(int unit, const std::vector<at::Tensor>& inputs);
   // `param`: the parameter's index in its group's slots when the group was made.
   void on_grad_accumulated(int unit, int param);

@@ -26,8 +26,11 @@ void check_same_model_everywhere(const World& world, torch::nn::Module& model, c
   }
   std::string mine;
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-    mine += fmt::format("parameter '{}' {} {}\n", item.key(), c10::toString(item.value().scalar_type()),
-                        fmt::join(item.value().sizes(), "x"));
+    // Frozen parameters are laid out, reduced and stepped apart from trained ones (Note
+    // [Partly frozen units] in sharding/engine.cpp): ranks that freeze differently would
+    // make different collectives.
+    mine += fmt::format("parameter '{}' {} {}{}\n", item.key(), c10::toString(item.value().scalar_type()),
+                        fmt::join(item.value().sizes(), "x"), item.value().requires_grad() ? "" : " frozen");
   }
   for (const auto& line : extra) mine += line + "\n";
   const std::string prefix = fmt::format("flatshard/model_check/{}/{}/", who, instance);

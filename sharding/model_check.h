@@ -11,7 +11,7 @@
 namespace flatshard::sharding {
 
 // Every rank publishes a description of its model — one line per parameter (name,
-// dtype, shape, in registration order) followed by `extra` lines (strategy, unit
+// dtype, shape, whether frozen, in registration order) followed by `extra` lines (strategy, unit
 // layout, ...) — through the world's store, and compares every rank's with rank 0's.
 // On any difference every rank throws InvalidArgument naming the first differing entry
 // and the rank. `who` names the caller in the message. No-op for a single process.

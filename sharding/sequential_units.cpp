@@ -52,8 +52,8 @@ at::Tensor SequentialUnitsImpl::forward(at::Tensor x) {
     UnitHooks* hooks = groups_[g]->hooks();
     if (hooks) {
       hooks->pre_forward();
-      if (const auto dtype = hooks->input_dtype())
-        x = detail::cast_floating(x, *dtype);  // Note [Casting forward inputs]
+      // Note [Casting forward inputs], Note [Watching a unit's inputs]
+      x = detail::prepare_input(x, detail::InputPrep{hooks->input_dtype(), hooks->watches_inputs()});
       hooks->watch_inputs({x});
     } else {
       groups_[g]->check_runnable();

@@ -338,8 +338,9 @@ class FullyShard : public FullyShardBase {
   template <typename... Args>
   auto forward(Args&&... args) {
     root_pre_forward();
-    auto out = detail::call_with_inputs_cast(
-        input_dtype(), [this](auto&&... a) { return model_->forward(std::forward<decltype(a)>(a)...); },
+    auto out = detail::call_with_inputs_prepared(
+        detail::InputPrep{input_dtype()},
+        [this](auto&&... a) { return model_->forward(std::forward<decltype(a)>(a)...); },
         std::forward<Args>(args)...);
     auto wrapped = root_post_forward(detail::tensors_of(out));
     return detail::rebuild(out, wrapped);

@@ -48,9 +48,12 @@ class UnitHooks {
   // The dtype the unit's floating-point tensor arguments are cast to before its forward
   // (MixedPrecision::cast_forward_inputs); nullopt: none.
   virtual std::optional<at::ScalarType> input_dtype() const { return std::nullopt; }
+  // Whether this forward's inputs are to be watched (watch_inputs); their leaves that
+  // require grad are then passed as aliases (Note [Watching a unit's inputs]).
+  virtual bool watches_inputs() const { return false; }
   // Called after pre_forward with the tensors the unit's forward is about to get (after
-  // the cast): the engine learns from their gradients when the unit's backward is done
-  // (Note [Partly frozen units]).
+  // the cast and the aliases): the engine learns from their gradients when the unit's
+  // backward is done (Note [Partly frozen units]).
   virtual void watch_inputs(const std::vector<at::Tensor>& /*inputs*/) {}
 };
 
@@ -143,26 +146,45 @@ inline void tensor_arguments(const std::vector<at::Tensor>& v, std::vector<at::T
 inline at::Tensor cast_floating(const at::Tensor& t, at::ScalarType dtype) {
   return t.defined() && t.is_floating_point() && t.scalar_type() != dtype ? t.to(dtype) : t;
 }
-inline std::optional<at::Tensor> cast_floating(const std::optional<at::Tensor>& t, at::ScalarType dtype) {
-  return t ? std::optional<at::Tensor>(cast_floating(*t, dtype)) : t;
+
+// Note [Watching a unit's inputs]
+// A unit that waits for its inputs' gradients (Note [Partly frozen units]) puts a hook on
+// each tensor argument that requires grad. A hook on a tensor that autograd made lives in
+// the graph and goes with it. One on a leaf would stay on the leaf for good, one more every
+// step, and would fire only once every use of the leaf in the whole model is done, keeping
+// the unit gathered until then: prefix tuning passes a trained parameter of the root to
+// every block, and a batch may require grad. So such a leaf reaches the unit's forward as
+// an alias (an autograd view of it): the hook goes on the alias, whose gradient is in once
+// this unit's uses are done, and goes with the graph. The leaf's gradient is the same.
+struct InputPrep {
+  std::optional<at::ScalarType> dtype;  // Note [Casting forward inputs]
+  bool alias_leaves = false;
+};
+inline at::Tensor prepare_input(const at::Tensor& t, const InputPrep& prep) {
+  at::Tensor out = prep.dtype ? cast_floating(t, *prep.dtype) : t;
+  if (prep.alias_leaves && out.defined() && out.is_leaf() && out.requires_grad()) out = at::alias(out);
+  return out;
 }
-inline std::vector<at::Tensor> cast_floating(const std::vector<at::Tensor>& v, at::ScalarType dtype) {
+inline std::optional<at::Tensor> prepare_input(const std::optional<at::Tensor>& t, const InputPrep& prep) {
+  return t ? std::optional<at::Tensor>(prepare_input(*t, prep)) : t;
+}
+inline std::vector<at::Tensor> prepare_input(const std::vector<at::Tensor>& v, const InputPrep& prep) {
   std::vector<at::Tensor> out;
   out.reserve(v.size());
-  for (const auto& t : v) out.push_back(cast_floating(t, dtype));
+  for (const auto& t : v) out.push_back(prepare_input(t, prep));
   return out;
 }
 template <typename T>
-const T& cast_floating(const T& x, at::ScalarType) {
+const T& prepare_input(const T& x, const InputPrep&) {
   return x;
 }
 
-// Calls f(args...), with the floating-point tensors among them cast to `dtype` when set.
+// Calls f(args...), with the tensors among them prepared (cast, aliased) as `prep` says.
 template <typename F, typename... Args>
-auto call_with_inputs_cast(std::optional<at::ScalarType> dtype, F&& f, Args&&... args) {
-  if (!dtype) return f(std::forward<Args>(args)...);
-  std::tuple<std::decay_t<Args>...> cast{cast_floating(args, *dtype)...};
-  return std::apply([&](auto&... a) { return f(a...); }, cast);
+auto call_with_inputs_prepared(const InputPrep& prep, F&& f, Args&&... args) {
+  if (!prep.dtype && !prep.alias_leaves) return f(std::forward<Args>(args)...);
+  std::tuple<std::decay_t<Args>...> prepared{prepare_input(args, prep)...};
+  return std::apply([&](auto&... a) { return f(a...); }, prepared);
 }
 
 // A unit's constructor has run: an active BuildIntoShards (build.h) shards it now.
@@ -199,9 +221,9 @@ class UnitImpl : public Impl, public UnitBase, public UnitProvider {
       return run(std::forward<Args>(args)...);
     }
     h->pre_forward();
-    // Note [Casting forward inputs]
-    auto out = detail::call_with_inputs_cast(
-        h->input_dtype(),
+    // Note [Casting forward inputs], Note [Watching a unit's inputs]
+    auto out = detail::call_with_inputs_prepared(
+        detail::InputPrep{h->input_dtype(), h->watches_inputs()},
         [this, h](auto&&... a) {
           std::vector<at::Tensor> inputs;
           (detail::tensor_arguments(a, inputs), ...);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <functional>
 #include <sstream>
 #include <thread>
 
@@ -219,6 +220,22 @@ TEST(FullyShard, DifferentModelsOrStrategiesAcrossRanksAreRefused) {
       const std::string what = e.what();
       EXPECT_NE(what.find("rank 0 has strategy FullShard"), std::string::npos) << what;
       EXPECT_NE(what.find("rank " + last + " has strategy ShardGradOp"), std::string::npos) << what;
+    }
+  }
+  // Frozen parameters are laid out apart from trained ones: a rank that freezes another
+  // parameter would make other collectives.
+  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard}) {
+    GPT model = gpt_factory()();
+    if (odd_one) model->named_parameters()["h0.attn.qkv.weight"].requires_grad_(false);
+    try {
+      flatshard::FullyShard<GPT> fsdp(model, world, options_for(strategy));
+      FAIL() << "FullyShard accepted different frozen parameters under " << to_string(strategy);
+    } catch (const flatshard::InvalidArgument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("rank 0 has parameter 'h0.attn.qkv.weight' Float 96x32, rank " + last +
+                          " has parameter 'h0.attn.qkv.weight' Float 96x32 frozen"),
+                std::string::npos)
+          << what;
     }
   }
 }
@@ -880,6 +897,24 @@ Batch stack_batch(std::uint64_t seed, int rows, int dim) {
   return Batch{at::randn({rows, dim}, g), at::randn({rows, 3}, g)};
 }
 
+// A fine-tuning (AdamW, the parameters frozen() names frozen) under a strategy matches the
+// same fine-tuning in a single process; batch(step, rows) makes a step's global batch.
+template <typename Net>
+void expect_fine_tuning_matches(const flatshard::World& world, const std::function<Net()>& make,
+                                const std::function<Batch(int, int)>& batch,
+                                const std::function<bool(const std::string&)>& frozen, Strategy strategy,
+                                bool recompute = false) {
+  TrainSpec spec;
+  spec.strategy = strategy;
+  spec.optimizer = OptKind::AdamW;
+  spec.frozen = frozen;
+  spec.recompute = recompute;
+  const auto r = train_and_compare<Net>(
+      world, make, [&](int s) { return batch(s, spec.global_batch); }, mse, spec);
+  EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+  EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance);
+}
+
 TEST(FullyShard, AdaptersAsNestedUnitsTrainBesideFrozenBlocks) {
   FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(120));
   auto world = flatshard::init();
@@ -891,14 +926,7 @@ TEST(FullyShard, AdaptersAsNestedUnitsTrainBesideFrozenBlocks) {
   auto frozen = [](const std::string& name) { return name.find(".base.") != std::string::npos; };
   for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
     SCOPED_TRACE(to_string(strategy));
-    TrainSpec spec;
-    spec.strategy = strategy;
-    spec.optimizer = OptKind::AdamW;
-    spec.frozen = frozen;
-    const auto r = train_and_compare<AdaptedNet>(
-        world, make, [&](int s) { return batch(s, spec.global_batch); }, mse, spec);
-    EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
-    EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance);
+    expect_fine_tuning_matches<AdaptedNet>(world, make, batch, frozen, strategy);
 
     auto model = make();
     for (auto& item : model->named_parameters()) {
@@ -957,15 +985,7 @@ TEST(FullyShard, PartlyFrozenUnitsKeepGradientsAndStateForTheTrainedParametersOn
   for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
     for (bool recompute : {false, true}) {
       SCOPED_TRACE(::testing::Message() << to_string(strategy) << (recompute ? " recompute" : ""));
-      TrainSpec spec;
-      spec.strategy = strategy;
-      spec.optimizer = OptKind::AdamW;
-      spec.frozen = frozen;
-      spec.recompute = recompute;
-      const auto r = train_and_compare<LoraNet>(
-          world, make, [&](int s) { return batch(s, spec.global_batch); }, mse, spec);
-      EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
-      EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance);
+      expect_fine_tuning_matches<LoraNet>(world, make, batch, frozen, strategy, recompute);
     }
 
     auto model = make();
@@ -998,6 +1018,100 @@ TEST(FullyShard, PartlyFrozenUnitsKeepGradientsAndStateForTheTrainedParametersOn
     EXPECT_EQ(fsdp.memory().grad_shard_bytes, 4 * grad_numel);
     opt.step();
     EXPECT_EQ(opt.state_bytes(), 8 * grad_numel) << "AdamW's two moments, for the trained parameters only";
+  }
+}
+
+// Prefix tuning: a trained vector of the root is passed to every block, whose weights are
+// frozen (wholly, or but for a low-rank adapter beside them). The blocks wait for their
+// inputs' gradients (Note [Partly frozen units]), and the prefix is a leaf that every
+// block uses.
+struct PrefixBlockImpl : torch::nn::Module {
+  explicit PrefixBlockImpl(int dim)
+      : base(register_module("base", torch::nn::Linear(dim, dim))),
+        down(register_module("down", torch::nn::Linear(torch::nn::LinearOptions(dim, 2).bias(false)))),
+        up(register_module("up", torch::nn::Linear(torch::nn::LinearOptions(2, dim).bias(false)))) {}
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& prefix) {
+    const at::Tensor frozen = base(x + prefix);
+    return x + torch::tanh(frozen + up(down(x)));
+  }
+  torch::nn::Linear base;
+  torch::nn::Linear down, up;
+};
+TORCH_MODULE(PrefixBlock);
+
+struct PrefixNetImpl : torch::nn::Module {
+  PrefixNetImpl(int dim, int count)
+      : prefix(register_parameter("prefix", 0.1 * torch::randn({dim}))),
+        head(register_module("head", torch::nn::Linear(dim, 3))) {
+    for (int i = 0; i < count; ++i)
+      blocks.push_back(register_module("b" + std::to_string(i), flatshard::Unit<PrefixBlock>(dim)));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& b : blocks) x = b(x, prefix);
+    return head(x);
+  }
+  at::Tensor prefix;
+  std::vector<flatshard::Unit<PrefixBlock>> blocks;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(PrefixNet);
+
+// The hooks autograd holds on a tensor (a leaf keeps them for good).
+std::size_t tensor_hooks(const at::Tensor& t) {
+  const auto* meta = torch::autograd::impl::get_autograd_meta(t);
+  return meta != nullptr && meta->cpp_hooks_list_ ? meta->cpp_hooks_list_->size() : 0;
+}
+
+// Note [Watching a unit's inputs]: a leaf passed to a unit that waits for its inputs'
+// gradients is watched through an alias, so no hook stays on it from step to step and each
+// block is resharded once its own uses of the leaf are done, not once every block's are.
+TEST(FullyShard, ALeafPassedToFrozenUnitsGetsNoHooksAndKeepsNoUnitGathered) {
+  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  auto make = [] {
+    torch::manual_seed(13);
+    return PrefixNet(8, 4);
+  };
+  auto batch = [](int step, int rows) { return stack_batch(8000 + step, rows, 8); };
+  const std::vector<std::pair<std::string, std::function<bool(const std::string&)>>> freezes = {
+      {"base weights (adapters train)",
+       [](const std::string& n) { return n.find(".base.") != std::string::npos; }},
+      {"whole blocks", [](const std::string& n) { return n.rfind("b", 0) == 0; }},
+  };
+  for (const auto& [what, frozen] : freezes) {
+    for (Strategy strategy :
+         {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
+      for (bool recompute : {false, true}) {
+        if (recompute && strategy != Strategy::FullShard) continue;
+        SCOPED_TRACE(::testing::Message()
+                     << what << ", " << to_string(strategy) << (recompute ? " recompute" : ""));
+        expect_fine_tuning_matches<PrefixNet>(world, make, batch, frozen, strategy, recompute);
+      }
+    }
+
+    SCOPED_TRACE(what);
+    auto model = make();
+    for (auto& item : model->named_parameters()) {
+      if (frozen(item.key())) item.value().requires_grad_(false);
+    }
+    flatshard::FullyShard<PrefixNet> fsdp(model, world, options_for(Strategy::FullShard));
+    flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
+    const at::Tensor prefix = fsdp.module()->prefix;
+    ASSERT_TRUE(prefix.is_leaf() && prefix.requires_grad());
+    std::size_t hooks_after_first = 0;
+    for (int step = 0; step < 6; ++step) {
+      const auto b = batch(step, world.world_size());
+      opt.zero_grad();
+      const at::Tensor loss =
+          mse(fsdp.forward(b.input.narrow(0, world.rank(), 1)), b.target.narrow(0, world.rank(), 1));
+      fsdp.reset_peaks();
+      loss.backward();
+      EXPECT_LE(fsdp.peak_gathered_units(), 2)
+          << "step " << step << ": the prefetch bound of 1 holds in backward";
+      opt.step();
+      if (step == 0) hooks_after_first = tensor_hooks(prefix);
+    }
+    EXPECT_EQ(tensor_hooks(prefix), hooks_after_first) << "hooks pile up on the prefix step after step";
   }
 }
 
