@@ -56,6 +56,41 @@ void adopt_built(FlatParamGroup& g, int rank, int world_size, const ShardGroup& 
   }
 }
 
+// Note [Built units frozen afterwards]
+// A unit built into shards (build.h) is laid out as one group while it is built, before
+// its user can freeze anything. Frozen afterwards in part (LoRA on a model built into
+// shards), it is taken apart when it is adopted so that it gets the layout of a whole
+// build (Note [Partly frozen units] in sharding/engine.cpp): its fp32 master slices are
+// gathered across the shard group into its full values, its parameters take them back
+// for a moment, and the unit is flattened as a unit built whole is, into its trained
+// group and its frozen part. A rank holds one such unit at full size (fp32) at a time,
+// as it did while building. Collective: every rank has the same units frozen alike
+// (check_same_model_everywhere has compared them).
+bool mixes_frozen_and_trained(const FlatParamGroup& g) {
+  bool frozen = false, trained = false;
+  for (const auto& slot : g.slots()) (slot.param.requires_grad() ? trained : frozen) = true;
+  return frozen && trained;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> unbuild(FlatParamGroup& g, Communicator& shard_comm) {
+  FLATSHARD_ASSERT(g.segments().size() == 1, "a built group is one segment");
+  const c10::Device device = shard_comm.device();
+  const at::Tensor master = g.master().detach().to(device);
+  at::Tensor values;
+  if (shard_comm.world_size() == 1) {
+    values = master;
+  } else {
+    values = at::empty({g.padded_numel()}, master.options());
+    shard_comm.all_gather(values, master).wait();
+  }
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (auto& slot : g.slots()) {
+    slot.param.set_data(values.narrow(0, slot.offset, slot.numel).view(slot.shape));
+    params.emplace_back(slot.name, slot.param);
+  }
+  return params;
+}
+
 // Under the replicated strategies the declared units are not scheduled (the model is one
 // group of buckets); they keep only the cast of their inputs (Note [Casting forward inputs]).
 class InputCast final : public UnitHooks {
@@ -74,6 +109,7 @@ class Driver final : public UnitHooks {
   Driver(Engine* engine, int unit) : engine_(engine), unit_(unit) {}
   void pre_forward() override { engine_->pre_forward(unit_); }
   std::optional<at::ScalarType> input_dtype() const override { return engine_->input_dtype(); }
+  bool watches_inputs() const override { return engine_->watches_inputs(unit_); }
   void watch_inputs(const std::vector<at::Tensor>& inputs) override { engine_->watch_inputs(unit_, inputs); }
   std::vector<at::Tensor> post_forward(std::vector<at::Tensor> outputs) override {
     return engine_->post_forward(unit_, std::move(outputs));
@@ -261,6 +297,11 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     std::unique_ptr<Unit> frozen_part;  // Note [Partly frozen units]
     const int index = static_cast<int>(units_.size());
     unit->name = i == 0 ? "root" : fmt::format("unit{}", i);
+    if (built[i] && mixes_frozen_and_trained(*built[i])) {  // Note [Built units frozen afterwards]
+      params[i] = unbuild(*built[i], shard_comm());
+      built[i].reset();
+      declared[i - 1]->set_built_shard(nullptr);
+    }
     if (built[i]) {
       const std::string& first = built[i]->slots().front().name;
       unit->name = first.substr(0, first.rfind('.'));

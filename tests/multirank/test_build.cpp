@@ -128,6 +128,80 @@ TEST(BuildIntoShards, TrainsBitForBitAsAWholeBuild) {
   EXPECT_LE(mlp.max_rel_weight_diff, 1e-5) << mlp.worst_param;
 }
 
+// Note [Built units frozen afterwards]: a model built into shards and frozen in part
+// afterwards (every block's attention and the norm before it, as a LoRA fine-tuning of the
+// MLPs freezes them; the embedding unit wholly) is laid out as the whole build frozen alike:
+// every block gets a frozen part, the shards are bit for bit the whole build's, and
+// training is bit for bit the same.
+TEST(BuildIntoShards, FrozenAfterBuildingIsLaidOutAsAWholeBuild) {
+  FLATSHARD_RUN_RANKS({1, 2, 3, 4}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  const auto frozen = [](const std::string& n) {
+    return n.find(".attn.") != std::string::npos || n.find(".ln1.") != std::string::npos ||
+           n.rfind("wte.", 0) == 0;
+  };
+  auto freeze = [&](GPT& model) {
+    for (auto& item : model->named_parameters()) {
+      if (frozen(item.key())) item.value().requires_grad_(false);
+    }
+  };
+  std::vector<std::pair<std::string, flatshard::FullyShardOptions>> cases(3);
+  cases[0].first = "full shard";
+  cases[1].first = "shard grad op, bf16 compute";
+  cases[1].second.strategy = Strategy::ShardGradOp;
+  cases[1].second.mixed_precision.param = at::kBFloat16;
+  cases[2].first = "hybrid groups of 2";
+  cases[2].second.strategy = Strategy::HybridShard;
+  cases[2].second.shard_group_size = 2;
+  if (world.world_size() % 2 != 0) cases.pop_back();
+  for (const auto& [what, options] : cases) {
+    SCOPED_TRACE(what);
+    GPT whole = gpt_units_factory()();
+    freeze(whole);
+    flatshard::FullyShard<GPT> whole_fsdp(whole, world, options);
+    GPT built{nullptr};
+    {
+      flatshard::BuildIntoShards build(world, options);
+      built = gpt_units_factory()();
+    }
+    freeze(built);
+    flatshard::FullyShard<GPT> built_fsdp(built, world, options);
+    const auto whole_layout = whole_fsdp.layout(), built_layout = built_fsdp.layout();
+    ASSERT_EQ(built_layout.size(), whole_layout.size());
+    EXPECT_EQ(built_layout.size(), static_cast<std::size_t>(built_fsdp.num_units() + gpt_config().layers))
+        << "every block has a frozen part";
+    const auto whole_shards = whole_fsdp.shards(), built_shards = built_fsdp.shards();
+    for (std::size_t i = 0; i < built_layout.size(); ++i) {
+      ASSERT_EQ(built_layout[i].params.size(), whole_layout[i].params.size()) << "shard " << i;
+      bool any_frozen = false, any_trained = false;
+      for (std::size_t k = 0; k < built_layout[i].params.size(); ++k) {
+        const auto& p = built_layout[i].params[k];
+        EXPECT_EQ(p.name, whole_layout[i].params[k].name) << "shard " << i;
+        EXPECT_EQ(p.offset, whole_layout[i].params[k].offset) << p.name;
+        (frozen(p.name) ? any_frozen : any_trained) = true;
+      }
+      EXPECT_FALSE(any_frozen && any_trained) << "shard " << i << " mixes frozen and trained parameters";
+      EXPECT_EQ(built_layout[i].padded_numel, whole_layout[i].padded_numel) << "shard " << i;
+      EXPECT_TRUE(at::equal(built_shards[i].cpu(), whole_shards[i].cpu())) << "shard " << i;
+    }
+  }
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    SCOPED_TRACE(strategy == Strategy::FullShard ? "full shard, trained" : "shard grad op, trained");
+    TrainSpec spec;
+    spec.strategy = strategy;
+    spec.optimizer = OptKind::AdamW;
+    spec.steps = 4;
+    spec.frozen = frozen;
+    const auto batch = [](int s) { return gpt_batch(s, 12); };
+    const auto whole = train_and_compare<GPT>(world, gpt_units_factory(), batch, token_loss, spec);
+    spec.build_into_shards = true;
+    const auto built = train_and_compare<GPT>(world, gpt_units_factory(), batch, token_loss, spec);
+    ASSERT_EQ(whole.weights.size(), built.weights.size());
+    for (const auto& [name, w] : whole.weights) EXPECT_TRUE(at::equal(w, built.weights.at(name))) << name;
+    EXPECT_LE(built.max_rel_weight_diff, 1e-5) << "against single-process training: " << built.worst_param;
+  }
+}
+
 // From before construction to the wrapper: this rank's shards, the root's parameters
 // and one unit at full size; a whole build holds the whole model.
 TEST(BuildIntoShards, HoldsItsShardsAndOneUnitAtATime) {
