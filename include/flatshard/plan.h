@@ -41,8 +41,9 @@ struct ModelShape {
 
 // The units and sizes FullyShard would build for `model` (Unit<M> declarations).
 ModelShape shape_of(torch::nn::Module& model);
-// A model of `params` elements in `units` equal units (and no root unit).
-ModelShape uniform_shape(std::int64_t params, int units);
+// A model of `params` elements in `units` equal units (and no root unit), with
+// `frozen_fraction` of each unit's elements frozen (a fine-tuning).
+ModelShape uniform_shape(std::int64_t params, int units, double frozen_fraction = 0.0);
 
 struct PlanOptions {
   // HybridShard is planned as FullShard within its group (shard_group_size).
@@ -155,12 +156,12 @@ struct Plan {
 
 Plan predict(const ModelShape& shape, const PlanOptions& options);
 
-// The largest model of `units` equal units (uniform_shape) whose predicted peak fits
-// `device_bytes` per rank, and whose host memory (Plan::host_peak) fits `host_bytes` per
-// rank when the model is built on the host
+// The largest model of `units` equal units (uniform_shape, `frozen_fraction` of each
+// frozen) whose predicted peak fits `device_bytes` per rank, and whose host memory
+// (Plan::host_peak) fits `host_bytes` per rank when the model is built on the host
 // (options.build_on_host or cpu_offload; 0: the host is not limited), with options' other
 // settings (the activations as given). 0 when not even one parameter per unit fits.
 std::int64_t largest_model(const PlanOptions& options, int units, std::int64_t device_bytes,
-                           std::int64_t host_bytes = 0);
+                           std::int64_t host_bytes = 0, double frozen_fraction = 0.0);
 
 }  // namespace flatshard::plan

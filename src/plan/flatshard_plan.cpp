@@ -152,15 +152,15 @@ int main(int argc, char** argv) {
     o.cpu_compute = cpu_compute;
     return o;
   };
-  if (fit_mib > 0 && frozen > 0) return usage("--frozen plans a given model: leave out --fit-mib");
+  if (frozen < 0 || frozen > 1) return usage("--frozen is a fraction in [0, 1]");
   if (fit_mib > 0) {
     const auto device = static_cast<std::int64_t>(fit_mib * (1 << 20));
     const auto host = static_cast<std::int64_t>(host_mib * (1 << 20));
     std::printf(
         "%s\n",
-        fmt::format("the largest model of {} equal units whose per-rank peak fits {:.0f} MiB{}, "
+        fmt::format("the largest model of {} equal units{} whose per-rank peak fits {:.0f} MiB{}, "
                     "{}, {} bytes of optimizer state per parameter, {:.0f} MiB of activations",
-                    units, fit_mib,
+                    units, frozen > 0 ? fmt::format(" ({:.0f}% of each frozen)", 100 * frozen) : "", fit_mib,
                     host > 0 ? fmt::format(" (built on the host or offloaded, the host's peak within {:.0f} "
                                            "MiB: the model while built, or the offloaded states)",
                                            host_mib)
@@ -180,11 +180,11 @@ int main(int argc, char** argv) {
         auto offload_opts = placed;
         offload_opts.cpu_offload = true;
         const auto host_peak = [&](const PlanOptions& with, std::int64_t params) {
-          return params > 0 ? mib(predict(uniform_shape(params, units), with).host_peak()) : 0.0;
+          return params > 0 ? mib(predict(uniform_shape(params, units, frozen), with).host_peak()) : 0.0;
         };
-        const auto on_device = largest_model(whole, units, device);
-        const auto on_host = largest_model(placed, units, device, host);
-        const auto offloaded = largest_model(offload_opts, units, device, host);
+        const auto on_device = largest_model(whole, units, device, 0, frozen);
+        const auto on_host = largest_model(placed, units, device, host, frozen);
+        const auto offloaded = largest_model(offload_opts, units, device, host, frozen);
         std::printf("%-6s %6d %18.4g %18.4g %18.1f %18.4g %18.1f\n", mode_name(m), w,
                     static_cast<double>(on_device), static_cast<double>(on_host), host_peak(placed, on_host),
                     static_cast<double>(offloaded), host_peak(offload_opts, offloaded));
@@ -192,7 +192,6 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  if (frozen < 0 || frozen > 1) return usage("--frozen is a fraction in [0, 1]");
   ModelShape shape = uniform_shape(static_cast<std::int64_t>(params - root), units);
   shape.root_numel = static_cast<std::int64_t>(root);
   shape.root_frozen = static_cast<std::int64_t>(frozen * static_cast<double>(shape.root_numel));

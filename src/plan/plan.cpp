@@ -31,11 +31,15 @@ std::int64_t ModelShape::frozen() const {
   return t;
 }
 
-ModelShape uniform_shape(std::int64_t params, int units) {
+ModelShape uniform_shape(std::int64_t params, int units, double frozen_fraction) {
   ModelShape s;
   const int u = std::max(units, 1);
   for (int i = 0; i < u; ++i) s.unit_numels.push_back(shard_range(params, u, i).numel);
   s.largest_param_numel = s.unit_numels.front();
+  if (frozen_fraction > 0) {
+    for (auto n : s.unit_numels)
+      s.unit_frozen.push_back(static_cast<std::int64_t>(frozen_fraction * static_cast<double>(n)));
+  }
   return s;
 }
 
@@ -269,10 +273,10 @@ std::int64_t Plan::training() const {
 std::int64_t Plan::host_peak() const { return std::max({host, host_construction, host_rebuild}); }
 
 std::int64_t largest_model(const PlanOptions& options, int units, std::int64_t device_bytes,
-                           std::int64_t host_bytes) {
+                           std::int64_t host_bytes, double frozen_fraction) {
   const int u = std::max(units, 1);
   auto fits = [&](std::int64_t params) {
-    const Plan p = predict(uniform_shape(params, u), options);
+    const Plan p = predict(uniform_shape(params, u, frozen_fraction), options);
     return p.peak <= device_bytes && (host_bytes <= 0 || p.host_peak() <= host_bytes);
   };
   // Every figure grows with the parameter count: bisect between a size that fits and one

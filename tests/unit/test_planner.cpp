@@ -252,6 +252,38 @@ TEST(Planner, LargestModelIsTheBoundaryOfWhatFits) {
   EXPECT_EQ(plan::largest_model(o, kUnits, std::int64_t{80} << 30), 0);  // activations alone exceed it
 }
 
+// A fine-tuning (three quarters of every unit frozen: no gradient, no optimizer state for
+// them) fits a larger model than training every parameter, in every mode, on the device and
+// offloaded; largest_model returns the boundary of the shape it plans.
+TEST(Planner, LargestFineTuningIsTheBoundaryOfWhatFits) {
+  constexpr int kUnits = 26;
+  constexpr double kFrozen = 0.75;
+  const std::int64_t device = std::int64_t{80} << 30, host = std::int64_t{120} << 30;
+  for (Strategy mode : {Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::FullShard}) {
+    for (bool offload : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << flatshard::mode_name(mode) << (offload ? " offloaded" : ""));
+      plan::PlanOptions o;
+      o.strategy = mode;
+      o.world_size = 8;
+      o.param_bytes = 2;
+      o.cpu_offload = offload;
+      o.build_into_shards = mode == Strategy::FullShard;  // the states bound it, not the build
+      o.activation_bytes = std::int64_t{12} << 30;
+      const auto trained = plan::largest_model(o, kUnits, device, host);
+      const auto fine_tuned = plan::largest_model(o, kUnits, device, host, kFrozen);
+      EXPECT_GT(fine_tuned, trained);
+      const auto shape = plan::uniform_shape(fine_tuned, kUnits, kFrozen);
+      EXPECT_NEAR(static_cast<double>(shape.frozen()), kFrozen * static_cast<double>(fine_tuned),
+                  static_cast<double>(kUnits));
+      const auto fit = plan::predict(shape, o);
+      const auto over = plan::predict(plan::uniform_shape(fine_tuned + kUnits, kUnits, kFrozen), o);
+      EXPECT_LE(fit.peak, device);
+      EXPECT_LE(fit.host_peak(), host);
+      EXPECT_TRUE(over.peak > device || over.host_peak() > host);
+    }
+  }
+}
+
 }  // namespace
 
 namespace {
