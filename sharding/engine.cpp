@@ -104,6 +104,7 @@ void Engine::prefetch(int index) {
 
 void Engine::pre_forward(int index) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
+  if (index == kRoot) check_frozen_unchanged();
   // A backward that failed midway did not wait for its steps (Note [Offloaded steps beside
   // backward]): no gather reads a master while one may still be stepped.
   if (!steps_beside_.empty()) finish_steps_beside_backward();
@@ -300,6 +301,32 @@ void Engine::post_backward(int index) {
 // are in. A unit with some parameters frozen puts them in a part of their own (Note
 // [Partly frozen units]), built into shards or not (Note [Built units frozen afterwards]
 // in engine_setup.cpp).
+
+// Note [Freezing after wrapping]
+// Which parameters are frozen decides the layout (a unit's frozen part, the replicated
+// strategies' frozen group), the reductions and the optimizer's state, all made when the
+// wrapper is. A parameter frozen afterwards would leave its unit or bucket waiting for a
+// gradient that never comes; one unfrozen afterwards would never get one. FSDP2 follows
+// such a change; here each forward compares every parameter's requires_grad with the
+// layout (one flag per parameter) and refuses a change, before any collective, naming the
+// parameter. The user freezes before wrapping, or wraps again (from a checkpoint) to
+// change what trains.
+void Engine::check_frozen_unchanged() const {
+  for (const auto& u : units_) {
+    if (!u->group) continue;
+    for (const ParamSlot& slot : u->group->slots()) {
+      const bool trained = slot.accumulator != nullptr;
+      if (slot.param.requires_grad() == trained) continue;
+      throw InvalidArgument(fmt::format(
+          "flatshard::FullyShard::forward (rank {}/{}): parameter '{}' was {} after the model was wrapped; "
+          "which parameters train is fixed when FullyShard lays the model out. Set requires_grad before "
+          "wrapping; to change it mid-training, save a checkpoint, set it on a freshly built model, wrap "
+          "that, and load the checkpoint",
+          rank_, world_size_, slot.name,
+          trained ? "frozen (requires_grad set to false)" : "unfrozen (requires_grad set to true)"));
+    }
+  }
+}
 
 // Note [One reduce-scatter in flight]
 // Before a unit's gradients are reduce-scattered, the previous unit's reduction is

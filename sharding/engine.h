@@ -131,6 +131,7 @@ class Engine {
   void rebuild_buckets(std::vector<int> order);
   void end_of_replicated_backward();
   void check_nonfinite();
+  void check_frozen_unchanged() const;  // Note [Freezing after wrapping]
   void find_params_with_grad();
   FlatParamGroup& group_of_shard(std::size_t shard);  // shards()[shard]'s group
   void refresh_replicas();

@@ -1116,3 +1116,50 @@ TEST(FullyShard, ALeafPassedToFrozenUnitsGetsNoHooksAndKeepsNoUnitGathered) {
 }
 
 }  // namespace
+
+namespace {
+
+// Note [Freezing after wrapping]: a parameter frozen or unfrozen after the wrapper was made
+// is refused at the next forward, in every mode, on every rank, naming it; set back, the
+// training goes on.
+TEST(FullyShard, FreezingOrUnfreezingAfterWrappingIsRefused) {
+  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const std::string name = "h0.attn.qkv.weight";
+  for (Strategy strategy :
+       {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    for (bool frozen_before : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << to_string(strategy) << (frozen_before ? ", unfrozen" : ", frozen"));
+      GPT model = gpt_factory()();
+      at::Tensor param = model->named_parameters()[name];
+      param.requires_grad_(!frozen_before);
+      flatshard::FullyShard<GPT> fsdp(model, world, options_for(strategy));
+      flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
+      auto step = [&](int s) {
+        const auto b = gpt_batch(s, 2);
+        opt.zero_grad();
+        token_loss(fsdp.forward(b.input), b.target).backward();
+        opt.step();
+      };
+      step(0);
+      param.requires_grad_(frozen_before);
+      try {
+        step(1);
+        FAIL() << "a forward ran with '" << name << "' " << (frozen_before ? "unfrozen" : "frozen")
+               << " after wrapping";
+      } catch (const flatshard::InvalidArgument& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("parameter '" + name + "' was " + (frozen_before ? "unfrozen" : "frozen") +
+                            " (requires_grad set to " + (frozen_before ? "true" : "false") +
+                            ") after the model was wrapped"),
+                  std::string::npos)
+            << what;
+        EXPECT_NE(what.find("Set requires_grad before wrapping"), std::string::npos) << what;
+      }
+      param.requires_grad_(!frozen_before);
+      step(2);
+    }
+  }
+}
+
+}  // namespace
