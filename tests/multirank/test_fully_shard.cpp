@@ -1129,7 +1129,8 @@ TEST(FullyShard, FreezingOrUnfreezingAfterWrappingIsRefused) {
   for (Strategy strategy :
        {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
     for (bool frozen_before : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << to_string(strategy) << (frozen_before ? ", unfrozen" : ", frozen"));
+      SCOPED_TRACE(::testing::Message()
+                   << to_string(strategy) << (frozen_before ? ", unfrozen" : ", frozen"));
       GPT model = gpt_factory()();
       at::Tensor param = model->named_parameters()[name];
       param.requires_grad_(!frozen_before);
