@@ -433,17 +433,26 @@ TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
 // partly frozen root and partly frozen blocks, whose backward ends in frozen products:
 // Note [Partly frozen units]; the replicated strategies' frozen group: Note [Frozen
 // parameters in the replicated strategies]), every strategy, fp32 and bf16, world 1 over
-// NCCL and world 2 over TCP on one GPU, against single-process training.
+// NCCL and world 2 over TCP on one GPU, against single-process training. The sharded
+// strategies also over a model built into shards and frozen afterwards, whose partly
+// frozen units are laid out again on the GPU when adopted (Note [Built units frozen
+// afterwards]).
 TEST(CudaFullyShard, FineTuningMatchesSingleProcessInEveryMode) {
   REQUIRE_GPU();
   FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(300));
   auto world = flatshard::init();
   for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::ShardGradOp,
                         flatshard::Strategy::NoShard, flatshard::Strategy::ShardOptimizerState}) {
-    for (bool bf16 : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << flatshard::to_string(strategy) << (bf16 ? " bf16" : " fp32")
-                                        << " world " << world.world_size());
+    for (int mix = 0; mix < 4; ++mix) {
+      const bool bf16 = mix % 2 == 1, built = mix >= 2;
+      const bool replicated =
+          strategy == flatshard::Strategy::NoShard || strategy == flatshard::Strategy::ShardOptimizerState;
+      if (built && replicated) continue;  // they refuse a model built into shards
+      SCOPED_TRACE(::testing::Message()
+                   << flatshard::to_string(strategy) << (bf16 ? " bf16" : " fp32")
+                   << (built ? ", built into shards" : "") << " world " << world.world_size());
       TrainSpec spec;
+      spec.build_into_shards = built;
       spec.strategy = strategy;
       spec.optimizer = OptKind::AdamW;
       spec.steps = 4;
