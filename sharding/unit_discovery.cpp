@@ -139,6 +139,7 @@ ModelShape shape_of(torch::nn::Module& model) {
       shape.unit_numels[i] = g->numel();
       for (auto& slot : g->slots()) {
         seen.insert(slot.param.unsafeGetTensorImpl());
+        if (!slot.param.requires_grad()) shape.unit_frozen[i] += slot.numel;  // frozen since it was built
         shape.largest_param_numel = std::max(shape.largest_param_numel, slot.numel);
       }
     }

@@ -158,6 +158,7 @@ TEST(BuildIntoShards, FrozenAfterBuildingIsLaidOutAsAWholeBuild) {
     SCOPED_TRACE(what);
     GPT whole = gpt_units_factory()();
     freeze(whole);
+    const auto whole_shape = flatshard::plan::shape_of(*whole);
     flatshard::FullyShard<GPT> whole_fsdp(whole, world, options);
     GPT built{nullptr};
     {
@@ -165,6 +166,12 @@ TEST(BuildIntoShards, FrozenAfterBuildingIsLaidOutAsAWholeBuild) {
       built = gpt_units_factory()();
     }
     freeze(built);
+    // The planner sees the frozen parameters of the units built into shards too.
+    const auto built_shape = flatshard::plan::shape_of(*built);
+    EXPECT_EQ(built_shape.unit_numels, whole_shape.unit_numels);
+    EXPECT_EQ(built_shape.unit_frozen, whole_shape.unit_frozen);
+    EXPECT_EQ(built_shape.root_frozen, whole_shape.root_frozen);
+    EXPECT_GT(built_shape.frozen(), 0);
     flatshard::FullyShard<GPT> built_fsdp(built, world, options);
     const auto whole_layout = whole_fsdp.layout(), built_layout = built_fsdp.layout();
     ASSERT_EQ(built_layout.size(), whole_layout.size());
