@@ -178,6 +178,13 @@ inline void fold_strays(FlatParamGroup& g, int first_slot, int end_slot) {
   }
 }
 
+// Every rank's master slices of `g` laid out as its flat buffer (fp32, padded_numel
+// elements), where the master lives: gathered over `comm` (the group's shard ranks) a
+// segment at a time on the communicator's device; an offloaded master's segments cross to
+// it and their gathers back to the host. The master itself when one rank holds it all.
+// Collective.
+at::Tensor gather_master_values(FlatParamGroup& g, Communicator& comm);
+
 // Moves the frozen parameters (requires_grad off) out of `params`, keeping both in order,
 // and returns them (Note [Partly frozen units], Note [Frozen parameters in the replicated
 // strategies]).

@@ -73,16 +73,7 @@ bool mixes_frozen_and_trained(const FlatParamGroup& g) {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> unbuild(FlatParamGroup& g, Communicator& shard_comm) {
-  FLATSHARD_ASSERT(g.segments().size() == 1, "a built group is one segment");
-  const c10::Device device = shard_comm.device();
-  const at::Tensor master = g.master().detach().to(device);
-  at::Tensor values;
-  if (shard_comm.world_size() == 1) {
-    values = master;
-  } else {
-    values = at::empty({g.padded_numel()}, master.options());
-    shard_comm.all_gather(values, master).wait();
-  }
+  const at::Tensor values = detail::gather_master_values(g, shard_comm);
   std::vector<std::pair<std::string, at::Tensor>> params;
   for (auto& slot : g.slots()) {
     slot.param.set_data(values.narrow(0, slot.offset, slot.numel).view(slot.shape));

@@ -20,6 +20,20 @@
 
 namespace flatshard::sharding {
 
+at::Tensor detail::gather_master_values(FlatParamGroup& g, Communicator& comm) {
+  if (g.world_size() == 1) return g.master().detach();
+  const c10::Device device = comm.device();
+  at::Tensor values = at::empty({g.padded_numel()}, g.master().options());
+  for (int k = 0; k < static_cast<int>(g.segments().size()); ++k) {
+    const at::Tensor part = g.master_part(g.master(), k).to(device);
+    at::Tensor out = g.segment_of(values, k);
+    at::Tensor gathered = out.device() == device ? out : at::empty({out.numel()}, part.options());
+    comm.all_gather(gathered, part).wait();
+    if (!gathered.is_same(out)) out.copy_(gathered);
+  }
+  return values;
+}
+
 using detail::AccumulatedHook;
 using detail::fold_strays;
 
@@ -525,16 +539,7 @@ void Engine::rebuild_buckets(std::vector<int> order) {
     } else if (g.compute_dtype() == at::kFloat && !stale_ && g.master()._version() == master_version_) {
       values = g.full().detach();  // the parameters hold the masters' values, bit for bit
     } else {
-      // Gathered on the compute device a bucket at a time (an offloaded master's buckets
-      // cross to it, and their gathers back to the host).
-      values = at::empty({g.padded_numel()}, g.master().options());
-      for (int k = 0; k < static_cast<int>(g.segments().size()); ++k) {
-        const at::Tensor part = g.master_part(g.master(), k).to(device_);
-        at::Tensor out = g.segment_of(values, k);
-        at::Tensor gathered = out.device() == device_ ? out : at::empty({out.numel()}, part.options());
-        comm_->all_gather(gathered, part).wait();
-        if (!gathered.is_same(out)) out.copy_(gathered);
-      }
+      values = detail::gather_master_values(g, *comm_);
     }
   }
   g.relayout(slot_order, bucket_sizes(order), values);
