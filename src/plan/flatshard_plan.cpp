@@ -153,6 +153,7 @@ int main(int argc, char** argv) {
     return o;
   };
   if (frozen < 0 || frozen > 1) return usage("--frozen is a fraction in [0, 1]");
+  const std::string frozen_note = frozen > 0 ? fmt::format(" ({:.0f}% of each frozen)", 100 * frozen) : "";
   if (fit_mib > 0) {
     const auto device = static_cast<std::int64_t>(fit_mib * (1 << 20));
     const auto host = static_cast<std::int64_t>(host_mib * (1 << 20));
@@ -160,7 +161,7 @@ int main(int argc, char** argv) {
         "%s\n",
         fmt::format("the largest model of {} equal units{} whose per-rank peak fits {:.0f} MiB{}, "
                     "{}, {} bytes of optimizer state per parameter, {:.0f} MiB of activations",
-                    units, frozen > 0 ? fmt::format(" ({:.0f}% of each frozen)", 100 * frozen) : "", fit_mib,
+                    units, frozen_note, fit_mib,
                     host > 0 ? fmt::format(" (built on the host or offloaded, the host's peak within {:.0f} "
                                            "MiB: the model while built, or the offloaded states)",
                                            host_mib)
@@ -192,17 +193,15 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  ModelShape shape = uniform_shape(static_cast<std::int64_t>(params - root), units);
+  ModelShape shape = uniform_shape(static_cast<std::int64_t>(params - root), units, frozen);
   shape.root_numel = static_cast<std::int64_t>(root);
   shape.root_frozen = static_cast<std::int64_t>(frozen * static_cast<double>(shape.root_numel));
-  for (auto n : shape.unit_numels)
-    shape.unit_frozen.push_back(static_cast<std::int64_t>(frozen * static_cast<double>(n)));
-  std::printf("%s\n",
-              fmt::format("{:.0f} parameters in {} units{}{}, {}, {} bytes of optimizer state per parameter",
-                          params, units, root > 0 ? fmt::format(" + {:.0f} in the root", root) : "",
-                          frozen > 0 ? fmt::format(" ({:.0f}% of each frozen)", 100 * frozen) : "",
-                          param_bytes == 2 ? "bf16 compute with fp32 masters" : "fp32", state_bytes)
-                  .c_str());
+  std::printf(
+      "%s\n",
+      fmt::format("{:.0f} parameters in {} units{}{}, {}, {} bytes of optimizer state per parameter", params,
+                  units, root > 0 ? fmt::format(" + {:.0f} in the root", root) : "", frozen_note,
+                  param_bytes == 2 ? "bf16 compute with fp32 masters" : "fp32", state_bytes)
+          .c_str());
   const bool host_columns = offload || build_on_host;
   std::printf("%-6s %6s %14s %14s %14s %14s %14s %14s%s%s\n", "mode", "world", "peak MiB", "params+grads",
               "optim state", "gathered", "construction", "ZeRO formula",
