@@ -124,7 +124,11 @@ class NcclTransport final : public comm::Backend {
         if (r == ncclSuccess && n_ > 2) r = ncclRecv(out + bytes, count, type, next, comm, s);
         const ncclResult_t ended = ncclGroupEnd();
         if (r == ncclSuccess) r = ended;
-        if (r == ncclSuccess && n_ <= 2) {
+        // The half is copied once NCCL has taken the group: a non-blocking communicator's
+        // ncclGroupEnd answers ncclInProgress until then.
+        if (n_ <= 2) {
+          settle(comm, r, op);
+          r = ncclSuccess;
           check_cuda(cudaMemcpyAsync(out + bytes, out, bytes, cudaMemcpyDeviceToDevice, s),
                      "cudaMemcpyAsync");
         }

@@ -79,6 +79,18 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   p.activations = o.activation_bytes;
   // Note [The bf16 copy of an offloaded master] (sharding/flat_param.cpp).
   const bool bf16_copy = o.cpu_offload && o.offload_bf16_copy && e == 2;
+  // Note [The device peak in the loss's backward]
+  // On a GPU, without recomputation, the peak falls in the loss's backward: the logits'
+  // gradient and the output layer's weight gradient exist beside every saved activation,
+  // and the activation measure (a plain model's forward and backward) counts them both.
+  // No unit is gathered for backward yet, and under mixed precision no gradient bucket of
+  // DDP's or ZeRO-1's has been filled: they come once the loss's temporaries are gone.
+  // Measured on an H100 (tests/cuda/test_cuda.cpp, a bf16 GPT, every mode, with and
+  // without offload): what the device holds at that peak is the forward's end plus the
+  // plain model's rise in backward, to the MiB. Counting the gathered units, the root's
+  // gradient and the buckets' gradients beside the activations over-predicted the
+  // offloaded peaks by 27-59%.
+  const bool peak_in_loss = !o.cpu_compute && !o.recompute;
   // Note [Late in backward]
   // With recomputation the activations alive at the start of backward are small, and the
   // sharded modes may peak late in backward instead: the gradient shards of the units
@@ -87,18 +99,27 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   // activations). Measured: a proof run with plain SGD at world 4 (mostly shards)
   // peaks there; leaving the gradient shards out under-predicts it by 32%.
   std::int64_t late_backward = 0, shards_bytes = 0, late_grads = 0, late_activations = 0, late_gathered = -1,
-               late_pool = 0, late_gathered_grads = 0;
+               late_pool = 0, late_gathered_grads = 0, rebuild_states = 0, construction_masters = 0;
   switch (mode) {
     case Strategy::NoShard:
     case Strategy::ShardOptimizerState: {
       p.params = psi * e;
-      p.grads = trained * e;
+      // Under mixed precision each bucket's gradient exists from its first gradient to its
+      // reduction into the masters' (Note [The device peak in the loss's backward]).
+      p.grads = e != 4 && peak_in_loss ? 0 : trained * e;
       // fp32 masters and their gradients
       if (mode == Strategy::NoShard && e != 4) p.masters = psi * 4 + trained * 4;
-      // ZeRO-1: this rank's fp32 slices of the masters (their reduced gradient slices come
-      // after the peak, as the buckets' gradients are freed); on one rank in fp32 the
-      // masters are the parameters themselves.
+      // ZeRO-1: this rank's fp32 slices of the masters (on the CPU in fp32 their reduced
+      // gradient slices come after the peak, as the buckets' gradients are freed; on a GPU
+      // under mixed precision they exist at its peak, as DDP's do); on one rank in fp32
+      // the masters are the parameters themselves.
       if (mode == Strategy::ShardOptimizerState && (n > 1 || e != 4)) p.masters = (psi * 4 + n - 1) / n;
+      // The buckets are laid out again at the end of the first backward, every bucket's
+      // gradient alive, before ZeRO-1's reduced slices are made.
+      rebuild_states = trained * e + p.masters;
+      construction_masters = p.masters;
+      if (mode == Strategy::ShardOptimizerState && e != 4 && !o.cpu_compute)
+        p.masters += (trained * 4 + n - 1) / n;
       p.optimizer_state = mode == Strategy::NoShard ? trained * k : (trained * k + n - 1) / n;
       if (o.cpu_offload) {
         // Note [Offloaded buckets]: the fp32 masters (the whole model, or this rank's
@@ -115,6 +136,8 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
         if (bf16_copy) p.host += trained_master / 2;
         p.masters = 0;
         p.optimizer_state = 0;
+        rebuild_states = trained * e;
+        construction_masters = 0;
       }
       break;
     }
@@ -150,18 +173,27 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
       auto largest_trained = [&](int count) { return largest_of(trained_units, count); };
       std::int64_t all_units = 0;
       for (auto u : units) all_units += u;
-      p.gathered_params = (root + (mode == Strategy::ShardGradOp ? all_units : largest(1 + o.prefetch))) * e;
-      p.gathered_grads = (root_trained + (o.recompute ? largest_trained(2) : 0)) * e;
+      // Note [The device peak in the loss's backward]: on a GPU only the root (and under
+      // shard-grad-op every unit, gathered since forward) is gathered at the peak.
+      const std::int64_t gathered_units = mode == Strategy::ShardGradOp ? all_units
+                                          : peak_in_loss                ? 0
+                                                                        : largest(1 + o.prefetch);
+      p.gathered_params = (root + gathered_units) * e;
+      p.gathered_grads = peak_in_loss ? 0 : (root_trained + (o.recompute ? largest_trained(2) : 0)) * e;
       shards_bytes = shards * 4;
       if (o.cpu_offload) {
         // Note [Offloaded gradients]: masters, gradient shards and optimizer state on the
         // host; on the device, a unit's fp32 shard crossing to be converted for its gather,
-        // or its reduced shard on its way back.
+        // or its reduced shard on its way back. The bf16 copies cross straight into the
+        // gathered buffer (sharding/flat_param.cpp, copy_master_to_slot): nothing is staged
+        // but in the first step's gathers, before the first step makes the copies, which
+        // fall where the activations are few (measured on an H100: 1 MiB more in the
+        // first step's backward than in the next ones').
         p.host = shards * 4 + trained_shards * (bf16_copy ? 6 + k : 4 + k);
         p.params = 0;
         p.optimizer_state = 0;
         // fp32 compute copies straight from the host's shard and reduces into fp32.
-        if (e != 4) p.staging = (units.empty() ? root : std::max(root, units.front())) / n * 4;
+        if (e != 4 && !bf16_copy) p.staging = (units.empty() ? root : std::max(root, units.front())) / n * 4;
         p.late_host_grads = trained_shards * 4;
         break;
       }
@@ -207,13 +239,14 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   const std::int64_t largest_unit =
       shape.unit_numels.empty() ? 0 : *std::max_element(shape.unit_numels.begin(), shape.unit_numels.end());
   // DDP's masters exist at construction; their gradients come with the first bucket.
-  const std::int64_t built_masters = mode == Strategy::NoShard && e != 4 ? psi * 4 : p.masters;
+  const std::int64_t built_masters =
+      mode == Strategy::NoShard && e != 4 && !o.cpu_offload ? psi * 4 : construction_masters;
   if (!sharded) {
     // One buffer at a time is laid out again, its old and new copies side by side (the
     // parameters' is the largest); ZeRO-1's master slices are cut from every rank's
     // masters, gathered in fp32 under mixed precision (bucket by bucket under offload).
     // The frozen parameters' group is not laid out again.
-    p.rebuild = p.params + trained * e + p.grads + p.masters;
+    p.rebuild = p.params + trained * e + rebuild_states;
     if (mode == Strategy::ShardOptimizerState && e != 4 && !o.cpu_offload) p.rebuild += trained * 4;
   }
   if (o.build_on_host || o.cpu_offload) {
