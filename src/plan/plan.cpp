@@ -278,7 +278,9 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
     p.construction = psi * 4 + p.params + built_masters;
   }
   p.peak = std::max({p.training(), p.construction, p.rebuild});
-  if (late_backward > p.peak) {  // Note [Late in backward]
+  // Note [Late in backward]: the training figures are those of training's own peak, also
+  // where construction or a rebuild sets the whole run's.
+  if (late_backward > p.training()) {
     p.grads = late_grads;
     p.activations = late_activations;
     p.pool = late_pool;
@@ -286,7 +288,7 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
       p.gathered_params = late_gathered;
       p.gathered_grads = late_gathered_grads;
     }
-    p.peak = late_backward;
+    p.peak = std::max(p.peak, late_backward);
   }
   switch (mode) {
     case Strategy::NoShard: p.zero_formula = (8 + k) * psi; break;
