@@ -12,7 +12,8 @@
 #      retries, with ratios; then both with every block recomputed (FLATSHARD_GPU_RECOMPUTE=0
 #      skips it) and with CPU offload (FLATSHARD_GPU_OFFLOAD=0 skips it; FlatShard's once
 #      more sending fp32 masters instead of bf16 copies, FLATSHARD_GPU_OFFLOAD_FP32=0 skips
-#      that, once stepping in backward, FLATSHARD_GPU_OFFLOAD_STEP=0 skips that, and its DDP
+#      that, once stepping in backward, FLATSHARD_GPU_OFFLOAD_STEP=0 skips that, both with
+#      expandable segments, FLATSHARD_GPU_EXPANDABLE=0 skips those, and its DDP
 #      offloaded, which FLATSHARD_GPU_DDP=0 skips); FlatShard's DDP
 #      against PyTorch DDP (FLATSHARD_GPU_DDP=0 skips it); and at batch 1, where the model's
 #      states set the peak at the end of backward, FlatShard's full shard with and without
@@ -111,6 +112,18 @@ if [[ "${FLATSHARD_GPU_OFFLOAD:-1}" == 1 ]]; then
     "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --offload 1 \
       --step-in-backward 1 "$@" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
   fi
+  # Both once more with the caching allocator's expandable segments, which both libraries'
+  # allocators read from the environment: offloaded, FlatShard's fixed-size segments
+  # fragment (reserved 10.5 GiB against FSDP2's 7.9 at the same allocated peak on an H100),
+  # and these remove it (FLATSHARD_GPU_EXPANDABLE=0 skips them).
+  if [[ "${FLATSHARD_GPU_EXPANDABLE:-1}" == 1 ]]; then
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$build/flatshard-run" -n 1 --deadline-s 900 \
+      "$build/bench_gpt_gpu" --csv "$csv" --offload 1 --tag expseg "$@" 2>&1 | tee -a "$out/bench_flatshard.log" \
+      || status=1
+    (cd "$root/bench" && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$python" -m torch.distributed.run \
+      --standalone --nproc-per-node 1 peer_fsdp2_gpu.py --csv "$csv" --offload 1 --tag expseg "$@") 2>&1 \
+      | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
+  fi
   # FlatShard's DDP offloaded (ZeRO-Offload's layout without sharding): no PyTorch peer
   # offloads DDP; the table sets it against FlatShard's DDP on the GPU.
   if [[ "${FLATSHARD_GPU_DDP:-1}" == 1 ]]; then
@@ -132,6 +145,7 @@ print("| | params | tokens/s | MFU | peak alloc GiB | reserved GiB | retries | s
 print("|---|---|---|---|---|---|---|---|---|---|")
 for name in ("flatshard", "fsdp2", "flatshard-ddp", "pytorch-ddp", "flatshard-recompute", "fsdp2-recompute",
              "flatshard-offload", "fsdp2-offload", "flatshard-offload-fp32send", "flatshard-stepinbwd-offload",
+             "flatshard-offload-expseg", "fsdp2-offload-expseg",
              "flatshard-ddp-offload", "flatshard-b1", "flatshard-stepinbwd-b1",
              "fsdp2-b1"):
     if name in rows:
@@ -150,6 +164,7 @@ for f, p, what in (("flatshard-ddp", "pytorch-ddp", "DDP against PyTorch DDP"),
                    ("flatshard-offload-fp32send", "fsdp2-offload", "both offloaded, FlatShard sending fp32 masters"),
                    ("flatshard-offload", "flatshard-offload-fp32send", "offloaded, bf16 copies against fp32 masters sent"),
                    ("flatshard-stepinbwd-offload", "fsdp2-offload", "both offloaded, FlatShard stepping in backward"),
+                   ("flatshard-offload-expseg", "fsdp2-offload-expseg", "both offloaded, expandable segments"),
                    ("flatshard-ddp-offload", "flatshard-ddp", "FlatShard DDP offloaded against on the GPU"),
                    ("flatshard-b1", "fsdp2-b1", "batch 1"),
                    ("flatshard-stepinbwd-b1", "fsdp2-b1", "batch 1, FlatShard stepping in backward")):
