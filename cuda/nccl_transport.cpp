@@ -124,14 +124,6 @@ class NcclTransport final : public comm::Backend {
         if (r == ncclSuccess && n_ > 2) r = ncclRecv(out + bytes, count, type, next, comm, s);
         const ncclResult_t ended = ncclGroupEnd();
         if (r == ncclSuccess) r = ended;
-        // The half is copied once NCCL has taken the group: a non-blocking communicator's
-        // ncclGroupEnd answers ncclInProgress until then.
-        if (n_ <= 2) {
-          settle(comm, r, op);
-          r = ncclSuccess;
-          check_cuda(cudaMemcpyAsync(out + bytes, out, bytes, cudaMemcpyDeviceToDevice, s),
-                     "cudaMemcpyAsync");
-        }
         break;
       }
       case OpKind::Barrier:
@@ -140,6 +132,13 @@ class NcclTransport final : public comm::Backend {
         break;
     }
     settle(comm, r, op);
+    if (op.kind == OpKind::NeighborExchange && n_ <= 2) {
+      // One neighbour: its half twice. Copied once NCCL has taken the group (a non-blocking
+      // communicator's ncclGroupEnd answers ncclInProgress until then, which settle waits out).
+      const std::size_t bytes = op.input.nbytes();
+      char* out = static_cast<char*>(op.output.data_ptr());
+      check_cuda(cudaMemcpyAsync(out + bytes, out, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
+    }
     auto done = std::make_shared<CudaEvent>(s, streams_.device(), health_);
     {
       std::lock_guard<std::mutex> lock(mutex_);

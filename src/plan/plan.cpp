@@ -99,7 +99,7 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   // activations). Measured: a proof run with plain SGD at world 4 (mostly shards)
   // peaks there; leaving the gradient shards out under-predicts it by 32%.
   std::int64_t late_backward = 0, shards_bytes = 0, late_grads = 0, late_activations = 0, late_gathered = -1,
-               late_pool = 0, late_gathered_grads = 0, rebuild_states = 0, construction_masters = 0;
+               late_pool = 0, late_gathered_grads = 0, early_masters = 0;
   switch (mode) {
     case Strategy::NoShard:
     case Strategy::ShardOptimizerState: {
@@ -114,10 +114,9 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
       // under mixed precision they exist at its peak, as DDP's do); on one rank in fp32
       // the masters are the parameters themselves.
       if (mode == Strategy::ShardOptimizerState && (n > 1 || e != 4)) p.masters = (psi * 4 + n - 1) / n;
-      // The buckets are laid out again at the end of the first backward, every bucket's
-      // gradient alive, before ZeRO-1's reduced slices are made.
-      rebuild_states = trained * e + p.masters;
-      construction_masters = p.masters;
+      // The masters at construction and when the buckets are laid out again (the end of the
+      // first backward, every bucket's gradient alive), before ZeRO-1's reduced slices exist.
+      early_masters = p.masters;
       if (mode == Strategy::ShardOptimizerState && e != 4 && !o.cpu_compute)
         p.masters += (trained * 4 + n - 1) / n;
       p.optimizer_state = mode == Strategy::NoShard ? trained * k : (trained * k + n - 1) / n;
@@ -136,8 +135,7 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
         if (bf16_copy) p.host += trained_master / 2;
         p.masters = 0;
         p.optimizer_state = 0;
-        rebuild_states = trained * e;
-        construction_masters = 0;
+        early_masters = 0;
       }
       break;
     }
@@ -240,13 +238,13 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
       shape.unit_numels.empty() ? 0 : *std::max_element(shape.unit_numels.begin(), shape.unit_numels.end());
   // DDP's masters exist at construction; their gradients come with the first bucket.
   const std::int64_t built_masters =
-      mode == Strategy::NoShard && e != 4 && !o.cpu_offload ? psi * 4 : construction_masters;
+      mode == Strategy::NoShard && e != 4 && !o.cpu_offload ? psi * 4 : early_masters;
   if (!sharded) {
     // One buffer at a time is laid out again, its old and new copies side by side (the
     // parameters' is the largest); ZeRO-1's master slices are cut from every rank's
     // masters, gathered in fp32 under mixed precision (bucket by bucket under offload).
     // The frozen parameters' group is not laid out again.
-    p.rebuild = p.params + trained * e + rebuild_states;
+    p.rebuild = p.params + 2 * trained * e + early_masters;
     if (mode == Strategy::ShardOptimizerState && e != 4 && !o.cpu_offload) p.rebuild += trained * 4;
   }
   if (o.build_on_host || o.cpu_offload) {
