@@ -28,6 +28,8 @@
 // three more steps after the timed ones; bench/trace_summary.py breaks it down by kernel kind.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -122,8 +124,12 @@ void check(cudaError_t e, const char* what) {
 int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
   auto world = flatshard::init();
-  const c10::Device gpu(c10::kCUDA, world.local_rank());
-  check(cudaSetDevice(world.local_rank()), "cudaSetDevice");
+  // Ranks beyond the GPUs share them (flatshard-run --nccl-host-per-rank on one GPU).
+  int devices = 0;
+  check(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+  const int device = world.local_rank() % std::max(devices, 1);
+  const c10::Device gpu(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
+  check(cudaSetDevice(device), "cudaSetDevice");
 
   flatshard::models::GPTConfig cfg{a.vocab, a.context, a.dim, a.heads, a.layers};
   cfg.fused_attention = true;

@@ -4,7 +4,10 @@ state; fused AdamW where this torch supports it over FSDP2's sharded parameters,
 foreach), on one GPU with NCCL. --offload 1 adds FSDP2's CPUOffloadPolicy (pinned host
 memory, the optimizer steps on the CPU). --mode ddp runs PyTorch DDP instead, as its users
 run it in bf16: fp32 parameters, torch.autocast(bfloat16), gradient_as_bucket_view=True,
-fused AdamW. Prints tokens/s, MFU and the caching allocator's
+fused AdamW. --mode plain is the model with no wrapper at all (world 1 only: the ceiling of
+any wrapper there), fp32 parameters under torch.autocast(bfloat16) and fused AdamW;
+--compile 1 compiles it whole (plain) or each block before fully_shard (fsdp2, as
+torchtitan does). Prints tokens/s, MFU and the caching allocator's
 peak in the same form; scripts/gpu.sh runs both and prints the ratios.
 
     torchrun --nproc-per-node 1 bench/peer_fsdp2_gpu.py [--dim 2048 --layers 18 ...]
@@ -32,19 +35,35 @@ def main():
     p.add_argument("--offload", type=int, default=0)
     p.add_argument("--recompute", type=int, default=0)
     p.add_argument("--csv", default="")
-    p.add_argument("--mode", default="fsdp2", choices=["fsdp2", "ddp"])
+    p.add_argument("--mode", default="fsdp2", choices=["fsdp2", "ddp", "plain"])
+    p.add_argument("--compile", type=int, default=0, help="torch.compile: the whole model (plain), each block (fsdp2)")
     p.add_argument("--tag", default="", help="appended to the CSV row's name after a dash")
+    p.add_argument("--nccl-host-per-rank", action="store_true",
+                   help="give each rank its own NCCL_HOSTID (ranks sharing one GPU, as flatshard-run's option)")
     p.add_argument("--profile", default="", help="Chrome trace of three more steps (torch.profiler)")
     a = p.parse_args()
 
+    if a.nccl_host_per_rank:
+        # As flatshard-run --nccl-host-per-rank: each rank its own NCCL host id, so that
+        # NCCL joins ranks that share a GPU over its network transport.
+        os.environ["NCCL_HOSTID"] = f"peer-{os.environ['MASTER_PORT']}-rank{os.environ['RANK']}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     torch.cuda.set_device(local)
     torch.manual_seed(0)
     model = GPT(a.vocab, a.context, a.dim, a.heads, a.layers, fused=True).cuda()
     params = sum(q.numel() for q in model.parameters())
-    if a.mode == "ddp":
+    if a.mode == "plain":
+        if world != 1:
+            raise SystemExit("--mode plain is the unwrapped model: world 1 only")
+        if a.recompute:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        if a.compile:
+            model = torch.compile(model)
+    elif a.mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         if a.recompute:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -56,6 +75,9 @@ def main():
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
             apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
         offload = CPUOffloadPolicy(pin_memory=True) if a.offload else OffloadPolicy()
+        if a.compile:
+            for block in model.blocks:
+                block.compile()
         for block in model.blocks:
             fully_shard(block, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mp_policy=mp, offload_policy=offload)
@@ -83,7 +105,7 @@ def main():
 
     def step():
         since = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.mode == "ddp"):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.mode in ("ddp", "plain")):
             logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, a.vocab).float(), y.reshape(-1))
         since = phase(0, since)
@@ -131,7 +153,8 @@ def main():
               f"optimizer step {host_ms[2] / a.steps:.1f}")
         if a.csv:
             with open(a.csv, "a") as f:
-                name = ("fsdp2" if a.mode == "fsdp2" else "pytorch-ddp") + ("-offload" if a.offload else "")
+                name = {"fsdp2": "fsdp2", "ddp": "pytorch-ddp", "plain": "pytorch-plain"}[a.mode]
+                name += ("-compiled" if a.compile else "") + ("-offload" if a.offload else "")
                 name += ("-recompute" if a.recompute else "") + (f"-{a.tag}" if a.tag else "")
                 f.write(f"{name},{params},{tokens_per_s},{mfu},{stats['allocated_bytes.all.peak'] / gib},"
                         f"{stats['reserved_bytes.all.current'] / gib},{stats['num_alloc_retries']},"

@@ -35,6 +35,8 @@ void check_device_tensors(const Collective& op, int device);
 // A transport's failure, shared with the events it hands out, so that a host that
 // synchronizes on an op of an aborted transport gets the transport's error.
 struct Health {
+  Health(int rank = -1, int world_size = -1) : rank(rank), world_size(world_size) {}
+  const int rank, world_size;  // for messages
   std::mutex mutex;
   std::optional<TransportFailure> failure;  // guarded by mutex; the first one
 
@@ -100,8 +102,9 @@ class CudaEvent final : public DeviceEvent {
   void rethrow_as_comm_error() const {
     std::lock_guard<std::mutex> lock(health_->mutex);
     if (health_->failure) {
-      throw CommError(health_->failure->kind, -1, -1, "nccl", 0, -1,
-                      fmt::format("flatshard: the CUDA transport failed: {}", health_->failure->what()));
+      throw CommError(health_->failure->kind, health_->rank, health_->world_size, "nccl", 0, -1,
+                      fmt::format("flatshard: the CUDA transport failed on rank {}/{}: {}", health_->rank,
+                                  health_->world_size, health_->failure->what()));
     }
   }
 

@@ -7,6 +7,7 @@
 
 #include "cuda/device.h"
 #include "flatshard/shard.h"
+#include "src/comm/in_flight.h"
 
 namespace flatshard::cuda {
 namespace {
@@ -63,7 +64,9 @@ class HostStagedTransport final : public comm::Backend {
     }
     rings_->run(hop, channel);
     if (op.kind != OpKind::Barrier) op.output.view({-1}).copy_(hop.output, /*non_blocking=*/true);
-    return std::make_shared<CudaEvent>(s, streams_.device(), nullptr);
+    auto done = std::make_shared<CudaEvent>(s, streams_.device(), nullptr);
+    comm::InFlightBuffers::instance().track(done, op);  // the copy back still writes op.output
+    return done;
   }
 
   void abort() override { rings_->abort(); }

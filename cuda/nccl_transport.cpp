@@ -1,6 +1,7 @@
-// The NCCL transport: one NCCL communicator per stream role (so that ops issued
-// concurrently by the roles' workers never interleave on one NCCL communicator), each on
-// its own high-priority CUDA stream, with a watchdog that aborts NCCL at a deadline.
+// The NCCL transport: one NCCL communicator per stream role, each on its own
+// high-priority CUDA stream, launched in one order per device (Note [One launch order per
+// device]), with a watchdog that aborts NCCL at a deadline (Note [NCCL calls from several
+// threads]).
 #include <nccl.h>
 
 #include <condition_variable>
@@ -13,6 +14,8 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "cuda/device.h"
+#include "src/comm/in_flight.h"
+#include "src/comm/launch_order.h"
 
 namespace flatshard::cuda {
 namespace {
@@ -38,11 +41,14 @@ class NcclTransport final : public comm::Backend {
         n_(world.world_size()),
         options_(options),
         streams_(options.device.index() < 0 ? 0 : options.device.index(), channels),
-        health_(std::make_shared<Health>()) {
+        order_(comm::LaunchOrder::for_device(streams_.device())),
+        health_(std::make_shared<Health>(world.rank(), world.world_size())) {
+    const std::string prefix =
+        comm::next_rendezvous_prefix(options.name);  // Note [Rendezvous keys per creation]
     const int device = streams_.device();
     barrier_buffer_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));
     comms_.resize(static_cast<std::size_t>(channels), nullptr);
-    for (int c = 0; c < channels; ++c) comms_[static_cast<std::size_t>(c)] = init_comm(world, c);
+    for (int c = 0; c < channels; ++c) comms_[static_cast<std::size_t>(c)] = init_comm(world, prefix, c);
     watchdog_ = std::thread([this] { watch(); });
   }
 
@@ -56,11 +62,9 @@ class NcclTransport final : public comm::Backend {
     cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
     inflight_.clear();
-    if (!aborted_) {
-      for (auto c : comms_) {
-        if (c) ncclCommDestroy(c);
-      }
-    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!aborted_) finalize_and_destroy_locked();
+    comm::InFlightBuffers::instance().release_completed();
   }
 
   void issue(Collective& op) override {
@@ -76,13 +80,55 @@ class NcclTransport final : public comm::Backend {
     if (op.kind != OpKind::Barrier) nccl_type(op.input.scalar_type());  // refuse unsupported dtypes here
     const c10::cuda::CUDAGuard on_device(static_cast<c10::DeviceIndex>(streams_.device()));
     op.ready = std::make_shared<CudaEvent>(current_stream(streams_.device()), streams_.device(), nullptr);
+    op.launch_ticket = order_.take();  // last: an op refused above takes no place in the order
   }
 
   std::shared_ptr<DeviceEvent> run(const Collective& op, int channel) override {
+    // Note [One launch order per device]: this op launches after every op issued before
+    // it on this GPU, by any communicator, and its turn ends once NCCL has taken it.
+    const comm::LaunchTurn turn(order_, op.launch_ticket);
+    if (!order_.wait_turn(op.launch_ticket, op.deadline, [this] { return health_->failed(); })) {
+      health_->check();  // aborted while it waited: that failure
+      abort();
+      throw TransportFailure(CommError::Kind::Timeout, -1,
+                             "an op issued before it on this GPU was not launched before this op's deadline");
+    }
     health_->check();
     check_cuda(cudaSetDevice(streams_.device()), "cudaSetDevice");
     const cudaStream_t s = streams_[channel];
     streams_.wait_inputs(op, channel);
+    ncclResult_t r = ncclSuccess;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);  // Note [NCCL calls from several threads]
+      r = launch_locked(op, channel, s);
+    }
+    settle(channel, r, op);
+    if (op.kind == OpKind::NeighborExchange && n_ <= 2) {
+      // One neighbour: its half twice. Copied once NCCL has taken the group (a non-blocking
+      // communicator's ncclGroupEnd answers ncclInProgress until then, which settle waits out).
+      const std::size_t bytes = op.input.nbytes();
+      char* out = static_cast<char*>(op.output.data_ptr());
+      check_cuda(cudaMemcpyAsync(out + bytes, out, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
+    }
+    auto done = std::make_shared<CudaEvent>(s, streams_.device(), health_);
+    comm::InFlightBuffers::instance().track(done, op);  // Note [Buffers a collective touches]
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      inflight_.push_back({done, comm::to_string(op.kind), op.seq, op.deadline});
+    }
+    cv_.notify_all();
+    return done;
+  }
+
+  void abort() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fail_locked(CommError::Kind::Aborted, "aborted after a failure on another stream");
+  }
+
+ private:
+  // Hands `op` to NCCL on `channel`'s communicator and stream.
+  ncclResult_t launch_locked(const Collective& op, int channel, cudaStream_t s) {
+    if (aborted_) throw TransportFailure(CommError::Kind::Aborted, -1, "the NCCL transport was aborted");
     ncclComm_t comm = comms_.at(static_cast<std::size_t>(channel));
     const ncclRedOp_t red = op.reduce == ReduceOp::Avg ? ncclAvg : ncclSum;
     ncclResult_t r = ncclSuccess;
@@ -131,29 +177,9 @@ class NcclTransport final : public comm::Backend {
                           s);
         break;
     }
-    settle(comm, r, op);
-    if (op.kind == OpKind::NeighborExchange && n_ <= 2) {
-      // One neighbour: its half twice. Copied once NCCL has taken the group (a non-blocking
-      // communicator's ncclGroupEnd answers ncclInProgress until then, which settle waits out).
-      const std::size_t bytes = op.input.nbytes();
-      char* out = static_cast<char*>(op.output.data_ptr());
-      check_cuda(cudaMemcpyAsync(out + bytes, out, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
-    }
-    auto done = std::make_shared<CudaEvent>(s, streams_.device(), health_);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      inflight_.push_back({done, comm::to_string(op.kind), op.seq, op.deadline});
-    }
-    cv_.notify_all();
-    return done;
+    return r;
   }
 
-  void abort() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    fail_locked(CommError::Kind::Aborted, "aborted after a failure on another stream");
-  }
-
- private:
   struct InFlight {
     std::shared_ptr<CudaEvent> done;
     const char* op;
@@ -161,9 +187,9 @@ class NcclTransport final : public comm::Backend {
     std::chrono::steady_clock::time_point deadline;
   };
 
-  ncclComm_t init_comm(const World& world, int channel) {
+  ncclComm_t init_comm(const World& world, const std::string& prefix, int channel) {
     ncclUniqueId id;
-    const std::string key = fmt::format("flatshard/{}/nccl/{}/unique_id", options_.name, channel);
+    const std::string key = fmt::format("{}nccl/{}/unique_id", prefix, channel);
     if (rank_ == 0) {
       nccl_ok(ncclGetUniqueId(&id), "ncclGetUniqueId");
       if (n_ > 1) {
@@ -213,8 +239,10 @@ class NcclTransport final : public comm::Backend {
   }
 
   // A non-blocking communicator may return ncclInProgress: the call is complete only
-  // once its asynchronous state is success (bounded by the op's deadline).
-  void settle(ncclComm_t comm, ncclResult_t r, const Collective& op) {
+  // once its asynchronous state is success (bounded by the op's deadline). Polled under
+  // the lock one query at a time, so that the watchdog can abort in between.
+  void settle(int channel, ncclResult_t r, const Collective& op) {
+    const char* last_error = "";
     while (r == ncclInProgress) {
       if (std::chrono::steady_clock::now() > op.deadline) {
         abort();
@@ -222,22 +250,72 @@ class NcclTransport final : public comm::Backend {
                                "NCCL did not accept the op before its deadline");
       }
       std::this_thread::yield();
-      ncclCommGetAsyncError(comm, &r);
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (aborted_) throw TransportFailure(CommError::Kind::Aborted, -1, "the NCCL transport was aborted");
+      ncclCommGetAsyncError(comms_[static_cast<std::size_t>(channel)], &r);
     }
     if (r != ncclSuccess) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!aborted_) last_error = ncclGetLastError(comms_[static_cast<std::size_t>(channel)]);
+      }
       const auto kind = r == ncclInvalidArgument || r == ncclInvalidUsage ? CommError::Kind::Mismatch
                                                                           : CommError::Kind::Aborted;
-      throw TransportFailure(kind, -1,
-                             fmt::format("NCCL: {}: {}", ncclGetErrorString(r), ncclGetLastError(comm)));
+      throw TransportFailure(kind, -1, fmt::format("NCCL: {}: {}", ncclGetErrorString(r), last_error));
     }
+  }
+
+  // Note [NCCL calls from several threads]
+  // NCCL's calls on a communicator are not thread-safe: one thread at a time may call
+  // into it, and ncclCommAbort frees it, so a later or concurrent call from another
+  // thread touches freed memory. Here three kinds of thread call into the communicators
+  // (the role workers launching and settling ops, the watchdog polling for asynchronous
+  // errors and aborting, and a Communicator aborting after another stream's failure):
+  // every NCCL call on them is made holding mutex_, and none after aborted_ is set, when
+  // they are aborted and forgotten. Calls that wait (a non-blocking op NCCL has not yet
+  // taken) poll one query at a time under the lock, so an abort is never held up by them.
+  // Teardown follows NCCL's rules for non-blocking communicators: ncclCommFinalize (which
+  // flushes outstanding operations and may answer ncclInProgress), polled to success
+  // within the timeout, then ncclCommDestroy; a communicator that fails or times out
+  // finalizing, or was in error, is aborted instead.
+  void finalize_and_destroy_locked() {
+    bool ok = true;
+    for (auto c : comms_) {
+      if (c && ncclCommFinalize(c) != ncclSuccess) {
+        ncclResult_t state = ncclSuccess;
+        ncclCommGetAsyncError(c, &state);
+        ok = ok && (state == ncclSuccess || state == ncclInProgress);
+      }
+    }
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    for (auto c : comms_) {
+      ncclResult_t state = ncclInProgress;
+      while (ok && c && state == ncclInProgress) {
+        ncclCommGetAsyncError(c, &state);
+        if (state == ncclInProgress && std::chrono::steady_clock::now() > deadline) ok = false;
+        if (state == ncclInProgress) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      ok = ok && (!c || state == ncclSuccess);
+    }
+    for (auto& c : comms_) {
+      if (!c) continue;
+      if (ok) {
+        ncclCommDestroy(c);
+      } else {
+        ncclCommAbort(c);
+      }
+      c = nullptr;
+    }
+    aborted_ = !ok;
   }
 
   void fail_locked(CommError::Kind kind, const std::string& why) {
     health_->fail(kind, why);
     if (!aborted_) {
       aborted_ = true;
-      for (auto c : comms_) {
-        if (c) ncclCommAbort(c);  // kernels waiting for a peer return
+      for (auto& c : comms_) {
+        if (c) ncclCommAbort(c);  // kernels waiting for a peer return; frees the communicator
+        c = nullptr;
       }
     }
   }
@@ -269,12 +347,16 @@ class NcclTransport final : public comm::Backend {
         break;
       }
       if (aborted_) continue;
-      for (auto c : comms_) {
+      for (auto c : comms_) {  // under mutex_: Note [NCCL calls from several threads]
         ncclResult_t async = ncclSuccess;
         ncclCommGetAsyncError(c, &async);
         if (async != ncclSuccess && async != ncclInProgress) {
-          fail_locked(CommError::Kind::PeerLost,
-                      fmt::format("NCCL error: {}: {}", ncclGetErrorString(async), ncclGetLastError(c)));
+          // Named after the oldest op not yet complete: the one a peer failed to join.
+          const std::string op = inflight_.empty()
+                                     ? std::string()
+                                     : fmt::format("{} #{}: ", inflight_.front().op, inflight_.front().seq);
+          fail_locked(CommError::Kind::PeerLost, fmt::format("{}NCCL error: {}: {}", op,
+                                                             ncclGetErrorString(async), ncclGetLastError(c)));
           break;
         }
       }
@@ -284,10 +366,11 @@ class NcclTransport final : public comm::Backend {
   int rank_, n_;
   CommunicatorOptions options_;
   RoleStreams streams_;
+  comm::LaunchOrder& order_;  // this device's (Note [One launch order per device])
   std::shared_ptr<Health> health_;
   at::Tensor barrier_buffer_;
-  std::vector<ncclComm_t> comms_;
-  std::mutex mutex_;
+  std::vector<ncclComm_t> comms_;  // guarded by mutex_ once the watchdog runs; null once aborted
+  std::mutex mutex_;               // every NCCL call on comms_ holds it
   std::condition_variable cv_;
   std::deque<InFlight> inflight_;  // guarded by mutex_
   bool aborted_ = false;           // guarded by mutex_

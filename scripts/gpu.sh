@@ -5,7 +5,10 @@
 #      (scripts/gpu_deps.sh makes it on a machine with Debian's packages; carry it along);
 #   2. runs the GPU tests: the CUDA kernels, the Communicator at world 1 over NCCL,
 #      FullyShard at world 1 over NCCL (fp32 and bf16) and at world 2 over TCP on one GPU,
-#      each against single-process training;
+#      each against single-process training; then every multi-rank test again at worlds
+#      1-4 over NCCL, each rank with its own NCCL host id (flatshard-run
+#      --nccl-host-per-rank), with freed buffers poisoned (FLATSHARD_GPU_NCCL_WORLDS=0
+#      skips that pass);
 #   3. benchmarks a 1B-parameter GPT (bf16) under FlatShard's full shard and PyTorch FSDP2
 #      on the same GPU, alternating (FLATSHARD_GPU_RUNS runs each, default 2; the table
 #      gives medians): tokens/s, MFU, peak allocated and reserved memory, allocator
@@ -49,6 +52,16 @@ status=0
 if [[ "${FLATSHARD_GPU_TESTS:-1}" == 1 ]]; then
   echo "== GPU tests"
   "$build/flatshard_cuda_tests" --gtest_brief=1 2>&1 | tee "$out/tests.log" || status=1
+  # The same tests with NCCL between ranks on the one GPU (each rank its own NCCL host id:
+  # Note [NCCL between ranks on one GPU]): the multi-rank ones at worlds 1-4 over NCCL,
+  # hybrid at world 4 in groups of 2, checkpoints loaded at worlds 1, 3 and 4, a stuck
+  # rank aborted by the watchdog; every freed flat buffer poisoned with NaN (Note [Buffers
+  # a collective touches]). FLATSHARD_GPU_NCCL_WORLDS=0 skips this pass.
+  if [[ "${FLATSHARD_GPU_NCCL_WORLDS:-1}" == 1 ]]; then
+    echo "== GPU tests at worlds 1-4 over NCCL, freed buffers poisoned"
+    FLATSHARD_TEST_NCCL_HOST_PER_RANK=1 FLATSHARD_POISON_FREED=1 "$build/flatshard_cuda_tests" --gtest_brief=1 \
+      2>&1 | tee "$out/tests_nccl_worlds.log" || status=1
+  fi
 fi
 [[ "${FLATSHARD_GPU_BENCH:-1}" == 1 ]] || exit $status
 
@@ -60,6 +73,37 @@ for ((i = 0; i < runs; ++i)); do
     | tee -a "$out/bench_flatshard.log" || status=1
   (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
     --csv "$csv" "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
+done
+# At world 1 the honest peer is no wrapper at all: plain PyTorch (fp32 parameters under
+# autocast(bf16), fused AdamW), eager and compiled, and FSDP2 with each block compiled as
+# torchtitan runs it (FLATSHARD_GPU_PLAIN=0 skips these).
+if [[ "${FLATSHARD_GPU_PLAIN:-1}" == 1 ]]; then
+  for ((i = 0; i < runs; ++i)); do
+    for extra in "--mode plain --compile 0" "--mode plain --compile 1" "--mode fsdp2 --compile 1"; do
+      # shellcheck disable=SC2086
+      (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
+        --csv "$csv" $extra "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
+        | tee -a "$out/bench_fsdp2.log" || status=1
+    done
+  done
+fi
+# Where both sides communicate: worlds 2 and 4 on the one GPU, FlatShard and FSDP2 (and
+# both DDPs) over NCCL with per-rank host ids, so every collective crosses NCCL's network
+# transport (FLATSHARD_GPU_WORLDS="" skips; rows are tagged w2, w4). The ranks share one
+# GPU's SMs and memory: these rows compare the engines' communication and overlap, not a
+# cluster's throughput.
+for w in ${FLATSHARD_GPU_WORLDS-2 4}; do
+  for ((i = 0; i < runs; ++i)); do
+    for mode in full ddp; do
+      peer_mode="$mode"
+      [[ "$mode" == full ]] && peer_mode=fsdp2
+      "$build/flatshard-run" -n "$w" --nccl-host-per-rank --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" \
+        --mode "$mode" --tag "w$w" "$@" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
+      (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node "$w" \
+        peer_fsdp2_gpu.py --nccl-host-per-rank --csv "$csv" --mode "$peer_mode" --tag "w$w" "$@") 2>&1 \
+        | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
+    done
+  done
 done
 # DDP, both: FlatShard's (bf16 parameters, fp32 all-reduce and masters) against PyTorch
 # DDP with autocast(bf16), gradient_as_bucket_view and fused AdamW (FLATSHARD_GPU_DDP=0 skips).
@@ -147,7 +191,8 @@ for name in ("flatshard", "fsdp2", "flatshard-ddp", "pytorch-ddp", "flatshard-re
              "flatshard-offload", "fsdp2-offload", "flatshard-offload-fp32send", "flatshard-stepinbwd-offload",
              "flatshard-offload-expseg", "fsdp2-offload-expseg",
              "flatshard-ddp-offload", "flatshard-b1", "flatshard-stepinbwd-b1",
-             "fsdp2-b1"):
+             "fsdp2-b1", "pytorch-plain", "pytorch-plain-compiled", "fsdp2-compiled", "flatshard-w2", "fsdp2-w2", "flatshard-ddp-w2", "pytorch-ddp-w2",
+             "flatshard-w4", "fsdp2-w4", "flatshard-ddp-w4", "pytorch-ddp-w4"):
     if name in rows:
         print(f"| {name} | {int(rows[name][0]['params'])/1e9:.2f}B | {med(name, 'tokens_per_s'):.0f} | "
               f"{100*med(name, 'mfu'):.1f}% | {med(name, 'peak_gib'):.2f} | {med(name, 'reserved_gib'):.2f} | "
@@ -167,6 +212,13 @@ for f, p, what in (("flatshard-ddp", "pytorch-ddp", "DDP against PyTorch DDP"),
                    ("flatshard-offload-expseg", "fsdp2-offload-expseg", "both offloaded, expandable segments"),
                    ("flatshard-ddp-offload", "flatshard-ddp", "FlatShard DDP offloaded against on the GPU"),
                    ("flatshard-b1", "fsdp2-b1", "batch 1"),
+                   ("flatshard", "pytorch-plain", "full shard against no wrapper, world 1"),
+                   ("flatshard", "pytorch-plain-compiled", "full shard against no wrapper compiled, world 1"),
+                   ("flatshard", "fsdp2-compiled", "full shard against FSDP2 with compiled blocks"),
+                   ("flatshard-w2", "fsdp2-w2", "world 2 over NCCL, full shard"),
+                   ("flatshard-ddp-w2", "pytorch-ddp-w2", "world 2 over NCCL, DDP"),
+                   ("flatshard-w4", "fsdp2-w4", "world 4 over NCCL, full shard"),
+                   ("flatshard-ddp-w4", "pytorch-ddp-w4", "world 4 over NCCL, DDP"),
                    ("flatshard-stepinbwd-b1", "fsdp2-b1", "batch 1, FlatShard stepping in backward")):
     if f not in rows or p not in rows:
         continue

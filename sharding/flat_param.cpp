@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "optim/step_kernels.h"
+#include "src/comm/in_flight.h"
 #include "src/errors.h"
 #include "src/memory/pinned_host.h"
 
@@ -96,9 +97,18 @@ void FlatParamGroup::free_storage(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   const std::size_t bytes = s->nbytes();
   if (bytes == 0) return;
+  if (comm::poison_freed()) {  // Note [Buffers a collective touches]
+    at::from_blob(s->mutable_data(), {static_cast<std::int64_t>(bytes)},
+                  at::TensorOptions().dtype(at::kByte).device(t.device()))
+        .fill_(0xFF);
+  }
   c10::DataPtr old = s->set_data_ptr(at::DataPtr(nullptr, t.device()));
   s->set_nbytes(0);
-  if (pool_ && t.is_cpu()) pool_->give(std::move(old), bytes);
+  if (pool_ && t.is_cpu()) {
+    pool_->give(std::move(old), bytes);
+  } else if (!t.is_cpu()) {
+    comm::InFlightBuffers::instance().retire(std::move(old), bytes);
+  }
 }
 
 at::Tensor FlatParamGroup::pooled_empty(std::int64_t numel, at::ScalarType dtype) {

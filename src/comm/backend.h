@@ -42,6 +42,9 @@ struct Collective {
   // CollectiveOptions::wait_for events (their host halves are complete when run starts).
   std::shared_ptr<DeviceEvent> ready;
   std::vector<Event> after;
+  // NCCL: the op's place in its device's launch order (Note [One launch order per
+  // device]), taken by Backend::issue.
+  std::uint64_t launch_ticket = 0;
 };
 
 // What a transport throws when an op fails after it started; the Communicator turns
@@ -70,6 +73,17 @@ class Backend {
   // Whether every incoming link copies straight from the sender (CPU rings on one machine).
   virtual bool copies_directly() const { return false; }
 };
+
+// Note [Rendezvous keys per creation]
+// A transport publishes what its peers need to join it (ring addresses, NCCL's unique
+// id) in the world's store, and the store outlives it: a key named after the
+// communicator alone would hand the second communicator of that name (a model wrapped
+// again, after loading a checkpoint say) the first one's stale address or id, and it
+// would join the wrong communicator or wait out its deadline. Communicators are created
+// collectively, in the same order on every rank, so the n-th creation of a name in this
+// process is the n-th on every rank: its keys live under "flatshard/comm/NAME/n/", the
+// same on every rank and never reused. Each call counts one creation.
+std::string next_rendezvous_prefix(const std::string& name);
 
 // The CPU transport: `num_channels` independent rings of TCP connections.
 std::unique_ptr<Backend> make_tcp_ring_backend(const World& world, const CommunicatorOptions& options,

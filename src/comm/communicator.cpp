@@ -64,6 +64,13 @@ void register_device_backend(c10::DeviceType type, BackendFactory factory) {
   registry()[type] = factory;
 }
 
+std::string next_rendezvous_prefix(const std::string& name) {
+  static std::mutex mutex;
+  static std::map<std::string, int> created;
+  std::lock_guard<std::mutex> lock(mutex);
+  return fmt::format("flatshard/comm/{}/{}/", name, created[name]++);
+}
+
 BackendFactory device_backend(c10::DeviceType type) {
   std::lock_guard<std::mutex> lock(registry_mutex());
   auto it = registry().find(type);

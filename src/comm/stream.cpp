@@ -1,5 +1,7 @@
 #include "flatshard/stream.h"
 
+#include "src/comm/in_flight.h"
+
 namespace flatshard {
 
 struct Event::State {
@@ -45,7 +47,10 @@ std::shared_ptr<DeviceEvent> Event::wait_host() const {
 }
 
 void Event::wait() const {
-  if (auto device = wait_host()) device->block(nullptr);
+  if (auto device = wait_host()) {
+    device->block(nullptr);
+    comm::InFlightBuffers::instance().waited(device.get());  // Note [Buffers a collective touches]
+  }
 }
 
 void Event::synchronize() const {

@@ -108,6 +108,12 @@ pid_t spawn(const LaunchOptions& o, int local, int port, int out_fd[2], int err_
   ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
   ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
   ::setenv("OMP_NUM_THREADS", "1", 0);  // ranks share the cores; keep what the user set
+  if (o.nccl_host_per_rank) {
+    // Note [NCCL between ranks on one GPU]
+    ::setenv("NCCL_HOSTID", fmt::format("flatshard-{}-{}-rank{}", o.master_addr, port, rank).c_str(), 1);
+    ::setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+    ::setenv("FLATSHARD_NCCL_HOST_PER_RANK", "1", 1);
+  }
   std::vector<char*> argv;
   for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -116,18 +122,31 @@ pid_t spawn(const LaunchOptions& o, int local, int port, int out_fd[2], int err_
   ::_exit(127);
 }
 
+// Note [NCCL between ranks on one GPU]
+// NCCL refuses two ranks of a communicator on one GPU when it believes they share a host
+// ("Duplicate GPU detected"): it compares a host hash, which the NCCL_HOSTID environment
+// variable replaces. With --nccl-host-per-rank each rank gets an id of its own (the
+// job's address and port, and the rank), so NCCL treats the ranks as separate machines
+// and joins them over its network transport (sockets on the loopback interface, unless
+// NCCL_SOCKET_IFNAME says otherwise): the inter-node path of a real cluster, on one
+// machine. It is for testing and measuring NCCL at several ranks where there is one GPU;
+// it is slower than NVLink or shared memory between GPUs, and each rank still shares the
+// one GPU's SMs and memory. FLATSHARD_NCCL_HOST_PER_RANK=1 tells the ranks it is on.
+
 }  // namespace
 
 std::string usage() {
   return "usage: flatshard-run -n N [--nnodes M --node-rank R --master-addr A --master-port P]\n"
-         "                     [--grace-s S] [--deadline-s S] PROGRAM [ARGS...]\n"
+         "                     [--grace-s S] [--deadline-s S] [--nccl-host-per-rank] PROGRAM [ARGS...]\n"
          "  -n, --nproc-per-node N  ranks to start on this node\n"
          "  --nnodes M              nodes in the job (default 1)\n"
          "  --node-rank R           this node's index (default 0)\n"
          "  --master-addr A         host of global rank 0 (default 127.0.0.1)\n"
          "  --master-port P         its rendezvous port (default: a free port; required if M > 1)\n"
          "  --grace-s S             after a rank fails, seconds the others get to exit (default 5)\n"
-         "  --deadline-s S          stop the job and fail after S seconds (default: none)\n";
+         "  --deadline-s S          stop the job and fail after S seconds (default: none)\n"
+         "  --nccl-host-per-rank    give each rank its own NCCL_HOSTID, so that NCCL joins ranks\n"
+         "                          that share a GPU over its network transport (testing)\n";
 }
 
 LaunchOptions parse_args(int argc, char** argv) {
@@ -153,6 +172,8 @@ LaunchOptions parse_args(int argc, char** argv) {
       o.grace_s = parse_double(a, value(a));
     else if (a == "--deadline-s")
       o.deadline_s = parse_double(a, value(a));
+    else if (a == "--nccl-host-per-rank")
+      o.nccl_host_per_rank = true;
     else if (a == "-h" || a == "--help")
       throw std::invalid_argument("help requested");
     else if (a == "--") {

@@ -11,9 +11,11 @@ struct LaunchOptions {
   int nnodes = 1;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 0;               // 0: pick a free port (one node only)
-  double grace_s = 5.0;              // after a rank fails: how long the others get to exit by themselves
-  double deadline_s = 0;             // > 0: stop every rank after this long and fail
+  int master_port = 0;    // 0: pick a free port (one node only)
+  double grace_s = 5.0;   // after a rank fails: how long the others get to exit by themselves
+  double deadline_s = 0;  // > 0: stop every rank after this long and fail
+  // Note [NCCL between ranks on one GPU]: each rank gets its own NCCL_HOSTID.
+  bool nccl_host_per_rank = false;
   std::vector<std::string> command;  // PROGRAM ARGS...
 };
 

@@ -620,17 +620,7 @@ std::unique_ptr<Backend> make_tcp_ring_backend(const World& world, const Communi
   if (world_size == 1) return std::make_unique<TcpRingBackend>(rank, world_size, std::move(channels));
   FLATSHARD_ASSERT(world.store, "a multi-rank world has a store");
   const auto deadline = Clock::now() + options.timeout;
-  // Communicators are created collectively, in the same order on every rank: the
-  // n-th one of a name gets the same store keys everywhere, and never a stale
-  // address left by an earlier one.
-  static std::mutex instances_mutex;
-  static std::map<std::string, int> instances;
-  int instance;
-  {
-    std::lock_guard<std::mutex> lock(instances_mutex);
-    instance = instances[options.name]++;
-  }
-  const std::string prefix = fmt::format("flatshard/comm/{}/{}/", options.name, instance);
+  const std::string prefix = next_rendezvous_prefix(options.name);  // Note [Rendezvous keys per creation]
   const std::string failure_key = prefix + "first_failure";
   const auto fail = [&](const std::string& what) -> RendezvousError {
     return RendezvousError(fmt::format("flatshard::Communicator::create (rank {}/{}, communicator '{}'): {}",

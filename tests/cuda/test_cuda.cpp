@@ -33,6 +33,8 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "flatshard/flatshard.h"
 #include "flatshard/memory.h"
@@ -63,6 +65,22 @@ bool have_gpu() {
   } while (0)
 
 const c10::Device kGpu(c10::kCUDA, 0);
+
+// Note [NCCL between ranks on one GPU]: with each rank its own NCCL host id (scripts/gpu.sh
+// launches the tests so), worlds 2-4 run over NCCL on the one GPU, through NCCL's network
+// transport; otherwise worlds above 1 run over the TCP rings through host memory.
+flatshard::Transport gpu_transport(const flatshard::World& world) {
+  return world.world_size() == 1 || flatshard::testing::nccl_host_per_rank() ? flatshard::Transport::Nccl
+                                                                             : flatshard::Transport::Tcp;
+}
+
+// The worlds a multi-rank GPU test runs at: 1-4 where NCCL joins ranks on one GPU (those
+// of `worlds` and every larger one up to 4), `worlds` otherwise.
+std::vector<int> gpu_worlds(std::vector<int> worlds) {
+  if (!flatshard::testing::nccl_host_per_rank()) return worlds;
+  for (int n = worlds.back() + 1; n <= 4; ++n) worlds.push_back(n);
+  return worlds;
+}
 
 TEST(CudaKernels, AdamWMatchesTheCpuKernel) {
   REQUIRE_GPU();
@@ -125,7 +143,7 @@ TEST(CudaCommunicator, WorldOneOverNccl) {
   const auto stats = flatshard::memory::cuda_allocator_stats(0);
   EXPECT_GE(stats.peak_bytes, 3 * (1 << 20) * 4);
   EXPECT_GE(stats.reserved_bytes, stats.current_bytes);
-  EXPECT_GE(stats.alloc_retries, 0);
+  EXPECT_EQ(stats.alloc_retries, 0) << "a few MiB on an idle GPU should never need the allocator to retry";
 
   EXPECT_THROW(comm->all_reduce(at::zeros({4}), flatshard::ReduceOp::Sum), flatshard::InvalidArgument);
 }
@@ -401,7 +419,7 @@ TEST(CudaFullyShard, WorldTwoOverTcpOnOneGpuMatchesSingleProcess) {
 // first backward): world 1 over NCCL, world 2 over the TCP rings on one GPU.
 TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
   REQUIRE_GPU();
-  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(300));
+  FLATSHARD_RUN_RANKS(gpu_worlds({1, 2}), std::chrono::seconds(300));
   auto world = flatshard::init();
   for (auto strategy : {flatshard::Strategy::NoShard, flatshard::Strategy::ShardOptimizerState}) {
     for (int variant = 0; variant < 4; ++variant) {
@@ -420,7 +438,7 @@ TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
       spec.param_dtype = param;
       spec.reduce_dtype = param ? std::optional<at::ScalarType>{at::kFloat} : std::nullopt;
       spec.device = kGpu;
-      spec.transport = world.world_size() == 1 ? flatshard::Transport::Nccl : flatshard::Transport::Tcp;
+      spec.transport = gpu_transport(world);
       spec.first_bucket_bytes = 64 << 10;
       spec.bucket_bytes = 256 << 10;
       const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
@@ -444,7 +462,7 @@ TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
 // afterwards]).
 TEST(CudaFullyShard, FineTuningMatchesSingleProcessInEveryMode) {
   REQUIRE_GPU();
-  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(300));
+  FLATSHARD_RUN_RANKS(gpu_worlds({1, 2}), std::chrono::seconds(300));
   auto world = flatshard::init();
   for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::ShardGradOp,
                         flatshard::Strategy::NoShard, flatshard::Strategy::ShardOptimizerState}) {
@@ -465,7 +483,7 @@ TEST(CudaFullyShard, FineTuningMatchesSingleProcessInEveryMode) {
       spec.param_dtype = bf16 ? std::optional<at::ScalarType>{at::kBFloat16} : std::nullopt;
       spec.reduce_dtype = bf16 ? std::optional<at::ScalarType>{at::kFloat} : std::nullopt;
       spec.device = kGpu;
-      spec.transport = world.world_size() == 1 ? flatshard::Transport::Nccl : flatshard::Transport::Tcp;
+      spec.transport = gpu_transport(world);
       spec.frozen = [](const std::string& n) {
         return n.rfind("wte", 0) == 0 || n.rfind("wpe", 0) == 0 || n.find(".attn.") != std::string::npos ||
                n.find(".ln1.") != std::string::npos;
@@ -483,7 +501,7 @@ TEST(CudaFullyShard, FineTuningMatchesSingleProcessInEveryMode) {
 // delayed averages on the device, against one process applying each gradient a step late.
 TEST(CudaReplicated, StalenessMatchesSingleProcess) {
   REQUIRE_GPU();
-  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(300));
+  FLATSHARD_RUN_RANKS(gpu_worlds({1, 2}), std::chrono::seconds(300));
   auto world = flatshard::init();
   for (auto strategy : {flatshard::Strategy::NoShard, flatshard::Strategy::ShardOptimizerState}) {
     SCOPED_TRACE(::testing::Message() << flatshard::to_string(strategy) << " world " << world.world_size());
@@ -494,7 +512,7 @@ TEST(CudaReplicated, StalenessMatchesSingleProcess) {
     spec.steps = 5;
     spec.global_batch = 8;
     spec.device = kGpu;
-    spec.transport = world.world_size() == 1 ? flatshard::Transport::Nccl : flatshard::Transport::Tcp;
+    spec.transport = gpu_transport(world);
     const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
         world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
     EXPECT_LE(r.global_rel_weight_diff, 1e-5) << "worst " << r.worst_param;
@@ -623,14 +641,17 @@ TEST(CudaPlanner, PredictsTheDevicePeakWithAndWithoutOffload) {
   }
 }
 
-// Hybrid sharding on the GPU: at world 2 over the TCP rings on one GPU, groups of 1 (each
-// rank holds the model; gradient shards all-reduced across the two groups) and of 2.
+// Hybrid sharding on the GPU, groups of 1 (each rank holds the model; gradient shards
+// all-reduced across the groups) and of 2: at world 2, and at 4 (two groups of 2, the
+// shard group's reduce-scatter then the replica all-reduce, two communicators on one
+// device: Note [One launch order per device]) where NCCL joins ranks on one GPU.
 TEST(CudaHybrid, MatchesSingleProcess) {
   REQUIRE_GPU();
-  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
+  FLATSHARD_RUN_RANKS(flatshard::testing::nccl_host_per_rank() ? std::vector<int>{2, 4} : std::vector<int>{2},
+                      std::chrono::seconds(300));
   auto world = flatshard::init();
   for (int group : {1, 2}) {
-    SCOPED_TRACE(::testing::Message() << "groups of " << group);
+    SCOPED_TRACE(::testing::Message() << "groups of " << group << ", world " << world.world_size());
     TrainSpec spec;
     spec.strategy = flatshard::Strategy::HybridShard;
     spec.shard_group_size = group;
@@ -640,7 +661,7 @@ TEST(CudaHybrid, MatchesSingleProcess) {
     spec.param_dtype = at::kBFloat16;
     spec.reduce_dtype = at::kFloat;
     spec.device = kGpu;
-    spec.transport = flatshard::Transport::Tcp;
+    spec.transport = gpu_transport(world);
     const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
         world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
     EXPECT_LE(r.global_rel_weight_diff, 3e-2) << "worst " << r.worst_param;
@@ -652,7 +673,7 @@ TEST(CudaHybrid, MatchesSingleProcess) {
 // memory): world 1 over NCCL, world 2 over the TCP rings on one GPU.
 TEST(CudaBuildIntoShards, ShardsOnTheGpuMatchSingleProcess) {
   REQUIRE_GPU();
-  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(240));
+  FLATSHARD_RUN_RANKS(gpu_worlds({1, 2}), std::chrono::seconds(240));
   auto world = flatshard::init();
   for (bool offload : {false, true}) {
     SCOPED_TRACE(::testing::Message() << "world " << world.world_size() << (offload ? " offload" : ""));
@@ -661,7 +682,7 @@ TEST(CudaBuildIntoShards, ShardsOnTheGpuMatchSingleProcess) {
     spec.steps = 4;
     spec.global_batch = 8;
     spec.device = kGpu;
-    spec.transport = world.world_size() == 1 ? flatshard::Transport::Nccl : flatshard::Transport::Tcp;
+    spec.transport = gpu_transport(world);
     spec.build_into_shards = true;
     spec.cpu_offload = offload;
     const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
@@ -837,6 +858,104 @@ TEST(CudaCheckpoint, ReplicatedModesSaveOnTheGpuAndLoadOnTheCpu) {
   std::system(("rm -rf " + dir).c_str());
 }
 
+// A collective that never completes: rank 1 sleeps past the deadline before it issues
+// its all-reduce. Rank 0's watchdog aborts NCCL at its deadline and every later wait
+// fails; rank 1's own all-reduce then finds no peer and is aborted at its deadline too.
+// Each rank gets a CommError naming the op, its number and the rank, within the
+// deadline (plus the poll), never a hang.
+TEST(CudaFailures, AStuckRankIsAbortedByTheWatchdogOnEveryRank) {
+  REQUIRE_GPU();
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  flatshard::CommunicatorOptions options;
+  options.timeout = std::chrono::seconds(4);
+  options.name = "stuck";
+  options.device = kGpu;
+  options.transport = gpu_transport(world);
+  auto comm = flatshard::Communicator::create(world, options);
+  auto t = at::ones({1 << 16}, at::TensorOptions().device(kGpu));
+  comm->all_reduce(t, flatshard::ReduceOp::Sum).synchronize();  // both ranks are up
+  if (world.rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(6));
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    comm->all_reduce(t, flatshard::ReduceOp::Sum).synchronize();
+    ADD_FAILURE() << "rank " << world.rank() << ": the all-reduce completed without its peer";
+  } catch (const flatshard::CommError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("all_reduce #2"), std::string::npos) << what;
+    EXPECT_NE(what.find(fmt::format("rank {}/2", world.rank())), std::string::npos) << what;
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(s, 4.0 + 3.0) << "rank " << world.rank() << " waited past the deadline";
+}
+
+// Sharded checkpoints of GPU shards saved at world 2 load at other world sizes (1, and
+// 3 and 4 where NCCL joins ranks on one GPU): the same full weights and optimizer state,
+// bit for bit, and training goes on.
+TEST(CudaCheckpoint, SavedOnTheGpuLoadsAtAnotherWorldSize) {
+  REQUIRE_GPU();
+  if (!flatshard::testing::in_rank_mode()) {
+    char dir_template[] = "/tmp/flatshard-cuda-reshard-XXXXXX";
+    ASSERT_NE(::mkdtemp(dir_template), nullptr);
+    const std::string dir = dir_template;
+    auto launch = [&](int ranks, const char* phase) {
+      flatshard::testing::LaunchSpec spec;
+      spec.ranks = ranks;
+      spec.deadline = std::chrono::seconds(180);
+      spec.env = {{"FLATSHARD_CKPT_DIR", dir}, {"FLATSHARD_CKPT_PHASE", phase}};
+      const auto r = flatshard::testing::launch_current_test(spec);
+      EXPECT_EQ(r.exit_code, 0) << phase << " at world " << ranks << "\n" << r.output;
+    };
+    launch(2, "save");
+    for (int n : flatshard::testing::nccl_host_per_rank() ? std::vector<int>{1, 3, 4} : std::vector<int>{1})
+      launch(n, "load");
+    std::system(("rm -rf " + dir).c_str());
+    return;
+  }
+  auto world = flatshard::init();
+  const std::string dir = std::getenv("FLATSHARD_CKPT_DIR");
+  const bool save = std::string(std::getenv("FLATSHARD_CKPT_PHASE")) == "save";
+  flatshard::FullyShardOptions options;
+  options.device = kGpu;
+  options.mixed_precision.param = at::kBFloat16;
+  options.mixed_precision.reduce = at::kFloat;
+  options.comm.transport = gpu_transport(world);
+  options.comm.timeout = std::chrono::seconds(60);
+  auto model = gpt_factory()();
+  flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, options);
+  flatshard::optim::AdamW opt(fsdp, {1e-3, 0.9, 0.95, 1e-8, 0.1});
+  const auto step = [&](int s) {
+    const auto b = gpt_batch(s, 4);
+    auto loss = token_loss(fsdp.forward(b.input.to(kGpu)).to(at::kFloat), b.target.to(kGpu));
+    loss.backward();
+    opt.step();
+    opt.zero_grad();
+    return loss.item<double>();
+  };
+  if (save) {
+    for (int s = 0; s < 3; ++s) step(s);
+    flatshard::checkpoint::save_sharded(dir + "/ckpt", fsdp, &opt, {.step = 3});
+  } else {
+    flatshard::checkpoint::load_sharded(dir + "/ckpt", fsdp, &opt);
+  }
+  auto weights = flatshard::checkpoint::full_state_dict(fsdp, *model);
+  const auto state = flatshard::checkpoint::full_optimizer_state_dict(fsdp, opt);
+  if (world.rank() == 0) {
+    for (const auto& [name, t] : state) weights["optimizer." + name] = t;
+    if (save) {
+      flatshard::checkpoint::save_tensors(weights, dir + "/expected.pt");
+    } else {
+      const auto expected = flatshard::checkpoint::load_tensors(dir + "/expected.pt");
+      ASSERT_EQ(weights.size(), expected.size());
+      for (const auto& [name, t] : expected) {
+        ASSERT_TRUE(weights.count(name)) << name;
+        EXPECT_TRUE(at::equal(weights.at(name).cpu(), t.cpu())) << name << " at world " << world.world_size();
+      }
+    }
+  }
+  EXPECT_TRUE(std::isfinite(step(3))) << "training goes on at world " << world.world_size();
+}
+
 // Random mixes of every strategy's options (tests/support/mixes.h: precision, offload,
 // recomputation, building into shards or on the host, stepping in backward, staleness,
 // frozen parameters, hooks, a checkpoint halfway loaded with other options) on CUDA
@@ -845,12 +964,11 @@ TEST(CudaCheckpoint, ReplicatedModesSaveOnTheGpuAndLoadOnTheCpu) {
 // as on the CPU.
 TEST(CudaCombinations, RandomOptionMixesMatchSingleProcess) {
   REQUIRE_GPU();
-  FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(600));
+  FLATSHARD_RUN_RANKS(gpu_worlds({1, 2}), std::chrono::seconds(600));
   auto world = flatshard::init();
   namespace mixes = flatshard::testing::mixes;
   mixes::train_mixes(world, mixes::env_or("FLATSHARD_COMBINATION_SEED", 20261125),
-                     mixes::env_or("FLATSHARD_COMBINATIONS", 4), kGpu,
-                     world.world_size() == 1 ? flatshard::Transport::Nccl : flatshard::Transport::Tcp, 3e-2);
+                     mixes::env_or("FLATSHARD_COMBINATIONS", 4), kGpu, gpu_transport(world), 3e-2);
 }
 
 }  // namespace

@@ -72,6 +72,33 @@ TEST(FullyShard, MnistCnnMatchesSingleProcess) {
   expect_matches_reference<MnistNet>("cnn", cnn_factory(), cnn_batch, nll);
 }
 
+// Note [Buffers a collective touches]: with every freed flat buffer poisoned (0xFF bytes,
+// NaN), training in every strategy still matches single-process training, bf16 compute
+// included: no step reads a gathered, gradient or bucket buffer after the schedule freed
+// it (a read would bring NaN into the loss or the weights).
+TEST(FullyShard, TrainingWithFreedBuffersPoisonedMatchesSingleProcess) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(180));
+  setenv("FLATSHARD_POISON_FREED", "1", 1);
+  auto world = flatshard::init();
+  for (Strategy strategy :
+       {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << to_string(strategy) << (bf16 ? " bf16" : " fp32"));
+      TrainSpec spec;
+      spec.strategy = strategy;
+      spec.optimizer = OptKind::AdamW;
+      spec.micro_batches = 2;
+      spec.param_dtype = bf16 ? std::optional<at::ScalarType>{at::kBFloat16} : std::nullopt;
+      spec.reduce_dtype = spec.param_dtype;
+      const auto r = train_and_compare<GPT>(
+          world, gpt_factory(), [&](int s) { return gpt_batch(s, spec.global_batch); }, token_loss, spec);
+      EXPECT_LE(r.max_rel_weight_diff, bf16 ? 3e-2 : kFp32Tolerance) << "worst parameter: " << r.worst_param;
+      EXPECT_LE(r.max_rel_loss_diff, bf16 ? 3e-2 : kFp32Tolerance);
+    }
+  }
+  unsetenv("FLATSHARD_POISON_FREED");
+}
+
 // Gradient accumulation over 2 micro-batches (no communication for the first), global
 // gradient-norm clipping, and a unit that goes unused in every other step.
 TEST(FullyShard, AccumulationClippingAndUnusedUnit) {

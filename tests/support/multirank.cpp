@@ -22,11 +22,20 @@ static std::string self_path() {
   return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
 }
 
+bool nccl_host_per_rank() {
+  for (const char* name : {"FLATSHARD_TEST_NCCL_HOST_PER_RANK", "FLATSHARD_NCCL_HOST_PER_RANK"}) {
+    const char* v = std::getenv(name);
+    if (v && std::string(v) == "1") return true;
+  }
+  return false;
+}
+
 RunResult launch_current_test(const LaunchSpec& spec) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   std::vector<std::string> argv{launcher_path(), "-n", std::to_string(spec.ranks), "--deadline-s",
                                 fmt::format("{:.1f}", spec.deadline.count() / 1000.0)};
   argv.insert(argv.end(), spec.launcher_args.begin(), spec.launcher_args.end());
+  if (nccl_host_per_rank()) argv.push_back("--nccl-host-per-rank");
   argv.push_back(self_path());
   argv.push_back(fmt::format("--gtest_filter={}.{}", info->test_suite_name(), info->name()));
   argv.push_back("--gtest_brief=1");

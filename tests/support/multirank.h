@@ -43,6 +43,11 @@ void run_ranks_and_expect_success(const std::vector<int>& world_sizes,
 
 std::string launcher_path();
 
+// Ranks are launched with --nccl-host-per-rank (Note [NCCL between ranks on one GPU]):
+// FLATSHARD_TEST_NCCL_HOST_PER_RANK=1 in the test process (scripts/gpu.sh sets it), or
+// FLATSHARD_NCCL_HOST_PER_RANK=1 in a rank the launcher started so.
+bool nccl_host_per_rank();
+
 }  // namespace flatshard::testing
 
 #define FLATSHARD_RUN_RANKS(...)                                       \

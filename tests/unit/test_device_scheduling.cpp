@@ -5,6 +5,7 @@
 // rather than blocking the host, and errors keeping their types.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -18,6 +19,8 @@
 #include "flatshard/errors.h"
 #include "flatshard/stream.h"
 #include "src/comm/backend.h"
+#include "src/comm/in_flight.h"
+#include "src/comm/launch_order.h"
 
 namespace {
 
@@ -182,6 +185,127 @@ TEST(DeviceScheduling, TheCommunicatorDrivesADeviceTransport) {
   }
   comm.reset();
   recording = nullptr;
+}
+
+// Note [Rendezvous keys per creation]: the n-th communicator of a name gets the n-th
+// prefix, so a second one never reads the first one's NCCL id or ring addresses.
+TEST(RendezvousKeys, EachCreationOfANameHasItsOwnPrefix) {
+  const std::string a0 = flatshard::comm::next_rendezvous_prefix("keys-a");
+  const std::string a1 = flatshard::comm::next_rendezvous_prefix("keys-a");
+  const std::string b0 = flatshard::comm::next_rendezvous_prefix("keys-b");
+  EXPECT_EQ(a0, "flatshard/comm/keys-a/0/");
+  EXPECT_EQ(a1, "flatshard/comm/keys-a/1/");
+  EXPECT_EQ(b0, "flatshard/comm/keys-b/0/");
+}
+
+// Note [One launch order per device]: workers launch in ticket order whatever order
+// they reach their turn in.
+TEST(LaunchOrder, WorkersLaunchInTicketOrder) {
+  flatshard::comm::LaunchOrder order;
+  constexpr int kOps = 24;
+  std::vector<std::uint64_t> tickets;
+  for (int i = 0; i < kOps; ++i) tickets.push_back(order.take());
+  std::mutex mutex;
+  std::vector<std::uint64_t> launched;
+  std::vector<std::thread> workers;
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  for (int i = kOps - 1; i >= 0; --i) {  // the last ticket's worker starts first
+    workers.emplace_back([&, t = tickets[i]] {
+      flatshard::comm::LaunchTurn turn(order, t);
+      ASSERT_TRUE(order.wait_turn(t, deadline, nullptr));
+      std::lock_guard<std::mutex> lock(mutex);
+      launched.push_back(t);
+    });
+  }
+  for (auto& w : workers) w.join();
+  ASSERT_EQ(launched.size(), static_cast<std::size_t>(kOps));
+  EXPECT_TRUE(std::is_sorted(launched.begin(), launched.end()));
+  EXPECT_EQ(order.next(), static_cast<std::uint64_t>(kOps));
+}
+
+// A ticket that will never launch is finished out of turn and holds nobody up; one that
+// is never finished makes the next wait end at its deadline, or when told to stop.
+TEST(LaunchOrder, AnAbandonedTicketHoldsNobodyUpAndAStuckOneEndsAtTheDeadline) {
+  flatshard::comm::LaunchOrder order;
+  const auto t0 = order.take(), t1 = order.take(), t2 = order.take();
+  order.finish(t1);  // its op failed before launching
+  EXPECT_EQ(order.next(), t0);
+  order.finish(t0);
+  EXPECT_EQ(order.next(), t2) << "the abandoned ticket is skipped";
+  EXPECT_TRUE(order.wait_turn(t2, std::chrono::steady_clock::now() + 1s, nullptr));
+  order.finish(t2);
+
+  const auto stuck = order.take(), waiting = order.take();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(order.wait_turn(waiting, start + 100ms, nullptr));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 100ms);
+  std::atomic<bool> stop{false};
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(50ms);
+    stop = true;
+  });
+  EXPECT_FALSE(order.wait_turn(waiting, std::chrono::steady_clock::now() + 20s, [&] { return stop.load(); }));
+  stopper.join();
+  order.finish(stuck);
+  EXPECT_TRUE(order.wait_turn(waiting, std::chrono::steady_clock::now() + 1s, nullptr));
+}
+
+// Note [Buffers a collective touches]: an op's tensors outlive the caller's references
+// until the op completes or a caller waited for it; bytes freed under an op in flight
+// that nobody waited for are held until it completes; other bytes go at once.
+TEST(InFlightBuffers, KeepWhatAnOpTouchesUntilItCompletesOrIsWaitedFor) {
+  auto& buffers = flatshard::comm::InFlightBuffers::instance();
+  buffers.release_completed();
+  const std::size_t before = buffers.tracked();
+
+  std::atomic<bool> input_freed{false};
+  std::vector<float> block(1024);
+  auto done = std::make_shared<FakeDeviceEvent>();
+  {
+    flatshard::comm::Collective op;
+    op.kind = flatshard::comm::OpKind::AllReduce;
+    op.input = at::from_blob(
+        block.data(), {256}, [&](void*) { input_freed = true; }, at::kFloat);
+    op.output = op.input;
+    buffers.track(done, op);
+  }  // the caller lets go of its tensors
+  EXPECT_FALSE(input_freed) << "freed while the op may still write it";
+  EXPECT_EQ(buffers.tracked(), before + 1);
+
+  std::atomic<int> freed{0};
+  auto data_ptr = [&](float* p) {
+    return c10::DataPtr(
+        p, &freed, [](void* ctx) { ++*static_cast<std::atomic<int>*>(ctx); }, c10::Device(c10::kCPU));
+  };
+  buffers.retire(data_ptr(block.data() + 512), 64);  // outside the op's bytes
+  EXPECT_EQ(freed, 1);
+  buffers.retire(data_ptr(block.data() + 128), 64);  // inside: held
+  EXPECT_EQ(freed, 1);
+  buffers.release_completed();
+  EXPECT_EQ(freed, 1) << "released before the op completed";
+  done->finished = true;
+  buffers.release_completed();
+  EXPECT_EQ(freed, 2);
+  EXPECT_TRUE(input_freed);
+  EXPECT_EQ(buffers.tracked(), before);
+
+  // Once a caller's stream waited for the op, nothing is held: the allocator may hand
+  // the bytes to later work on that stream.
+  auto waited = std::make_shared<FakeDeviceEvent>();
+  {
+    flatshard::comm::Collective op;
+    op.kind = flatshard::comm::OpKind::AllReduce;
+    op.input = at::from_blob(block.data(), {256}, at::kFloat);
+    op.output = op.input;
+    buffers.track(waited, op);
+  }
+  Stream issuer("issue");
+  const Event event = issuer.submit_device([&] { return waited; });
+  event.wait();  // the caller's stream waits: Event::wait tells the buffers
+  EXPECT_EQ(waited->blocked_current, 1);
+  buffers.retire(data_ptr(block.data() + 128), 64);
+  EXPECT_EQ(freed, 3);
+  EXPECT_EQ(buffers.tracked(), before);
 }
 
 TEST(DeviceScheduling, NoTransportForADeviceIsATypedError) {

@@ -218,6 +218,31 @@ TEST(BufferPool, GroupsGiveBackWhatNobodyElseHolds) {
   EXPECT_EQ(pool->cached_bytes(), std::size_t{1} << 20);
 }
 
+// Note [Buffers a collective touches]: FLATSHARD_POISON_FREED=1 fills a freed buffer
+// with 0xFF bytes (NaN) before it goes back, so a view that outlived it reads NaN; off,
+// the bytes are left as they were.
+TEST(BufferPool, PoisonFreedFillsFreedBuffersWithNaN) {
+  auto pool = std::make_shared<flatshard::sharding::BufferPool>(std::size_t{1} << 30);
+  std::vector<std::pair<std::string, at::Tensor>> params = {{"w", at::ones({1 << 10}).requires_grad_()}};
+  FlatParamGroup g("g", params, 1, 0, at::kFloat, {});
+  g.set_pool(pool);
+  for (bool poison : {false, true}) {
+    if (poison) setenv("FLATSHARD_POISON_FREED", "1", 1);
+    g.allocate_full();
+    g.full().fill_(2.0f);
+    // A stale alias of the bytes, as a use after free would read them (the pool keeps
+    // the block, so the memory stays valid to read here).
+    const at::Tensor stale = at::from_blob(g.full().data_ptr(), {g.full().numel()}, at::kFloat);
+    g.free_full();
+    if (poison) {
+      EXPECT_TRUE(stale.isnan().all().item<bool>()) << "freed bytes not poisoned";
+    } else {
+      EXPECT_TRUE(stale.eq(2.0f).all().item<bool>()) << "bytes changed with poisoning off";
+    }
+    unsetenv("FLATSHARD_POISON_FREED");
+  }
+}
+
 struct InnerImpl : torch::nn::Module {
   InnerImpl() { w = register_parameter("w", at::zeros({2})); }
   at::Tensor forward(const at::Tensor& x) { return x + w; }

@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <set>
+#include <string>
+
 #include "tests/support/multirank.h"
 #include "tests/support/subprocess.h"
 
@@ -43,6 +46,29 @@ TEST(Launcher, MultiNodeRanksAndAFreePortWhenNoneIsGiven) {
   EXPECT_NE(r.output.find("[rank 5] env 5 6 1 head"), std::string::npos) << r.output;
   r = run_command(launch({"-n", "1"}, "test \"$MASTER_PORT\" -gt 0"));
   EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+// Note [NCCL between ranks on one GPU]: every rank gets a host id of its own, and says
+// so; without the option NCCL's host id is left alone.
+TEST(Launcher, NcclHostPerRankGivesEachRankItsOwnHostId) {
+  auto r =
+      run_command(launch({"-n", "3", "--nccl-host-per-rank"},
+                         "echo \"host $NCCL_HOSTID $FLATSHARD_NCCL_HOST_PER_RANK $NCCL_SOCKET_IFNAME\""));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::set<std::string> ids;
+  for (int i = 0; i < 3; ++i) {
+    const std::string prefix = "[rank " + std::to_string(i) + "] host ";
+    const auto at = r.output.find(prefix);
+    ASSERT_NE(at, std::string::npos) << r.output;
+    const auto end = r.output.find('\n', at);
+    const std::string line = r.output.substr(at + prefix.size(), end - at - prefix.size());
+    EXPECT_NE(line.find("rank" + std::to_string(i) + " 1 lo"), std::string::npos) << line;
+    ids.insert(line.substr(0, line.find(' ')));
+  }
+  EXPECT_EQ(ids.size(), 3u) << r.output;
+  r = run_command(launch({"-n", "2"}, "echo \"host [${NCCL_HOSTID:-unset}]\""));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] host [unset]"), std::string::npos) << r.output;
 }
 
 TEST(Launcher, FailedRankStopsTheOthersAndItsCodeIsTheJobs) {
