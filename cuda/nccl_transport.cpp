@@ -89,9 +89,9 @@ class NcclTransport final : public comm::Backend {
     const comm::LaunchTurn turn(order_, op.launch_ticket);
     if (!order_.wait_turn(op.launch_ticket, op.deadline, [this] { return health_->failed(); })) {
       health_->check();  // aborted while it waited: that failure
-      abort();
-      throw TransportFailure(CommError::Kind::Timeout, -1,
-                             "an op issued before it on this GPU was not launched before this op's deadline");
+      const std::string why = "an op issued before it on this GPU was not launched before this op's deadline";
+      fail(CommError::Kind::Timeout, fmt::format("{} #{}: {}", comm::to_string(op.kind), op.seq, why));
+      throw TransportFailure(CommError::Kind::Timeout, -1, why);
     }
     health_->check();
     check_cuda(cudaSetDevice(streams_.device()), "cudaSetDevice");
@@ -120,10 +120,7 @@ class NcclTransport final : public comm::Backend {
     return done;
   }
 
-  void abort() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    fail_locked(CommError::Kind::Aborted, "aborted after a failure on another stream");
-  }
+  void abort() override { fail(CommError::Kind::Aborted, "aborted after a failure on another stream"); }
 
  private:
   // Hands `op` to NCCL on `channel`'s communicator and stream.
@@ -245,11 +242,12 @@ class NcclTransport final : public comm::Backend {
     const char* last_error = "";
     while (r == ncclInProgress) {
       if (std::chrono::steady_clock::now() > op.deadline) {
-        abort();
-        throw TransportFailure(CommError::Kind::Timeout, -1,
-                               "NCCL did not accept the op before its deadline");
+        const std::string why = "NCCL did not accept the op before its deadline";
+        fail(CommError::Kind::Timeout, fmt::format("{} #{}: {}", comm::to_string(op.kind), op.seq, why));
+        throw TransportFailure(CommError::Kind::Timeout, -1, why);
       }
-      std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      health_->check();  // aborted meanwhile: that failure
       std::lock_guard<std::mutex> lock(mutex_);
       if (aborted_) throw TransportFailure(CommError::Kind::Aborted, -1, "the NCCL transport was aborted");
       ncclCommGetAsyncError(comms_[static_cast<std::size_t>(channel)], &r);
@@ -307,6 +305,12 @@ class NcclTransport final : public comm::Backend {
       c = nullptr;
     }
     aborted_ = !ok;
+  }
+
+  // Records the transport's first failure and aborts every communicator.
+  void fail(CommError::Kind kind, const std::string& why) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fail_locked(kind, why);
   }
 
   void fail_locked(CommError::Kind kind, const std::string& why) {

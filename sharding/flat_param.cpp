@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include <ATen/ATen.h>
 #include <c10/core/StorageImpl.h>
@@ -97,17 +98,14 @@ void FlatParamGroup::free_storage(const at::Tensor& t) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   const std::size_t bytes = s->nbytes();
   if (bytes == 0) return;
-  if (comm::poison_freed()) {  // Note [Buffers a collective touches]
-    at::from_blob(s->mutable_data(), {static_cast<std::int64_t>(bytes)},
-                  at::TensorOptions().dtype(at::kByte).device(t.device()))
-        .fill_(0xFF);
-  }
+  const bool poison = comm::poison_freed();  // Note [Buffers a collective touches]
+  if (poison && t.is_cpu()) std::memset(s->mutable_data(), 0xFF, bytes);
   c10::DataPtr old = s->set_data_ptr(at::DataPtr(nullptr, t.device()));
   s->set_nbytes(0);
   if (pool_ && t.is_cpu()) {
     pool_->give(std::move(old), bytes);
   } else if (!t.is_cpu()) {
-    comm::InFlightBuffers::instance().retire(std::move(old), bytes);
+    comm::InFlightBuffers::instance().retire(std::move(old), bytes, poison);
   }
 }
 

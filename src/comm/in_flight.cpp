@@ -1,7 +1,10 @@
 #include "src/comm/in_flight.h"
 
+#include <ATen/ATen.h>
+
 #include <cstdlib>
 #include <cstring>
+#include <set>
 
 #include "src/comm/backend.h"
 
@@ -24,8 +27,7 @@ InFlightBuffers& InFlightBuffers::instance() {
 std::vector<InFlightBuffers::Entry> InFlightBuffers::prune_locked() {
   std::vector<Entry> gone;
   for (std::size_t i = 0; i < entries_.size();) {
-    auto done = entries_[i].done.lock();
-    if (done && !done->query()) {
+    if (!entries_[i].done->query()) {
       ++i;
       continue;
     }
@@ -39,13 +41,15 @@ std::vector<InFlightBuffers::Entry> InFlightBuffers::prune_locked() {
 void InFlightBuffers::track(const std::shared_ptr<DeviceEvent>& done, const Collective& op) {
   Entry e;
   e.done = done;
-  e.key = done.get();
   for (const at::Tensor* t : {&op.input, &op.output}) {
     if (!t->defined() || t->nbytes() == 0) continue;
     e.ranges.push_back(range_of(*t));
     e.tensors.push_back(*t);
   }
-  if (e.ranges.empty()) return;
+  for (const Event& before : op.after) {
+    if (auto d = before.device()) e.after.push_back(d.get());
+  }
+  if (e.ranges.empty() && e.after.empty()) return;
   std::vector<Entry> gone;
   std::lock_guard<std::mutex> lock(mutex_);
   gone = prune_locked();
@@ -56,30 +60,50 @@ void InFlightBuffers::track(const std::shared_ptr<DeviceEvent>& done, const Coll
 void InFlightBuffers::waited(const DeviceEvent* done) {
   std::vector<Entry> gone;
   std::lock_guard<std::mutex> lock(mutex_);
-  for (std::size_t i = 0; i < entries_.size(); ++i) {
-    if (entries_[i].key != done) continue;
-    gone.push_back(std::move(entries_[i]));
-    entries_[i] = std::move(entries_.back());
-    entries_.pop_back();
-    break;
+  // The caller's stream is ordered after `done`, and so after every op `done`'s op waited
+  // for on the device (CollectiveOptions::wait_for: hybrid's all-reduce after its
+  // reduce-scatter), and so on back.
+  std::set<const DeviceEvent*> ordered{done};
+  for (bool found = true; found;) {
+    found = false;
+    for (std::size_t i = 0; i < entries_.size();) {
+      if (!ordered.count(entries_[i].done.get())) {
+        ++i;
+        continue;
+      }
+      ordered.insert(entries_[i].after.begin(), entries_[i].after.end());
+      gone.push_back(std::move(entries_[i]));
+      entries_[i] = std::move(entries_.back());
+      entries_.pop_back();
+      found = true;
+    }
   }
 }
 
-void InFlightBuffers::retire(c10::DataPtr data, std::size_t bytes) {
+void InFlightBuffers::retire(c10::DataPtr data, std::size_t bytes, bool poison) {
   const auto begin = reinterpret_cast<std::uintptr_t>(data.get());
   const auto end = begin + bytes;
   std::vector<Entry> gone;
-  std::lock_guard<std::mutex> lock(mutex_);
-  gone = prune_locked();
-  for (auto& e : entries_) {
-    for (const auto& [b, f] : e.ranges) {
-      if (b < end && begin < f) {
-        e.retired.push_back(std::move(data));
-        return;
+  std::shared_ptr<c10::DataPtr> shared;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    gone = prune_locked();
+    for (auto& e : entries_) {
+      for (const auto& [b, f] : e.ranges) {
+        if (b < end && begin < f) {
+          // Every op still using the bytes holds them: they go with the last to finish.
+          if (!shared) shared = std::make_shared<c10::DataPtr>(std::move(data));
+          e.retired.push_back(shared);
+          break;
+        }
       }
     }
   }
-  // Not covered: `data` is freed when this returns, after the lock.
+  if (shared || !poison || bytes == 0) return;
+  // Not covered by any op: poisoned on the caller's stream, then freed (after the lock).
+  at::from_blob(data.get(), {static_cast<std::int64_t>(bytes)},
+                at::TensorOptions().dtype(at::kByte).device(data.device()))
+      .fill_(0xFF);
 }
 
 void InFlightBuffers::release_completed() {

@@ -111,7 +111,7 @@ pid_t spawn(const LaunchOptions& o, int local, int port, int out_fd[2], int err_
   if (o.nccl_host_per_rank) {
     // Note [NCCL between ranks on one GPU]
     ::setenv("NCCL_HOSTID", fmt::format("flatshard-{}-{}-rank{}", o.master_addr, port, rank).c_str(), 1);
-    ::setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+    if (o.nnodes == 1) ::setenv("NCCL_SOCKET_IFNAME", "lo", 0);  // one machine: loopback
     ::setenv("FLATSHARD_NCCL_HOST_PER_RANK", "1", 1);
   }
   std::vector<char*> argv;
@@ -128,10 +128,10 @@ pid_t spawn(const LaunchOptions& o, int local, int port, int out_fd[2], int err_
 // variable replaces. With --nccl-host-per-rank each rank gets an id of its own (the
 // job's address and port, and the rank), so NCCL treats the ranks as separate machines
 // and joins them over its network transport (sockets on the loopback interface, unless
-// NCCL_SOCKET_IFNAME says otherwise): the inter-node path of a real cluster, on one
-// machine. It is for testing and measuring NCCL at several ranks where there is one GPU;
-// it is slower than NVLink or shared memory between GPUs, and each rank still shares the
-// one GPU's SMs and memory. FLATSHARD_NCCL_HOST_PER_RANK=1 tells the ranks it is on.
+// NCCL_SOCKET_IFNAME says otherwise; across nodes NCCL picks its interface as usual): the inter-node path of
+// a real cluster, on one machine. It is for testing and measuring NCCL at several ranks where there is one
+// GPU; it is slower than NVLink or shared memory between GPUs, and each rank still shares the one GPU's SMs
+// and memory. FLATSHARD_NCCL_HOST_PER_RANK=1 tells the ranks it is on.
 
 }  // namespace
 

@@ -115,6 +115,8 @@ TEST(CudaCommunicator, WorldOneOverNccl) {
   options.device = kGpu;
   auto comm = flatshard::Communicator::create(world, options);
   flatshard::memory::reset_cuda_allocator_peak(0);
+  const auto retries_before =
+      flatshard::memory::cuda_allocator_stats(0).alloc_retries;  // the process's count
 
   // The op waits for the work queued on the current stream before it was issued, and
   // the current stream waits for the op after wait(): no host synchronisation between.
@@ -143,7 +145,7 @@ TEST(CudaCommunicator, WorldOneOverNccl) {
   const auto stats = flatshard::memory::cuda_allocator_stats(0);
   EXPECT_GE(stats.peak_bytes, 3 * (1 << 20) * 4);
   EXPECT_GE(stats.reserved_bytes, stats.current_bytes);
-  EXPECT_EQ(stats.alloc_retries, 0) << "a few MiB on an idle GPU should never need the allocator to retry";
+  EXPECT_EQ(stats.alloc_retries, retries_before) << "a few MiB should never need the allocator to retry";
 
   EXPECT_THROW(comm->all_reduce(at::zeros({4}), flatshard::ReduceOp::Sum), flatshard::InvalidArgument);
 }
@@ -434,7 +436,7 @@ TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
       spec.strategy = strategy;
       spec.optimizer = OptKind::AdamW;
       spec.steps = 4;
-      spec.global_batch = 8;
+      spec.global_batch = 12;  // splits over worlds 1-4
       spec.param_dtype = param;
       spec.reduce_dtype = param ? std::optional<at::ScalarType>{at::kFloat} : std::nullopt;
       spec.device = kGpu;
@@ -442,7 +444,7 @@ TEST(CudaReplicated, EveryModeMatchesSingleProcess) {
       spec.first_bucket_bytes = 64 << 10;
       spec.bucket_bytes = 256 << 10;
       const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
-          world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+          world, gpt_factory(), [](int step) { return gpt_batch(step, 12); }, token_loss, spec);
       const double tolerance = param ? 3e-2 : 1e-5;
       EXPECT_LE(r.global_rel_weight_diff, tolerance) << "worst " << r.worst_param;
       EXPECT_LE(r.max_rel_loss_diff, tolerance);
@@ -479,7 +481,7 @@ TEST(CudaFullyShard, FineTuningMatchesSingleProcessInEveryMode) {
       spec.strategy = strategy;
       spec.optimizer = OptKind::AdamW;
       spec.steps = 4;
-      spec.global_batch = 8;
+      spec.global_batch = 12;  // splits over worlds 1-4
       spec.param_dtype = bf16 ? std::optional<at::ScalarType>{at::kBFloat16} : std::nullopt;
       spec.reduce_dtype = bf16 ? std::optional<at::ScalarType>{at::kFloat} : std::nullopt;
       spec.device = kGpu;
@@ -489,7 +491,7 @@ TEST(CudaFullyShard, FineTuningMatchesSingleProcessInEveryMode) {
                n.find(".ln1.") != std::string::npos;
       };
       const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
-          world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+          world, gpt_factory(), [](int step) { return gpt_batch(step, 12); }, token_loss, spec);
       const double tolerance = bf16 ? 3e-2 : 1e-5;
       EXPECT_LE(r.global_rel_weight_diff, tolerance) << "worst " << r.worst_param;
       EXPECT_LE(r.max_rel_loss_diff, tolerance);
@@ -510,11 +512,11 @@ TEST(CudaReplicated, StalenessMatchesSingleProcess) {
     spec.optimizer = OptKind::AdamW;
     spec.staleness = 1;
     spec.steps = 5;
-    spec.global_batch = 8;
+    spec.global_batch = 12;  // splits over worlds 1-4
     spec.device = kGpu;
     spec.transport = gpu_transport(world);
     const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
-        world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+        world, gpt_factory(), [](int step) { return gpt_batch(step, 12); }, token_loss, spec);
     EXPECT_LE(r.global_rel_weight_diff, 1e-5) << "worst " << r.worst_param;
   }
 }
@@ -680,13 +682,13 @@ TEST(CudaBuildIntoShards, ShardsOnTheGpuMatchSingleProcess) {
     TrainSpec spec;
     spec.optimizer = OptKind::AdamW;
     spec.steps = 4;
-    spec.global_batch = 8;
+    spec.global_batch = 12;  // splits over worlds 1-4
     spec.device = kGpu;
     spec.transport = gpu_transport(world);
     spec.build_into_shards = true;
     spec.cpu_offload = offload;
     const auto r = flatshard::testing::train_and_compare<flatshard::testing::GPT>(
-        world, gpt_factory(), [](int step) { return gpt_batch(step, 8); }, token_loss, spec);
+        world, gpt_factory(), [](int step) { return gpt_batch(step, 12); }, token_loss, spec);
     EXPECT_LE(r.global_rel_weight_diff, 1e-5) << "worst " << r.worst_param;
     EXPECT_LE(r.max_rel_loss_diff, 1e-5);
     EXPECT_EQ(r.shard_device, offload ? c10::Device(c10::kCPU) : kGpu);
@@ -883,7 +885,7 @@ TEST(CudaFailures, AStuckRankIsAbortedByTheWatchdogOnEveryRank) {
   } catch (const flatshard::CommError& e) {
     const std::string what = e.what();
     EXPECT_NE(what.find("all_reduce #2"), std::string::npos) << what;
-    EXPECT_NE(what.find(fmt::format("rank {}/2", world.rank())), std::string::npos) << what;
+    EXPECT_NE(what.find("rank " + std::to_string(world.rank()) + "/2"), std::string::npos) << what;
   }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_LT(s, 4.0 + 3.0) << "rank " << world.rank() << " waited past the deadline";

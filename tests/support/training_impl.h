@@ -1,10 +1,12 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <deque>
 #include <filesystem>
 #include <map>
+#include <stdexcept>
 
 namespace flatshard::testing {
 
@@ -117,6 +119,12 @@ inline ShardedOptimizer sharded_optimizer(OptKind k, FullyShardBase& fsdp, bool 
 }
 
 // Compares the trained weights of `model` with `reference`.
+// The larger of two differences, NaN if either is: a NaN difference (a weight or a loss
+// that became NaN) must fail the comparison, where std::max would drop it.
+inline double worse(double so_far, double x) {
+  return std::isnan(so_far) || std::isnan(x) ? NAN : std::max(so_far, x);
+}
+
 template <typename Holder>
 void compare_weights(Holder& model, Holder& reference, TrainResult& result) {
   auto ref_params = reference->named_parameters();
@@ -130,13 +138,13 @@ void compare_weights(Holder& model, Holder& reference, TrainResult& result) {
     delta_sq += delta_norm * delta_norm;
     ref_sq += want_norm * want_norm;
     const double rel = delta_norm / std::max(want_norm, 1e-12);
-    if (rel >= result.max_rel_weight_diff) {
-      result.max_rel_weight_diff = rel;
-      result.worst_param = item.key();
+    if (std::isnan(rel) || rel >= result.max_rel_weight_diff) {
+      if (!std::isnan(result.max_rel_weight_diff)) result.worst_param = item.key();
+      result.max_rel_weight_diff = worse(result.max_rel_weight_diff, rel);
     }
     const double scale = std::max(want.abs().max().template item<double>(), 1e-12);
     result.max_elementwise_diff =
-        std::max(result.max_elementwise_diff, delta.abs().max().template item<double>() / scale);
+        worse(result.max_elementwise_diff, delta.abs().max().template item<double>() / scale);
   }
   result.global_rel_weight_diff = std::sqrt(delta_sq / std::max(ref_sq, 1e-24));
 }
@@ -216,6 +224,10 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
     }
 
     // Distributed: this rank's rows of each micro-batch.
+    if (micro_rows % n != 0) {
+      throw std::invalid_argument("train_and_compare: a micro-batch of " + std::to_string(micro_rows) +
+                                  " rows does not split over " + std::to_string(n) + " ranks");
+    }
     const std::int64_t local = micro_rows / n;
     double my_loss = 0;
     for (int m = 0; m < spec.micro_batches; ++m) {
@@ -233,7 +245,7 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
     side.comm->all_reduce(loss_sum, ReduceOp::Avg).wait();
     const double rel =
         std::abs(loss_sum.template item<double>() - ref_loss) / std::max(std::abs(ref_loss), 1e-12);
-    result.max_rel_loss_diff = std::max(result.max_rel_loss_diff, rel);
+    result.max_rel_loss_diff = worse(result.max_rel_loss_diff, rel);
   }
 }
 

@@ -190,12 +190,17 @@ TEST(DeviceScheduling, TheCommunicatorDrivesADeviceTransport) {
 // Note [Rendezvous keys per creation]: the n-th communicator of a name gets the n-th
 // prefix, so a second one never reads the first one's NCCL id or ring addresses.
 TEST(RendezvousKeys, EachCreationOfANameHasItsOwnPrefix) {
-  const std::string a0 = flatshard::comm::next_rendezvous_prefix("keys-a");
-  const std::string a1 = flatshard::comm::next_rendezvous_prefix("keys-a");
-  const std::string b0 = flatshard::comm::next_rendezvous_prefix("keys-b");
-  EXPECT_EQ(a0, "flatshard/comm/keys-a/0/");
-  EXPECT_EQ(a1, "flatshard/comm/keys-a/1/");
-  EXPECT_EQ(b0, "flatshard/comm/keys-b/0/");
+  const auto count = [](const std::string& prefix, const std::string& name) {
+    const std::string head = "flatshard/comm/" + name + "/";
+    EXPECT_EQ(prefix.rfind(head, 0), 0u) << prefix;
+    return std::stoi(prefix.substr(head.size()));
+  };
+  const int a0 = count(flatshard::comm::next_rendezvous_prefix("keys-a"), "keys-a");
+  const int b0 = count(flatshard::comm::next_rendezvous_prefix("keys-b"), "keys-b");
+  const int a1 = count(flatshard::comm::next_rendezvous_prefix("keys-a"), "keys-a");
+  EXPECT_EQ(a1, a0 + 1) << "the second communicator of a name gets the next prefix";
+  EXPECT_EQ(count(flatshard::comm::next_rendezvous_prefix("keys-b"), "keys-b"), b0 + 1)
+      << "names count apart";
 }
 
 // Note [One launch order per device]: workers launch in ticket order whatever order
@@ -289,6 +294,36 @@ TEST(InFlightBuffers, KeepWhatAnOpTouchesUntilItCompletesOrIsWaitedFor) {
   EXPECT_TRUE(input_freed);
   EXPECT_EQ(buffers.tracked(), before);
 
+  // The op's Work dropped before the op completed (an exception path): its buffers are
+  // still held until it completes; bytes freed under two ops in flight go with the last.
+  {
+    std::atomic<bool> dropped_freed{false};
+    auto first = std::make_shared<FakeDeviceEvent>(), second = std::make_shared<FakeDeviceEvent>();
+    FakeDeviceEvent* first_raw = first.get();
+    flatshard::comm::Collective op;
+    op.kind = flatshard::comm::OpKind::AllReduce;
+    op.input = at::from_blob(
+        block.data(), {256}, [&](void*) { dropped_freed = true; }, at::kFloat);
+    op.output = op.input;
+    buffers.track(first, op);
+    flatshard::comm::Collective next = op;
+    buffers.track(second, next);
+    op = {};
+    next = {};
+    first.reset();  // the caller dropped its Work
+    buffers.retire(data_ptr(block.data() + 64), 64);
+    buffers.release_completed();
+    EXPECT_FALSE(dropped_freed) << "a dropped op's buffer freed before it completed";
+    second->finished = true;
+    buffers.release_completed();
+    EXPECT_EQ(freed, 2) << "freed while the other op still uses the bytes";
+    first_raw->finished = true;  // kept alive by the buffers
+    buffers.release_completed();
+    EXPECT_EQ(freed, 3);
+    EXPECT_TRUE(dropped_freed);
+    EXPECT_EQ(buffers.tracked(), before);
+  }
+
   // Once a caller's stream waited for the op, nothing is held: the allocator may hand
   // the bytes to later work on that stream.
   auto waited = std::make_shared<FakeDeviceEvent>();
@@ -304,7 +339,7 @@ TEST(InFlightBuffers, KeepWhatAnOpTouchesUntilItCompletesOrIsWaitedFor) {
   event.wait();  // the caller's stream waits: Event::wait tells the buffers
   EXPECT_EQ(waited->blocked_current, 1);
   buffers.retire(data_ptr(block.data() + 128), 64);
-  EXPECT_EQ(freed, 3);
+  EXPECT_EQ(freed, 4);
   EXPECT_EQ(buffers.tracked(), before);
 }
 

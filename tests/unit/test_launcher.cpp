@@ -51,6 +51,8 @@ TEST(Launcher, MultiNodeRanksAndAFreePortWhenNoneIsGiven) {
 // Note [NCCL between ranks on one GPU]: every rank gets a host id of its own, and says
 // so; without the option NCCL's host id is left alone.
 TEST(Launcher, NcclHostPerRankGivesEachRankItsOwnHostId) {
+  unsetenv("NCCL_HOSTID");  // whatever this process was started with
+  unsetenv("NCCL_SOCKET_IFNAME");
   auto r =
       run_command(launch({"-n", "3", "--nccl-host-per-rank"},
                          "echo \"host $NCCL_HOSTID $FLATSHARD_NCCL_HOST_PER_RANK $NCCL_SOCKET_IFNAME\""));
