@@ -16,7 +16,8 @@
 //                           without it, a generated corpus (a noisy repeating grammar)
 //   --ckpt DIR              sharded checkpoints under DIR (every --save-every steps and at the end)
 //   --save-every N [0]      0: only at the end
-//   --resume                continue from DIR's latest checkpoint (any world size or mode)
+//   --resume                continue from DIR's latest checkpoint (any world size or mode);
+//                           from step 0 when DIR has none yet
 //   --budget-mib M          per-rank memory budget: refused at construction if the mode's
 //                           model states need more (MemoryBudgetError); checked against
 //                           the measured peak at the end, from before construction
@@ -44,6 +45,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -286,7 +288,10 @@ int main(int argc, char** argv) {
     };
 
     int first = 0;
-    if (a.resume) {
+    // A job restarted before its first checkpoint (flatshard-run --max-restarts) starts over.
+    if (a.resume && !std::filesystem::exists(std::filesystem::path(a.ckpt) / "latest")) {
+      if (rank == 0) std::printf("no checkpoint in %s yet: starting at step 0\n", a.ckpt.c_str());
+    } else if (a.resume) {
       flatshard::checkpoint::LoadOptions lo;
       lo.scheduler = &schedule;
       lo.scaler = scaler.get();

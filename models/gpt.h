@@ -26,6 +26,9 @@ struct GPTConfig {
   // vocabularies): the root unit keeps only the position embedding and the final norm,
   // so building into shards never holds the vocabulary-sized matrices whole.
   bool embedding_units = false;
+  // A buffer (not a parameter): per-channel scales of the position embedding, drawn from
+  // the RNG after every parameter, so a model built with another seed has other values.
+  bool position_scale_buffer = false;
 };
 
 // y = x W^T + b through at::linear, which folds the bias into the matrix product for
@@ -105,11 +108,15 @@ struct GPTImpl : torch::nn::Module {
     } else {
       head = register_module("head", torch::nn::Linear(head_options));
     }
+    if (c.position_scale_buffer)
+      position_scale = register_buffer("position_scale", torch::rand({c.dim}) + 0.5);
   }
   // tokens [B, T] -> logits [B, T, vocab]
   at::Tensor forward(const at::Tensor& tokens) {
     auto pos = at::arange(tokens.size(1), at::TensorOptions().dtype(at::kLong).device(tokens.device()));
-    auto x = (wte_unit.is_empty() ? wte(tokens) : wte_unit(tokens)) + wpe(pos);
+    auto positions = wpe(pos);
+    if (position_scale.defined()) positions = positions * position_scale;
+    auto x = (wte_unit.is_empty() ? wte(tokens) : wte_unit(tokens)) + positions;
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       if (static_cast<int>(i) == skip_block) continue;
       x = blocks[i](x);
@@ -123,7 +130,8 @@ struct GPTImpl : torch::nn::Module {
   std::vector<flatshard::Unit<Block>> blocks;
   torch::nn::LayerNorm ln_f{nullptr};
   torch::nn::Linear head{nullptr};
-  int skip_block = -1;  // tests: a unit that goes unused in a step
+  at::Tensor position_scale;  // GPTConfig::position_scale_buffer
+  int skip_block = -1;        // tests: a unit that goes unused in a step
 };
 TORCH_MODULE(GPT);
 

@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <set>
 
@@ -16,6 +15,7 @@
 #include "flatshard/memory.h"
 #include "sharding/build_checks.h"
 #include "sharding/flat_param.h"
+#include "sharding/model_check.h"
 #include "sharding/unit_discovery.h"
 
 namespace flatshard {
@@ -33,26 +33,6 @@ namespace {
 thread_local BuildIntoShards::State* active = nullptr;
 
 double mib(std::int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
-
-// A 64-bit hash of bytes (not cryptographic: it tells apart builds that differ).
-std::uint64_t mix(std::uint64_t h, std::uint64_t word) {
-  h ^= word * 0x9E3779B97F4A7C15ULL;
-  h = (h << 29) | (h >> 35);
-  return h * 0xBF58476D1CE4E5B9ULL;
-}
-
-std::uint64_t hash_bytes(std::uint64_t h, const void* data, std::size_t bytes) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  std::size_t i = 0;
-  for (; i + 8 <= bytes; i += 8) {
-    std::uint64_t word;
-    std::memcpy(&word, p + i, 8);
-    h = mix(h, word);
-  }
-  std::uint64_t tail = 0;
-  std::memcpy(&tail, p + i, bytes - i);
-  return mix(mix(h, tail), bytes);
-}
 
 // The unit's type as its user wrote it ("Block" for a Unit<Block>).
 std::string type_of(UnitBase& unit) {
@@ -109,10 +89,10 @@ Fingerprint fingerprint(const std::vector<std::pair<std::string, at::Tensor>>& p
   for (const auto& [name, p] : params) {
     const std::string line =
         fmt::format("{} {} {}", name, c10::toString(p.scalar_type()), fmt::join(p.sizes(), "x"));
-    f.structure = hash_bytes(f.structure, line.data(), line.size());
+    f.structure = sharding::hash_bytes(f.structure, line.data(), line.size());
     f.numel += p.numel();
     const auto bytes = p.detach().to(c10::kCPU).contiguous();
-    f.values = hash_bytes(f.values, bytes.data_ptr(), static_cast<std::size_t>(bytes.nbytes()));
+    f.values = sharding::hash_bytes(f.values, bytes.data_ptr(), static_cast<std::size_t>(bytes.nbytes()));
   }
   return f;
 }

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "flatshard/comm_hooks.h"
@@ -22,6 +23,10 @@ class ShardOptimizer;
 namespace flatshard::sharding {
 
 class CopyStream;  // engine_parts.h
+
+// Note [One wrapper per model] (engine_setup.cpp): throws InvalidArgument when `model` was
+// already wrapped (its wrapper alive, destroyed, or failed midway). Before anything else.
+void refuse_a_second_wrapper(const std::shared_ptr<torch::nn::Module>& model, const World& world);
 
 class Engine {
  public:
@@ -113,8 +118,11 @@ class Engine {
   void finish_completed_reduces();  // those that have completed, without waiting
   void finish_first_reduce();
   // Note [Replicated strategies]
+  // `unit_of`: each parameter's declared unit (0: none), for Note [Buckets keep units together].
   void make_replicated_group(std::vector<std::pair<std::string, at::Tensor>> params, at::ScalarType compute,
-                             const FlatParamGroup::Placement& placement);
+                             const FlatParamGroup::Placement& placement,
+                             const std::unordered_map<const c10::TensorImpl*, int>& unit_of);
+  std::vector<int> bucket_order_from_arrivals() const;
   std::vector<int> bucket_sizes(const std::vector<int>& ids) const;
   void launch_ready_segments();
   void reduce_segment(int segment);
@@ -214,6 +222,7 @@ class Engine {
   std::vector<int> pending_;               // by segment: gradients not yet accumulated
   int next_segment_ = 0;                   // segments are reduced in order on every rank
   std::vector<int> arrival_;               // parameter ids in the first backward's order
+  std::vector<int> unit_of_param_;         // by parameter id: its declared unit (0: none)
   bool rebuilt_ = false;
   bool arrival_recorded_ = false;  // after the first backward
   bool accumulating_ = false;      // gradients of a backward under no_sync wait in the flat gradient

@@ -3,6 +3,8 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <unordered_map>
 
@@ -82,6 +84,88 @@ std::vector<std::pair<std::string, at::Tensor>> unbuild(FlatParamGroup& g, Commu
   return params;
 }
 
+// Note [One wrapper per model]
+// A wrapper takes over its model's parameters: their values move into flat buffers it
+// owns, and under the sharded strategies the parameters are left as empty views between
+// gathers. A second wrapper on the same model would flatten parameters another wrapper
+// drives (or, once that one is gone, parameters it laid out for itself) and train garbage.
+// So every model a wrapper was built on is remembered (weakly: a model that is destroyed
+// leaves the list) from the moment the wrapper starts laying it out, and a second wrapper
+// is refused whether the first is alive, destroyed, or failed midway (its constructor
+// threw after the layout began, leaving the parameters placeholders). A wrapper refused
+// before that moment (bad options, models that differ across ranks) leaves no trace: the
+// model can be wrapped again.
+enum class WrapperState { Alive, Destroyed, Failed };
+struct WrappedModel {
+  std::weak_ptr<torch::nn::Module> model;
+  WrapperState state = WrapperState::Alive;
+};
+std::mutex wrapped_mutex;
+std::vector<WrappedModel> wrapped_models;
+
+void set_wrapper_state(const std::shared_ptr<torch::nn::Module>& model, WrapperState state) {
+  std::lock_guard<std::mutex> lock(wrapped_mutex);
+  for (auto& w : wrapped_models) {
+    if (w.model.lock() == model) {
+      w.state = state;
+      return;
+    }
+  }
+  wrapped_models.push_back({model, state});
+}
+
+// Marks the model as Failed unless the constructor that made it reaches its end.
+class LayoutInProgress {
+ public:
+  explicit LayoutInProgress(std::shared_ptr<torch::nn::Module> model) : model_(std::move(model)) {
+    set_wrapper_state(model_, WrapperState::Alive);
+  }
+  ~LayoutInProgress() {
+    if (!done_) set_wrapper_state(model_, WrapperState::Failed);
+  }
+  void done() { done_ = true; }
+
+ private:
+  std::shared_ptr<torch::nn::Module> model_;
+  bool done_ = false;
+};
+
+// What Note [Same values on every rank] compares:// What Note [Same values on every rank] compares: each
+// unit's parameters (those not built into shards, which were compared as they were built), then the model's
+// buffers.
+std::vector<NamedValues> values_to_compare(torch::nn::Module& model, const std::vector<UnitBase*>& declared,
+                                           const std::unordered_map<const c10::TensorImpl*, int>& owner,
+                                           const std::vector<std::shared_ptr<FlatParamGroup>>& built) {
+  std::unordered_map<const torch::nn::Module*, std::string> path_of;  // a unit's place in the model
+  for (const auto& item : model.named_modules()) path_of[item.value().get()] = item.key();
+  std::vector<NamedValues> units(built.size());
+  for (std::size_t i = 0; i < declared.size(); ++i) {
+    const auto modules = declared[i]->unit_modules();
+    const auto it = modules.size() == 1 ? path_of.find(modules.front()) : path_of.end();
+    units[i + 1].name =
+        it != path_of.end() ? fmt::format("unit '{}'", it->second) : fmt::format("unit #{}", i + 1);
+  }
+  units[0].name = "the root unit (parameters outside every unit)";
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const auto* impl = item.value().unsafeGetTensorImpl();
+    const auto it = owner.find(impl);
+    if (it == owner.end() || !seen.insert(impl).second || built[it->second]) continue;
+    const int unit = it->second;
+    units[unit].tensors.push_back(item.value());
+  }
+  std::vector<NamedValues> out;
+  for (auto& entry : units) {
+    if (!entry.tensors.empty()) out.push_back(std::move(entry));
+  }
+  NamedValues buffers{"the model's buffers", {}};
+  for (const auto& b : model.buffers(/*recurse=*/true)) {
+    if (b.defined()) buffers.tensors.push_back(b);
+  }
+  if (!buffers.tensors.empty()) out.push_back(std::move(buffers));
+  return out;
+}
+
 // Under the replicated strategies the declared units are not scheduled (the model is one
 // group of buckets); they keep only the cast of their inputs (Note [Casting forward inputs]).
 class InputCast final : public UnitHooks {
@@ -112,6 +196,30 @@ class Driver final : public UnitHooks {
 };
 
 }  // namespace
+
+void refuse_a_second_wrapper(const std::shared_ptr<torch::nn::Module>& model, const World& world) {
+  std::lock_guard<std::mutex> lock(wrapped_mutex);
+  wrapped_models.erase(std::remove_if(wrapped_models.begin(), wrapped_models.end(),
+                                      [](const WrappedModel& w) { return w.model.expired(); }),
+                       wrapped_models.end());
+  for (const auto& w : wrapped_models) {
+    if (w.model.lock() != model) continue;
+    const char* first = w.state == WrapperState::Alive ? "that is still alive"
+                        : w.state == WrapperState::Destroyed
+                            ? "that has since been destroyed"
+                            : "whose construction failed after it began laying the "
+                              "parameters out";
+    throw InvalidArgument(fmt::format(
+        "flatshard::FullyShard (rank {}/{}): this model was already wrapped by a FullyShard {}. A model "
+        "takes "
+        "one wrapper: {}",
+        world.rank(), world.world_size(), first,
+        w.state == WrapperState::Alive
+            ? "use the one it has (its forward, optimizer and checkpoints)"
+            : "its parameters were laid out for that wrapper; build the model again (and load its values "
+              "from a checkpoint with checkpoint::load_sharded on the new wrapper)"));
+  }
+}
 
 Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, const FullyShardOptions& options)
     : model_(std::move(model)),
@@ -249,11 +357,18 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     }
     check_same_model_everywhere(
         world, *model_, "flatshard::FullyShard",
-        {fmt::format("strategy {}, shard groups of {} ranks, reshard after forward {}, prefetch {}",
-                     to_string(options_.strategy), shard_.size, reshard_after_forward_, options_.prefetch),
+        {fmt::format("strategy {}, shard groups of {} ranks, reshard after forward {}, prefetch {}, "
+                     "sync_module_states {}",
+                     to_string(options_.strategy), shard_.size, reshard_after_forward_, options_.prefetch,
+                     static_cast<int>(options_.sync_module_states)),
          fmt::format("units: {}", fmt::join(units, "; ")),
          fmt::format("compute dtype {}", c10::toString(compute))});
   }
+  if (!replicated_) {  // the replicated strategies start from rank 0's values (make_replicated_group)
+    reconcile_values(*comm_, values_to_compare(*model_, declared, owner, built), options_.sync_module_states,
+                     "flatshard::FullyShard");
+  }
+  LayoutInProgress layout_in_progress(model_);  // Note [One wrapper per model]
   if (shard_.size < world_size_ && !replicated_) {
     // Note [Shard groups]: group k is ranks [k G, (k + 1) G); replica set j is the ranks
     // j, G + j, 2 G + j, ... that hold shard j. Made after the check above (a rank with
@@ -275,7 +390,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     buffers_.push_back(b);
   }
   if (replicated_) {
-    make_replicated_group(std::move(params[0]), compute, placement);
+    make_replicated_group(std::move(params[0]), compute, placement, owner);
     if (input_dtype()) {
       for (UnitBase* unit : declared) {
         input_casts_.emplace_back(unit, std::make_unique<InputCast>(this));
@@ -356,6 +471,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     got_grad_.emplace_back(u->group ? u->group->slots().size() : 0, 0);
   }
   params_with_grad_.assign(shards().size(), {});
+  layout_in_progress.done();
   log::at(log::Level::Info, "FullyShard: {} units, {} parameters", units_.size(), owner.size());
 }
 
@@ -374,6 +490,7 @@ Engine::~Engine() {
     if (u->declared) u->declared->attach(nullptr);
   }
   for (auto& [unit, cast] : input_casts_) unit->attach(nullptr);
+  set_wrapper_state(model_, WrapperState::Destroyed);
 }
 
 std::vector<at::Tensor> Engine::shards() const {

@@ -53,6 +53,7 @@ bool built_on_host(torch::nn::Module& model, const FullyShardOptions& options) {
 FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const World& world,
                                const FullyShardOptions& options)
     : world_(world) {
+  sharding::refuse_a_second_wrapper(model, world);  // before the planner reads the model
   // The planner's figures are those of full shard or shard-grad-op within the group.
   Strategy mode = options.strategy;
   if (mode == Strategy::HybridShard || mode == Strategy::FullShard)

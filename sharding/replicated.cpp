@@ -1,7 +1,8 @@
 // The replicated strategies, NoShard (DDP) and ShardOptimizerState (ZeRO-1): one
 // persistent flat group cut into buckets, reduced as they fill, laid out again after the
 // first backward, refreshed from the master shard before forward (Note [Replicated
-// strategies]).
+// strategies]). The other ways a bucket can be averaged (staleness, communication hooks,
+// decentralized training) are in averaging.cpp.
 #include <algorithm>
 #include <map>
 #include <numeric>
@@ -54,7 +55,8 @@ using detail::fold_strays;
 // ShardOptimizerState all-gathered bucket by bucket. Without mixed precision, NoShard's
 // master shard is the flat buffer and its gradient the flat gradient: nothing is copied.
 void Engine::make_replicated_group(std::vector<std::pair<std::string, at::Tensor>> params,
-                                   at::ScalarType compute, const FlatParamGroup::Placement& given) {
+                                   at::ScalarType compute, const FlatParamGroup::Placement& given,
+                                   const std::unordered_map<const c10::TensorImpl*, int>& unit_of) {
   if (options_.first_bucket_bytes <= 0 || options_.bucket_bytes <= 0) {
     throw InvalidArgument(
         fmt::format("flatshard::FullyShard (rank {}/{}): bucket sizes must be positive, got "
@@ -78,6 +80,8 @@ void Engine::make_replicated_group(std::vector<std::pair<std::string, at::Tensor
   for (const auto& [name, p] : params) {
     param_names_.push_back(name);
     param_bytes_.push_back(p.numel() * static_cast<std::int64_t>(c10::elementSize(compute)));
+    const auto it = unit_of.find(p.unsafeGetTensorImpl());
+    unit_of_param_.push_back(it == unit_of.end() ? 0 : it->second);
   }
   std::vector<int> ids(params.size());
   std::iota(ids.begin(), ids.end(), 0);
@@ -257,215 +261,6 @@ void Engine::start_bucket_reduction(PendingReduce& pending, int s) {
   }
 }
 
-// Note [Bounded staleness]
-// With FullyShardOptions::staleness s, a bucket's gradients are copied when they are
-// ready and that copy is averaged (by the engine's collective or the hook, as without
-// staleness) while the backward and the next s steps compute. The bucket's own reduction
-// then delivers, in place of its own average, the average that bucket got s synced
-// backwards ago, which has had s steps to arrive: the update of step t is made from the
-// gradients of step t - s, taken at the parameters of step t - s (a single process doing
-// the same: tests/multirank/test_decentralized.cpp). In the first s synced backwards
-// there is no such average: the gradients are dropped after the backward and the
-// optimizer does not step. Each bucket keeps s + 1 buffers for the copies, which take
-// turns: s + 1 gradients' worth of memory is the price of never waiting.
-void Engine::delay(PendingReduce& pending, int s) {
-  if (delayed_.size() < pending_.size()) delayed_.resize(pending_.size());
-  Delayed& d = delayed_[s];
-  // The buffer the copy made staleness + 1 reductions ago used; that reduction was applied
-  // at the end of the previous synced backward.
-  const auto turn = static_cast<std::size_t>(d.count++ % (options_.staleness + 1));
-  if (d.inputs.size() <= turn) {
-    d.inputs.push_back(at::empty_like(pending.input));
-    d.outputs.push_back(
-        shard_.size == 1 ? d.inputs.back()
-                         : at::empty({units_[kRoot]->group->segments()[s].slice}, pending.input.options()));
-  }
-  auto copy = std::make_unique<PendingReduce>();
-  copy->unit = pending.unit;
-  copy->input = d.inputs[turn];
-  copy->output = d.outputs[turn];
-  copy->input.copy_(pending.input);
-  start_bucket_reduction(*copy, s);
-  d.queue.push_back(std::move(copy));
-  if (static_cast<int>(d.queue.size()) > options_.staleness) {
-    pending.stale = std::move(d.queue.front());
-    d.queue.pop_front();
-  } else {
-    warming_up_ = true;
-  }
-}
-
-// Note [Communication hooks]
-// Under NoShard and ShardOptimizerState a hook (comm_hooks.h) replaces the bucket's
-// average: it gets the bucket when it is ready, in bucket order on every rank, starts its
-// collectives on this engine's communicator and returns them with what finishes them,
-// and the bucket then waits in in_flight_ like the engine's own all-reduce, finished
-// (waited for, then the hook's finish) off the backward's path. The sharded strategies
-// reduce-scatter units, which a bucket-averaging hook cannot do, and refuse hooks.
-void Engine::set_comm_hook(std::shared_ptr<CommHook> hook) {
-  const std::string who =
-      fmt::format("flatshard::FullyShard::register_comm_hook (rank {}/{})", rank_, world_size_);
-  if (hook && options_.decentralized_every > 0) {
-    throw InvalidArgument(fmt::format(
-        "{}: decentralized training (decentralized_every {}) averages parameters with the neighbours and "
-        "no gradient, so there is nothing for a hook to reduce",
-        who, options_.decentralized_every));
-  }
-  if (hook && !replicated_ && !replica_comm_) {
-    throw InvalidArgument(fmt::format(
-        "{}: {} reduce-scatters each unit's gradients within {}, and a hook averages over replicas; use "
-        "Strategy::NoShard, Strategy::ShardOptimizerState, or HybridShard with more than one shard group",
-        who, to_string(options_.strategy),
-        options_.strategy == Strategy::HybridShard ? "its only shard group" : "the whole world"));
-  }
-  if (backward_active_) throw InvalidArgument(fmt::format("{}: called during backward", who));
-  // Every rank must run the same hook with the same settings: compare their descriptions.
-  const std::string mine = hook ? hook->describe() : "none";
-  const auto all = checkpoint::shards::exchange_strings(*comm_, mine);
-  for (int r = 0; r < world_size_; ++r) {
-    if (all[r] != mine) {
-      throw InvalidArgument(
-          fmt::format("{}: rank {} registered a communication hook with other settings ({}) than this rank's "
-                      "{}; every rank "
-                      "must register the same hook with the same settings",
-                      who, r, all[r], mine));
-    }
-  }
-  finish_pending_reduce();
-  comm_hook_ = std::move(hook);
-}
-
-void Engine::start_hook(PendingReduce& pending, int s) {
-  const FlatParamGroup& g = *units_[kRoot]->group;
-  const FlatSegment& seg = g.segments()[s];
-  GradBucket bucket;
-  bucket.index = s;
-  bucket.step = synced_backwards_;
-  bucket.buffer = pending.input;
-  for (int i = seg.first_slot; i < seg.end_slot; ++i) {
-    const ParamSlot& slot = g.slots()[i];
-    bucket.params.push_back({slot.name, slot.shape, slot.offset - seg.offset});
-  }
-  HookWork work = comm_hook_->reduce(*comm_, bucket);
-  pending.hook_works = std::move(work.works);
-  pending.hook_finish = std::move(work.finish);
-  pending.hook = comm_hook_;
-}
-
-// A run resumed from a checkpoint starts its staleness over: the averages waiting belong
-// to the steps before the checkpoint was loaded. Their collectives are waited for (no rank
-// leaves one behind), and what would finish them is not run: a hook's finish would
-// overwrite the state just loaded.
-void Engine::restore_synced_backwards(std::int64_t count) {
-  synced_backwards_ = count;
-  for (auto& d : delayed_) {
-    for (auto& pending : d.queue) {
-      if (pending->work) pending->work->wait();
-      for (const Work& w : pending->hook_works) w.wait();
-    }
-    d.queue.clear();
-  }
-}
-
-// Note [Decentralized training]
-// With FullyShardOptions::decentralized_every k (NoShard), no gradient is averaged. At
-// the first forward of every k-th step, the parameters (the master buffer, which holds
-// them, or their fp32 master under mixed precision) go to both ring neighbours and theirs
-// come back (Communicator::neighbor_exchange, on the all-gather stream), while forward
-// and backward run; the parameters do not change until the step. At the end of that
-// step's synced backward each rank replaces its parameters with the mean of its own and
-// its neighbours', and the optimizer steps that mean with this rank's own gradient:
-// w_{t+1,i} = (w_{t,i-1} + w_{t,i} + w_{t,i+1}) / 3 - lr g_{t,i} for SGD. The first step
-// exchanges nothing: until the buckets are laid out every rank holds rank 0's
-// parameters, whose mean is themselves.
-void Engine::start_neighbor_exchange() {
-  const auto& group = units_[kRoot]->group;
-  if (options_.decentralized_every <= 0 || world_size_ == 1 || !group || exchange_ || !rebuilt_) return;
-  if ((synced_backwards_ + 1) % options_.decentralized_every != 0) return;
-  const at::Tensor master = group->master().detach();
-  if (!neighbors_.defined() || neighbors_.numel() != 2 * master.numel())
-    neighbors_ = at::empty({2 * master.numel()}, master.options());
-  CollectiveOptions opts;
-  opts.stream = StreamRole::AllGather;
-  exchange_ = comm_->neighbor_exchange(neighbors_, master, opts);
-}
-
-void Engine::average_with_neighbors() {
-  if (!exchange_) return;
-  const Work work = *exchange_;
-  exchange_.reset();
-  work.wait();
-  at::NoGradGuard no_grad;
-  at::Tensor master = units_[kRoot]->group->master().detach();
-  const std::int64_t n = master.numel();
-  master.add_(neighbors_.narrow(0, 0, n)).add_(neighbors_.narrow(0, n, n)).div_(3);
-  stale_ = true;  // under mixed precision the parameters are refreshed from it
-}
-
-void Engine::check_communication_options() const {
-  const std::string who = fmt::format("flatshard::FullyShard (rank {}/{})", rank_, world_size_);
-  if (options_.staleness < 0 || options_.staleness > FullyShardOptions::kMaxStaleness) {
-    throw InvalidArgument(fmt::format("{}: staleness must be in [0, {}], got {}", who,
-                                      FullyShardOptions::kMaxStaleness, options_.staleness));
-  }
-  if (options_.staleness > 0 && !replicated_) {
-    throw InvalidArgument(
-        fmt::format("{}: staleness {} needs a replicated strategy (NoShard or ShardOptimizerState): {} "
-                    "reduce-scatters each unit into its shard as backward runs; set staleness = 0 or change "
-                    "the strategy",
-                    who, options_.staleness, to_string(options_.strategy)));
-  }
-  if (options_.decentralized_every < 0) {
-    throw InvalidArgument(
-        fmt::format("{}: decentralized_every must be >= 0, got {}", who, options_.decentralized_every));
-  }
-  if (options_.decentralized_every > 0 && options_.strategy != Strategy::NoShard) {
-    throw InvalidArgument(fmt::format(
-        "{}: decentralized_every {} needs Strategy::NoShard: every rank keeps and steps its own replica, "
-        "while {} holds one copy of the optimizer state for all ranks; set decentralized_every = 0 or use "
-        "NoShard",
-        who, options_.decentralized_every, to_string(options_.strategy)));
-  }
-  if (options_.decentralized_every > 0 && options_.cpu_offload) {
-    throw InvalidArgument(fmt::format(
-        "{}: decentralized_every {} and cpu_offload do not combine: the neighbours' parameters are exchanged "
-        "and averaged on the compute device, which offload keeps free of the masters; set one of them off",
-        who, options_.decentralized_every));
-  }
-  if (options_.decentralized_every > 0 && options_.staleness > 0) {
-    throw InvalidArgument(fmt::format(
-        "{}: decentralized_every {} and staleness {} do not combine: decentralized training averages "
-        "no gradient to delay; set one of them to 0",
-        who, options_.decentralized_every, options_.staleness));
-  }
-}
-
-// Note [Hooks across shard groups]
-// Under HybridShard the groups that hold the same shard replicate it, and the hook averages
-// over them in place of the engine's all-reduce: each unit's reduce-scattered shard (the
-// group's average) is handed to the hook as a bucket numbered by the unit, over the
-// communicator of this shard's replicas, once its reduce-scatter has completed (the hook
-// reads the values when it is called), and is finished at once. The bucket names the
-// parameters wholly inside this rank's shard, at their offsets in it; the pieces of
-// parameters cut by the shard's edges are plain values to the hook (PowerSGD sends them
-// uncompressed).
-void Engine::average_across_groups(PendingReduce& pending) {
-  const FlatParamGroup& g = *units_[pending.unit]->group;
-  const std::int64_t begin = static_cast<std::int64_t>(shard_.rank) * g.shard_numel(),
-                     end = begin + g.shard_numel();
-  GradBucket bucket;
-  bucket.index = pending.unit;
-  bucket.step = synced_backwards_;
-  bucket.buffer = pending.output;
-  for (const auto& slot : g.slots()) {
-    if (slot.offset >= begin && slot.offset + slot.numel <= end)
-      bucket.params.push_back({slot.name, slot.shape, slot.offset - begin});
-  }
-  HookWork work = comm_hook_->reduce(*replica_comm_, bucket);
-  for (const Work& w : work.works) w.wait();
-  if (work.finish) work.finish();
-}
-
 void Engine::end_of_replicated_backward() {
   Unit& root = *units_[kRoot];
   root.pre_backward_done = false;
@@ -490,16 +285,7 @@ void Engine::end_of_replicated_backward() {
         "depend on them.",
         rank_, world_size_, missing.size(), fmt::join(missing, ", ")));
   }
-  if (!rebuilt_) {
-    // Rank 0's arrival order (then the parameters that got no gradient), so that every
-    // rank lays out the same buckets.
-    std::vector<int> order = arrival_;
-    std::set<int> seen(order.begin(), order.end());
-    for (int id = 0; id < static_cast<int>(param_names_.size()); ++id) {
-      if (!seen.count(id)) order.push_back(id);
-    }
-    rebuild_buckets(std::move(order));
-  }
+  if (!rebuilt_) rebuild_buckets(bucket_order_from_arrivals());
   // What is left: buckets holding unused parameters (their slices hold zeros).
   for (int k = next_segment_; k < static_cast<int>(pending_.size()); ++k) reduce_segment(k);
   next_segment_ = static_cast<int>(pending_.size());
@@ -518,6 +304,38 @@ void Engine::end_of_replicated_backward() {
   }
   average_with_neighbors();
   account();
+}
+
+// Note [Buckets keep units together]
+// The buckets are laid out again after the first backward in the order gradients arrived
+// (DDP's rebuild), with one change: a declared unit's parameters stay together, in reverse
+// registration order, where the unit's first gradient arrived. A recomputed unit
+// (Note [Recomputation and DDP's buckets]) hands its gradients over at the end of its
+// second run in another order than a unit whose backward runs op by op; the units
+// themselves, and the parameters outside every unit, arrive in the same order either way.
+// So the layout, and with it the order in which a ring of three or more ranks adds each
+// element's contributions, does not depend on recomputation, and training with it is bit
+// for bit training without it. A unit's gradients arrive within one unit's backward, so
+// its order inside a bucket costs no overlap. Parameters no gradient reached come last;
+// the order is rank 0's, so every rank lays out the same buckets.
+std::vector<int> Engine::bucket_order_from_arrivals() const {
+  std::vector<int> order;
+  std::set<int> placed, units_placed;
+  auto place = [&](int id) {
+    if (placed.insert(id).second) order.push_back(id);
+  };
+  for (int id : arrival_) {
+    const int unit = unit_of_param_[id];
+    if (unit == 0) {
+      place(id);
+    } else if (units_placed.insert(unit).second) {
+      for (int other = 0; other < static_cast<int>(unit_of_param_.size()); ++other) {
+        if (unit_of_param_[other] == unit) place(other);  // ids ascend in reverse registration order
+      }
+    }
+  }
+  for (int id = 0; id < static_cast<int>(param_names_.size()); ++id) place(id);
+  return order;
 }
 
 void Engine::rebuild_buckets(std::vector<int> order) {

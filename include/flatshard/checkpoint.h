@@ -15,6 +15,7 @@
 // See docs/checkpoints.md.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 
@@ -58,10 +59,26 @@ std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp
                                                             const optim::LRScheduler* scheduler = nullptr,
                                                             const optim::GradScaler* scaler = nullptr);
 
+// The fp32 master values, what the optimizer steps, at full size under the parameters'
+// names: the model's full-precision weights, where full_state_dict gives the parameters
+// as computed with (rounded to bf16 under mixed_precision.param = kBFloat16). Every
+// parameter that trains, and the frozen ones. On rank `to` (every rank when to == -1;
+// empty elsewhere). A collective.
+std::map<std::string, at::Tensor> full_master_state_dict(FullyShardBase& fsdp, int to = 0);
+
 // A dict of tensors in the format of torch.save, written atomically.
 void save_tensors(const std::map<std::string, at::Tensor>& tensors, const std::string& path);
 // Reads what save_tensors (or Python's torch.save of a dict of tensors) wrote.
 std::map<std::string, at::Tensor> load_tensors(const std::string& path);
+
+// How far a sharded save has got (SaveOptions::on_stage). The stages of Note [Checkpoint
+// directories] in src/io/shard_save.cpp.
+enum class SaveStage {
+  ShardWritten,     // every rank: its shard file is written and synced in root/.step-<S>.tmp/
+  MetadataWritten,  // rank 0: metadata.json too; complete, not yet in place
+  Renamed,          // rank 0: root/step-<S>/ is in place; root/latest still names the previous
+  Published,        // rank 0: root/latest names it; older ones beyond keep_last go next
+};
 
 struct SaveOptions {
   // Training step: recorded in the metadata, and names the directory (step-<step>).
@@ -71,6 +88,9 @@ struct SaveOptions {
   // Saved with the optimizer's groups (their hyperparameters) when given.
   const optim::LRScheduler* scheduler = nullptr;
   const optim::GradScaler* scaler = nullptr;
+  // Called on each rank as its part of the save passes each stage: progress reports, and
+  // the crash tests' points to kill a job at. It must not throw.
+  std::function<void(SaveStage)> on_stage;
 };
 
 // What load_sharded restores besides the model and the optimizer.

@@ -68,6 +68,24 @@ enum class NonFiniteGrads {
   Raise,   // backward throws NonFiniteGradError on every rank
 };
 
+// How a sharded wrapper (FullShard, ShardGradOp, HybridShard) meets ranks whose model holds
+// different initial values (Note [Same values on every rank] in sharding/model_check.cpp).
+// Models built into shards (BuildIntoShards) were compared unit by unit as they were
+// built. NoShard and ShardOptimizerState always start every rank from rank 0's parameters
+// and buffers, as PyTorch's DDP does, whatever this says.
+enum class SyncModuleStates {
+  // Each rank hashes each unit's parameters and the model's buffers (24 bytes per unit
+  // cross the network); on any difference every rank throws InvalidArgument naming the
+  // unit and which ranks hold which version.
+  Check,
+  // Rank 0's parameters and buffers are copied to every rank before sharding (PyTorch
+  // FSDP's sync_module_states=True): ranks may build with any seed; rank 0 may load a
+  // checkpoint alone.
+  FromRank0,
+  // Neither: the caller guarantees the values agree (skips hashing the whole model).
+  Trust,
+};
+
 struct FullyShardOptions {
   Strategy strategy = Strategy::FullShard;
   // HybridShard: ranks per shard group; they are consecutive (ranks [k G, (k + 1) G) form
@@ -80,6 +98,7 @@ struct FullyShardOptions {
   // previous). At most prefetch + 1 units besides the root are gathered at once.
   int prefetch = 1;
   MixedPrecision mixed_precision;
+  SyncModuleStates sync_module_states = SyncModuleStates::Check;
   CommunicatorOptions comm{std::chrono::minutes(5), "fully_shard"};
   MemoryBudget memory_budget;
   NonFiniteGrads nonfinite_grads = NonFiniteGrads::Ignore;
@@ -208,7 +227,7 @@ class FullyShardBase {
   // Which parameters of shard i (in layout() order) got a gradient in the step that ended
   // with the last synced backward: on any rank with find_unused_parameters, else on this
   // rank. Empty when every one did. Optimizers step only those (Note [Parameters without
-  // gradients] in sharding/engine.cpp).
+  // gradients] in sharding/gradients.cpp).
   const std::vector<char>& params_with_grad(std::size_t shard) const;
   // Optimizers over shards call it after stepping each segment of shard i, in order
   // (ShardOptimizerState then gathers that bucket while the next ones step).

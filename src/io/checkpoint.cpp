@@ -6,8 +6,11 @@
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/serialize.h>
 
+#include <functional>
+
 #include <fmt/format.h>
 
+#include "src/errors.h"
 #include "src/io/files.h"
 
 namespace flatshard::checkpoint {
@@ -53,34 +56,60 @@ std::map<std::string, at::Tensor> full_state_dict(FullyShardBase& fsdp, torch::n
   return collect(model);
 }
 
+namespace {
+
+// One flat group's shard-shaped values (one per element of this rank's shard) at full
+// size, cut into the group's parameters: put(parameter, values) on the ranks that keep
+// them. Every rank takes part: the first shard group's slices, each in its place and
+// zeros elsewhere, summed over the world (each element has one owner, so the sum adds only
+// zeros: exact). An undefined shard contributes zeros.
+void assemble(FullyShardBase& fsdp, const ShardLayout& layout, const at::Tensor& shard, bool keep,
+              const std::function<void(const ShardLayout::Param&, const at::Tensor&)>& put) {
+  const ShardGroup group = fsdp.shard_group();
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(fsdp.comm().device());
+  auto full = at::zeros({layout.padded_numel}, options);
+  if (group.replica == 0 && shard.defined()) {
+    for (const auto& seg : layout.segments) {
+      full.narrow(0, seg.offset + group.rank * seg.slice, seg.slice)
+          .copy_(shard.narrow(0, seg.shard_offset, seg.slice));
+    }
+  }
+  fsdp.comm().all_reduce(full, ReduceOp::Sum).wait();
+  if (!keep) return;
+  for (const auto& p : layout.params) put(p, full.narrow(0, p.offset, p.numel).view(p.shape));
+}
+
+at::Tensor host_copy(const at::Tensor& t) { return t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true); }
+
+}  // namespace
+
+std::map<std::string, at::Tensor> full_master_state_dict(FullyShardBase& fsdp, int to) {
+  const bool keep = to < 0 || fsdp.world().rank() == to;
+  const auto layout = fsdp.layout();
+  const auto shards = fsdp.shards();
+  FLATSHARD_ASSERT(shards.size() == layout.size(), "one master shard per flat group");
+  std::map<std::string, at::Tensor> out;
+  for (std::size_t i = 0; i < layout.size(); ++i) {
+    assemble(fsdp, layout[i], shards[i].detach(), keep,
+             [&](const ShardLayout::Param& p, const at::Tensor& values) { out[p.name] = host_copy(values); });
+  }
+  return out;
+}
+
 std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp,
                                                             const optim::ShardOptimizer& optimizer, int to,
                                                             const optim::LRScheduler* scheduler,
                                                             const optim::GradScaler* scaler) {
   const auto layout = fsdp.layout();
-  const ShardGroup group = fsdp.shard_group();
   const bool keep = to < 0 || fsdp.world().rank() == to;
   std::map<std::string, at::Tensor> out;
   std::int64_t steps = 0;
   for (std::size_t i = 0; i < layout.size(); ++i) {
     steps = std::max(steps, optimizer.steps(i));
-    for (const auto& [name, shard] : optimizer.named_state(i)) {
-      // Every rank takes part: the first shard group's slices, each in its place and zeros
-      // elsewhere, summed over the world (each element has one owner). A state not created
-      // yet (no step taken) is zeros.
-      const auto options = at::TensorOptions().dtype(at::kFloat).device(fsdp.comm().device());
-      auto full = at::zeros({layout[i].padded_numel}, options);
-      if (group.replica == 0 && shard.defined()) {
-        for (const auto& seg : layout[i].segments) {
-          full.narrow(0, seg.offset + group.rank * seg.slice, seg.slice)
-              .copy_(shard.narrow(0, seg.shard_offset, seg.slice));
-        }
-      }
-      fsdp.comm().all_reduce(full, ReduceOp::Sum).wait();
-      if (!keep) continue;
-      for (const auto& p : layout[i].params) {
-        out[p.name + "." + name] = full.narrow(0, p.offset, p.numel).view(p.shape).to(at::kCPU, false, true);
-      }
+    for (const auto& [name, shard] : optimizer.named_state(i)) {  // a state not made yet: zeros
+      assemble(fsdp, layout[i], shard, keep, [&](const ShardLayout::Param& p, const at::Tensor& values) {
+        out[p.name + "." + name] = host_copy(values);
+      });
     }
     if (!keep) continue;
     for (const auto& p : layout[i].params)

@@ -241,6 +241,10 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
     failure = e.what();
   }
   if (!failure.empty()) index.clear();
+  const auto reached = [&](SaveStage stage) {
+    if (options.on_stage) options.on_stage(stage);
+  };
+  if (failure.empty()) reached(SaveStage::ShardWritten);
   const auto indexes = exchange_strings(comm, failure.empty() ? index : "!" + failure);
   for (int r = 0; r < n; ++r) {
     if (!indexes[r].empty() && indexes[r][0] == '!') {
@@ -283,6 +287,7 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
       const auto text = meta.dump(1);
       io::write_file_atomically(tmp + "/metadata.json", std::vector<char>(text.begin(), text.end()));
       fsync_dir(tmp);
+      reached(SaveStage::MetadataWritten);
       std::string old;
       if (exists(final_dir)) {  // saving the same step again: the older copy goes last
         old = fmt::format("{}/.{}.old", root, name);
@@ -294,8 +299,10 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
       if (::rename(tmp.c_str(), final_dir.c_str()) != 0)
         fail(final_dir, fmt::format("cannot rename '{}' to '{}': {}", tmp, final_dir, errno_reason(errno)));
       fsync_dir(root);
+      reached(SaveStage::Renamed);
       const std::string latest = name + "\n";
       io::write_file_atomically(root + "/latest", std::vector<char>(latest.begin(), latest.end()));
+      reached(SaveStage::Published);
       if (!old.empty()) remove_tree(old);
       if (options.keep_last > 0) {
         std::vector<std::string> steps;

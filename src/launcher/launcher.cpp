@@ -87,7 +87,7 @@ void flush_partial(int rank, std::string& partial, FILE* to) {
   std::fflush(to);
 }
 
-pid_t spawn(const LaunchOptions& o, int local, int port, int out_fd[2], int err_fd[2]) {
+pid_t spawn(const LaunchOptions& o, int local, int port, int restart, int out_fd[2], int err_fd[2]) {
   const pid_t pid = ::fork();
   if (pid != 0) return pid;
   // Child: its own process group (the launcher forwards signals), killed if the
@@ -108,6 +108,10 @@ pid_t spawn(const LaunchOptions& o, int local, int port, int out_fd[2], int err_
   ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
   ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
   ::setenv("OMP_NUM_THREADS", "1", 0);  // ranks share the cores; keep what the user set
+  // Note [Restarting a failed job]: which start this is (torchrun's names, and ours).
+  ::setenv("TORCHELASTIC_RESTART_COUNT", std::to_string(restart).c_str(), 1);
+  ::setenv("TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts).c_str(), 1);
+  ::setenv("FLATSHARD_RESTART_COUNT", std::to_string(restart).c_str(), 1);
   if (o.nccl_host_per_rank) {
     // Note [NCCL between ranks on one GPU]
     ::setenv("NCCL_HOSTID", fmt::format("flatshard-{}-{}-rank{}", o.master_addr, port, rank).c_str(), 1);
@@ -137,7 +141,8 @@ pid_t spawn(const LaunchOptions& o, int local, int port, int out_fd[2], int err_
 
 std::string usage() {
   return "usage: flatshard-run -n N [--nnodes M --node-rank R --master-addr A --master-port P]\n"
-         "                     [--grace-s S] [--deadline-s S] [--nccl-host-per-rank] PROGRAM [ARGS...]\n"
+         "                     [--grace-s S] [--deadline-s S] [--nccl-host-per-rank] [--max-restarts N]\n"
+         "                     PROGRAM [ARGS...]\n"
          "  -n, --nproc-per-node N  ranks to start on this node\n"
          "  --nnodes M              nodes in the job (default 1)\n"
          "  --node-rank R           this node's index (default 0)\n"
@@ -146,7 +151,11 @@ std::string usage() {
          "  --grace-s S             after a rank fails, seconds the others get to exit (default 5)\n"
          "  --deadline-s S          stop the job and fail after S seconds (default: none)\n"
          "  --nccl-host-per-rank    give each rank its own NCCL_HOSTID, so that NCCL joins ranks\n"
-         "                          that share a GPU over its network transport (testing)\n";
+         "                          that share a GPU over its network transport (testing)\n"
+         "  --max-restarts N        after a rank fails, stop the others and start every rank\n"
+         "                          again, up to N times (default 0); the program resumes from\n"
+         "                          its latest checkpoint (TORCHELASTIC_RESTART_COUNT says which\n"
+         "                          start it is)\n";
 }
 
 LaunchOptions parse_args(int argc, char** argv) {
@@ -174,6 +183,8 @@ LaunchOptions parse_args(int argc, char** argv) {
       o.deadline_s = parse_double(a, value(a));
     else if (a == "--nccl-host-per-rank")
       o.nccl_host_per_rank = true;
+    else if (a == "--max-restarts" || a == "--max_restarts")
+      o.max_restarts = parse_int(a, value(a));
     else if (a == "-h" || a == "--help")
       throw std::invalid_argument("help requested");
     else if (a == "--") {
@@ -194,31 +205,31 @@ LaunchOptions parse_args(int argc, char** argv) {
     throw std::invalid_argument("--master-port must be in 1..65535");
   if (o.nnodes > 1 && o.master_port == 0)
     throw std::invalid_argument("--master-port is required when --nnodes > 1");
+  if (o.max_restarts < 0) throw std::invalid_argument("--max-restarts must be at least 0");
   return o;
 }
 
-int run(const LaunchOptions& o) {
-  if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
-    std::fprintf(stderr, "flatshard-run: pipe: %s\n", std::strerror(errno));
-    return 1;
-  }
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-  ::signal(SIGPIPE, SIG_IGN);
+namespace {
 
-  const int port = o.master_port != 0 ? o.master_port : free_port();
+// One start of every rank, and how it ended.
+struct Outcome {
+  int code = 0;              // the start's exit code, as run() returns it
+  bool restartable = false;  // a rank failed by itself: not the launcher's signal, not the deadline
+  std::string cause;         // "rank 1 exited with code 3"
+  Clock::time_point failed_at;
+};
+
+Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_start) {
+  const int port = o.master_port != 0 ? o.master_port : free_port();  // a fresh one each start
   std::vector<Rank> ranks(o.nproc_per_node);
   for (int i = 0; i < o.nproc_per_node; ++i) {
     int out_fd[2], err_fd[2];
     if (::pipe2(out_fd, O_CLOEXEC) != 0 || ::pipe2(err_fd, O_CLOEXEC) != 0) {
       std::fprintf(stderr, "flatshard-run: pipe: %s\n", std::strerror(errno));
-      return 1;
+      return Outcome{1};
     }
     ranks[i].index = o.node_rank * o.nproc_per_node + i;
-    ranks[i].pid = spawn(o, i, port, out_fd, err_fd);
+    ranks[i].pid = spawn(o, i, port, restart, out_fd, err_fd);
     ::close(out_fd[1]);
     ::close(err_fd[1]);
     ranks[i].out_fd = out_fd[0];
@@ -227,7 +238,6 @@ int run(const LaunchOptions& o) {
     ::fcntl(err_fd[0], F_SETFL, O_NONBLOCK);
   }
 
-  const auto start = Clock::now();
   int first_failure = -1;       // index into ranks
   Clock::time_point failed_at;  // when the first failure was seen
   int stop_signal = 0;          // what we last sent the survivors
@@ -314,7 +324,7 @@ int run(const LaunchOptions& o) {
     const auto now = Clock::now();
     const bool alive = std::any_of(ranks.begin(), ranks.end(), [](const Rank& r) { return !r.exited; });
     if (alive && o.deadline_s > 0 && stop_signal == 0 &&
-        now - start > std::chrono::duration<double>(o.deadline_s)) {
+        now - job_start > std::chrono::duration<double>(o.deadline_s)) {
       fmt::print(stderr, "flatshard-run: the job passed its deadline of {:.1f} s; stopping every rank\n",
                  o.deadline_s);
       result_override = 124;
@@ -334,12 +344,67 @@ int run(const LaunchOptions& o) {
       signal_all(SIGKILL);
     }
   }
-  if (result_override >= 0) return result_override;
-  if (first_failure >= 0) return ranks[first_failure].code;
-  for (auto& r : ranks) {
-    if (r.code != 0) return r.code;
+  Outcome out;
+  if (result_override >= 0) {
+    out.code = result_override;  // the launcher was signalled, or the deadline passed: no restart
+    return out;
   }
-  return 0;
+  out.failed_at = failed_at;
+  for (auto& r : ranks) {
+    const Rank& failed = first_failure >= 0 ? ranks[first_failure] : r;
+    if (failed.code == 0) continue;
+    out.code = failed.code;
+    out.restartable = true;
+    out.cause = failed.code > 128
+                    ? fmt::format("rank {} was killed by signal {}", failed.index, failed.code - 128)
+                    : fmt::format("rank {} exited with code {}", failed.index, failed.code);
+    break;
+  }
+  return out;
+}
+
+}  // namespace
+
+// Note [Restarting a failed job]
+// With --max-restarts N, a start that ends with a rank's own failure (an exit code other
+// than 0, or a signal the launcher did not send) is followed, once every rank has
+// stopped as after any failure, by a new start of every rank: the same command, a fresh
+// port when none was given, TORCHELASTIC_RESTART_COUNT (and FLATSHARD_RESTART_COUNT) set
+// to the number of starts before it. The program resumes from its latest complete
+// checkpoint (train_gpt --resume, which starts at step 0 when there is none yet), and
+// sharded checkpoints are complete or absent whatever moment the failure hit
+// (Note [Checkpoint directories]). A signal to the launcher (SIGINT, SIGTERM) or the
+// job's deadline (counted from the first start) ends the job without a restart. On several
+// nodes each node's launcher restarts its own ranks; the other nodes' ranks fail fast on
+// the lost peer, so their launchers restart them too, and all meet again at the fixed
+// --master-port.
+int run(const LaunchOptions& o) {
+  if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    std::fprintf(stderr, "flatshard-run: pipe: %s\n", std::strerror(errno));
+    return 1;
+  }
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+  const auto job_start = Clock::now();
+  for (int restart = 0;; ++restart) {
+    const Outcome out = run_once(o, restart, job_start);
+    if (out.code == 0 || !out.restartable) return out.code;
+    if (restart >= o.max_restarts) {
+      if (o.max_restarts > 0)
+        fmt::print(stderr, "flatshard-run: {}; no restart left (--max-restarts {}): the job fails\n",
+                   out.cause, o.max_restarts);
+      return out.code;
+    }
+    fmt::print(stderr,
+               "flatshard-run: {}; restart {} of {}, {:.1f} s after the failure: starting every rank again\n",
+               out.cause, restart + 1, o.max_restarts,
+               std::chrono::duration<double>(Clock::now() - out.failed_at).count());
+    std::fflush(stderr);
+  }
 }
 
 }  // namespace flatshard::launcher

@@ -16,6 +16,9 @@ struct LaunchOptions {
   double deadline_s = 0;  // > 0: stop every rank after this long and fail
   // Note [NCCL between ranks on one GPU]: each rank gets its own NCCL_HOSTID.
   bool nccl_host_per_rank = false;
+  // Note [Restarting a failed job]: after a failure, start every rank again, up to this
+  // many times.
+  int max_restarts = 0;
   std::vector<std::string> command;  // PROGRAM ARGS...
 };
 
@@ -23,8 +26,9 @@ struct LaunchOptions {
 LaunchOptions parse_args(int argc, char** argv);
 std::string usage();
 
-// Runs the ranks and returns the exit code of the job: 0 if every rank succeeded,
-// otherwise the first failing rank's code (128 + signal for a signal).
+// Runs the ranks (again after a failure, up to max_restarts times) and returns the exit
+// code of the job: 0 if every rank of the last start succeeded, otherwise that start's
+// first failing rank's code (128 + signal for a signal; 124 past the deadline).
 int run(const LaunchOptions& options);
 
 }  // namespace flatshard::launcher

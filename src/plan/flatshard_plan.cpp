@@ -7,8 +7,12 @@
 //                  [--step-in-backward 1] [--cpu 1] [--offload-bf16-copy 0]
 //                  [--fit-mib 81559 [--host-mib 122880]]
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -46,12 +50,35 @@ int usage(const char* why) {
   return why ? 2 : 0;
 }
 
-std::vector<int> parse_list(const std::string& s) {
-  std::vector<int> out;
-  std::stringstream in(s);
+// Strict numbers: the whole text, finite and in range, or nothing (atoi would read "abc"
+// as 0 and "4k" as 4; strtod alone would take "nan", "inf" and " 4").
+bool parse_double(const std::string& text, double& out) {
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text.front()))) return false;
+  char* end = nullptr;
+  errno = 0;
+  out = std::strtod(text.c_str(), &end);
+  return end == text.c_str() + text.size() && errno == 0 && std::isfinite(out);
+}
+
+bool parse_int(const std::string& text, int& out) {
+  double d;
+  if (!parse_double(text, d) || d < std::numeric_limits<int>::min() || d > std::numeric_limits<int>::max() ||
+      d != std::floor(d))
+    return false;
+  out = static_cast<int>(d);
+  return true;
+}
+
+bool parse_list(const std::string& text, std::vector<int>& out) {
+  out.clear();
+  std::stringstream in(text);
   std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::atoi(item.c_str()));
-  return out;
+  while (std::getline(in, item, ',')) {
+    int v;
+    if (!parse_int(item, v)) return false;
+    out.push_back(v);
+  }
+  return !out.empty() && text.back() != ',';
 }
 
 double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
@@ -74,43 +101,63 @@ int main(int argc, char** argv) {
     if (a == "-h" || a == "--help") return usage(nullptr);
     if (i + 1 >= argc) return usage(("missing value for " + a).c_str());
     const std::string v = argv[++i];
-    if (a == "--params")
-      params = std::atof(v.c_str());
-    else if (a == "--units")
-      units = std::atoi(v.c_str());
-    else if (a == "--root")
-      root = std::atof(v.c_str());
-    else if (a == "--world")
-      worlds = parse_list(v);
-    else if (a == "--prefetch")
-      prefetch = std::atoi(v.c_str());
-    else if (a == "--shard-group-size")
-      shard_group_size = std::atoi(v.c_str());
-    else if (a == "--recompute")
-      recompute = std::atoi(v.c_str()) != 0;
-    else if (a == "--build-into-shards")
-      build_into_shards = std::atoi(v.c_str()) != 0;
-    else if (a == "--build-on-host")
-      build_on_host = std::atoi(v.c_str()) != 0;
-    else if (a == "--step-in-backward")
-      step_in_backward = std::atoi(v.c_str()) != 0;
-    else if (a == "--cpu")
-      cpu_compute = std::atoi(v.c_str()) != 0;
-    else if (a == "--activation-mib")
-      activation_mib = std::atof(v.c_str());
-    else if (a == "--budget-mib")
-      budget_mib = std::atof(v.c_str());
-    else if (a == "--frozen")
-      frozen = std::atof(v.c_str());
-    else if (a == "--fit-mib")
-      fit_mib = std::atof(v.c_str());
-    else if (a == "--host-mib")
-      host_mib = std::atof(v.c_str());
-    else if (a == "--offload")
-      offload = std::atoi(v.c_str()) != 0;
-    else if (a == "--offload-bf16-copy")
-      offload_bf16_copy = std::atoi(v.c_str()) != 0;
-    else if (a == "--dtype") {
+    const auto number = [&](double& out) {
+      if (parse_double(v, out)) return true;
+      usage(("option " + a + " takes a number, got '" + v + "'").c_str());
+      return false;
+    };
+    const auto whole = [&](int& out) {
+      if (parse_int(v, out)) return true;
+      usage(("option " + a + " takes a whole number, got '" + v + "'").c_str());
+      return false;
+    };
+    const auto flag = [&](bool& out) {
+      int n;
+      if (!parse_int(v, n) || (n != 0 && n != 1)) {
+        usage(("option " + a + " takes 0 or 1, got '" + v + "'").c_str());
+        return false;
+      }
+      out = n == 1;
+      return true;
+    };
+    if (a == "--params") {
+      if (!number(params)) return 2;
+    } else if (a == "--units") {
+      if (!whole(units)) return 2;
+    } else if (a == "--root") {
+      if (!number(root)) return 2;
+    } else if (a == "--world") {
+      if (!parse_list(v, worlds))
+        return usage(("--world takes sizes such as 1,2,4, got '" + v + "'").c_str());
+    } else if (a == "--prefetch") {
+      if (!whole(prefetch)) return 2;
+    } else if (a == "--shard-group-size") {
+      if (!whole(shard_group_size)) return 2;
+    } else if (a == "--recompute") {
+      if (!flag(recompute)) return 2;
+    } else if (a == "--build-into-shards") {
+      if (!flag(build_into_shards)) return 2;
+    } else if (a == "--build-on-host") {
+      if (!flag(build_on_host)) return 2;
+    } else if (a == "--step-in-backward") {
+      if (!flag(step_in_backward)) return 2;
+    } else if (a == "--cpu") {
+      if (!flag(cpu_compute)) return 2;
+    } else if (a == "--activation-mib") {
+      if (!number(activation_mib)) return 2;
+    } else if (a == "--budget-mib") {
+      if (!number(budget_mib)) return 2;
+    } else if (a == "--frozen") {
+      if (!number(frozen)) return 2;
+    } else if (a == "--fit-mib") {
+      if (!number(fit_mib)) return 2;
+    } else if (a == "--host-mib") {
+      if (!number(host_mib)) return 2;
+    } else if (a == "--offload") {
+      if (!flag(offload)) return 2;
+    } else if (a == "--offload-bf16-copy") {
+      if (!flag(offload_bf16_copy)) return 2;
+    } else if (a == "--dtype") {
       if (v != "fp32" && v != "bf16") return usage("--dtype is fp32 or bf16");
       param_bytes = v == "bf16" ? 2 : 4;
     } else if (a == "--optimizer") {
@@ -134,6 +181,13 @@ int main(int argc, char** argv) {
   if (params <= 0 && fit_mib <= 0) return usage("--params is required (a count, e.g. 1.3e9), or --fit-mib");
   for (int w : worlds)
     if (w < 1) return usage("--world sizes must be at least 1");
+  if (units < 1) return usage("--units must be at least 1");
+  if (prefetch < 0) return usage("--prefetch must be at least 0");
+  if (shard_group_size < 0) return usage("--shard-group-size must be at least 0 (0: no hybrid groups)");
+  if (params < 0 || root < 0 || root > params)
+    return usage("--params and --root are counts, --root at most --params");
+  if (activation_mib < 0 || budget_mib < 0 || fit_mib < 0 || host_mib < 0)
+    return usage("MiB figures are at least 0");
   auto options_for = [&](Strategy m, int w) {
     PlanOptions o;
     o.strategy = m;

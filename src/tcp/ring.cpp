@@ -8,7 +8,7 @@
 // body size; the receiver checks it before reading the body, so ranks that disagree
 // on the next collective fail with Mismatch instead of corrupting each other.
 // Between ranks on one machine the body does not go through the socket: see Note
-// [Direct copies].
+// [Direct copies] (ring_links.h). The connections themselves are made in ring_links.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 
@@ -22,7 +22,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <thread>
 #include <vector>
 
@@ -35,6 +34,7 @@
 #include "flatshard/shard.h"
 #include "src/comm/backend.h"
 #include "src/errors.h"
+#include "src/tcp/ring_links.h"
 #include "src/tcp/socket.h"
 
 namespace flatshard::comm {
@@ -44,10 +44,8 @@ using tcp::Clock;
 using tcp::IoError;
 using tcp::Socket;
 
-constexpr std::uint32_t kStepMagic = 0x46534852;   // "FSHR"
-constexpr std::uint32_t kHelloMagic = 0x46534845;  // "FSHE"
+constexpr std::uint32_t kStepMagic = 0x46534852;  // "FSHR"
 constexpr std::size_t kBroadcastSliceBytes = std::size_t{1} << 20;
-constexpr std::uint32_t kDirectMagic = 0x46534443;  // "FSDC"
 constexpr std::int64_t kReducePieceBytes = std::int64_t{512} << 10;
 constexpr std::int64_t kDirectPieceBytes = std::int64_t{4} << 20;
 
@@ -59,65 +57,6 @@ struct StepHead {
   std::uint64_t body_bytes;
 };
 static_assert(sizeof(StepHead) == 24, "StepHead is sent as raw bytes");
-
-struct Hello {
-  std::uint32_t magic;
-  std::int32_t rank;
-  std::int32_t world_size;
-  std::int32_t channel;
-};
-
-// Note [Direct copies]
-// Through a socket every byte is copied twice (into the kernel by the sender, out of it
-// by the receiver) in 64 KiB packets. Between two processes of one machine the
-// receiver can instead copy the body once, straight out of the sender's memory, with
-// process_vm_readv. The socket still carries each StepHead, followed by the address of
-// the body in the sender instead of the body; the receiver copies, then answers with
-// an 8-byte acknowledgement (the op's number on the channel), and the sender waits for
-// it before the step returns, since the caller may reuse the buffer as soon as it does.
-// Every check, deadline and failure path stays that of the socket: a peer that dies
-// closes its connections (or its memory vanishes under the copy: ESRCH), and abort()
-// still wakes every wait by shutting the sockets.
-// Whether a link copies directly is agreed once per link at creation: the sender
-// offers its pid and the address of a random 16-byte nonce, and the receiver accepts
-// only if it reads the nonce back. That one test covers other machines, other pid
-// namespaces, and kernels or sandboxes that refuse the call (Yama's ptrace_scope 1, for
-// one, lets a process read only its descendants; such links stay on the socket).
-struct DirectOffer {
-  std::uint32_t magic;
-  std::int32_t pid;
-  std::uint64_t address;  // of `nonce` in the sender
-  std::uint64_t nonce[2];
-  std::uint32_t wanted;  // 0: the sender's options turn direct copies off
-  std::uint32_t pad;
-};
-struct DirectAnswer {
-  std::uint32_t magic;
-  std::uint32_t accepted;
-};
-
-// The connections of one stream, and its scratch memory. Touched only by that
-// stream's worker, one op at a time.
-struct Channel {
-  Socket to_next;
-  Socket from_prev;
-  std::uint64_t seq = 0;    // ops run on this channel so far
-  bool direct_out = false;  // the next rank copies our bodies out of our memory
-  bool direct_in = false;   // we copy the previous rank's bodies out of its memory
-  pid_t prev_pid = 0;
-  // Reduction scratch, kept between ops so that steady-state steps allocate (and
-  // fault in) nothing; it grows to the largest segment seen.
-  std::unique_ptr<char[]> scratch_[3];
-  std::size_t scratch_bytes_[3] = {0, 0, 0};
-
-  char* scratch(int index, std::size_t bytes) {
-    if (scratch_bytes_[index] < bytes) {
-      scratch_[index].reset(new char[bytes]);  // uninitialized: every byte is written before it is read
-      scratch_bytes_[index] = bytes;
-    }
-    return scratch_[index].get();
-  }
-};
 
 std::size_t bytes_of(const at::Tensor& t, const ShardRange& r) {
   return static_cast<std::size_t>(r.numel) * t.element_size();
@@ -553,51 +492,6 @@ class TcpRingBackend final : public Backend {
   bool copies_directly_ = false;
 };
 
-std::vector<std::uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
-
-bool wants_direct_copy(const CommunicatorOptions& options) {
-  const char* env = std::getenv("FLATSHARD_DIRECT_COPY");
-  return options.direct_copy && !(env != nullptr && std::string(env) == "0");
-}
-
-// Note [Direct copies]: each link's sender offers, its receiver tries and answers.
-// Offers are sent on every link before any is read, so no rank waits on another's
-// answer while its own offer is unsent.
-void agree_on_direct_copies(std::vector<Channel>& channels, bool wanted, Clock::time_point deadline) {
-  std::random_device random;
-  std::uint64_t nonce[2];
-  for (auto& word : nonce) word = (std::uint64_t{random()} << 32) ^ random();
-  const DirectOffer offer{kDirectMagic,
-                          static_cast<std::int32_t>(::getpid()),
-                          reinterpret_cast<std::uintptr_t>(&nonce[0]),
-                          {nonce[0], nonce[1]},
-                          wanted ? 1u : 0u,
-                          0};
-  for (Channel& ch : channels) ch.to_next.send_all(&offer, sizeof(offer), deadline);
-  for (Channel& ch : channels) {
-    DirectOffer theirs{};
-    ch.from_prev.recv_all(&theirs, sizeof(theirs), deadline);
-    bool accepted = false;
-    if (wanted && theirs.magic == kDirectMagic && theirs.wanted == 1 && theirs.pid > 0) {
-      std::uint64_t read_back[2] = {0, 0};
-      iovec local{read_back, sizeof(read_back)};
-      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(theirs.address)), sizeof(read_back)};
-      accepted = ::process_vm_readv(theirs.pid, &local, 1, &remote, 1, 0) ==
-                     static_cast<ssize_t>(sizeof(read_back)) &&
-                 read_back[0] == theirs.nonce[0] && read_back[1] == theirs.nonce[1];
-    }
-    ch.direct_in = accepted;
-    ch.prev_pid = theirs.pid;
-    const DirectAnswer answer{kDirectMagic, accepted ? 1u : 0u};
-    ch.from_prev.send_all(&answer, sizeof(answer), deadline);
-  }
-  for (Channel& ch : channels) {
-    DirectAnswer answer{};
-    ch.to_next.recv_all(&answer, sizeof(answer), deadline);
-    ch.direct_out = answer.magic == kDirectMagic && answer.accepted == 1;
-  }
-}
-
 }  // namespace
 
 const char* to_string(OpKind kind) {
@@ -619,58 +513,9 @@ std::unique_ptr<Backend> make_tcp_ring_backend(const World& world, const Communi
   std::vector<Channel> channels;
   if (world_size == 1) return std::make_unique<TcpRingBackend>(rank, world_size, std::move(channels));
   FLATSHARD_ASSERT(world.store, "a multi-rank world has a store");
-  const auto deadline = Clock::now() + options.timeout;
   const std::string prefix = next_rendezvous_prefix(options.name);  // Note [Rendezvous keys per creation]
   const std::string failure_key = prefix + "first_failure";
-  const auto fail = [&](const std::string& what) -> RendezvousError {
-    return RendezvousError(fmt::format("flatshard::Communicator::create (rank {}/{}, communicator '{}'): {}",
-                                       rank, world_size, options.name, what));
-  };
-
-  tcp::Listener listener;
-  std::string host = world.spec.store_kind == "tcp"
-                         ? tcp::local_address_toward(world.spec.master_addr, world.spec.master_port)
-                         : "127.0.0.1";
-  if (const char* forced = std::getenv("FLATSHARD_SOCKET_ADDR")) host = forced;
-  try {
-    world.store->set(prefix + std::to_string(rank), to_bytes(fmt::format("{}:{}", host, listener.port())));
-    const std::string key = prefix + std::to_string((rank + 1) % world_size);
-    world.store->wait({key}, options.timeout);
-    const auto value = world.store->get(key);
-    const std::string address(value.begin(), value.end());
-    const auto colon = address.rfind(':');
-    const std::string next_host = address.substr(0, colon);
-    const int next_port = std::stoi(address.substr(colon + 1));
-    channels.resize(num_channels);
-    for (int c = 0; c < num_channels; ++c) {
-      channels[c].to_next = Socket::connect(next_host, next_port, (rank + 1) % world_size, deadline);
-      Hello hello{kHelloMagic, rank, world_size, c};
-      channels[c].to_next.send_all(&hello, sizeof(hello), deadline);
-    }
-    const int prev = (rank + world_size - 1) % world_size;
-    for (int accepted = 0; accepted < num_channels; ++accepted) {
-      Socket s = listener.accept(deadline);
-      Hello hello{};
-      s.recv_all(&hello, sizeof(hello), deadline);
-      if (hello.magic != kHelloMagic || hello.world_size != world_size || hello.rank != prev ||
-          hello.channel < 0 || hello.channel >= num_channels || channels[hello.channel].from_prev.valid()) {
-        throw fail(
-            fmt::format("unexpected connection (magic {:#x}, rank {}, world size {}, channel {}) "
-                        "while waiting for rank {}: are two jobs using the same master address "
-                        "and port?",
-                        hello.magic, hello.rank, hello.world_size, hello.channel, prev));
-      }
-      s.set_peer(prev);
-      channels[hello.channel].from_prev = std::move(s);
-    }
-    agree_on_direct_copies(channels, wants_direct_copy(options), deadline);
-  } catch (const IoError& e) {
-    throw fail(fmt::format("{}; check that every rank is running and can reach the others", e.detail));
-  } catch (const RendezvousError&) {
-    throw;
-  } catch (const std::exception& e) {
-    throw fail(e.what());
-  }
+  channels = connect_ring(world, options, num_channels, prefix);
   return std::make_unique<TcpRingBackend>(rank, world_size, std::move(channels), world.store, failure_key);
 }
 

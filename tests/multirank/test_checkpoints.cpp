@@ -3,6 +3,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -37,8 +38,19 @@ std::string env(const char* name) {
 constexpr int kGlobalBatch = 12;  // divisible by world sizes 1 to 4
 constexpr double kLr = 1e-3, kWeightDecay = 0.1;
 
-GPT seeded_gpt(const GPTConfig& config) {
-  torch::manual_seed(11);
+// The saving side's seed; every loading side builds its model with kOtherSeed, so that a
+// weight or buffer the checkpoint leaves out keeps another value and fails the comparison.
+constexpr int kSeed = 11, kOtherSeed = 4242;
+
+// The test model with a buffer (GPTConfig::position_scale_buffer).
+GPTConfig checkpoint_config() {
+  GPTConfig c = gpt_config();
+  c.position_scale_buffer = true;
+  return c;
+}
+
+GPT seeded_gpt(const GPTConfig& config, int seed = kSeed) {
+  torch::manual_seed(seed);
   return GPT(config);
 }
 
@@ -66,8 +78,9 @@ GPT frozen_for_fine_tuning(GPT model) {
 
 // The GPT-style test model trained with AdamW under one mode.
 struct Trainer : flatshard::testing::Wrapped<GPT> {
-  Trainer(const flatshard::World& w, Strategy m, const GPTConfig& config = gpt_config(), bool freeze = false)
-      : Wrapped(freeze ? frozen_for_fine_tuning(seeded_gpt(config)) : seeded_gpt(config), w, m,
+  Trainer(const flatshard::World& w, Strategy m, const GPTConfig& config = checkpoint_config(),
+          bool freeze = false, int seed = kSeed)
+      : Wrapped(freeze ? frozen_for_fine_tuning(seeded_gpt(config, seed)) : seeded_gpt(config, seed), w, m,
                 test_options()),
         world(w) {}
 
@@ -106,7 +119,7 @@ void expect_close(const std::map<std::string, at::Tensor>& got, const std::map<s
 
 // Single-process AdamW training on the whole global batch.
 std::map<std::string, at::Tensor> reference_params(int steps) {
-  auto model = gpt_factory()();
+  auto model = seeded_gpt(checkpoint_config());
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
   for (int s = 0; s < steps; ++s) {
     const auto b = gpt_batch(s, kGlobalBatch);
@@ -116,6 +129,7 @@ std::map<std::string, at::Tensor> reference_params(int steps) {
   }
   std::map<std::string, at::Tensor> out;
   for (const auto& item : model->named_parameters()) out[item.key()] = item.value().detach().clone();
+  for (const auto& item : model->named_buffers()) out[item.key()] = item.value().detach().clone();
   return out;
 }
 
@@ -134,24 +148,24 @@ void expect_resume_bit_identical(const flatshard::World& world, bool freeze) {
     SCOPED_TRACE(mode_name(mode));
     const std::string root = fmt::format("/tmp/flatshard-resume-{}-{}{}-{}", mode_name(mode),
                                          world.world_size(), freeze ? "-frozen" : "", env("MASTER_PORT"));
-    Trainer straight(world, mode, gpt_config(), freeze);
+    Trainer straight(world, mode, checkpoint_config(), freeze);
     straight.train(0, kSteps);
     const auto want = straight.params();
     const auto want_state = straight.adam_state();
     if (freeze) {
-      for (const auto& item : seeded_gpt(gpt_config())->named_parameters()) {
+      for (const auto& item : seeded_gpt(checkpoint_config())->named_parameters()) {
         if (frozen_in_fine_tuning(item.key()))
           EXPECT_TRUE(at::equal(want.at(item.key()), item.value())) << item.key() << " is frozen";
       }
     }
 
     {
-      Trainer first(world, mode, gpt_config(), freeze);
+      Trainer first(world, mode, checkpoint_config(), freeze);
       first.train(0, kSteps / 2);
       const auto info = first.save(root, kSteps / 2);
       EXPECT_EQ(info.step, kSteps / 2);
     }
-    Trainer resumed(world, mode, gpt_config(), freeze);
+    Trainer resumed(world, mode, checkpoint_config(), freeze, kOtherSeed);
     const auto info = resumed.load(root);
     EXPECT_EQ(info.step, kSteps / 2);
     EXPECT_EQ(info.world_size, world.world_size());
@@ -192,12 +206,12 @@ TEST(Checkpoint, AFineTuningsCheckpointLoadsIntoAFullyTrainedModel) {
     SCOPED_TRACE(mode_name(mode));
     const std::string root =
         fmt::format("/tmp/flatshard-unfreeze-{}-{}", mode_name(mode), env("MASTER_PORT"));
-    Trainer tuned(world, mode, gpt_config(), /*freeze=*/true);
+    Trainer tuned(world, mode, checkpoint_config(), /*freeze=*/true);
     tuned.train(0, 2);
     tuned.save(root, 2);
     const auto want = tuned.params();
     const auto want_state = tuned.adam_state();
-    Trainer full(world, mode, gpt_config(), /*freeze=*/false);
+    Trainer full(world, mode, checkpoint_config(), /*freeze=*/false, kOtherSeed);
     full.load(root);
     expect_identical(full.params(), want, "parameters");
     const auto state = full.adam_state();
@@ -220,8 +234,9 @@ void reshard_phase() {
   const std::string root = env("FLATSHARD_CKPT_DIR");
   const Strategy mode = mode_named(env("FLATSHARD_CKPT_MODE"));
   constexpr int kSteps = 4;
-  Trainer t(world, mode);
-  if (env("FLATSHARD_CKPT_PHASE") == "save") {
+  const bool saving = env("FLATSHARD_CKPT_PHASE") == "save";
+  Trainer t(world, mode, checkpoint_config(), /*freeze=*/false, saving ? kSeed : kOtherSeed);
+  if (saving) {
     t.train(0, kSteps / 2);
     t.save(root, kSteps / 2);
     // What was saved, at full size, to compare with after loading.
@@ -357,9 +372,9 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
   on_rank0([&] { std::ofstream(meta, std::ios::trunc) << meta_text; });
 
   // Another model: a wider one (shapes differ) and a deeper one (an extra block).
-  GPTConfig wider = gpt_config();
+  GPTConfig wider = checkpoint_config();
   wider.dim = 48;
-  GPTConfig deeper = gpt_config();
+  GPTConfig deeper = checkpoint_config();
   deeper.layers = 4;
   for (const auto& [config, needle] :
        {std::pair{wider, std::string("parameter 'wte.weight' has shape [64, 48] "
@@ -373,7 +388,9 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   }
-  Trainer shallower(world, Strategy::NoShard, GPTConfig{64, 16, 32, 4, 2});
+  GPTConfig shallow = checkpoint_config();
+  shallow.layers = 2;
+  Trainer shallower(world, Strategy::NoShard, shallow);
   try {
     shallower.load(root);
     ADD_FAILURE() << "loading into a model with fewer blocks succeeded";
@@ -426,58 +443,78 @@ TEST(Checkpoint, FullDiskFailsEveryRankAndKeepsThePrevious) {
   if (world.rank() == 0) fs::remove_all(root);
 }
 
-// Ranks killed (SIGKILL, all at once) at various moments of a loop of saves: the root's
-// latest checkpoint always loads, and holds the values of the step it names.
+// Ranks killed (SIGKILL, all at once: rank 0 kills the launcher, and every rank dies with
+// it) inside the save of step kKilledStep, at each stage of Note [Checkpoint directories]:
+// the root's latest checkpoint always loads, holds the values of the step it names, and
+// names the step the stage implies.
+constexpr int kKilledStep = 3;
+
 TEST(Checkpoint, KilledDuringSaveLeavesALoadableCheckpoint) {
+  const std::vector<std::pair<std::string, ckpt::SaveStage>> stages{
+      {"shard-written", ckpt::SaveStage::ShardWritten},
+      {"metadata-written", ckpt::SaveStage::MetadataWritten},
+      {"renamed", ckpt::SaveStage::Renamed},
+      {"published", ckpt::SaveStage::Published}};
   if (in_rank_mode()) {
     auto world = flatshard::init();
     const std::string root = env("FLATSHARD_CKPT_DIR");
-    Trainer t(world, Strategy::FullShard,
-              GPTConfig{64, 16, 256, 4, 4});  // ~3M parameters: saves take a while
+    const std::string stage = env("FLATSHARD_CKPT_KILL_AT");
+    Trainer t(world, Strategy::FullShard, GPTConfig{64, 16, 64, 4, 2});
     if (env("FLATSHARD_CKPT_PHASE") == "loop") {
       at::NoGradGuard no_grad;
-      for (int step = 1;; ++step) {
+      for (int step = 1; step <= kKilledStep; ++step) {
         for (auto& s : t.fully_shard().shards()) s.fill_(static_cast<float>(step));
-        t.save(root, step);
-        if (world.rank() == 0) std::printf("saved step %d\n", step), std::fflush(stdout);
+        ckpt::SaveOptions o;
+        o.step = step;
+        if (world.rank() == 0 && step == kKilledStep) {
+          o.on_stage = [&](ckpt::SaveStage reached) {
+            for (const auto& [name, at] : stages) {
+              if (name == stage && at == reached) {
+                ::kill(::getppid(), SIGKILL);  // every rank dies with the launcher (PR_SET_PDEATHSIG)
+                ::raise(SIGKILL);
+              }
+            }
+          };
+        }
+        ckpt::save_sharded(root, t.fully_shard(), t.shard_optimizer(), o);
       }
+      return;  // not killed: the parent's test fails on the exit code
     }
     const auto info = t.load(root);
-    EXPECT_GE(info.step, 1);
+    // Until root/latest names step 3, the last complete and published step is 2.
+    EXPECT_EQ(info.step, stage == "published" ? kKilledStep : kKilledStep - 1);
     for (const auto& [name, value] : t.params()) {
       EXPECT_TRUE(at::all(value == static_cast<float>(info.step)).item<bool>())
           << name << " does not hold step " << info.step << "'s values";
     }
-    if (world.rank() == 0) std::printf("loaded step %lld\n", static_cast<long long>(info.step));
     return;
   }
-  const std::string root = scratch_dir("killed");
-  fs::remove_all(root);
-  int kills_after_a_save = 0;
-  for (int delay_ms : {2500, 2900, 3300, 3700}) {
+  for (const auto& [stage, at] : stages) {
+    SCOPED_TRACE("killed once the save reached: " + stage);
+    const std::string root = scratch_dir("killed-" + stage);
+    fs::remove_all(root);
     LaunchSpec loop;
     loop.ranks = 2;
     loop.deadline = std::chrono::seconds(60);
-    loop.kill_after = std::chrono::milliseconds(delay_ms);
-    loop.env = {{"FLATSHARD_CKPT_DIR", root}, {"FLATSHARD_CKPT_PHASE", "loop"}};
+    loop.env = {
+        {"FLATSHARD_CKPT_DIR", root}, {"FLATSHARD_CKPT_PHASE", "loop"}, {"FLATSHARD_CKPT_KILL_AT", stage}};
     const auto killed = launch_current_test(loop);
-    EXPECT_TRUE(killed.timed_out) << killed.output;
-    std::size_t saves = 0;
-    for (auto at = killed.output.find("saved step"); at != std::string::npos;
-         at = killed.output.find("saved step", at + 1))
-      ++saves;
-    std::printf("killed at %d ms after %zu complete saves\n", delay_ms, saves);
-    if (saves == 0) continue;  // killed before any save finished
-    ++kills_after_a_save;
+    EXPECT_EQ(killed.exit_code, 128 + SIGKILL) << killed.output;
+    // What the kill left behind: the step's temporary directory until it is renamed.
+    const bool left_tmp = fs::exists(fmt::format("{}/.step-{:09d}.tmp", root, kKilledStep));
+    const bool in_place = fs::exists(fmt::format("{}/step-{:09d}", root, kKilledStep));
+    const bool before_rename = stage == "shard-written" || stage == "metadata-written";
+    EXPECT_EQ(left_tmp, before_rename);
+    EXPECT_EQ(in_place, !before_rename);
     LaunchSpec check;
     check.ranks = 2;
     check.deadline = std::chrono::seconds(60);
-    check.env = {{"FLATSHARD_CKPT_DIR", root}, {"FLATSHARD_CKPT_PHASE", "check"}};
+    check.env = {
+        {"FLATSHARD_CKPT_DIR", root}, {"FLATSHARD_CKPT_PHASE", "check"}, {"FLATSHARD_CKPT_KILL_AT", stage}};
     const auto r = launch_current_test(check);
-    EXPECT_EQ(r.exit_code, 0) << "after a kill at " << delay_ms << " ms\n" << r.output;
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    fs::remove_all(root);
   }
-  EXPECT_GE(kills_after_a_save, 1) << "no run lived long enough to save once";
-  fs::remove_all(root);
 }
 
 }  // namespace

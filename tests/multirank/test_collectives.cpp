@@ -222,7 +222,7 @@ void check_every_op(const Rank& r) {
   }
 }
 
-// Note [Direct copies] in src/tcp/ring.cpp: ranks of one machine copy each message out
+// Note [Direct copies] in src/tcp/ring_links.h: ranks of one machine copy each message out
 // of the sender's memory; a link whose sender or receiver turns that off goes through
 // its socket. Every op gives the same result with all links direct, none, or a mix
 // (rank 1 turns it off, so the links into and out of it use the socket).

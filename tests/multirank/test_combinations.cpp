@@ -24,7 +24,7 @@ TEST(Combinations, RandomOptionMixesMatchSingleProcess) {
   FLATSHARD_RUN_RANKS({1, 2, 3, 4}, std::chrono::seconds(600));
   train_mixes(flatshard::init(), env_or("FLATSHARD_COMBINATION_SEED", 20261125),
               env_or("FLATSHARD_COMBINATIONS", 8), c10::Device(c10::kCPU), flatshard::Transport::Auto,
-              kBf16Tolerance);
+              flatshard::testing::kBf16Tolerance);
 }
 
 }  // namespace

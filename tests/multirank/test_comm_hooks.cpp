@@ -379,7 +379,7 @@ TEST(CommHooks, HookStateIsSavedAndResumedBitForBit) {
   }
 }
 
-// Note [Hooks across shard groups] in sharding/replicated.cpp: under HybridShard the hook
+// Note [Hooks across shard groups] in sharding/averaging.cpp: under HybridShard the hook
 // averages each unit's shard over the groups. The plain average through a hook that
 // checks what it is given trains as one process does; bf16 on the wire lands within its
 // rounding of it.

@@ -15,8 +15,6 @@ using namespace flatshard::testing;
 using flatshard::Strategy;
 namespace hooks = flatshard::hooks;
 
-constexpr double kFp32Tolerance = 1e-5;  // Note [Comparing weights] in test_fully_shard.cpp
-
 // Every rank sends a tensor only it could have made and gets both neighbours', through
 // direct copies, through sockets (the step against the ring always uses them), and
 // mixed; bytes_sent counts one send per neighbour.
@@ -51,7 +49,7 @@ TEST(Decentralized, NeighborExchangeDeliversBothNeighbours) {
   EXPECT_THROW(comm->neighbor_exchange(at::zeros({5}), at::zeros({3})), flatshard::InvalidArgument);
 }
 
-// Note [Decentralized training] in sharding/replicated.cpp. Every rank trains on its own
+// Note [Decentralized training] in sharding/averaging.cpp. Every rank trains on its own
 // rows with SGD; this process computes every rank's weights by the formula
 // w_{t+1,i} = (w_{t,i-1} + w_{t,i} + w_{t,i+1}) / 3 - lr g_{t,i} (averaging only every
 // `every`-th step), with g_{t,i} rank i's gradient at its own weights, and compares its
@@ -148,7 +146,7 @@ TEST(Decentralized, EachRanksWeightsFollowTheNeighbourAveragingFormula) {
   }
 }
 
-// Note [Bounded staleness] in sharding/replicated.cpp: against a single process that
+// Note [Bounded staleness] in sharding/averaging.cpp: against a single process that
 // applies each step's gradients (of the whole global batch) `staleness` steps late.
 TEST(Async, DelayedUpdatesMatchASingleProcessApplyingThemLate) {
   FLATSHARD_RUN_RANKS({1, 2, 3}, std::chrono::seconds(300));

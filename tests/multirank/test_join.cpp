@@ -95,11 +95,10 @@ TEST(Join, UnevenInputsTrainToTheLongestInEveryStrategy) {
   FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(180));
   auto world = flatshard::init();
   GPT reference = reference_uneven(world.world_size(), 0);
-  for (Strategy strategy :
-       {Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::ShardGradOp, Strategy::FullShard}) {
+  for (Strategy strategy : every_strategy(world.world_size())) {
     SCOPED_TRACE(to_string(strategy));
     GPT model = gpt_factory()();
-    flatshard::FullyShard<GPT> fsdp(model, world, options_for(strategy));
+    flatshard::FullyShard<GPT> fsdp(model, world, options_for(strategy, world.world_size()));
     train_uneven(world, fsdp);
     expect_weights(fsdp, model, reference);
   }

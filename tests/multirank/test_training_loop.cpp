@@ -21,15 +21,6 @@ using flatshard::Strategy;
 namespace fs = std::filesystem;
 namespace optim = flatshard::optim;
 
-constexpr double kFp32Tolerance = 1e-5;  // Note [Comparing weights] in test_fully_shard.cpp
-
-std::vector<Strategy> every_strategy(int world_size) {
-  std::vector<Strategy> out{Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard,
-                            Strategy::ShardOptimizerState};
-  if (world_size % 2 == 0 && world_size > 2) out.push_back(Strategy::HybridShard);
-  return out;
-}
-
 // Groups (no decay for biases, norms, embeddings; twice the rate for the head) equal
 // torch::optim's with the same groups, in every strategy; at worlds 2 and 3 parameters
 // are split across ranks' shards, so each part must get its group's settings.
@@ -40,7 +31,7 @@ TEST(ParamGroups, MatchTorchOptimGroupsInEveryStrategy) {
     for (OptKind opt : {OptKind::SGD, OptKind::Adam, OptKind::AdamW}) {
       TrainSpec spec;
       spec.strategy = strategy;
-      spec.shard_group_size = 2;
+      spec.shard_group_size = hybrid_group_size(world.world_size());
       spec.optimizer = opt;
       spec.param_groups = true;
       spec.steps = 6;
@@ -116,7 +107,7 @@ TEST(UnusedParameters, AreLeftUntouchedAsTorchOptimLeavesThem) {
       for (OptKind opt : {OptKind::SGD, OptKind::AdamW}) {
         TrainSpec spec;
         spec.strategy = strategy;
-        spec.shard_group_size = 2;
+        spec.shard_group_size = hybrid_group_size(world.world_size());
         spec.optimizer = opt;
         spec.find_unused_parameters = find_unused;
         spec.steps = 7;
@@ -126,12 +117,31 @@ TEST(UnusedParameters, AreLeftUntouchedAsTorchOptimLeavesThem) {
           if (!find_unused && world.world_size() > 1) b.input.select(1, 0).fill_(-1.0);
           return b;
         };
+        const bool b_used = find_unused || world.world_size() == 1;  // in steps 0, 3 and 6
+        // The reference's b before each step: it moves exactly after the steps that used it.
+        std::vector<at::Tensor> ref_b;
+        spec.before_step = [&](int, torch::nn::Module& ref, torch::nn::Module&) {
+          ref_b.push_back(ref.named_parameters()["gate.b.weight"].detach().clone());
+        };
+        const at::Tensor b_initial = make()->gate->b->weight.detach().clone();
         const auto r = train_and_compare<GatedNet>(world, make, batch, mse, spec);
         SCOPED_TRACE(::testing::Message() << to_string(strategy) << " " << to_string(opt) << " find_unused "
                                           << find_unused << " world " << world.world_size());
         EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
-        // b moved only in the steps that used it: at least one did (or none, uniformly).
-        EXPECT_EQ(r.weights.count("gate.b.weight"), 1u);
+        ASSERT_EQ(ref_b.size(), 7u);
+        ASSERT_TRUE(ref_b[0].equal(b_initial));
+        for (int step = 1; step < 7; ++step) {
+          const bool used_before = b_used && (step - 1) % 3 == 0;
+          EXPECT_EQ(!ref_b[step].equal(ref_b[step - 1]), used_before)
+              << "reference b after step " << step - 1;
+        }
+        // The distributed b moved as the reference's did, or not at all, bit for bit.
+        const at::Tensor b_final = r.weights.at("gate.b.weight");
+        if (b_used) {
+          EXPECT_GT((b_final - b_initial).abs().max().item<double>(), 1e-3) << "b must have moved";
+        } else {
+          EXPECT_TRUE(b_final.equal(b_initial)) << "b got no gradient on any rank and must not move";
+        }
       }
     }
   }
@@ -332,11 +342,10 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
     ref_scales.push_back(ref_scale);
   }
   // Distributed, in fp16 with fp32 reduction and masters.
-  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardOptimizerState}) {
+  for (Strategy strategy : every_strategy(n)) {
     SCOPED_TRACE(to_string(strategy));
     auto model = gpt_factory()();
-    flatshard::FullyShardOptions o;
-    o.strategy = strategy;
+    flatshard::FullyShardOptions o = options_for(strategy, n);
     o.mixed_precision.param = at::kHalf;
     o.mixed_precision.reduce = at::kFloat;
     flatshard::FullyShard<GPT> fsdp(model, world, o);

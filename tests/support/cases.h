@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <functional>
+#include <vector>
 
 #include "tests/support/models.h"
 #include "tests/support/training.h"
@@ -21,10 +22,24 @@ inline Batch mlp_batch(int step, int rows) {
 }
 inline at::Tensor mse(const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); }
 
-// A wrapper's options under `strategy`, with a test's deadline for its collectives.
-inline FullyShardOptions options_for(Strategy strategy) {
+// HybridShard's group size where a test runs every strategy: groups of 2 where the world
+// splits into several, else groups of 1 (each rank a whole replica, averaged across all).
+inline int hybrid_group_size(int world_size) { return world_size > 2 && world_size % 2 == 0 ? 2 : 1; }
+
+// Every strategy a world size can run (HybridShard from 2 ranks, in hybrid_group_size).
+inline std::vector<Strategy> every_strategy(int world_size) {
+  std::vector<Strategy> out{Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard,
+                            Strategy::ShardOptimizerState};
+  if (world_size > 1) out.push_back(Strategy::HybridShard);
+  return out;
+}
+
+// A wrapper's options under `strategy` (HybridShard in hybrid_group_size(world_size)), with
+// a test's deadline for its collectives.
+inline FullyShardOptions options_for(Strategy strategy, int world_size = 1) {
   FullyShardOptions options;
   options.strategy = strategy;
+  if (strategy == Strategy::HybridShard) options.shard_group_size = hybrid_group_size(world_size);
   options.comm.timeout = std::chrono::seconds(60);
   return options;
 }

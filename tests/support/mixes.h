@@ -16,9 +16,6 @@
 
 namespace flatshard::testing::mixes {
 
-constexpr double kFp32Tolerance = 1e-5;  // Note [Comparing weights] in test_fully_shard.cpp
-constexpr double kBf16Tolerance = 5e-3;  // Note [bf16 tolerance] in test_fully_shard.cpp
-
 enum class Model { Gpt, MlpUnits };
 
 struct Mix {

@@ -13,6 +13,7 @@ namespace flatshard::testing {
 inline const char* to_string(OptKind k) {
   switch (k) {
     case OptKind::SGD: return "SGD";
+    case OptKind::PlainSGD: return "plain SGD";
     case OptKind::Adam: return "Adam";
     case OptKind::AdamW: return "AdamW";
   }
@@ -63,6 +64,11 @@ inline std::unique_ptr<torch::optim::Optimizer> reference_optimizer(OptKind k, t
               torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(0.01),
               [](auto& o) { o.weight_decay(0); }, [](auto& o) { o.lr(0.1); }),
           torch::optim::SGDOptions(0.05));
+    case OptKind::PlainSGD:
+      return std::make_unique<torch::optim::SGD>(
+          make(
+              torch::optim::SGDOptions(0.1), [](auto&) {}, [](auto& o) { o.lr(0.2); }),
+          torch::optim::SGDOptions(0.1));
     case OptKind::Adam:
       return std::make_unique<torch::optim::Adam>(
           make(
@@ -106,6 +112,10 @@ inline ShardedOptimizer sharded_optimizer(OptKind k, FullyShardBase& fsdp, bool 
       const optim::SGDOptions o{0.05, 0.9, 0, 0.01, true};
       return {std::make_unique<optim::SGD>(fsdp, o, grouped(o, 0.1))};
     }
+    case OptKind::PlainSGD: {
+      const optim::SGDOptions o{0.1};
+      return {std::make_unique<optim::SGD>(fsdp, o, grouped(o, 0.2))};
+    }
     case OptKind::Adam: {
       const optim::AdamOptions o{1e-3, 0.9, 0.999, 1e-8, 0.01};
       return {std::make_unique<optim::Adam>(fsdp, o, grouped(o, 2e-3))};
@@ -132,6 +142,10 @@ void compare_weights(Holder& model, Holder& reference, TrainResult& result) {
   for (const auto& item : model->named_parameters()) {
     result.weights[item.key()] = item.value().detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
     const auto& want = ref_params[item.key()];
+    if (want.numel() == 0) {  // a zero-size parameter: nothing to compare but its shape
+      if (item.value().sizes() != want.sizes()) result.max_rel_weight_diff = std::nan("");
+      continue;
+    }
     const auto delta = item.value().to(at::kFloat) - want;
     const double delta_norm = delta.norm().template item<double>();
     const double want_norm = want.norm().template item<double>();
@@ -362,6 +376,18 @@ TrainResult train_and_compare(const World& world, const std::function<Holder()>&
   result.root_unit_bytes = fsdp.root_unit_bytes();
   result.shard_device = fsdp.shards().front().device();
   result.shards_pinned = fsdp.shards().front().is_pinned();
+  {
+    const auto masters = checkpoint::full_master_state_dict(fsdp, -1);
+    auto ref_params = reference->named_parameters();
+    double delta_sq = 0, ref_sq = 0;
+    for (const auto& [name, m] : masters) {
+      const at::Tensor want = ref_params[name].detach().to(at::kCPU, at::kFloat);
+      delta_sq += (m - want).pow(2).sum().template item<double>();
+      ref_sq += want.pow(2).sum().template item<double>();
+    }
+    result.global_rel_master_diff =
+        masters.empty() ? std::nan("") : std::sqrt(delta_sq / std::max(ref_sq, 1e-24));
+  }
   auto full = fsdp.summon_full_params();
   compare_weights(sharded->model, reference, result);
   return result;

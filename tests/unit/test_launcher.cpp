@@ -1,5 +1,6 @@
 // flatshard-run on plain shell programs: environment, output prefixes, exit codes,
 // stopping the others when one rank fails, and signal forwarding.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -100,12 +101,62 @@ TEST(Launcher, DeadlineStopsAHungJob) {
   EXPECT_LT(r.seconds, 15.0);
 }
 
+// Note [Restarting a failed job]: rank 1 fails in the first two starts; the third start
+// succeeds, each start knowing its number; every rank of a failed start is stopped first.
+TEST(Launcher, MaxRestartsStartsEveryRankAgainAfterAFailure) {
+  const auto r = run_command(
+      launch({"-n", "2", "--grace-s", "0.5", "--max-restarts", "3"},
+             "echo start-$RANK-$TORCHELASTIC_RESTART_COUNT-$FLATSHARD_RESTART_COUNT-"
+             "$TORCHELASTIC_MAX_RESTARTS; "
+             "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" -lt 2 ]; then "
+             "sleep 0.2; exit 3; fi; "
+             "if [ \"$RANK\" = 0 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" -lt 2 ]; then sleep 60; fi; "
+             "echo done-$RANK"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 30.0) << "rank 0 of a failed start was not stopped";
+  for (int start = 0; start < 3; ++start) {
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_NE(r.output.find(fmt::format("[rank {0}] start-{0}-{1}-{1}-3", rank, start)), std::string::npos)
+          << r.output;
+    }
+  }
+  EXPECT_EQ(r.output.find("start-0-3"), std::string::npos) << "no fourth start: " << r.output;
+  EXPECT_NE(r.output.find("rank 1 exited with code 3; restart 1 of 3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1 exited with code 3; restart 2 of 3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] done-0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] done-1"), std::string::npos) << r.output;
+}
+
+// Out of restarts, the job fails with the last start's code; a killed rank counts as a
+// failure; a signal to the launcher ends the job without a restart.
+TEST(Launcher, MaxRestartsEndsWithTheLastFailureAndNeverAfterASignal) {
+  const auto spent = run_command(
+      launch({"-n", "2", "--grace-s", "0.5", "--max-restarts", "1"},
+             "echo start-$TORCHELASTIC_RESTART_COUNT; if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; sleep 60"));
+  EXPECT_EQ(spent.exit_code, 128 + SIGKILL) << spent.output;
+  EXPECT_NE(spent.output.find("rank 0 was killed by signal 9; restart 1 of 1"), std::string::npos)
+      << spent.output;
+  EXPECT_NE(spent.output.find("no restart left (--max-restarts 1): the job fails"), std::string::npos)
+      << spent.output;
+  RunOptions options;
+  options.signal = SIGTERM;
+  options.signal_after = std::chrono::milliseconds(1500);
+  const auto stopped = run_command(launch({"-n", "2", "--max-restarts", "5"},
+                                          "echo start-$TORCHELASTIC_RESTART_COUNT; "
+                                          "sleep 30 & wait"),
+                                   options);
+  EXPECT_EQ(stopped.exit_code, 128 + SIGTERM) << stopped.output;
+  EXPECT_EQ(stopped.output.find("start-1"), std::string::npos)
+      << "restarted after a signal: " << stopped.output;
+}
+
 TEST(Launcher, BadArgumentsPrintUsage) {
   for (auto args :
        std::vector<std::vector<std::string>>{{launcher_path()},
                                              {launcher_path(), "-n", "0", "true"},
                                              {launcher_path(), "--nnodes", "2", "-n", "1", "true"},
-                                             {launcher_path(), "--bogus", "true"}}) {
+                                             {launcher_path(), "--bogus", "true"},
+                                             {launcher_path(), "--max-restarts", "-1", "true"}}) {
     const auto r = run_command(args);
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find("usage: flatshard-run"), std::string::npos) << r.output;

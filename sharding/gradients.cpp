@@ -1,0 +1,341 @@
+// The sharded strategies' gradients after each unit's backward: the reduce-scatter (one
+// in flight), its landing in the shard gradient (on the host under offload, with steps
+// beside backward), and the end of backward: parameters without gradients and the
+// non-finite check.
+#include "sharding/engine.h"
+#include "sharding/engine_parts.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <set>
+#include <unordered_map>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "flatshard/errors.h"
+#include "flatshard/optim.h"
+#include "optim/clip.h"
+#include "src/errors.h"
+#include "src/logging.h"
+
+namespace flatshard::sharding {
+
+using detail::accumulate;
+using detail::fold_strays;
+
+// Note [One reduce-scatter in flight]
+// Before a unit's gradients are reduce-scattered, the previous unit's reduction is
+// waited for and folded into its shard gradient, and its flat gradient is freed. So at
+// most one reduction (and the flat gradient it reads) is outstanding, while the
+// reduce-scatter stream still overlaps the backward compute of the next unit.
+void Engine::reduce(int index) {
+  finish_pending_reduce();
+  FlatParamGroup& g = *units_[index]->group;
+  const at::ScalarType reduce_dtype = options_.mixed_precision.reduce.value_or(g.compute_dtype());
+  auto pending = std::make_unique<PendingReduce>();
+  pending->unit = index;
+  pending->input_is_full_grad = reduce_dtype == g.compute_dtype();
+  pending->input = pending->input_is_full_grad ? g.full_grad() : g.full_grad().to(reduce_dtype);
+  if (!pending->input_is_full_grad) g.free_full_grad();
+  CollectiveOptions opts;
+  opts.stream = StreamRole::ReduceScatter;
+  std::optional<Work> scattered;
+  if (shard_.size == 1) {
+    // Over one rank the average is the gradient itself: no collective, and no copy when
+    // the conversion to the reduce dtype already made one.
+    pending->output = pending->input_is_full_grad ? g.full_grad().clone() : pending->input;
+  } else {
+    pending->output = g.pooled_empty(g.shard_numel(), reduce_dtype);
+    scattered = shard_comm().reduce_scatter(pending->output, pending->input, ReduceOp::Avg, opts);
+    pending->work = scattered;
+  }
+  if (replica_comm_ && comm_hook_) {
+    pending->hook_across_groups = true;  // Note [Hooks across shard groups]: when it is finished
+  } else if (replica_comm_) {
+    // Note [Shard groups]: the group's average, averaged over the groups that hold the
+    // same shard, is the world's average (the groups are the same size).
+    CollectiveOptions across;
+    across.stream = StreamRole::AllReduce;
+    if (scattered) across.wait_for.push_back(scattered->event());
+    pending->work = replica_comm_->all_reduce(pending->output, ReduceOp::Avg, across);
+  }
+  in_flight_.push_back(std::move(pending));
+}
+
+void Engine::finish_pending_reduce() {
+  while (!in_flight_.empty()) finish_first_reduce();
+}
+
+bool Engine::completed(const PendingReduce& p) {
+  if (p.work && !p.work->is_completed()) return false;
+  for (const Work& w : p.hook_works) {
+    if (!w.is_completed()) return false;
+  }
+  return !p.stale || completed(*p.stale);
+}
+
+void Engine::finish_completed_reduces() {
+  while (!in_flight_.empty() && completed(*in_flight_.front())) finish_first_reduce();
+}
+
+// Waits for `pending`'s collectives and leaves its average in `pending.output`.
+void Engine::complete(PendingReduce& pending) {
+  if (pending.work) pending.work->wait();
+  for (const Work& w : pending.hook_works) w.wait();  // Note [Communication hooks]
+  if (pending.hook_finish) pending.hook_finish();
+  at::NoGradGuard no_grad;
+  if (pending.slice_numel >= 0)
+    pending.output.copy_(pending.input.narrow(0, pending.slice_offset, pending.slice_numel));
+  if (pending.stale) {  // Note [Bounded staleness]: an earlier step's average stands for ours
+    complete(*pending.stale);
+    pending.output.copy_(pending.stale->output);
+    pending.stale.reset();
+  }
+}
+
+void Engine::finish_first_reduce() {
+  auto pending = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  complete(*pending);
+  if (pending->hook_across_groups) average_across_groups(*pending);
+  const int pending_segment = pending->segment;
+  if (pending->segment >= 0) {  // a bucket of a replicated group
+    FlatParamGroup& g = *units_[pending->unit]->group;
+    if (g.offloaded()) {
+      // Note [Offloaded buckets]
+      at::NoGradGuard no_grad;
+      const auto reduced = pending->output.to(at::kFloat);
+      if (pending->add) {  // an earlier backward's gradient is there: land apart, add after
+        landing_grads_.push_back({pending->unit, land(g, reduced), pending->target});
+      } else {  // straight into the master's gradient; the end of backward waits for it
+        copy_to_host(pending->target, reduced, g.pinned());
+        landing_grads_.push_back({pending->unit, at::Tensor(), pending->target});
+      }
+    } else if (pending->target.defined()) {
+      at::NoGradGuard no_grad;
+      if (pending->add) {
+        pending->target.add_(pending->output);
+      } else {
+        pending->target.copy_(pending->output);
+      }
+    }
+    pending.reset();
+    g.free_segment_grad(pending_segment);
+    return;
+  }
+  FlatParamGroup& g = *units_[pending->unit]->group;
+  at::NoGradGuard no_grad;
+  // The reduced shard is this reduction's own buffer: an fp32 one becomes the gradient.
+  auto reduced = pending->output.to(at::kFloat);
+  if (g.offloaded()) {
+    // Note [Offloaded gradients]: the reduced shard is copied to page-locked host memory
+    // beside the compute stream (Note [Copies beside compute]) without blocking the host;
+    // end_of_backward waits for the device once and adds every landed shard into the host
+    // gradients. With no gradient there yet it lands in the group's own gradient block
+    // (page-locked at its size and taken again every step: Note [Page-locked at its
+    // size]), which becomes the gradient; an earlier backward's gradient is there: land
+    // apart, add after.
+    if (g.master().grad().defined()) {
+      landing_grads_.push_back({pending->unit, land(g, reduced), at::Tensor()});
+    } else {
+      at::Tensor block = g.empty_master_grad();
+      copy_to_host(block, reduced, g.pinned());
+      if (step_in_backward_) {
+        step_beside_backward(pending->unit, std::move(block));
+      } else {
+        landing_grads_.push_back({pending->unit, std::move(block), at::Tensor()});
+      }
+    }
+  } else {
+    const bool adds = g.master().grad().defined();
+    accumulate(g.master().mutable_grad(), reduced);
+    if (adds) {
+      pending->output = at::Tensor();
+      g.release(std::move(reduced));
+    }
+    step_now(pending->unit);
+  }
+  if (pending->input_is_full_grad) g.free_full_grad();
+}
+
+void Engine::end_of_backward() {
+  std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
+  if (replicated_) {
+    backward_active_ = false;
+    end_of_replicated_backward();
+    accumulating_ = no_sync_;
+    if (no_sync_) return;
+    ++synced_backwards_;
+    find_params_with_grad();
+    check_nonfinite();
+    return;
+  }
+  // Units whose hooks did not all fire (parameters that got no gradient this step).
+  for (int i = static_cast<int>(units_.size()) - 1; i >= 0; --i) {
+    if (units_[i]->pre_backward_done && !units_[i]->post_backward_done) post_backward(i);
+  }
+  finish_pending_reduce();
+  // A failed step (Note [Offloaded steps beside backward]) is rethrown once backward's
+  // bookkeeping is done, so that the next forward starts from a finished backward.
+  std::exception_ptr failed_step;
+  try {
+    finish_steps_beside_backward();
+  } catch (...) {
+    failed_step = std::current_exception();
+  }
+  land_offloaded_grads();
+  for (int i = 0; i < static_cast<int>(units_.size()); ++i) {
+    reshard(i);
+    units_[i]->pre_backward_done = false;
+    units_[i]->post_backward_done = false;
+    units_[i]->pending_inputs = 0;
+  }
+  backward_active_ = false;
+  ++backwards_;
+  if (no_sync_) return;
+  ++synced_backwards_;
+  find_params_with_grad();
+  if (failed_step) std::rethrow_exception(failed_step);
+  check_nonfinite();
+}
+
+// Note [Parameters without gradients]
+// torch::optim leaves a parameter whose .grad is undefined untouched: no weight decay, no
+// momentum, no step count. A flat shard has a gradient for every element, so the engine
+// records which parameters got one since the step began (the first backward after a
+// synced one) and the optimizer steps only theirs (ShardOptimizer::step_shard). With
+// find_unused_parameters the ranks' records are combined (a parameter any rank used got a
+// gradient), one small all-reduce per synced backward; without it each rank's own record
+// stands, which is right when every rank leaves the same parameters unused (as FSDP2
+// assumes; the replicated strategies refuse an unused parameter then).
+void Engine::find_params_with_grad() {
+  step_begins_ = true;
+  std::vector<int> units;
+  for (int i = 0; i < static_cast<int>(units_.size()); ++i) {
+    if (units_[i]->group) units.push_back(i);
+  }
+  std::vector<float> flags;
+  for (int i : units) {
+    for (const auto& slot : units_[i]->group->slots()) flags.push_back(got_grad_[i][slot.id] ? 1.0f : 0.0f);
+  }
+  if (options_.find_unused_parameters && world_size_ > 1) {
+    auto t = at::tensor(flags, at::kFloat).to(device_);
+    comm_->all_reduce(t, ReduceOp::Sum).wait();
+    t = t.cpu();
+    flags.assign(t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
+  }
+  std::size_t k = 0;
+  params_with_grad_.assign(units.size(), {});
+  for (std::size_t s = 0; s < units.size(); ++s) {
+    const std::size_t n = units_[units[s]]->group->slots().size();
+    const auto first = flags.begin() + k, last = first + n;
+    if (std::find(first, last, 0.0f) != last) {  // else empty: every one
+      for (auto f = first; f != last; ++f) params_with_grad_[s].push_back(*f > 0 ? 1 : 0);
+    }
+    k += n;
+  }
+}
+
+void Engine::check_nonfinite() {
+  if (options_.nonfinite_grads == NonFiniteGrads::Ignore) return;
+  std::vector<at::Tensor> grads;
+  for (auto& u : units_) {
+    if (u->group) grads.push_back(u->group->master().grad());
+  }
+  const auto bad = optim::nonfinite_ranks(grads, *comm_);
+  if (optim::handle_nonfinite(bad, static_cast<int>(options_.nonfinite_grads), synced_backwards_, rank_,
+                              world_size_, "FullyShard")) {
+    zero_grad();
+    ++skipped_steps_;
+  }
+}
+
+// A host copy of `reduced` (fp32, on the compute device), page-locked with the group's
+// master, made without blocking the host (Note [Offloaded gradients]).
+at::Tensor Engine::land(FlatParamGroup& g, const at::Tensor& reduced) {
+  auto landing =
+      at::empty({reduced.numel()}, at::TensorOptions().dtype(at::kFloat).pinned_memory(g.pinned()));
+  copy_to_host(landing, reduced, g.pinned());
+  return landing;
+}
+
+// Copies `reduced` into `host`: into page-locked host memory on the copy stream to the
+// host (Note [Copies beside compute]); otherwise on the caller's stream.
+void Engine::copy_to_host(const at::Tensor& host, const at::Tensor& reduced, bool pinned) {
+  if (!copy_out_ || !pinned) {
+    host.copy_(reduced, /*non_blocking=*/pinned);
+    return;
+  }
+  copy_out_->follow_current();
+  copy_out_->keep_until_read(reduced);
+  const c10::StreamGuard beside(copy_out_->stream());
+  host.copy_(reduced, /*non_blocking=*/true);
+}
+
+// Note [Offloaded steps beside backward]
+// Stepping in backward under CPU offload, a unit whose reduced gradient shard is on its
+// way to the host (copied into the group's own block, no earlier gradient to add to) is
+// handed to a host thread of the engine's own (step_stream_), which waits for that copy
+// alone (an event recorded on the copy stream after it; on the CPU the copy is done) and
+// steps the unit's master there, in the order the units were reduced. The thread that
+// runs backward goes on queueing the next units' backward meanwhile, so the optimizer's
+// work on the host, which after backward would leave the GPU idle, runs beside the rest of
+// backward instead. A unit's step touches its own group only (its master, gradient and
+// bf16 copy, and its entry of params_with_grad_): backward no longer reads them, and the
+// next forward's gathers come after the end of backward, which waits for every step
+// (finish_steps_beside_backward) and then rethrows the first step's error. The arithmetic
+// is the step's after backward, bit for bit.
+void Engine::step_beside_backward(int unit, at::Tensor landing) {
+  std::shared_ptr<c10::Event> copied;
+  if (copy_out_) copied = copy_out_->record();
+  if (!step_stream_) step_stream_ = std::make_unique<Stream>("flatshard offloaded steps");
+  steps_beside_.push_back(step_stream_->submit([this, unit, copied, landing = std::move(landing)]() mutable {
+    if (copied) copied->synchronize();
+    at::NoGradGuard no_grad;
+    units_[unit]->group->master().mutable_grad() = std::move(landing);
+    step_now(unit);
+  }));
+}
+
+void Engine::finish_steps_beside_backward() {
+  std::exception_ptr first;
+  for (auto& step : steps_beside_) {
+    try {
+      step.synchronize();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  steps_beside_.clear();
+  if (first) std::rethrow_exception(first);
+}
+
+void Engine::land_offloaded_grads() {
+  if (landing_grads_.empty()) return;
+  // One host wait for the device: the copies to the host, and those to the device, which
+  // read the masters the optimizer is about to write (Note [Copies beside compute]).
+  if (!device_.is_cpu()) c10::impl::VirtualGuardImpl(device_.type()).getStream(device_).synchronize();
+  if (copy_out_) copy_out_->synchronize();
+  if (copy_in_) copy_in_->synchronize();
+  at::NoGradGuard no_grad;
+  for (auto& l : landing_grads_) {
+    if (l.target.defined()) {  // a bucket's slice (Note [Offloaded buckets])
+      if (l.landed.defined()) l.target.add_(l.landed);
+      continue;
+    }
+    accumulate(units_[l.unit]->group->master().mutable_grad(), l.landed);
+    step_now(l.unit);
+  }
+  landing_grads_.clear();
+}
+
+}  // namespace flatshard::sharding

@@ -1,0 +1,152 @@
+// Making a TCP ring's links: addresses through the store, one connection per channel
+// each way with a checked hello, then Note [Direct copies]'s agreement per link.
+#include "src/tcp/ring_links.h"
+
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <random>
+
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "flatshard/errors.h"
+#include "src/errors.h"
+
+namespace flatshard::comm {
+namespace {
+
+using tcp::Clock;
+using tcp::IoError;
+using tcp::Socket;
+
+constexpr std::uint32_t kHelloMagic = 0x46534845;   // "FSHE"
+constexpr std::uint32_t kDirectMagic = 0x46534443;  // "FSDC"
+
+// Note [Direct copies] (ring_links.h): what a link's sender offers and its receiver answers.
+struct DirectOffer {
+  std::uint32_t magic;
+  std::int32_t pid;
+  std::uint64_t address;  // of `nonce` in the sender
+  std::uint64_t nonce[2];
+  std::uint32_t wanted;  // 0: the sender's options turn direct copies off
+  std::uint32_t pad;
+};
+struct DirectAnswer {
+  std::uint32_t magic;
+  std::uint32_t accepted;
+};
+
+struct Hello {
+  std::uint32_t magic;
+  std::int32_t rank;
+  std::int32_t world_size;
+  std::int32_t channel;
+};
+
+std::vector<std::uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+bool wants_direct_copy(const CommunicatorOptions& options) {
+  const char* env = std::getenv("FLATSHARD_DIRECT_COPY");
+  return options.direct_copy && !(env != nullptr && std::string(env) == "0");
+}
+
+// Note [Direct copies]: each link's sender offers, its receiver tries and answers.
+// Offers are sent on every link before any is read, so no rank waits on another's
+// answer while its own offer is unsent.
+void agree_on_direct_copies(std::vector<Channel>& channels, bool wanted, Clock::time_point deadline) {
+  std::random_device random;
+  std::uint64_t nonce[2];
+  for (auto& word : nonce) word = (std::uint64_t{random()} << 32) ^ random();
+  const DirectOffer offer{kDirectMagic,
+                          static_cast<std::int32_t>(::getpid()),
+                          reinterpret_cast<std::uintptr_t>(&nonce[0]),
+                          {nonce[0], nonce[1]},
+                          wanted ? 1u : 0u,
+                          0};
+  for (Channel& ch : channels) ch.to_next.send_all(&offer, sizeof(offer), deadline);
+  for (Channel& ch : channels) {
+    DirectOffer theirs{};
+    ch.from_prev.recv_all(&theirs, sizeof(theirs), deadline);
+    bool accepted = false;
+    if (wanted && theirs.magic == kDirectMagic && theirs.wanted == 1 && theirs.pid > 0) {
+      std::uint64_t read_back[2] = {0, 0};
+      iovec local{read_back, sizeof(read_back)};
+      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(theirs.address)), sizeof(read_back)};
+      accepted = ::process_vm_readv(theirs.pid, &local, 1, &remote, 1, 0) ==
+                     static_cast<ssize_t>(sizeof(read_back)) &&
+                 read_back[0] == theirs.nonce[0] && read_back[1] == theirs.nonce[1];
+    }
+    ch.direct_in = accepted;
+    ch.prev_pid = theirs.pid;
+    const DirectAnswer answer{kDirectMagic, accepted ? 1u : 0u};
+    ch.from_prev.send_all(&answer, sizeof(answer), deadline);
+  }
+  for (Channel& ch : channels) {
+    DirectAnswer answer{};
+    ch.to_next.recv_all(&answer, sizeof(answer), deadline);
+    ch.direct_out = answer.magic == kDirectMagic && answer.accepted == 1;
+  }
+}
+
+}  // namespace
+
+std::vector<Channel> connect_ring(const World& world, const CommunicatorOptions& options, int num_channels,
+                                  const std::string& prefix) {
+  const int rank = world.rank();
+  const int world_size = world.world_size();
+  const auto deadline = Clock::now() + options.timeout;
+  const auto fail = [&](const std::string& what) -> RendezvousError {
+    return RendezvousError(fmt::format("flatshard::Communicator::create (rank {}/{}, communicator '{}'): {}",
+                                       rank, world_size, options.name, what));
+  };
+  std::vector<Channel> channels;
+  tcp::Listener listener;
+  std::string host = world.spec.store_kind == "tcp"
+                         ? tcp::local_address_toward(world.spec.master_addr, world.spec.master_port)
+                         : "127.0.0.1";
+  if (const char* forced = std::getenv("FLATSHARD_SOCKET_ADDR")) host = forced;
+  try {
+    world.store->set(prefix + std::to_string(rank), to_bytes(fmt::format("{}:{}", host, listener.port())));
+    const std::string key = prefix + std::to_string((rank + 1) % world_size);
+    world.store->wait({key}, options.timeout);
+    const auto value = world.store->get(key);
+    const std::string address(value.begin(), value.end());
+    const auto colon = address.rfind(':');
+    const std::string next_host = address.substr(0, colon);
+    const int next_port = std::stoi(address.substr(colon + 1));
+    channels.resize(num_channels);
+    for (int c = 0; c < num_channels; ++c) {
+      channels[c].to_next = Socket::connect(next_host, next_port, (rank + 1) % world_size, deadline);
+      Hello hello{kHelloMagic, rank, world_size, c};
+      channels[c].to_next.send_all(&hello, sizeof(hello), deadline);
+    }
+    const int prev = (rank + world_size - 1) % world_size;
+    for (int accepted = 0; accepted < num_channels; ++accepted) {
+      Socket s = listener.accept(deadline);
+      Hello hello{};
+      s.recv_all(&hello, sizeof(hello), deadline);
+      if (hello.magic != kHelloMagic || hello.world_size != world_size || hello.rank != prev ||
+          hello.channel < 0 || hello.channel >= num_channels || channels[hello.channel].from_prev.valid()) {
+        throw fail(
+            fmt::format("unexpected connection (magic {:#x}, rank {}, world size {}, channel {}) "
+                        "while waiting for rank {}: are two jobs using the same master address "
+                        "and port?",
+                        hello.magic, hello.rank, hello.world_size, hello.channel, prev));
+      }
+      s.set_peer(prev);
+      channels[hello.channel].from_prev = std::move(s);
+    }
+    agree_on_direct_copies(channels, wants_direct_copy(options), deadline);
+  } catch (const IoError& e) {
+    throw fail(fmt::format("{}; check that every rank is running and can reach the others", e.detail));
+  } catch (const RendezvousError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw fail(e.what());
+  }
+  return channels;
+}
+
+}  // namespace flatshard::comm
