@@ -23,6 +23,15 @@ model=(--mode full --steps "$steps" --log-every "$save_every" --save-every "$sav
 mkdir -p "$out"
 rm -rf "$out/straight" "$out/chaos"
 
+rank_pids() {  # the ranks: processes whose command starts with the trainer (not the launcher)
+  local p cmd
+  for p in /proc/[0-9]*; do
+    cmd="$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null)" || continue
+    [[ "$cmd" == "$gpt "* ]] && echo "${p#/proc/}"
+  done
+  return 0
+}
+
 echo "== uninterrupted: $ranks ranks, $steps steps"
 "$run" -n "$ranks" --deadline-s 600 "$gpt" "${model[@]}" --ckpt "$out/straight" >"$out/straight.log" 2>&1
 
@@ -33,7 +42,7 @@ job=$!
 done_kills=0
 while [ "$done_kills" -lt "$kills" ] && kill -0 "$job" 2>/dev/null; do
   sleep "$((1 + RANDOM % 3)).$((RANDOM % 10))"
-  mapfile -t pids < <(pgrep -f -- "^$gpt " || true)  # the ranks, not the launcher
+  mapfile -t pids < <(rank_pids)
   [ "${#pids[@]}" -gt 0 ] || continue
   victim="${pids[$((RANDOM % ${#pids[@]}))]}"
   if kill -9 "$victim" 2>/dev/null; then
