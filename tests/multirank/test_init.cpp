@@ -12,6 +12,7 @@
 
 #include "flatshard/flatshard.h"
 #include "tests/support/multirank.h"
+#include "tests/support/subprocess.h"
 
 namespace {
 
@@ -94,6 +95,63 @@ TEST(InitMethods, TorchrunEnvironmentFromTheLauncher) {
   EXPECT_EQ(world.local_rank(), world.rank());
   EXPECT_EQ(world.local_world_size(), world.world_size());
   expect_working_world(world);
+}
+
+// torchrun (the pinned torch's, `--no-python`) starts FlatShard ranks as it starts
+// PyTorch's: the environment it sets is read by init(), and rank 0's store shares the port
+// torchrun's agent serves (TORCHELASTIC_USE_AGENT_STORE, which LibTorch's TCPStore honours).
+TEST(Launchers, TorchrunStartsFlatShardRanks) {
+  if (flatshard::testing::in_rank_mode()) {
+    auto world = flatshard::init();
+    EXPECT_EQ(world.world_size(), 2);
+    EXPECT_NE(std::getenv("TORCHELASTIC_RUN_ID"), nullptr) << "started by torchrun";
+    auto comm = flatshard::Communicator::create(world);
+    auto t = at::full({5}, static_cast<float>(world.rank() + 1));
+    comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
+    EXPECT_TRUE(at::all(t == 3.0f).item<bool>());
+    return;
+  }
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  ASSERT_GT(n, 0);
+  flatshard::testing::RunOptions options;
+  options.deadline = std::chrono::seconds(120);
+  options.env = {{"FLATSHARD_TEST_RANK_MODE", "1"}};
+  const auto r = flatshard::testing::run_command(
+      {FLATSHARD_TORCHRUN, "--no-python", "--standalone", "--nproc-per-node", "2",
+       std::string(self, static_cast<std::size_t>(n)),
+       "--gtest_filter=Launchers.TorchrunStartsFlatShardRanks", "--gtest_color=no"},
+      options);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[  PASSED  ] 1 test"), std::string::npos) << r.output;
+}
+
+// Open MPI's mpirun (Debian's openmpi-bin, which scripts/setup.sh installs) starts FlatShard
+// ranks: init() reads OMPI_COMM_WORLD_*, and on one machine needs nothing more.
+TEST(Launchers, MpirunStartsFlatShardRanks) {
+  if (flatshard::testing::in_rank_mode()) {
+    auto world = flatshard::init();
+    EXPECT_EQ(world.world_size(), 2);
+    EXPECT_EQ(world.rank(), std::atoi(std::getenv("OMPI_COMM_WORLD_RANK")));
+    auto comm = flatshard::Communicator::create(world);
+    auto t = at::full({5}, static_cast<float>(world.rank() + 1));
+    comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
+    EXPECT_TRUE(at::all(t == 3.0f).item<bool>());
+    return;
+  }
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  ASSERT_GT(n, 0);
+  flatshard::testing::RunOptions options;
+  options.deadline = std::chrono::seconds(120);
+  options.env = {{"FLATSHARD_TEST_RANK_MODE", "1"}};
+  const auto r = flatshard::testing::run_command(
+      {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
+       std::string(self, static_cast<std::size_t>(n)), "--gtest_filter=Launchers.MpirunStartsFlatShardRanks",
+       "--gtest_color=no"},
+      options);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[  PASSED  ] 1 test"), std::string::npos) << r.output;
 }
 
 TEST(Rendezvous, PortInUseIsATypedErrorOnRankZero) {
