@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <thread>
 
 #include "flatshard/flatshard.h"
 #include "tests/support/multirank.h"
@@ -152,6 +153,52 @@ TEST(Launchers, MpirunStartsFlatShardRanks) {
       options);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("[  PASSED  ] 1 test"), std::string::npos) << r.output;
+}
+
+// Two "nodes" on one machine: two flatshard-run processes, --nnodes 2 and a node rank
+// each, two ranks per node, meet at one master port and make one world of four.
+TEST(Launchers, TwoNodesOfFlatshardRunMakeOneWorld) {
+  if (flatshard::testing::in_rank_mode()) {
+    auto world = flatshard::init();
+    EXPECT_EQ(world.world_size(), 4);
+    EXPECT_EQ(world.local_world_size(), 2);
+    EXPECT_EQ(world.rank(), 2 * std::atoi(std::getenv("GROUP_RANK")) + world.local_rank());
+    auto comm = flatshard::Communicator::create(world);
+    auto t = at::full({5}, static_cast<float>(world.rank() + 1));
+    comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
+    EXPECT_TRUE(at::all(t == 10.0f).item<bool>());
+    return;
+  }
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  ASSERT_GT(n, 0);
+  int port = 0;
+  {
+    HeldPort free_now(false);  // released before the nodes start
+    port = free_now.port;
+  }
+  flatshard::testing::RunResult results[2];
+  std::thread nodes[2];
+  for (int node = 0; node < 2; ++node) {
+    nodes[node] = std::thread([&, node] {
+      flatshard::testing::RunOptions options;
+      options.deadline = std::chrono::seconds(120);
+      options.env = {{"FLATSHARD_TEST_RANK_MODE", "1"}};
+      results[node] = flatshard::testing::run_command(
+          {flatshard::testing::launcher_path(), "-n", "2", "--nnodes", "2", "--node-rank",
+           std::to_string(node), "--master-port", std::to_string(port), "--deadline-s", "90",
+           std::string(self, static_cast<std::size_t>(n)),
+           "--gtest_filter=Launchers.TwoNodesOfFlatshardRunMakeOneWorld", "--gtest_color=no"},
+          options);
+    });
+  }
+  for (auto& t : nodes) t.join();
+  for (int node = 0; node < 2; ++node) {
+    EXPECT_EQ(results[node].exit_code, 0) << "node " << node << "\n" << results[node].output;
+    EXPECT_NE(results[node].output.find("[rank " + std::to_string(2 * node + 1) + "] [  PASSED  ] 1 test"),
+              std::string::npos)
+        << results[node].output;
+  }
 }
 
 TEST(Rendezvous, PortInUseIsATypedErrorOnRankZero) {
