@@ -1,7 +1,12 @@
 // flatshard::init(): resolve the world, then meet the other ranks through a LibTorch
 // store (TCPStore served by rank 0, or FileStore on a shared file system).
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -13,9 +18,31 @@
 #include "flatshard/errors.h"
 #include "flatshard/world.h"
 #include "src/logging.h"
+#include "src/tcp/socket.h"
 
 namespace flatshard {
 namespace {
+
+// A job whose master is a loopback address runs on one machine: rank 0 serves the store
+// on the loopback interface only, so no other machine can read or set its keys (LibTorch's
+// TCPStore would listen on every interface). The store takes over the socket. Nothing when
+// the port cannot be bound here: TCPStore then reports it (or, under torchrun, uses the
+// agent's store on that port).
+std::optional<int> loopback_listener(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return std::nullopt;
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 1024) != 0) {
+    ::close(fd);
+    return std::nullopt;
+  }
+  return fd;
+}
 
 c10::intrusive_ptr<c10d::Store> make_tcp_store(const WorldSpec& spec, std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions opts;
@@ -24,6 +51,8 @@ c10::intrusive_ptr<c10d::Store> make_tcp_store(const WorldSpec& spec, std::chron
   opts.numWorkers = spec.world_size;
   opts.waitWorkers = false;  // the join count below waits, with a message that names who is missing
   opts.timeout = timeout;
+  if (opts.isServer && tcp::is_loopback(spec.master_addr))
+    opts.masterListenFd = loopback_listener(spec.master_port);
   try {
     return c10::make_intrusive<c10d::TCPStore>(spec.master_addr, opts);
   } catch (const std::exception& e) {

@@ -102,11 +102,13 @@ std::vector<Channel> connect_ring(const World& world, const CommunicatorOptions&
                                        rank, world_size, options.name, what));
   };
   std::vector<Channel> channels;
-  tcp::Listener listener;
   std::string host = world.spec.store_kind == "tcp"
                          ? tcp::local_address_toward(world.spec.master_addr, world.spec.master_port)
                          : "127.0.0.1";
   if (const char* forced = std::getenv("FLATSHARD_SOCKET_ADDR")) host = forced;
+  // A ring reached over loopback (a job on one machine) listens on loopback only: no other
+  // machine can open a link into it.
+  tcp::Listener listener(tcp::is_loopback(host));
   try {
     world.store->set(prefix + std::to_string(rank), to_bytes(fmt::format("{}:{}", host, listener.port())));
     const std::string key = prefix + std::to_string((rank + 1) % world_size);

@@ -116,14 +116,19 @@ void Socket::recv_all(void* data, std::size_t bytes, Clock::time_point deadline)
   detail::exchange(nullptr, Parts{}, this, MutableParts{data, bytes, nullptr, 0}, deadline, nullptr, nullptr);
 }
 
-Listener::Listener() {
+bool is_loopback(const std::string& host) {
+  in_addr a{};
+  return ::inet_pton(AF_INET, host.c_str(), &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
+}
+
+Listener::Listener(bool loopback_only) {
   fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   FLATSHARD_ASSERT(fd_ >= 0, "socket() failed");
   int one = 1;
   setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_addr.s_addr = htonl(loopback_only ? INADDR_LOOPBACK : INADDR_ANY);
   addr.sin_port = 0;
   FLATSHARD_ASSERT(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0, "bind() failed");
   FLATSHARD_ASSERT(::listen(fd_, 128) == 0, "listen() failed");

@@ -51,7 +51,9 @@ class Socket {
 
 class Listener {
  public:
-  Listener();  // binds every interface on a free port
+  // Binds a free port on every interface, or on the loopback interface only (a job on one
+  // machine: nothing from outside it can connect).
+  explicit Listener(bool loopback_only = false);
   ~Listener();
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;
@@ -62,6 +64,9 @@ class Listener {
   int fd_ = -1;
   int port_ = 0;
 };
+
+// Whether `host` is an IPv4 loopback address (127.0.0.0/8), written as such.
+bool is_loopback(const std::string& host);
 
 // The local address this host uses to reach `host` (no packet is sent).
 std::string local_address_toward(const std::string& host, int port);

@@ -9,9 +9,14 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "flatshard/flatshard.h"
+#include "src/tcp/socket.h"
 #include "tests/support/multirank.h"
 #include "tests/support/subprocess.h"
 
@@ -199,6 +204,52 @@ TEST(Launchers, TwoNodesOfFlatshardRunMakeOneWorld) {
               std::string::npos)
         << results[node].output;
   }
+}
+
+// The local addresses of the sockets listening on `port` (from /proc/net/tcp and tcp6, as
+// the kernel writes them: "0100007F" is 127.0.0.1, "00000000" every IPv4 interface).
+std::vector<std::string> listening_addresses(int port) {
+  std::vector<std::string> out;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      const auto colon = local.rfind(':');
+      if (state != "0A" || colon == std::string::npos) continue;  // 0A: LISTEN
+      if (std::stoi(local.substr(colon + 1), nullptr, 16) == port) out.push_back(local.substr(0, colon));
+    }
+  }
+  return out;
+}
+
+// A job on one machine (master 127.0.0.1, as flatshard-run sets it) serves its store on the
+// loopback interface only: nothing from another machine can reach its keys.
+TEST(Rendezvous, AOneMachineJobServesItsStoreOnLoopbackOnly) {
+  FLATSHARD_RUN_RANKS({2});
+  auto world = flatshard::init();
+  EXPECT_EQ(world.spec.master_addr, "127.0.0.1");
+  if (world.rank() == 0) {
+    const auto addresses = listening_addresses(world.spec.master_port);
+    ASSERT_FALSE(addresses.empty()) << "rank 0 serves the store on port " << world.spec.master_port;
+    for (const auto& a : addresses) EXPECT_EQ(a, "0100007F") << "a listening socket on another address";
+  }
+  expect_working_world(world);
+}
+
+// The ring's links of a job on one machine are accepted on the loopback interface only
+// (src/tcp/ring_links.cpp makes its listener so when the ring is reached over loopback).
+TEST(Rendezvous, RingListenersOfAOneMachineJobListenOnLoopbackOnly) {
+  EXPECT_TRUE(flatshard::tcp::is_loopback("127.0.0.1"));
+  EXPECT_TRUE(flatshard::tcp::is_loopback("127.3.2.1"));
+  EXPECT_FALSE(flatshard::tcp::is_loopback("10.0.0.1"));
+  EXPECT_FALSE(flatshard::tcp::is_loopback("localhost"));  // a name, not an address: left as is
+  const flatshard::tcp::Listener loopback(/*loopback_only=*/true), any(/*loopback_only=*/false);
+  EXPECT_EQ(listening_addresses(loopback.port()), std::vector<std::string>{"0100007F"});
+  EXPECT_EQ(listening_addresses(any.port()), std::vector<std::string>{"00000000"});
 }
 
 TEST(Rendezvous, PortInUseIsATypedErrorOnRankZero) {
