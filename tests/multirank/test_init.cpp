@@ -103,6 +103,30 @@ TEST(InitMethods, TorchrunEnvironmentFromTheLauncher) {
   expect_working_world(world);
 }
 
+// Every rank adds rank + 1: the sum over the world, on every rank.
+void expect_ranks_sum(const flatshard::World& world) {
+  auto comm = flatshard::Communicator::create(world);
+  auto t = at::full({5}, static_cast<float>(world.rank() + 1));
+  comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
+  const int n = world.world_size();
+  EXPECT_TRUE(at::all(t == static_cast<float>(n * (n + 1) / 2)).item<bool>());
+}
+
+// Runs the current test's ranks under another launcher: `launcher` (its command and
+// options), then this binary filtered to the current test, in rank mode.
+flatshard::testing::RunResult run_current_test_under(std::vector<std::string> launcher) {
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  launcher.push_back(std::string(self, static_cast<std::size_t>(n > 0 ? n : 0)));
+  launcher.push_back(std::string("--gtest_filter=") + info->test_suite_name() + "." + info->name());
+  launcher.push_back("--gtest_color=no");
+  flatshard::testing::RunOptions options;
+  options.deadline = std::chrono::seconds(120);
+  options.env = {{"FLATSHARD_TEST_RANK_MODE", "1"}};
+  return flatshard::testing::run_command(launcher, options);
+}
+
 // torchrun (the pinned torch's, `--no-python`) starts FlatShard ranks as it starts
 // PyTorch's: the environment it sets is read by init(), and rank 0's store shares the port
 // torchrun's agent serves (TORCHELASTIC_USE_AGENT_STORE, which LibTorch's TCPStore honours).
@@ -111,23 +135,11 @@ TEST(Launchers, TorchrunStartsFlatShardRanks) {
     auto world = flatshard::init();
     EXPECT_EQ(world.world_size(), 2);
     EXPECT_NE(std::getenv("TORCHELASTIC_RUN_ID"), nullptr) << "started by torchrun";
-    auto comm = flatshard::Communicator::create(world);
-    auto t = at::full({5}, static_cast<float>(world.rank() + 1));
-    comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
-    EXPECT_TRUE(at::all(t == 3.0f).item<bool>());
+    expect_ranks_sum(world);
     return;
   }
-  char self[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  ASSERT_GT(n, 0);
-  flatshard::testing::RunOptions options;
-  options.deadline = std::chrono::seconds(120);
-  options.env = {{"FLATSHARD_TEST_RANK_MODE", "1"}};
-  const auto r = flatshard::testing::run_command(
-      {FLATSHARD_TORCHRUN, "--no-python", "--standalone", "--nproc-per-node", "2",
-       std::string(self, static_cast<std::size_t>(n)),
-       "--gtest_filter=Launchers.TorchrunStartsFlatShardRanks", "--gtest_color=no"},
-      options);
+  const auto r =
+      run_current_test_under({FLATSHARD_TORCHRUN, "--no-python", "--standalone", "--nproc-per-node", "2"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("[  PASSED  ] 1 test"), std::string::npos) << r.output;
 }
@@ -139,23 +151,10 @@ TEST(Launchers, MpirunStartsFlatShardRanks) {
     auto world = flatshard::init();
     EXPECT_EQ(world.world_size(), 2);
     EXPECT_EQ(world.rank(), std::atoi(std::getenv("OMPI_COMM_WORLD_RANK")));
-    auto comm = flatshard::Communicator::create(world);
-    auto t = at::full({5}, static_cast<float>(world.rank() + 1));
-    comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
-    EXPECT_TRUE(at::all(t == 3.0f).item<bool>());
+    expect_ranks_sum(world);
     return;
   }
-  char self[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  ASSERT_GT(n, 0);
-  flatshard::testing::RunOptions options;
-  options.deadline = std::chrono::seconds(120);
-  options.env = {{"FLATSHARD_TEST_RANK_MODE", "1"}};
-  const auto r = flatshard::testing::run_command(
-      {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
-       std::string(self, static_cast<std::size_t>(n)), "--gtest_filter=Launchers.MpirunStartsFlatShardRanks",
-       "--gtest_color=no"},
-      options);
+  const auto r = run_current_test_under({"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("[  PASSED  ] 1 test"), std::string::npos) << r.output;
 }
@@ -168,15 +167,9 @@ TEST(Launchers, TwoNodesOfFlatshardRunMakeOneWorld) {
     EXPECT_EQ(world.world_size(), 4);
     EXPECT_EQ(world.local_world_size(), 2);
     EXPECT_EQ(world.rank(), 2 * std::atoi(std::getenv("GROUP_RANK")) + world.local_rank());
-    auto comm = flatshard::Communicator::create(world);
-    auto t = at::full({5}, static_cast<float>(world.rank() + 1));
-    comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
-    EXPECT_TRUE(at::all(t == 10.0f).item<bool>());
+    expect_ranks_sum(world);
     return;
   }
-  char self[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  ASSERT_GT(n, 0);
   int port = 0;
   {
     HeldPort free_now(false);  // released before the nodes start
@@ -186,15 +179,9 @@ TEST(Launchers, TwoNodesOfFlatshardRunMakeOneWorld) {
   std::thread nodes[2];
   for (int node = 0; node < 2; ++node) {
     nodes[node] = std::thread([&, node] {
-      flatshard::testing::RunOptions options;
-      options.deadline = std::chrono::seconds(120);
-      options.env = {{"FLATSHARD_TEST_RANK_MODE", "1"}};
-      results[node] = flatshard::testing::run_command(
-          {flatshard::testing::launcher_path(), "-n", "2", "--nnodes", "2", "--node-rank",
-           std::to_string(node), "--master-port", std::to_string(port), "--deadline-s", "90",
-           std::string(self, static_cast<std::size_t>(n)),
-           "--gtest_filter=Launchers.TwoNodesOfFlatshardRunMakeOneWorld", "--gtest_color=no"},
-          options);
+      results[node] = run_current_test_under({flatshard::testing::launcher_path(), "-n", "2", "--nnodes", "2",
+                                              "--node-rank", std::to_string(node), "--master-port",
+                                              std::to_string(port), "--deadline-s", "90"});
     });
   }
   for (auto& t : nodes) t.join();
