@@ -46,4 +46,16 @@ else
   "$FLATSHARD_VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'
   touch "$stamp"
 fi
+# The Python references of the Hugging Face tests (transformers' Llama, the safetensors
+# package), pinned, into the same venv.
+hf_pins=(transformers==5.24.0 safetensors==0.8.0)
+hf_stamp="$FLATSHARD_VENV/.flatshard-hf-${hf_pins[0]#*==}-${hf_pins[1]#*==}"
+if [[ -f "$hf_stamp" ]]; then
+  log "${hf_pins[*]} present"
+else
+  log "installing ${hf_pins[*]} into $FLATSHARD_VENV"
+  "$FLATSHARD_VENV/bin/pip" install -q --cache-dir "$FLATSHARD_CACHE/pip" "${hf_pins[@]}"
+  "$FLATSHARD_VENV/bin/python" -c 'import transformers, safetensors; print("transformers", transformers.__version__)'
+  touch "$hf_stamp"
+fi
 log "Torch cmake prefix: $("$FLATSHARD_VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"

@@ -44,6 +44,7 @@ void Engine::issue_gather(int index) {
     beside.emplace(copy_in_->stream());
   }
   g.copy_master_to_slot();  // the local shard goes into its slot: the gather is in place
+  u.gathered_version = g.master()._version();
   CollectiveOptions opts;
   opts.stream = StreamRole::AllGather;
   u.gather = shard_comm().all_gather(g.full(), g.full_slot(), opts);
@@ -121,6 +122,16 @@ void Engine::pre_forward(int index) {
   if (!order_recorded_ && index != kRoot && u.forward_position < 0) {
     u.forward_position = static_cast<int>(forward_order_.size());
     forward_order_.push_back(index);
+  }
+  // Note [Masters written while gathered]: a unit can stay gathered across a write to its
+  // master (the root after a forward without grad, then load_sharded or load_hf): its
+  // parameters hold the values gathered before. The write moved the master's version;
+  // such a unit is gathered again.
+  for (int part : {index, u.frozen_part}) {
+    if (part < 0) continue;
+    Unit& p = *units_[part];
+    if (p.group && (p.gathered || p.gather) && p.group->master()._version() != p.gathered_version)
+      reshard(part);
   }
   unshard(index);
   if (order_recorded_ && u.forward_position >= 0) {

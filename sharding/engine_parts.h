@@ -31,6 +31,8 @@ struct Engine::Unit {
   std::unique_ptr<UnitHooks> driver;
   std::optional<Work> gather;  // an all-gather issued and not yet waited for
   bool gathered = false;       // parameters are views of the flat buffer
+  // The master's version when its gather was issued (Note [Masters written while gathered]).
+  std::int64_t gathered_version = -1;
   bool pre_backward_done = false;
   bool post_backward_done = false;
   int pending_grads = 0;      // parameters whose gradient has not been accumulated yet

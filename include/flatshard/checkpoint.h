@@ -28,6 +28,10 @@
 #include "flatshard/optim.h"
 #include "flatshard/schedule.h"
 
+namespace flatshard::data {
+class DistributedSampler;
+}
+
 namespace flatshard::checkpoint {
 
 // Saving or loading failed: the path, the system's reason and what to do. A failed
@@ -43,7 +47,8 @@ class CheckpointError : public Error {
 
 // The model's parameters (under their own names) and buffers, at full size and in the
 // parameters' dtype, on rank `to` (every rank when to == -1; empty elsewhere). A
-// collective: every rank calls it.
+// collective: every rank calls it. Streamed one flat group at a time: besides its shards a
+// rank holds one group at full size, and only rank `to` the whole dict.
 std::map<std::string, at::Tensor> full_state_dict(FullyShardBase& fsdp, torch::nn::Module& model, int to = 0);
 
 // The optimizer's state over FullyShard's shards, consolidated: "<parameter>.<state>"
@@ -88,6 +93,8 @@ struct SaveOptions {
   // Saved with the optimizer's groups (their hyperparameters) when given.
   const optim::LRScheduler* scheduler = nullptr;
   const optim::GradScaler* scaler = nullptr;
+  // The data's position (data.h): a run resumed from it sees the batches this one would.
+  const data::DistributedSampler* sampler = nullptr;
   // Called on each rank as its part of the save passes each stage: progress reports, and
   // the crash tests' points to kill a job at. It must not throw.
   std::function<void(SaveStage)> on_stage;
@@ -95,8 +102,9 @@ struct SaveOptions {
 
 // What load_sharded restores besides the model and the optimizer.
 struct LoadOptions {
-  optim::LRScheduler* scheduler = nullptr;  // its step and base rates
-  optim::GradScaler* scaler = nullptr;      // its scale and growth tracker
+  optim::LRScheduler* scheduler = nullptr;      // its step and base rates
+  optim::GradScaler* scaler = nullptr;          // its scale and growth tracker
+  data::DistributedSampler* sampler = nullptr;  // its epoch and position (at any world size)
 };
 
 // What was saved or loaded.
@@ -129,5 +137,48 @@ CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
 // learning rate included), as torch's load_state_dict restores param_groups.
 CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim::ShardOptimizer* optimizer,
                             const LoadOptions& options = {});
+
+// --- whole models from and to files (docs/hugging-face.md) ---------------------------------
+
+struct LoadModelOptions {
+  // Tensors in the source that the model lacks: refused, naming the first (false), or
+  // skipped (true).
+  bool ignore_unexpected = false;
+};
+
+// Loads a whole model's tensors into the wrapped model, under every strategy: its
+// parameters into the fp32 masters (converting from the source's dtype: a bf16 file into
+// fp32 masters) and its buffers where the source holds them. Each rank reads only the
+// elements it holds, so no rank ever holds the whole model (the replicated strategies
+// hold whole tensors, as they always do). Every parameter must be in the source with its
+// shape: the first one missing or of another shape is named. A collective: a failure on
+// any rank throws CheckpointError on every rank. `path` is a Hugging Face model directory
+// (model.safetensors, or model.safetensors.index.json and the files it names) or one
+// .safetensors file.
+void load_hf(const std::string& path, FullyShardBase& fsdp, const LoadModelOptions& options = {});
+// The same from a whole state dict in memory, on every rank (a torch.save file read with
+// load_tensors, a full_state_dict): each rank copies the elements it holds.
+void load_full_state_dict(const std::map<std::string, at::Tensor>& state, FullyShardBase& fsdp,
+                          const LoadModelOptions& options = {});
+
+struct SaveModelOptions {
+  // config.json's text, written beside the weights when not empty (the model's
+  // configuration: LlamaConfig::hf_config_json() in models/llama.h).
+  std::string config_json;
+  // The files' floating-point dtype (kBFloat16 halves them); the masters are fp32.
+  at::ScalarType dtype = at::kFloat;
+  // A model whose files would exceed this is split into model-0000k-of-0000n.safetensors
+  // with model.safetensors.index.json, as save_pretrained splits it.
+  std::int64_t max_file_bytes = std::int64_t{5} << 30;
+  int to = 0;  // the rank that writes
+};
+
+// Writes the whole model as a Hugging Face model directory: safetensors files of the
+// parameters (from the fp32 masters, in `dtype`) and buffers under their names, and
+// config.json. Streamed one flat group at a time through rank `to` (Note [Streaming full
+// state dicts]): its peak is one group at full size beyond its shards. Each file appears
+// whole or not at all. A collective; a failure on rank `to` (a full disk) throws
+// CheckpointError on every rank.
+void save_hf(const std::string& dir, FullyShardBase& fsdp, const SaveModelOptions& options = {});
 
 }  // namespace flatshard::checkpoint

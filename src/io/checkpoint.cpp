@@ -12,18 +12,12 @@
 
 #include "src/errors.h"
 #include "src/io/files.h"
+#include "src/io/shard_files.h"
 
 namespace flatshard::checkpoint {
 namespace {
 
-std::map<std::string, at::Tensor> collect(torch::nn::Module& model) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& item : model.named_parameters(/*recurse=*/true))
-    out[item.key()] = item.value().detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
-  for (const auto& item : model.named_buffers(/*recurse=*/true))
-    out[item.key()] = item.value().detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
-  return out;
-}
+at::Tensor host_copy(const at::Tensor& t) { return t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true); }
 
 // torch.save's zip format, as torch::pickle_save writes it but with untagged
 // containers: Python's torch.load, whose default (weights_only) unpickler refuses the
@@ -50,17 +44,35 @@ std::vector<char> torch_save_bytes(const torch::IValue& value) {
 
 }  // namespace
 
+// Note [Streaming full state dicts]: full_state_dict, full_master_state_dict,
+// full_optimizer_state_dict and save_hf assemble one flat group at a time from the fp32
+// masters: a rank holds its shards plus one group at full size, never the whole model at
+// once (summoning every unit would hold all of it on every rank). Only the rank that keeps
+// the result holds the whole dict, as host copies.
 std::map<std::string, at::Tensor> full_state_dict(FullyShardBase& fsdp, torch::nn::Module& model, int to) {
-  auto full = fsdp.summon_full_params();  // every rank gathers: a collective
-  if (to >= 0 && fsdp.world().rank() != to) return {};
-  return collect(model);
+  const bool keep = to < 0 || fsdp.world().rank() == to;
+  const auto layout = fsdp.layout();
+  const auto masters = fsdp.shards();
+  FLATSHARD_ASSERT(masters.size() == layout.size(), "one master shard per flat group");
+  // The parameters as the model computes with them: the masters rounded to the compute
+  // dtype, as every gather rounds them.
+  const at::ScalarType dtype = fsdp.param_dtype();
+  std::map<std::string, at::Tensor> out;
+  for (std::size_t i = 0; i < layout.size(); ++i) {
+    shards::assemble(fsdp, layout[i], masters[i].detach(), keep,
+                     [&](const ShardLayout::Param& p, const at::Tensor& values) {
+                       out[p.name] = values.to(at::kCPU, dtype, /*non_blocking=*/false, /*copy=*/true);
+                     });
+  }
+  if (!keep) return {};
+  for (const auto& item : model.named_buffers(/*recurse=*/true))
+    out[item.key()] = host_copy(item.value().detach());
+  return out;
 }
 
-namespace {
+namespace shards {
 
-// One flat group's shard-shaped values (one per element of this rank's shard) at full
-// size, cut into the group's parameters: put(parameter, values) on the ranks that keep
-// them. Every rank takes part: the first shard group's slices, each in its place and
+// Every rank takes part: the first shard group's slices, each in its place and
 // zeros elsewhere, summed over the world (each element has one owner, so the sum adds only
 // zeros: exact). An undefined shard contributes zeros.
 void assemble(FullyShardBase& fsdp, const ShardLayout& layout, const at::Tensor& shard, bool keep,
@@ -79,19 +91,18 @@ void assemble(FullyShardBase& fsdp, const ShardLayout& layout, const at::Tensor&
   for (const auto& p : layout.params) put(p, full.narrow(0, p.offset, p.numel).view(p.shape));
 }
 
-at::Tensor host_copy(const at::Tensor& t) { return t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true); }
-
-}  // namespace
+}  // namespace shards
 
 std::map<std::string, at::Tensor> full_master_state_dict(FullyShardBase& fsdp, int to) {
   const bool keep = to < 0 || fsdp.world().rank() == to;
   const auto layout = fsdp.layout();
-  const auto shards = fsdp.shards();
-  FLATSHARD_ASSERT(shards.size() == layout.size(), "one master shard per flat group");
+  const auto masters = fsdp.shards();
+  FLATSHARD_ASSERT(masters.size() == layout.size(), "one master shard per flat group");
   std::map<std::string, at::Tensor> out;
   for (std::size_t i = 0; i < layout.size(); ++i) {
-    assemble(fsdp, layout[i], shards[i].detach(), keep,
-             [&](const ShardLayout::Param& p, const at::Tensor& values) { out[p.name] = host_copy(values); });
+    shards::assemble(
+        fsdp, layout[i], masters[i].detach(), keep,
+        [&](const ShardLayout::Param& p, const at::Tensor& values) { out[p.name] = host_copy(values); });
   }
   return out;
 }
@@ -107,9 +118,10 @@ std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp
   for (std::size_t i = 0; i < layout.size(); ++i) {
     steps = std::max(steps, optimizer.steps(i));
     for (const auto& [name, shard] : optimizer.named_state(i)) {  // a state not made yet: zeros
-      assemble(fsdp, layout[i], shard, keep, [&](const ShardLayout::Param& p, const at::Tensor& values) {
-        out[p.name + "." + name] = host_copy(values);
-      });
+      shards::assemble(fsdp, layout[i], shard, keep,
+                       [&](const ShardLayout::Param& p, const at::Tensor& values) {
+                         out[p.name + "." + name] = host_copy(values);
+                       });
     }
     if (!keep) continue;
     for (const auto& p : layout[i].params)

@@ -107,4 +107,18 @@ CheckpointInfo load(const std::string& path, Communicator& comm,
 std::vector<std::string> states_to_load(const Checkpoint& c, const std::vector<std::string>& wanted);
 std::int64_t steps_of(const Checkpoint& c, const std::string& param);
 
+// --- the wrapper's side ---------------------------------------------------------------------
+
+// What this rank holds of `fsdp`'s parameters (its slice of every flat group, as segments)
+// and the model's buffers; with `opt`, the optimizer's state too: when loading, the states
+// `load_states` (made where missing), else every state it has (sharded_checkpoint.cpp).
+Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool loading,
+                         const std::vector<std::string>& load_states);
+
+// One flat group's shard-shaped values (one per element of this rank's shard) at full
+// size, cut into the group's parameters: put(parameter, values) on the ranks that keep
+// them (checkpoint.cpp). A collective over fsdp.comm(); its peak is the group's flat buffer.
+void assemble(FullyShardBase& fsdp, const ShardLayout& layout, const at::Tensor& shard, bool keep,
+              const std::function<void(const ShardLayout::Param&, const at::Tensor&)>& put);
+
 }  // namespace flatshard::checkpoint::shards

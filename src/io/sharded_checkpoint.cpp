@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "flatshard/checkpoint.h"
+#include "flatshard/data.h"
 #include "flatshard/shard.h"
 #include "src/io/shard_files.h"
 
@@ -40,6 +41,112 @@ std::vector<Span> unit_spans(const ShardLayout& layout) {
   for (const auto& p : layout.params) out.push_back({p.name, p.shape, p.offset, p.numel});
   return out;
 }
+
+// The optimizer's groups (name, hyperparameters), the scheduler's and the scaler's state.
+std::string training_state(const optim::ShardOptimizer* opt, const SaveOptions& options,
+                           std::int64_t synced_backwards) {
+  using json = nlohmann::json;
+  json out = json::object();
+  // The engine's count of synced backwards: communication hooks draw and start by it.
+  out["synced_backwards"] = synced_backwards;
+  if (opt) {
+    json groups = json::array();
+    for (std::size_t g = 0; g < opt->num_groups(); ++g)
+      groups.push_back({{"name", opt->group_name(g)}, {"hyperparameters", opt->hyperparameters(g)}});
+    out["param_groups"] = std::move(groups);
+  }
+  if (options.scheduler)
+    out["scheduler"] = {{"steps", options.scheduler->steps()}, {"base_lrs", options.scheduler->base_lrs()}};
+  if (options.scaler)
+    out["scaler"] = {{"scale", options.scaler->scale()},
+                     {"growth_tracker", options.scaler->growth_tracker()}};
+  if (options.sampler) {
+    const auto s = options.sampler->state();
+    out["sampler"] = {{"epoch", s.epoch},
+                      {"consumed", s.consumed},
+                      {"dataset_size", s.dataset_size},
+                      {"seed", std::to_string(s.seed)},
+                      {"shuffle", s.shuffle}};
+  }
+  return out.empty() ? std::string() : out.dump();
+}
+
+void restore_training_state(const Checkpoint& c, optim::ShardOptimizer* opt, const LoadOptions& options) {
+  using json = nlohmann::json;
+  const json state = c.training.empty() ? json::object() : json::parse(c.training);
+  auto missing = [&](const char* what, const char* option) {
+    throw CheckpointError(c.dir, fmt::format("the checkpoint at '{}' holds no {} state; load without {} (it "
+                                             "starts fresh), or from a checkpoint saved with SaveOptions::{}",
+                                             c.dir, what, option, option));
+  };
+  if (opt && c.has_optimizer && state.contains("param_groups")) {
+    const auto& groups = state.at("param_groups");
+    std::vector<std::string> saved;
+    for (const auto& g : groups) saved.push_back(g.at("name").get<std::string>());
+    std::vector<std::string> ours;
+    for (std::size_t g = 0; g < opt->num_groups(); ++g) ours.push_back(opt->group_name(g));
+    if (saved != ours) {
+      throw CheckpointError(c.dir,
+                            fmt::format("the checkpoint at '{}' was saved with parameter groups [{}]; "
+                                        "this optimizer has [{}]: make the optimizer with the same groups",
+                                        c.dir, fmt::join(saved, ", "), fmt::join(ours, ", ")));
+    }
+    for (std::size_t g = 0; g < ours.size(); ++g)
+      opt->set_hyperparameters(g, groups[g].at("hyperparameters").get<std::map<std::string, double>>());
+  }
+  if (options.scheduler) {
+    if (!state.contains("scheduler")) missing("learning-rate scheduler", "scheduler");
+    options.scheduler->restore(state.at("scheduler").at("steps").get<std::int64_t>(),
+                               state.at("scheduler").at("base_lrs").get<std::vector<double>>());
+  }
+  if (options.sampler) {
+    if (!state.contains("sampler")) missing("data sampler", "sampler");
+    const auto& j = state.at("sampler");
+    data::DistributedSampler::State s;
+    s.epoch = j.at("epoch").get<std::int64_t>();
+    s.consumed = j.at("consumed").get<std::int64_t>();
+    s.dataset_size = j.at("dataset_size").get<std::int64_t>();
+    s.seed = std::stoull(j.at("seed").get<std::string>());
+    s.shuffle = j.at("shuffle").get<bool>();
+    try {
+      options.sampler->restore(s);
+    } catch (const InvalidArgument& e) {
+      throw CheckpointError(c.dir, fmt::format("the checkpoint at '{}': {}", c.dir, e.what()));
+    }
+  }
+  if (options.scaler) {
+    if (!state.contains("scaler")) missing("gradient scaler", "scaler");
+    options.scaler->restore(state.at("scaler").at("scale").get<double>(),
+                            state.at("scaler").at("growth_tracker").get<std::int64_t>());
+  }
+}
+
+// The communication hook's state (error-feedback residuals, PowerSGD's Q): each rank's
+// own, whole, under comm_hook.rank<r>.<name>, each tensor a flat space of its own.
+void hold_hook_state(Holding& h, int rank, const std::map<std::string, at::Tensor>& state) {
+  for (const auto& [name, t] : state) {
+    at::Tensor flat = t.detach().reshape({-1});
+    Span span{fmt::format("comm_hook.rank{}.{}", rank, name), t.sizes().vec(), 0, flat.numel()};
+    h.segments.push_back({flat, 0, 0, flat.numel(), {span}, "hook"});
+  }
+}
+
+// What a checkpoint holds of this rank's hook state, as empty tensors to read into. Only at
+// the world size that saved it: the residuals are per rank.
+std::map<std::string, at::Tensor> hook_state_to_load(const Checkpoint& c, int rank, int world_size) {
+  std::map<std::string, at::Tensor> out;
+  if (c.world_size != world_size) return out;
+  const std::string prefix = fmt::format("comm_hook.rank{}.", rank);
+  for (const auto& [key, e] : c.tensors) {
+    if (e.kind == "hook" && key.rfind(prefix, 0) == 0)
+      out[key.substr(prefix.size())] = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  }
+  return out;
+}
+
+}  // namespace
+
+namespace shards {
 
 // FullyShard: shard i is this rank's slice of every segment of group i: segment k's slice
 // starts at its offset + rank * slice in the group's flat space, rank being this rank's
@@ -97,86 +204,7 @@ Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool 
   return h;
 }
 
-// The optimizer's groups (name, hyperparameters), the scheduler's and the scaler's state.
-std::string training_state(const optim::ShardOptimizer* opt, const SaveOptions& options,
-                           std::int64_t synced_backwards) {
-  using json = nlohmann::json;
-  json out = json::object();
-  // The engine's count of synced backwards: communication hooks draw and start by it.
-  out["synced_backwards"] = synced_backwards;
-  if (opt) {
-    json groups = json::array();
-    for (std::size_t g = 0; g < opt->num_groups(); ++g)
-      groups.push_back({{"name", opt->group_name(g)}, {"hyperparameters", opt->hyperparameters(g)}});
-    out["param_groups"] = std::move(groups);
-  }
-  if (options.scheduler)
-    out["scheduler"] = {{"steps", options.scheduler->steps()}, {"base_lrs", options.scheduler->base_lrs()}};
-  if (options.scaler)
-    out["scaler"] = {{"scale", options.scaler->scale()},
-                     {"growth_tracker", options.scaler->growth_tracker()}};
-  return out.empty() ? std::string() : out.dump();
-}
-
-void restore_training_state(const Checkpoint& c, optim::ShardOptimizer* opt, const LoadOptions& options) {
-  using json = nlohmann::json;
-  const json state = c.training.empty() ? json::object() : json::parse(c.training);
-  auto missing = [&](const char* what, const char* option) {
-    throw CheckpointError(c.dir, fmt::format("the checkpoint at '{}' holds no {} state; load without {} (it "
-                                             "starts fresh), or from a checkpoint saved with SaveOptions::{}",
-                                             c.dir, what, option, option));
-  };
-  if (opt && c.has_optimizer && state.contains("param_groups")) {
-    const auto& groups = state.at("param_groups");
-    std::vector<std::string> saved;
-    for (const auto& g : groups) saved.push_back(g.at("name").get<std::string>());
-    std::vector<std::string> ours;
-    for (std::size_t g = 0; g < opt->num_groups(); ++g) ours.push_back(opt->group_name(g));
-    if (saved != ours) {
-      throw CheckpointError(c.dir,
-                            fmt::format("the checkpoint at '{}' was saved with parameter groups [{}]; "
-                                        "this optimizer has [{}]: make the optimizer with the same groups",
-                                        c.dir, fmt::join(saved, ", "), fmt::join(ours, ", ")));
-    }
-    for (std::size_t g = 0; g < ours.size(); ++g)
-      opt->set_hyperparameters(g, groups[g].at("hyperparameters").get<std::map<std::string, double>>());
-  }
-  if (options.scheduler) {
-    if (!state.contains("scheduler")) missing("learning-rate scheduler", "scheduler");
-    options.scheduler->restore(state.at("scheduler").at("steps").get<std::int64_t>(),
-                               state.at("scheduler").at("base_lrs").get<std::vector<double>>());
-  }
-  if (options.scaler) {
-    if (!state.contains("scaler")) missing("gradient scaler", "scaler");
-    options.scaler->restore(state.at("scaler").at("scale").get<double>(),
-                            state.at("scaler").at("growth_tracker").get<std::int64_t>());
-  }
-}
-
-// The communication hook's state (error-feedback residuals, PowerSGD's Q): each rank's
-// own, whole, under comm_hook.rank<r>.<name>, each tensor a flat space of its own.
-void hold_hook_state(Holding& h, int rank, const std::map<std::string, at::Tensor>& state) {
-  for (const auto& [name, t] : state) {
-    at::Tensor flat = t.detach().reshape({-1});
-    Span span{fmt::format("comm_hook.rank{}.{}", rank, name), t.sizes().vec(), 0, flat.numel()};
-    h.segments.push_back({flat, 0, 0, flat.numel(), {span}, "hook"});
-  }
-}
-
-// What a checkpoint holds of this rank's hook state, as empty tensors to read into. Only at
-// the world size that saved it: the residuals are per rank.
-std::map<std::string, at::Tensor> hook_state_to_load(const Checkpoint& c, int rank, int world_size) {
-  std::map<std::string, at::Tensor> out;
-  if (c.world_size != world_size) return out;
-  const std::string prefix = fmt::format("comm_hook.rank{}.", rank);
-  for (const auto& [key, e] : c.tensors) {
-    if (e.kind == "hook" && key.rfind(prefix, 0) == 0)
-      out[key.substr(prefix.size())] = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
-  }
-  return out;
-}
-
-}  // namespace
+}  // namespace shards
 
 // --- public entry points ---------------------------------------------------------------------
 

@@ -1,0 +1,216 @@
+// Token files, fixed-length samples and the distributed sampler (include/flatshard/data.h).
+#include "flatshard/data.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <numeric>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include "flatshard/checkpoint.h"
+#include "flatshard/errors.h"
+#include "src/io/files.h"
+
+namespace flatshard::data {
+
+using checkpoint::CheckpointError;
+
+namespace {
+
+// llm.c's token files: 256 int32s (magic, version, token count), then uint16 tokens.
+constexpr std::int32_t kLlmcMagic = 20240520;
+constexpr std::int64_t kLlmcHeaderBytes = 256 * 4;
+
+// splitmix64: a small generator whose output is fixed by its seed on every platform (a
+// sampler's order must be the same on every rank and after a restart).
+std::uint64_t splitmix64(std::uint64_t& state) {
+  std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+// --- TokenFile -----------------------------------------------------------------------------
+
+TokenFile::TokenFile(const std::string& path, const TokenFileOptions& options)
+    : path_(path), dtype_(options.dtype) {
+  if (dtype_ != at::kUInt16 && dtype_ != at::kUInt32) {
+    throw InvalidArgument(
+        fmt::format("TokenFile '{}': tokens are kUInt16 or kUInt32, not {}", path, c10::toString(dtype_)));
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw CheckpointError(path, fmt::format("cannot open '{}': {}", path, io::errno_reason(errno)));
+  struct stat st {};
+  ::fstat(fd, &st);
+  map_bytes_ = static_cast<std::size_t>(st.st_size);
+  if (map_bytes_ > 0) {
+    void* map = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (map == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      throw CheckpointError(path, fmt::format("cannot map '{}': {}", path, io::errno_reason(err)));
+    }
+    map_ = static_cast<const char*>(map);
+  }
+  ::close(fd);
+  // The constructor's failures after the mapping: unmapped here (no destructor runs).
+  auto refuse = [&](const std::string& message) {
+    if (map_) ::munmap(const_cast<char*>(map_), map_bytes_);
+    map_ = nullptr;
+    throw CheckpointError(path, message);
+  };
+  std::int32_t header[3] = {0, 0, 0};
+  if (map_bytes_ >= static_cast<std::size_t>(kLlmcHeaderBytes)) std::memcpy(header, map_, sizeof(header));
+  std::int64_t data_bytes = static_cast<std::int64_t>(map_bytes_);
+  if (header[0] == kLlmcMagic) {
+    if (header[1] != 1) {
+      refuse(
+          fmt::format("'{}' is an llm.c token file of version {}; FlatShard reads version "
+                      "1 (uint16 tokens)",
+                      path, header[1]));
+    }
+    dtype_ = at::kUInt16;
+    data_offset_ = kLlmcHeaderBytes;
+    data_bytes = std::min<std::int64_t>(data_bytes - kLlmcHeaderBytes, std::int64_t{header[2]} * 2);
+    if (std::int64_t{header[2]} * 2 > static_cast<std::int64_t>(map_bytes_) - kLlmcHeaderBytes) {
+      refuse(fmt::format("'{}' says it holds {} tokens but is {} bytes long: it is truncated", path,
+                         header[2], map_bytes_));
+    }
+  }
+  const std::int64_t element = static_cast<std::int64_t>(c10::elementSize(dtype_));
+  if (data_bytes % element != 0) {
+    refuse(
+        fmt::format("'{}' is {} bytes, not a whole number of {}-byte tokens: is it a "
+                    "token file, and of that dtype (TokenFileOptions::dtype)?",
+                    path, data_bytes, element));
+  }
+  tokens_ = data_bytes / element;
+}
+
+TokenFile::~TokenFile() {
+  if (map_) ::munmap(const_cast<char*>(map_), map_bytes_);
+  map_ = nullptr;
+}
+
+at::Tensor TokenFile::read(std::int64_t begin, std::int64_t n) const {
+  if (begin < 0 || n < 0 || begin + n > tokens_) {
+    throw InvalidArgument(
+        fmt::format("TokenFile '{}': tokens [{}, {}) of {}", path_, begin, begin + n, tokens_));
+  }
+  const std::size_t element = c10::elementSize(dtype_);
+  auto raw = at::empty({n}, at::TensorOptions().dtype(dtype_));
+  std::memcpy(raw.data_ptr(), map_ + data_offset_ + begin * static_cast<std::int64_t>(element),
+              static_cast<std::size_t>(n) * element);
+  return raw.to(at::kLong);
+}
+
+// --- TokenDataset ----------------------------------------------------------------------------
+
+TokenDataset::TokenDataset(std::shared_ptr<const TokenFile> file, const TokenDatasetOptions& options)
+    : file_(std::move(file)), options_(options) {
+  if (options_.seq_len < 1 || options_.stride < 0) {
+    throw InvalidArgument(fmt::format("TokenDataset: seq_len {} and stride {}: seq_len must be positive",
+                                      options_.seq_len, options_.stride));
+  }
+  if (options_.stride == 0) options_.stride = options_.seq_len;
+  // Each sample needs seq_len + 1 tokens (its last target).
+  const std::int64_t usable = file_->size() - options_.seq_len - 1;
+  samples_ = usable < 0 ? 0 : usable / options_.stride + 1;
+}
+
+TokenDataset::Batch TokenDataset::get(const std::vector<std::int64_t>& samples) const {
+  const auto n = static_cast<std::int64_t>(samples.size());
+  Batch b{at::empty({n, options_.seq_len}, at::kLong), at::empty({n, options_.seq_len}, at::kLong)};
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (samples[i] < 0 || samples[i] >= samples_) {
+      throw InvalidArgument(
+          fmt::format("TokenDataset over '{}': sample {} of {}", file_->path(), samples[i], samples_));
+    }
+    const auto tokens = file_->read(samples[i] * options_.stride, options_.seq_len + 1);
+    b.input[i].copy_(tokens.narrow(0, 0, options_.seq_len));
+    b.target[i].copy_(tokens.narrow(0, 1, options_.seq_len));
+  }
+  return b;
+}
+
+// --- DistributedSampler ---------------------------------------------------------------------
+
+DistributedSampler::DistributedSampler(std::int64_t dataset_size, int rank, int world_size,
+                                       const SamplerOptions& options)
+    : size_(dataset_size), rank_(rank), world_size_(world_size), options_(options) {
+  if (size_ < 0 || world_size_ < 1 || rank_ < 0 || rank_ >= world_size_ || options_.batch_size < 1) {
+    throw InvalidArgument(
+        fmt::format("DistributedSampler: dataset size {}, rank {} of {}, batch size {}: the "
+                    "size is not negative, the rank within the world, the batch positive",
+                    size_, rank_, world_size_, options_.batch_size));
+  }
+}
+
+DistributedSampler::DistributedSampler(std::int64_t dataset_size, const World& world,
+                                       const SamplerOptions& options)
+    : DistributedSampler(dataset_size, world.rank(), world.world_size(), options) {}
+
+const std::vector<std::int64_t>& DistributedSampler::order() {
+  if (order_epoch_ == epoch_) return order_;
+  order_.resize(static_cast<std::size_t>(size_));
+  std::iota(order_.begin(), order_.end(), std::int64_t{0});
+  if (options_.shuffle) {
+    std::uint64_t state = options_.seed ^ (0xD1B54A32D192ED03ull * static_cast<std::uint64_t>(epoch_ + 1));
+    for (std::int64_t i = size_ - 1; i > 0; --i) {  // Fisher-Yates
+      const auto j = static_cast<std::int64_t>(splitmix64(state) % static_cast<std::uint64_t>(i + 1));
+      std::swap(order_[i], order_[j]);
+    }
+  }
+  order_epoch_ = epoch_;
+  return order_;
+}
+
+std::int64_t DistributedSampler::batches_left() const {
+  const std::int64_t global = options_.batch_size * world_size_;
+  const std::int64_t left = size_ - consumed_;
+  return options_.drop_last ? left / global : (left + global - 1) / global;
+}
+
+std::vector<std::int64_t> DistributedSampler::next() {
+  if (batches_left() == 0) return {};
+  const std::int64_t global = options_.batch_size * world_size_;
+  const std::int64_t batch = std::min(global, size_ - consumed_);
+  const std::int64_t begin = std::min(batch, rank_ * options_.batch_size);
+  const std::int64_t end = std::min(batch, begin + options_.batch_size);
+  const auto& o = order();
+  std::vector<std::int64_t> mine(o.begin() + consumed_ + begin, o.begin() + consumed_ + end);
+  consumed_ += batch;
+  return mine;
+}
+
+void DistributedSampler::set_epoch(std::int64_t epoch) {
+  epoch_ = epoch;
+  consumed_ = 0;
+}
+
+DistributedSampler::State DistributedSampler::state() const {
+  return {epoch_, consumed_, size_, options_.seed, options_.shuffle};
+}
+
+void DistributedSampler::restore(const State& s) {
+  if (s.dataset_size != size_ || s.seed != options_.seed || s.shuffle != options_.shuffle) {
+    throw InvalidArgument(fmt::format(
+        "DistributedSampler (rank {} of {}): the saved position is over {} samples with seed {} ({}), this "
+        "sampler over {} with seed {} ({}): resume over the same data with the same sampler options",
+        rank_, world_size_, s.dataset_size, s.seed, s.shuffle ? "shuffled" : "in order", size_, options_.seed,
+        options_.shuffle ? "shuffled" : "in order"));
+  }
+  epoch_ = s.epoch;
+  consumed_ = std::min(s.consumed, size_);
+}
+
+}  // namespace flatshard::data

@@ -1,0 +1,41 @@
+"""Checks what FlatShard wrote, with transformers and safetensors.
+
+    python hf_check.py model DIR LOGITS TOKENS   # DIR loads with AutoModelForCausalLM; its logits
+                                              # on TOKENS match LOGITS (FlatShard's); prints the
+                                              # largest difference
+    python hf_check.py dtypes FILE               # FILE holds hf_reference.py's dtype tensors
+"""
+import sys
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+what = sys.argv[1]
+if what == "model":
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    expected = load_file(sys.argv[3])["logits"]
+    tokens = load_file(sys.argv[4])["tokens"]  # may be the same file
+    with torch.no_grad():
+        got = model(input_ids=tokens).logits
+    diff = (got - expected).abs().max().item()
+    print(f"max_abs_diff {diff:.3e} scale {expected.abs().max().item():.3e}")
+    sys.exit(0 if diff <= 1e-5 else 1)
+elif what == "dtypes":
+    with safe_open(sys.argv[2], framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "written_by": "flatshard"}, f.metadata()
+    tensors = load_file(sys.argv[2])
+    values = torch.arange(30) % 7 - 3
+    dtypes = {"f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+              "i64": torch.int64, "i32": torch.int32, "i16": torch.int16, "i8": torch.int8, "u8": torch.uint8}
+    for k, t in dtypes.items():
+        want = (values + 3 if k == "u8" else values).to(t).reshape(5, 6)
+        assert tensors[k].dtype == t and torch.equal(tensors[k], want), k
+    assert torch.equal(tensors["bool"], (torch.arange(30) % 2).bool().reshape(2, 15))
+    assert tensors["empty"].shape == (0, 4) and tensors["scalar"].item() == 2.5 and tensors["scalar"].dim() == 0
+    print("dtypes ok", len(tensors))
+else:
+    sys.exit(f"unknown check {what}")

@@ -1,0 +1,356 @@
+// Hugging Face models in and out: the safetensors format against the Python package,
+// the Llama model against transformers' LlamaForCausalLM in every strategy, loading into
+// shards, exporting, and whole state dicts. The reference files come from
+// hf_reference.py (CTest fixture hf.reference); hf_check.py checks what FlatShard wrote.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "models/llama.h"
+#include "tests/support/cases.h"
+#include "tests/support/multirank.h"
+
+using flatshard::Strategy;
+using flatshard::models::LlamaConfig;
+using flatshard::models::LlamaForCausalLM;
+using namespace flatshard::testing;
+namespace fs = std::filesystem;
+namespace st = flatshard::safetensors;
+
+namespace {
+
+std::string reference(const std::string& name) {
+  return std::string(FLATSHARD_HF_REFERENCE_DIR) + "/" + name;
+}
+
+void require_reference() {
+  ASSERT_TRUE(fs::exists(reference("tokens.safetensors")))
+      << "no reference files in " << FLATSHARD_HF_REFERENCE_DIR << ": run ctest -R hf.reference, or "
+      << FLATSHARD_PYTHON << " tests/multirank/hf_reference.py " << FLATSHARD_HF_REFERENCE_DIR;
+}
+
+at::Tensor tokens() { return st::load(reference("tokens.safetensors")).at("tokens"); }
+
+RunResult python(const std::vector<std::string>& args) {
+  std::vector<std::string> argv{FLATSHARD_PYTHON};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_command(argv);  // deadline: 120 s
+}
+
+fs::path temp_dir(const std::string& name) {
+  auto dir = fs::temp_directory_path() / ("flatshard_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>();
+}
+
+// A Llama of `cfg` under `options`, built into shards when `into_shards` (the sharded
+// strategies), with another seed than the reference's.
+struct Wrapped {
+  LlamaForCausalLM model{nullptr};
+  std::unique_ptr<flatshard::FullyShard<LlamaForCausalLM>> fsdp;
+};
+Wrapped wrap(const LlamaConfig& cfg, const flatshard::World& world,
+             const flatshard::FullyShardOptions& options, bool into_shards) {
+  Wrapped w;
+  torch::manual_seed(1234);
+  if (into_shards) {
+    flatshard::BuildIntoShards build(world, options);
+    w.model = LlamaForCausalLM(cfg);
+  } else {
+    w.model = LlamaForCausalLM(cfg);
+  }
+  w.fsdp = std::make_unique<flatshard::FullyShard<LlamaForCausalLM>>(w.model, world, options);
+  return w;
+}
+
+at::Tensor logits(Wrapped& w, const at::Tensor& input) {
+  torch::NoGradGuard no_grad;
+  return w.fsdp->forward(input);
+}
+
+bool sharded(Strategy s) { return s != Strategy::NoShard && s != Strategy::ShardOptimizerState; }
+
+at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& input) {
+  const auto t = input.size(1);
+  return torch::nn::functional::cross_entropy(logits.narrow(1, 0, t - 1).reshape({-1, logits.size(2)}),
+                                              input.narrow(1, 1, t - 1).reshape({-1}));
+}
+
+}  // namespace
+
+// --- the format, against the Python package ------------------------------------------------
+
+TEST(Safetensors, ReadsEveryDtypeThePythonPackageWrites) {
+  require_reference();
+  st::File file(reference("dtypes.safetensors"));
+  EXPECT_EQ(file.metadata().at("made_by"), "hf_reference.py");
+  const auto values = at::arange(30, at::kLong).remainder(7) - 3;
+  const std::map<std::string, at::ScalarType> dtypes = {
+      {"f64", at::kDouble},    {"f32", at::kFloat}, {"f16", at::kHalf},
+      {"bf16", at::kBFloat16}, {"i64", at::kLong},  {"i32", at::kInt},
+      {"i16", at::kShort},     {"i8", at::kChar},   {"u8", at::kByte}};
+  for (const auto& [name, dtype] : dtypes) {
+    const at::Tensor want = (name == "u8" ? values + 3 : values).to(dtype).view({5, 6});
+    const at::Tensor got = file.read(name);
+    EXPECT_EQ(got.scalar_type(), dtype) << name;
+    EXPECT_TRUE(at::equal(got, want)) << name;
+    // A slice, converted to fp32 on the way.
+    auto slice = at::empty({11}, at::kFloat);
+    file.read_into(name, 7, slice);
+    EXPECT_TRUE(at::equal(slice, want.view({-1}).narrow(0, 7, 11).to(at::kFloat))) << name;
+  }
+  EXPECT_TRUE(at::equal(file.read("bool"), at::arange(30).remainder(2).to(at::kBool).view({2, 15})));
+  EXPECT_EQ(file.read("empty").sizes().vec(), (std::vector<std::int64_t>{0, 4}));
+  EXPECT_EQ(file.read("scalar").dim(), 0);
+  EXPECT_EQ(file.read("scalar").item<float>(), 2.5f);
+  EXPECT_THROW(file.read_into("f32", 25, at::empty({6}, at::kFloat)), flatshard::InvalidArgument);
+  EXPECT_THROW(file.read("nothing"), flatshard::checkpoint::CheckpointError);
+}
+
+TEST(Safetensors, WritesWhatThePythonPackageReads) {
+  const auto dir = temp_dir("st_write");
+  st::File reference_file(reference("dtypes.safetensors"));
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& [name, info] : reference_file.tensors()) tensors[name] = reference_file.read(name);
+  const std::string path = (dir / "written.safetensors").string();
+  st::save(tensors, path, {{"format", "pt"}, {"written_by", "flatshard"}});
+  // Every tensor starts aligned to its element size (the header is padded to 8 bytes and
+  // larger elements come first), as the package writes.
+  st::File again(path);
+  for (const auto& [name, info] : again.tensors()) {
+    EXPECT_EQ(info.byte_offset % static_cast<std::int64_t>(c10::elementSize(info.dtype)), 0) << name;
+    EXPECT_TRUE(at::equal(again.read(name), tensors.at(name))) << name;
+  }
+  const auto r = python({std::string(FLATSHARD_TESTS_DIR) + "/multirank/hf_check.py", "dtypes", path});
+  fs::remove_all(dir);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+TEST(Safetensors, RefusesCorruptFilesNamingThem) {
+  const auto dir = temp_dir("st_corrupt");
+  const std::string good = (dir / "good.safetensors").string();
+  st::save({{"w", at::arange(64, at::kFloat)}}, good);
+  std::ifstream in(good, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto write = [&](const std::string& name, const std::string& content) {
+    const std::string path = (dir / name).string();
+    std::ofstream(path, std::ios::binary) << content;
+    return path;
+  };
+  auto refused = [&](const std::string& path, const std::string& words) {
+    try {
+      st::File f(path);
+      ADD_FAILURE() << path << " was accepted";
+    } catch (const flatshard::checkpoint::CheckpointError& e) {
+      EXPECT_EQ(e.path(), path);
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  refused(write("truncated.safetensors", bytes.substr(0, bytes.size() - 4)), "outside the file");
+  refused(write("short.safetensors", bytes.substr(0, 5)), "shorter than the 8-byte header length");
+  std::string huge = bytes;
+  huge[6] = 1;  // a header length beyond the file
+  refused(write("length.safetensors", huge), "exceeds the file");
+  std::string garbled = bytes;
+  garbled[8] = '[';
+  refused(write("garbled.safetensors", garbled), "is not JSON");
+  std::string dtype = bytes;
+  dtype.replace(dtype.find("\"F32\""), 5, "\"X32\"");
+  refused(write("dtype.safetensors", dtype), "dtype 'X32'");
+  EXPECT_THROW(st::File((dir / "missing.safetensors").string()), flatshard::checkpoint::CheckpointError);
+  // A writer that is dropped before commit leaves nothing behind.
+  {
+    st::Writer w((dir / "dropped.safetensors").string(), {{"w", at::kFloat, {4}}});
+    w.write("w", at::ones({4}));
+  }
+  EXPECT_FALSE(fs::exists(dir / "dropped.safetensors"));
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()),
+            6);  // the six written above
+  fs::remove_all(dir);
+}
+
+// --- the model, against transformers -------------------------------------------------------
+
+// Note [Logits against transformers]: hf_reference.py makes two random Llamas with
+// transformers and saves them: one in fp32 (grouped-query attention, untied head) and one
+// in bf16 over 22 files (tied embeddings, Llama 3 rope scaling, head_dim apart from
+// dim / heads), with transformers' fp32 logits on the same tokens. Each loads into every
+// strategy at worlds 1-4, built whole and (sharded strategies) built into shards, with the
+// embedding and head as units of their own too: FlatShard's fp32 logits equal
+// transformers' to 1e-5. The models start from another seed, so a load that misses a
+// tensor is off by the weights themselves.
+TEST(HuggingFace, LlamaLogitsMatchTransformersInEveryStrategy) {
+  FLATSHARD_RUN_RANKS({1, 2, 3, 4}, std::chrono::seconds(240));
+  require_reference();
+  auto world = flatshard::init();
+  const auto input = tokens();
+  for (const std::string name : {"llama", "llama3_tied"}) {
+    const std::string dir = reference(name);
+    const at::Tensor expected = st::load(dir + "/logits.safetensors").at("logits");
+    const LlamaConfig base = LlamaConfig::from_hf_config(dir);
+    EXPECT_EQ(base.tie_embeddings, name == "llama3_tied");
+    for (Strategy strategy : every_strategy(world.world_size())) {
+      for (int variant = 0; variant < 3; ++variant) {
+        const bool into_shards = variant >= 1, embedding_units = variant == 2;
+        if (into_shards && !sharded(strategy)) continue;
+        if (embedding_units && base.tie_embeddings) continue;
+        LlamaConfig cfg = base;
+        cfg.embedding_units = embedding_units;
+        auto w = wrap(cfg, world, options_for(strategy, world.world_size()), into_shards);
+        const std::string what =
+            fmt::format("{} under {}{}{}", name, flatshard::to_string(strategy),
+                        into_shards ? ", built into shards" : "", embedding_units ? ", embedding units" : "");
+        EXPECT_GT(max_abs_diff(logits(w, input), expected), 1e-3) << what << ": the model starts elsewhere";
+        flatshard::checkpoint::load_hf(dir, *w.fsdp);
+        const double diff = max_abs_diff(logits(w, input), expected);
+        EXPECT_LE(diff, 1e-5) << what;
+        if (world.rank() == 0) std::printf("%s: max |logits - transformers'| %.2e\n", what.c_str(), diff);
+      }
+    }
+  }
+}
+
+// Loading names what does not fit, on every rank.
+TEST(HuggingFace, MismatchedModelsAreRefusedOnEveryRank) {
+  FLATSHARD_RUN_RANKS({2});
+  require_reference();
+  auto world = flatshard::init();
+  const std::string dir = reference("llama");
+  const LlamaConfig base = LlamaConfig::from_hf_config(dir);
+  auto refused = [&](LlamaConfig cfg, const std::string& words,
+                     flatshard::checkpoint::LoadModelOptions o = {}) {
+    auto w = wrap(cfg, world, options_for(Strategy::FullShard, 2), false);
+    try {
+      flatshard::checkpoint::load_hf(dir, *w.fsdp, o);
+      ADD_FAILURE() << "loaded; expected: " << words;
+    } catch (const flatshard::checkpoint::CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  LlamaConfig wider = base;
+  wider.hidden = base.hidden + 8;
+  refused(wider,
+          "parameter 'model.layers.0.mlp.gate_proj.weight' has shape [80, 32] in the model but [72, 32]");
+  LlamaConfig deeper = base;
+  deeper.layers = base.layers + 1;
+  refused(deeper, "the model's parameter 'model.layers.3.");
+  LlamaConfig shallower = base;
+  shallower.layers = base.layers - 1;
+  refused(shallower, "holds 'model.layers.2.");
+  // Skipping what the model lacks loads the rest: the first two layers of the reference.
+  auto w = wrap(shallower, world, options_for(Strategy::FullShard, 2), false);
+  flatshard::checkpoint::LoadModelOptions skip;
+  skip.ignore_unexpected = true;
+  flatshard::checkpoint::load_hf(dir, *w.fsdp, skip);
+  const auto masters = flatshard::checkpoint::full_master_state_dict(*w.fsdp, -1);
+  st::File file(dir + "/model.safetensors");
+  for (const auto& [name, t] : masters) EXPECT_TRUE(at::equal(t, file.read(name))) << name;
+  EXPECT_THROW(flatshard::checkpoint::load_hf(reference("nowhere"), *w.fsdp),
+               flatshard::checkpoint::CheckpointError);
+}
+
+// Fine-tuned, exported, read back by transformers: its logits are FlatShard's. The export
+// splits into several files with an index, and loads back into FlatShard under another
+// strategy bit for bit (fp32) or as the masters rounded (bf16 files).
+TEST(HuggingFace, ExportedModelLoadsInTransformers) {
+  FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(180));
+  require_reference();
+  auto world = flatshard::init();
+  const std::string dir = reference("llama");
+  LlamaConfig cfg = LlamaConfig::from_hf_config(dir);
+  auto w = wrap(cfg, world, options_for(Strategy::FullShard, world.world_size()), true);
+  flatshard::checkpoint::load_hf(dir, *w.fsdp);
+  flatshard::optim::SGD opt(*w.fsdp, flatshard::optim::SGDOptions{0.5});
+  const auto input = tokens();
+  next_token_loss(w.fsdp->forward(input), input).backward();
+  opt.step();
+  const at::Tensor tuned = logits(w, input);
+  const at::Tensor original = st::load(dir + "/logits.safetensors").at("logits");
+  ASSERT_GT(max_abs_diff(tuned, original), 1e-3) << "the step moved the model";
+  const auto masters = flatshard::checkpoint::full_master_state_dict(*w.fsdp, -1);
+
+  const fs::path out = fs::temp_directory_path() / ("flatshard_export_" + std::to_string(world.world_size()));
+  if (world.rank() == 0) fs::remove_all(out);
+  flatshard::checkpoint::SaveModelOptions split;
+  split.config_json = cfg.hf_config_json();
+  split.max_file_bytes = 40 << 10;  // the model is 148 KiB in fp32
+  flatshard::checkpoint::save_hf(out.string(), *w.fsdp, split);
+  if (world.rank() == 0) {
+    EXPECT_TRUE(fs::exists(out / "model.safetensors.index.json"));
+    EXPECT_FALSE(fs::exists(out / "model.safetensors"));
+    st::save({{"logits", tuned}}, (out / "logits.safetensors").string());
+    const auto r = python({std::string(FLATSHARD_TESTS_DIR) + "/multirank/hf_check.py", "model", out.string(),
+                           (out / "logits.safetensors").string(), reference("tokens.safetensors")});
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    std::printf("transformers on FlatShard's export: %s", r.output.c_str());
+  }
+  w.fsdp->comm().barrier().wait();
+  // Back into FlatShard, replicated this time.
+  auto back = wrap(cfg, world, options_for(Strategy::ShardOptimizerState, world.world_size()), false);
+  flatshard::checkpoint::load_hf(out.string(), *back.fsdp);
+  for (const auto& [name, t] : flatshard::checkpoint::full_master_state_dict(*back.fsdp, -1))
+    EXPECT_TRUE(at::equal(t, masters.at(name))) << name;
+  // bf16 files, one of them (the cut is larger than the model).
+  flatshard::checkpoint::SaveModelOptions bf16;
+  bf16.dtype = at::kBFloat16;
+  flatshard::checkpoint::save_hf(out.string(), *w.fsdp, bf16);
+  if (world.rank() == 0) {
+    EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+    EXPECT_FALSE(fs::exists(out / "model.safetensors.index.json")) << "the split export's index went";
+    EXPECT_FALSE(fs::exists(out / "model-00001-of-00002.safetensors"));
+    EXPECT_EQ(st::File((out / "model.safetensors").string()).info("lm_head.weight").dtype, at::kBFloat16);
+  }
+  w.fsdp->comm().barrier().wait();
+  flatshard::checkpoint::load_hf(out.string(), *back.fsdp);
+  for (const auto& [name, t] : flatshard::checkpoint::full_master_state_dict(*back.fsdp, -1))
+    EXPECT_TRUE(at::equal(t, masters.at(name).to(at::kBFloat16).to(at::kFloat))) << name;
+  w.fsdp->comm().barrier().wait();
+  if (world.rank() == 0) fs::remove_all(out);
+}
+
+// A whole state dict (full_state_dict's, through a torch.save file) loads into every
+// strategy, buffers included, and gives the same weights bit for bit.
+TEST(HuggingFace, FullStateDictLoadsIntoEveryStrategy) {
+  FLATSHARD_RUN_RANKS({2, 3});
+  auto world = flatshard::init();
+  GPTConfig cfg = gpt_config();
+  cfg.position_scale_buffer = true;
+  torch::manual_seed(11);
+  GPT source(cfg);
+  flatshard::FullyShard<GPT> trained(source, world, options_for(Strategy::FullShard, world.world_size()));
+  flatshard::optim::SGD opt(trained, flatshard::optim::SGDOptions{0.5});
+  const auto b = gpt_batch(0, 2);
+  token_loss(trained.forward(b.input), b.target).backward();
+  opt.step();
+  const auto state = flatshard::checkpoint::full_state_dict(trained, *source, -1);
+  ASSERT_EQ(state.size(), source->named_parameters().size() + 1);
+  const std::string file =
+      (fs::temp_directory_path() / ("flatshard_sd_" + std::to_string(::getpid()))).string();
+  flatshard::checkpoint::save_tensors(state, file);
+  const auto read = flatshard::checkpoint::load_tensors(file);
+  ::unlink(file.c_str());
+  at::Tensor expected;
+  {
+    torch::NoGradGuard no_grad;
+    expected = trained.forward(b.input);
+  }
+  for (Strategy strategy : every_strategy(world.world_size())) {
+    torch::manual_seed(99);
+    GPT model(cfg);
+    flatshard::FullyShard<GPT> fsdp(model, world, options_for(strategy, world.world_size()));
+    flatshard::checkpoint::load_full_state_dict(read, fsdp);
+    for (const auto& [name, t] : flatshard::checkpoint::full_state_dict(fsdp, *model, -1))
+      EXPECT_TRUE(at::equal(t, state.at(name))) << name << " under " << flatshard::to_string(strategy);
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(at::equal(fsdp.forward(b.input), expected)) << flatshard::to_string(strategy);
+  }
+}
