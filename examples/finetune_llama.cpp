@@ -40,6 +40,7 @@
 #include <fmt/format.h>
 
 #include "flatshard/flatshard.h"
+#include "flatshard/plan.h"
 #include "models/llama.h"
 
 using flatshard::models::LlamaConfig;
@@ -195,6 +196,26 @@ int main(int argc, char** argv) {
     for (const auto& l : fsdp.layout()) {
       for (const auto& p : l.params) params += p.numel;
     }
+    // The planner's figures for loading and exporting, from the wrapper's layout (the
+    // parameters are already sharded: plan::shape_of would see them empty).
+    flatshard::plan::ModelShape shape;
+    for (std::size_t i = 0; i < fsdp.layout().size(); ++i) {
+      std::int64_t numel = 0;
+      for (const auto& p : fsdp.layout()[i].params) {
+        numel += p.numel;
+        shape.largest_param_numel = std::max(shape.largest_param_numel, p.numel);
+      }
+      if (i == 0 && sharded) {
+        shape.root_numel = numel;
+      } else {
+        shape.unit_numels.push_back(numel);
+      }
+    }
+    flatshard::plan::PlanOptions po;
+    po.strategy = options.strategy;
+    po.world_size = world.world_size();
+    const auto planned = flatshard::plan::predict(shape, po);
+    const std::int64_t held = planned.params + planned.masters + planned.optimizer_state;
     auto& comm = fsdp.comm();
     const std::int64_t load_peak = peak_during([&] { ckpt::load_hf(a.model, fsdp); });
     const std::string load_peaks = per_rank(comm, load_peak);
@@ -205,7 +226,8 @@ int main(int argc, char** argv) {
           a.model.c_str(), static_cast<long long>(params), mib(4 * params), cfg.layers, cfg.dim, cfg.heads,
           cfg.kv_heads, cfg.vocab, flatshard::to_string(options.strategy), world.world_size());
       if (frozen > 0) std::printf("frozen: %d parameter tensors (--freeze)\n", frozen);
-      std::printf("load: each rank's allocations beyond its shards peaked at (MiB) %s\n", load_peaks.c_str());
+      std::printf("load: each rank's allocations beyond its shards peaked at (MiB) %s; planned: %.2f\n",
+                  load_peaks.c_str(), mib(planned.load_whole - held));
     }
 
     flatshard::data::TokenFileOptions token_options;
@@ -254,11 +276,11 @@ int main(int argc, char** argv) {
     auto loss_avg = at::zeros({1}, at::kDouble);
     const int last = a.stop_at >= 0 ? std::min(a.stop_at, a.steps) : a.steps;
     while (step < last) {
-      auto samples = sampler.next();
-      if (samples.empty()) {
+      if (sampler.epoch_done()) {
         sampler.set_epoch(sampler.epoch() + 1);
         continue;
       }
+      const auto samples = sampler.next();
       const auto batch = dataset.get(samples);
       const auto logits = fsdp.forward(batch.input);
       auto loss = torch::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),

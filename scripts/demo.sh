@@ -10,6 +10,8 @@
 #     full shard over a whole build are refused at construction (need and budget
 #     stated); full shard built into shards with recomputation trains it at 4 ranks with
 #     every rank's peak, from before construction, under the budget (broken down).
+#  5. fine-tunes a Hugging Face Llama made with transformers: loaded into shards at 2 and
+#     4 ranks, stopped and resumed, exported and read back by transformers.
 #   scripts/demo.sh [RANKS]       (FLATSHARD_OUT: where out/ goes)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -62,3 +64,8 @@ if "$run" -n 4 "$gpt" --mode full --build-into-shards "${big[@]}" --steps 2; the
 fi
 echo "-- full shard, built into shards, every block recomputed"
 "$run" -n 4 "$gpt" --mode full --build-into-shards --recompute "${big[@]}"
+
+echo
+echo "== 5. fine-tuning a Hugging Face Llama (made with transformers): loaded into shards, trained at 2 and 4"
+echo "   ranks, stopped and resumed, exported and checked with transformers (scripts/finetune_llama.sh)"
+OUT="$out/finetune" STEPS=20 BUILD="$root/build" "$root/scripts/finetune_llama.sh"

@@ -28,7 +28,7 @@ if [[ "$what" == asan || "$what" == all ]]; then
   flags="-fsanitize=address,undefined -fno-sanitize=vptr -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
   configure "$root/build-asan" "$flags"
   cmake --build "$root/build-asan" -j "$jobs" --target flatshard_unit_tests flatshard_multirank_tests \
-    flatshard_training_tests flatshard_launcher_tests flatshard-run
+    flatshard_training_tests flatshard_hf_tests flatshard_launcher_tests flatshard-run
   export ASAN_OPTIONS="detect_leaks=1:detect_container_overflow=0:detect_odr_violation=0:abort_on_error=0"
   export LSAN_OPTIONS="suppressions=$root/scripts/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"

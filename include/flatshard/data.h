@@ -5,8 +5,8 @@
 //   flatshard::data::TokenDataset dataset(tokens, {.seq_len = 1024});
 //   flatshard::data::DistributedSampler sampler(dataset.size(), world, {.batch_size = 8, .seed = 0});
 //   while (true) {
-//     auto batch = sampler.next();            // this rank's sample indices; empty: epoch over
-//     if (batch.empty()) { sampler.set_epoch(sampler.epoch() + 1); continue; }
+//     if (sampler.epoch_done()) { sampler.set_epoch(sampler.epoch() + 1); continue; }
+//     auto batch = sampler.next();            // this rank's sample indices
 //     auto [input, target] = dataset.get(batch);
 //     ...
 //   }
@@ -103,8 +103,12 @@ class DistributedSampler {
   DistributedSampler(std::int64_t dataset_size, int rank, int world_size, const SamplerOptions& options = {});
   DistributedSampler(std::int64_t dataset_size, const World& world, const SamplerOptions& options = {});
 
-  // This rank's next batch of sample indices; empty when the epoch is over for this rank
-  // (set_epoch starts the next). The position moves by the whole global batch.
+  // Every global batch of this epoch has been dealt (set_epoch starts the next). The same
+  // on every rank.
+  bool epoch_done() const { return batches_left() == 0; }
+  // This rank's next batch of sample indices; the position moves by the whole global
+  // batch. Smaller, or empty, only in an epoch's last global batch without drop_last (train
+  // through it under Join); empty too once the epoch is done.
   std::vector<std::int64_t> next();
   // Starts epoch `epoch` from its beginning.
   void set_epoch(std::int64_t epoch);

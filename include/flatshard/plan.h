@@ -145,6 +145,12 @@ struct Plan {
   std::int64_t staging = 0;
   // Under cpu_compute, where the peak falls late in backward: the pool's blocks then.
   std::int64_t pool = 0;
+  // Loading a whole model (checkpoint::load_hf) or exporting one (save_hf, full_state_dict)
+  // between steps: the fp32 masters and optimizer state as in training, and beside them,
+  // loading, nothing but the piece being read (at most one parameter's slice); exporting,
+  // one flat group at full size in fp32 (Note [Streaming full state dicts]): the largest
+  // unit's or the root's (the replicated strategies: the model, one flat group).
+  std::int64_t load_whole = 0, export_whole = 0;
   std::int64_t training() const;  // the sum of the device figures above `construction`
   std::int64_t peak = 0;          // what one rank needs: the largest of training(), construction, rebuild
   // The ZeRO paper's model-state formula for this mode (fp32 params and grads, K bytes

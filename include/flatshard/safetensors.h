@@ -111,13 +111,18 @@ class Writer {
 
   // `values` is converted to the entry's dtype; its shape must be the entry's.
   void write(const std::string& name, const at::Tensor& values);
-  // Every entry must have been written.
+  // Every entry must have been written. commit() is sync() then publish(): the file
+  // flushed to disk under its temporary name, then renamed into place (several files that
+  // belong together: sync every one before publishing any).
   void commit();
+  void sync();
+  void publish();
   std::int64_t file_bytes() const { return file_bytes_; }
 
  private:
   std::string path_, temp_;
   int fd_ = -1;
+  bool synced_ = false;
   std::map<std::string, TensorInfo> tensors_;
   std::map<std::string, bool> written_;
   std::int64_t file_bytes_ = 0;

@@ -50,7 +50,11 @@ TokenFile::TokenFile(const std::string& path, const TokenFileOptions& options)
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw CheckpointError(path, fmt::format("cannot open '{}': {}", path, io::errno_reason(errno)));
   struct stat st {};
-  ::fstat(fd, &st);
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw CheckpointError(path, fmt::format("cannot read '{}': {}", path, io::errno_reason(err)));
+  }
   map_bytes_ = static_cast<std::size_t>(st.st_size);
   if (map_bytes_ > 0) {
     void* map = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -81,7 +85,8 @@ TokenFile::TokenFile(const std::string& path, const TokenFileOptions& options)
     dtype_ = at::kUInt16;
     data_offset_ = kLlmcHeaderBytes;
     data_bytes = std::min<std::int64_t>(data_bytes - kLlmcHeaderBytes, std::int64_t{header[2]} * 2);
-    if (std::int64_t{header[2]} * 2 > static_cast<std::int64_t>(map_bytes_) - kLlmcHeaderBytes) {
+    if (header[2] < 0 ||
+        std::int64_t{header[2]} * 2 > static_cast<std::int64_t>(map_bytes_) - kLlmcHeaderBytes) {
       refuse(fmt::format("'{}' says it holds {} tokens but is {} bytes long: it is truncated", path,
                          header[2], map_bytes_));
     }
@@ -202,6 +207,12 @@ DistributedSampler::State DistributedSampler::state() const {
 }
 
 void DistributedSampler::restore(const State& s) {
+  if (s.epoch < 0 || s.consumed < 0 || s.consumed > s.dataset_size) {
+    throw InvalidArgument(
+        fmt::format("DistributedSampler (rank {} of {}): the saved position (epoch {}, {} of {} "
+                    "samples) is not a position: the checkpoint is damaged",
+                    rank_, world_size_, s.epoch, s.consumed, s.dataset_size));
+  }
   if (s.dataset_size != size_ || s.seed != options_.seed || s.shuffle != options_.shuffle) {
     throw InvalidArgument(fmt::format(
         "DistributedSampler (rank {} of {}): the saved position is over {} samples with seed {} ({}), this "
@@ -210,7 +221,7 @@ void DistributedSampler::restore(const State& s) {
         options_.shuffle ? "shuffled" : "in order"));
   }
   epoch_ = s.epoch;
-  consumed_ = std::min(s.consumed, size_);
+  consumed_ = s.consumed;
 }
 
 }  // namespace flatshard::data

@@ -91,6 +91,10 @@ void assemble(FullyShardBase& fsdp, const ShardLayout& layout, const at::Tensor&
   for (const auto& p : layout.params) put(p, full.narrow(0, p.offset, p.numel).view(p.shape));
 }
 
+void masters_written(FullyShardBase& fsdp) {
+  for (const auto& master : fsdp.shards()) master.unsafeGetTensorImpl()->bump_version();
+}
+
 }  // namespace shards
 
 std::map<std::string, at::Tensor> full_master_state_dict(FullyShardBase& fsdp, int to) {

@@ -73,22 +73,9 @@ void check(const Source& src, const Holding& h, const LoadModelOptions& options)
 // Every segment this rank holds, read element range by element range; buffers whole.
 void read(const Source& src, Holding& h) {
   at::NoGradGuard no_grad;
-  for (auto& seg : h.segments) {
-    const std::int64_t seg_end = seg.begin + seg.values.numel();
-    for (const auto& span : seg.spans) {
-      const std::int64_t lo = std::max(span.offset, seg.begin);
-      const std::int64_t hi = std::min(span.offset + span.numel, seg_end);
-      if (lo >= hi) continue;
-      at::Tensor dst = seg.values.narrow(0, lo - seg.begin, hi - lo);
-      if (dst.is_contiguous()) {
-        src.read(span.key, lo - span.offset, dst);
-      } else {
-        auto staged = at::empty({hi - lo}, dst.options());
-        src.read(span.key, lo - span.offset, staged);
-        dst.copy_(staged);
-      }
-    }
-  }
+  shards::for_each_piece(h, [&](const shards::Span& span, std::int64_t begin, const at::Tensor& dst) {
+    src.read(span.key, begin, dst);
+  });
   for (auto& [name, t] : h.buffers) {
     if (!src.shapes.count(name)) continue;  // not saved (a non-persistent buffer): the model's own
     auto flat = at::empty({t.numel()}, t.options().device(at::kCPU));
@@ -108,10 +95,11 @@ void load_from(const std::function<Source()>& open, const std::string& path, Ful
     Holding h = shards::hold_fully_shard(fsdp, nullptr, /*loading=*/true, {});
     check(src, h, options);
     read(src, h);
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // an Error, or the host out of memory: every rank must hear
     failure = e.what();
   }
   shards::agree(fsdp.comm(), path, "loading a model", failure);
+  shards::masters_written(fsdp);
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {
@@ -211,6 +199,10 @@ void remove_stale(const std::string& dir, std::size_t files) {
 }  // namespace
 
 void save_hf(const std::string& dir, FullyShardBase& fsdp, const SaveModelOptions& options) {
+  if (options.to < 0 || options.to >= fsdp.world().world_size()) {
+    throw InvalidArgument(fmt::format("save_hf: SaveModelOptions::to = {} is not a rank of the world of {}",
+                                      options.to, fsdp.world().world_size()));
+  }
   const bool writes = fsdp.world().rank() == options.to;
   const auto layout = fsdp.layout();
   const auto masters = fsdp.shards();
@@ -232,7 +224,7 @@ void save_hf(const std::string& dir, FullyShardBase& fsdp, const SaveModelOption
     if (!writes || !failure.empty()) return;
     try {
       f();
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {  // an Error, or the host out of memory: the collectives go on
       failure = e.what();
     }
   };
@@ -251,7 +243,10 @@ void save_hf(const std::string& dir, FullyShardBase& fsdp, const SaveModelOption
   }
   attempt([&] {
     for (const auto& item : buffers) writers[plan.file_of.at(item.key())]->write(item.key(), item.value());
-    for (auto& w : writers) w->commit();
+    // Every file complete and on disk before any takes its name: a failure leaves the
+    // previous export's files as they were.
+    for (auto& w : writers) w->sync();
+    for (auto& w : writers) w->publish();
     if (plan.files.size() > 1) {
       nlohmann::json index;
       index["metadata"] = {{"total_size", plan.total_bytes}};

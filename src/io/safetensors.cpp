@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -64,6 +65,16 @@ const std::vector<std::pair<const char*, at::ScalarType>>& dtype_table() {
 std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
   std::int64_t n = 1;
   for (auto d : shape) n *= d;
+  return n;
+}
+
+// The bytes of `shape` elements of `element` bytes each; nullopt when a dimension is
+// negative or the product overflows (a hostile or corrupt header).
+std::optional<std::int64_t> bytes_of(const std::vector<std::int64_t>& shape, std::size_t element) {
+  std::int64_t n = static_cast<std::int64_t>(element);
+  for (auto d : shape) {
+    if (d < 0 || __builtin_mul_overflow(n, d, &n)) return std::nullopt;
+  }
   return n;
 }
 
@@ -154,9 +165,8 @@ File::File(const std::string& path) : path_(path) {
                   fmt::format("tensor '{}' has dtype '{}', which FlatShard does not read", name, dtype));
         t.dtype = it->second;
         t.shape = entry.at("shape").get<std::vector<std::int64_t>>();
-        for (auto d : t.shape) {
-          if (d < 0) corrupt(path, fmt::format("tensor '{}' has a negative dimension", name));
-        }
+        const auto bytes = bytes_of(t.shape, c10::elementSize(t.dtype));
+        if (!bytes) corrupt(path, fmt::format("tensor '{}' has a negative or impossibly large shape", name));
         t.numel = numel_of(t.shape);
         const auto offsets = entry.at("data_offsets").get<std::vector<std::int64_t>>();
         if (offsets.size() != 2 || offsets[0] < 0 || offsets[1] < offsets[0] || offsets[1] > data_bytes) {
@@ -167,9 +177,9 @@ File::File(const std::string& path) : path_(path) {
         }
         t.byte_offset = data_begin + offsets[0];
         t.nbytes = offsets[1] - offsets[0];
-        if (t.nbytes != t.numel * static_cast<std::int64_t>(c10::elementSize(t.dtype))) {
+        if (t.nbytes != *bytes) {
           corrupt(path, fmt::format("tensor '{}' spans {} bytes, but {} elements of {} take {}", name,
-                                    t.nbytes, t.numel, dtype, t.numel * c10::elementSize(t.dtype)));
+                                    t.nbytes, t.numel, dtype, *bytes));
         }
         if (t.nbytes > 0) ranges.emplace_back(offsets[0], offsets[1]);
         tensors_.emplace(name, std::move(t));
@@ -236,7 +246,16 @@ Directory::Directory(std::string dir) : dir_(std::move(dir)) {
     const auto bytes = io::read_file(index);
     try {
       const auto j = json::parse(bytes.begin(), bytes.end());
-      for (const auto& [name, file] : j.at("weight_map").items()) file_names_[name] = file.get<std::string>();
+      for (const auto& [name, file] : j.at("weight_map").items()) {
+        const auto f = file.get<std::string>();
+        if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..") {
+          throw CheckpointError(index,
+                                fmt::format("'{}' names '{}' for '{}': the files of a model sit in its "
+                                            "directory; write the model again",
+                                            index, f, name));
+        }
+        file_names_[name] = f;
+      }
     } catch (const json::exception& e) {
       throw CheckpointError(
           index, fmt::format("'{}' is not a safetensors index ({}): write the model again", index, e.what()));
@@ -341,10 +360,8 @@ Writer::Writer(std::string path, const std::vector<Entry>& entries,
 }
 
 Writer::~Writer() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    ::unlink(temp_.c_str());
-  }
+  if (fd_ >= 0) ::close(fd_);
+  if (fd_ >= 0 || synced_) ::unlink(temp_.c_str());  // never published: nothing is left behind
 }
 
 void Writer::write(const std::string& name, const at::Tensor& values) {
@@ -361,21 +378,34 @@ void Writer::write(const std::string& name, const at::Tensor& values) {
 }
 
 void Writer::commit() {
+  sync();
+  publish();
+}
+
+void Writer::sync() {
+  require(fd_ >= 0 && !synced_, fmt::format("Writer: '{}' is synced already", path_));
   for (const auto& [name, done] : written_) {
     require(done, fmt::format("Writer: '{}' was never written to '{}'", name, path_));
   }
   const int fd = fd_;
-  fd_ = -1;
   auto fail = [&](const char* what) {
     const int err = errno;
     ::close(fd);
     ::unlink(temp_.c_str());
+    fd_ = -1;
     throw CheckpointError(path_, fmt::format("{} '{}' failed: {}", what, path_, io::errno_reason(err)));
   };
   // A file shorter than its header says (no tensor at the end) still gets its full length.
   if (::ftruncate(fd, static_cast<off_t>(file_bytes_)) != 0) fail("sizing");
   if (::fsync(fd) != 0) fail("flushing");
   ::close(fd);
+  fd_ = -1;
+  synced_ = true;
+}
+
+void Writer::publish() {
+  require(synced_, fmt::format("Writer: '{}' is published before it is synced", path_));
+  synced_ = false;
   if (::rename(temp_.c_str(), path_.c_str()) != 0) {
     const int err = errno;
     ::unlink(temp_.c_str());

@@ -103,6 +103,9 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
 CheckpointInfo load(const std::string& path, Communicator& comm,
                     const std::function<Holding(const Checkpoint&)>& hold,
                     const std::function<void(const Checkpoint&)>& finish);
+// Calls f(span, begin, dst) for every piece of a tensor that h holds: elements [begin,
+// begin + dst.numel()) of span's tensor, whose place in h is dst (1-D, contiguous).
+void for_each_piece(Holding& h, const std::function<void(const Span&, std::int64_t, const at::Tensor&)>& f);
 // The optimizer state names to load (every one the optimizer keeps must be there).
 std::vector<std::string> states_to_load(const Checkpoint& c, const std::vector<std::string>& wanted);
 std::int64_t steps_of(const Checkpoint& c, const std::string& param);
@@ -114,6 +117,14 @@ std::int64_t steps_of(const Checkpoint& c, const std::string& param);
 // `load_states` (made where missing), else every state it has (sharded_checkpoint.cpp).
 Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool loading,
                          const std::vector<std::string>& load_states);
+
+// Note [Every rank's masters move together]: a load writes only the elements a rank holds,
+// and a rank whose slice of a group is all padding writes none of them; yet whether a
+// gathered unit gathers again (Note [Masters written while gathered]) and whether the
+// replicated strategies refresh their parameters are decided from the masters' versions,
+// rank by rank, before a collective. Every load therefore moves every master's version on
+// every rank.
+void masters_written(FullyShardBase& fsdp);
 
 // One flat group's shard-shaped values (one per element of this rank's shard) at full
 // size, cut into the group's parameters: put(parameter, values) on the ranks that keep

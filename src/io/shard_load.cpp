@@ -206,18 +206,11 @@ class Reader {
 void read_holding(const Checkpoint& c, Holding& h) {
   at::NoGradGuard no_grad;
   Reader reader(c.dir);
-  for (auto& seg : h.segments) {
-    const std::int64_t seg_end = seg.begin + seg.values.numel();
-    for (const auto& span : seg.spans) {
-      const std::int64_t lo = std::max(span.offset, seg.begin);
-      const std::int64_t hi = std::min(span.offset + span.numel, seg_end);
-      if (lo >= hi) continue;
-      auto it = c.tensors.find(span.key);
-      if (it == c.tensors.end()) continue;  // optimizer state never created (its unit never stepped): zeros
-      reader.read(span.key, it->second, lo - span.offset, hi - span.offset,
-                  seg.values.narrow(0, lo - seg.begin, hi - lo));
-    }
-  }
+  for_each_piece(h, [&](const Span& span, std::int64_t begin, const at::Tensor& dst) {
+    auto it = c.tensors.find(span.key);
+    if (it == c.tensors.end()) return;  // optimizer state never created (its unit never stepped): zeros
+    reader.read(span.key, it->second, begin, begin + dst.numel(), dst);
+  });
   for (auto& [name, t] : h.buffers) {
     auto flat = at::empty({t.numel()}, t.options());
     reader.read(name, c.tensors.at(name), 0, t.numel(), flat);
@@ -226,6 +219,17 @@ void read_holding(const Checkpoint& c, Holding& h) {
 }
 
 }  // namespace
+
+void for_each_piece(Holding& h, const std::function<void(const Span&, std::int64_t, const at::Tensor&)>& f) {
+  for (auto& seg : h.segments) {
+    const std::int64_t seg_end = seg.begin + seg.values.numel();
+    for (const auto& span : seg.spans) {
+      const std::int64_t lo = std::max(span.offset, seg.begin);
+      const std::int64_t hi = std::min(span.offset + span.numel, seg_end);
+      if (lo < hi) f(span, lo - span.offset, seg.values.narrow(0, lo - seg.begin, hi - lo));
+    }
+  }
+}
 
 // The optimizer state names to load: the checkpoint must hold every one the optimizer
 // keeps (none when it was saved without optimizer state).

@@ -99,8 +99,28 @@ void restore_training_state(const Checkpoint& c, optim::ShardOptimizer* opt, con
     options.scheduler->restore(state.at("scheduler").at("steps").get<std::int64_t>(),
                                state.at("scheduler").at("base_lrs").get<std::vector<double>>());
   }
-  if (options.sampler) {
-    if (!state.contains("sampler")) missing("data sampler", "sampler");
+  if (options.scaler) {
+    if (!state.contains("scaler")) missing("gradient scaler", "scaler");
+    options.scaler->restore(state.at("scaler").at("scale").get<double>(),
+                            state.at("scaler").at("growth_tracker").get<std::int64_t>());
+  }
+}
+
+// The sampler's position saved in `c`, checked against `sampler` (the same dataset size and
+// seed, a position inside it) before anything is loaded: a refused checkpoint changes
+// nothing.
+data::DistributedSampler::State saved_sampler_state(const Checkpoint& c,
+                                                    const data::DistributedSampler& sampler) {
+  using json = nlohmann::json;
+  try {
+    const json state = c.training.empty() ? json::object() : json::parse(c.training);
+    if (!state.contains("sampler")) {
+      throw CheckpointError(c.dir,
+                            fmt::format("the checkpoint at '{}' holds no data sampler state; load without "
+                                        "LoadOptions::sampler (the data starts over), or from a checkpoint "
+                                        "saved with SaveOptions::sampler",
+                                        c.dir));
+    }
     const auto& j = state.at("sampler");
     data::DistributedSampler::State s;
     s.epoch = j.at("epoch").get<std::int64_t>();
@@ -108,16 +128,18 @@ void restore_training_state(const Checkpoint& c, optim::ShardOptimizer* opt, con
     s.dataset_size = j.at("dataset_size").get<std::int64_t>();
     s.seed = std::stoull(j.at("seed").get<std::string>());
     s.shuffle = j.at("shuffle").get<bool>();
-    try {
-      options.sampler->restore(s);
-    } catch (const InvalidArgument& e) {
-      throw CheckpointError(c.dir, fmt::format("the checkpoint at '{}': {}", c.dir, e.what()));
-    }
-  }
-  if (options.scaler) {
-    if (!state.contains("scaler")) missing("gradient scaler", "scaler");
-    options.scaler->restore(state.at("scaler").at("scale").get<double>(),
-                            state.at("scaler").at("growth_tracker").get<std::int64_t>());
+    data::DistributedSampler probe = sampler;
+    probe.restore(s);
+    return s;
+  } catch (const InvalidArgument& e) {
+    throw CheckpointError(c.dir, fmt::format("the checkpoint at '{}': {}", c.dir, e.what()));
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CheckpointError(c.dir,
+                          fmt::format("the checkpoint at '{}' has a damaged sampler position ({}): load an "
+                                      "earlier checkpoint",
+                                      c.dir, e.what()));
   }
 }
 
@@ -219,9 +241,11 @@ CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
 CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim::ShardOptimizer* optimizer,
                             const LoadOptions& options) {
   std::map<std::string, at::Tensor> hook_state;  // read into, then given to the registered hook
-  return load(
+  data::DistributedSampler::State sampler_state;
+  const auto info = load(
       path, fsdp.comm(),
       [&](const Checkpoint& c) {
+        if (options.sampler) sampler_state = saved_sampler_state(c, *options.sampler);
         fsdp.restore_bucket_order(c.bucket_order);
         const auto states =
             optimizer ? states_to_load(c, optimizer->state_names()) : std::vector<std::string>{};
@@ -240,12 +264,15 @@ CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim
             fsdp.restore_synced_backwards(training.at("synced_backwards").get<std::int64_t>());
         }
         restore_training_state(c, optimizer, options);
+        if (options.sampler) options.sampler->restore(sampler_state);
         if (!optimizer || !c.has_optimizer) return;
         const auto layout = fsdp.layout();
         for (std::size_t i = 0; i < layout.size(); ++i) {
           for (const auto& p : layout[i].params) optimizer->set_steps(i, p.name, steps_of(c, p.name));
         }
       });
+  shards::masters_written(fsdp);
+  return info;
 }
 
 }  // namespace flatshard::checkpoint

@@ -275,6 +275,18 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
   } else {
     p.construction = psi * 4 + p.params + built_masters;
   }
+  // Between steps the masters (p.params, or DDP's and ZeRO-1's p.params plus their masters)
+  // and the optimizer state are what a rank holds; a load reads one piece at a time into
+  // them, an export assembles one flat group (padded) at full size in fp32.
+  {
+    const std::int64_t held = p.params + p.masters + p.optimizer_state;
+    const std::int64_t whole_group =
+        sharded || mode == Strategy::HybridShard
+            ? std::max(padded(shape.root_numel, n, 4), largest_unit == 0 ? 0 : padded(largest_unit, n, 4)) * 4
+            : psi * 4;
+    p.load_whole = held + shape.largest_param_numel * 4;
+    p.export_whole = held + whole_group;
+  }
   p.peak = std::max({p.training(), p.construction, p.rebuild});
   // Note [Late in backward]: the training figures are those of training's own peak, also
   // where construction or a rebuild sets the whole run's.

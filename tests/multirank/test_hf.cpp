@@ -4,6 +4,7 @@
 // hf_reference.py (CTest fixture hf.reference); hf_check.py checks what FlatShard wrote.
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -166,6 +167,14 @@ TEST(Safetensors, RefusesCorruptFilesNamingThem) {
   std::string dtype = bytes;
   dtype.replace(dtype.find("\"F32\""), 5, "\"X32\"");
   refused(write("dtype.safetensors", dtype), "dtype 'X32'");
+  // A shape whose byte count overflows, with data_offsets that match the wrapped product.
+  {
+    const std::string header = R"({"w":{"dtype":"F32","shape":[4611686018427387905],"data_offsets":[0,4]}})";
+    std::string hostile(8, '\0');
+    const std::uint64_t n = header.size();
+    std::memcpy(hostile.data(), &n, 8);
+    refused(write("overflow.safetensors", hostile + header + std::string(4, '\0')), "impossibly large shape");
+  }
   EXPECT_THROW(st::File((dir / "missing.safetensors").string()), flatshard::checkpoint::CheckpointError);
   // A writer that is dropped before commit leaves nothing behind.
   {
@@ -174,8 +183,51 @@ TEST(Safetensors, RefusesCorruptFilesNamingThem) {
   }
   EXPECT_FALSE(fs::exists(dir / "dropped.safetensors"));
   EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()),
-            6);  // the six written above
+            7);  // the seven written above
   fs::remove_all(dir);
+}
+
+// --- loading into units left gathered ------------------------------------------------------
+
+namespace {
+
+// A block and a root of two elements: at world 3 the root's flat group pads to three
+// slices of four, and ranks 1 and 2 hold padding only.
+struct TinyRootImpl : torch::nn::Module {
+  TinyRootImpl() {
+    block = register_module("block", flatshard::Unit<torch::nn::Linear>(8, 8));
+    scale = register_parameter("scale", torch::rand({2}) + 0.5);
+  }
+  at::Tensor forward(const at::Tensor& x) { return block(x) * scale[0] + scale[1]; }
+  flatshard::Unit<torch::nn::Linear> block{nullptr};
+  at::Tensor scale;
+};
+TORCH_MODULE(TinyRoot);
+
+}  // namespace
+
+// Note [Every rank's masters move together]: the root stays gathered after a forward
+// without gradients; a load then writes the root's master on rank 0 only (the others hold
+// padding), yet every rank must agree to gather it again before the next forward (else rank
+// 0 gathers alone and the job hangs), and the forward must see the loaded values.
+TEST(HuggingFace, ALoadReachesUnitsLeftGatheredOnEveryRank) {
+  FLATSHARD_RUN_RANKS({3});
+  auto world = flatshard::init();
+  for (Strategy strategy : every_strategy(3)) {
+    torch::manual_seed(5);
+    TinyRoot source;
+    torch::manual_seed(6);
+    TinyRoot model;
+    flatshard::FullyShard<TinyRoot> fsdp(model, world, options_for(strategy, 3));
+    const auto x = at::rand({2, 8});
+    torch::NoGradGuard no_grad;
+    const auto before = fsdp.forward(x);
+    std::map<std::string, at::Tensor> state;
+    for (const auto& item : source->named_parameters()) state[item.key()] = item.value().detach();
+    flatshard::checkpoint::load_full_state_dict(state, fsdp);
+    EXPECT_TRUE(at::allclose(fsdp.forward(x), source->forward(x))) << flatshard::to_string(strategy);
+    EXPECT_FALSE(at::allclose(before, source->forward(x)));
+  }
 }
 
 // --- the model, against transformers -------------------------------------------------------
@@ -317,8 +369,8 @@ TEST(HuggingFace, ExportedModelLoadsInTransformers) {
   if (world.rank() == 0) fs::remove_all(out);
 }
 
-// A whole state dict (full_state_dict's, through a torch.save file) loads into every
-// strategy, buffers included, and gives the same weights bit for bit.
+// A whole state dict (full_state_dict's, through a torch.save file, and as one safetensors
+// file) loads into every strategy, buffers included, and gives the same weights bit for bit.
 TEST(HuggingFace, FullStateDictLoadsIntoEveryStrategy) {
   FLATSHARD_RUN_RANKS({2, 3});
   auto world = flatshard::init();
@@ -338,6 +390,9 @@ TEST(HuggingFace, FullStateDictLoadsIntoEveryStrategy) {
   flatshard::checkpoint::save_tensors(state, file);
   const auto read = flatshard::checkpoint::load_tensors(file);
   ::unlink(file.c_str());
+  // The same dict as one safetensors file (each rank its own copy).
+  const std::string st_file = file + ".safetensors";
+  st::save(state, st_file);
   at::Tensor expected;
   {
     torch::NoGradGuard no_grad;
@@ -350,7 +405,17 @@ TEST(HuggingFace, FullStateDictLoadsIntoEveryStrategy) {
     flatshard::checkpoint::load_full_state_dict(read, fsdp);
     for (const auto& [name, t] : flatshard::checkpoint::full_state_dict(fsdp, *model, -1))
       EXPECT_TRUE(at::equal(t, state.at(name))) << name << " under " << flatshard::to_string(strategy);
+    {
+      torch::NoGradGuard no_grad;
+      EXPECT_TRUE(at::equal(fsdp.forward(b.input), expected)) << flatshard::to_string(strategy);
+    }
+    torch::manual_seed(98);
+    GPT again(cfg);
+    flatshard::FullyShard<GPT> from_file(again, world, options_for(strategy, world.world_size()));
+    flatshard::checkpoint::load_hf(st_file, from_file);
     torch::NoGradGuard no_grad;
-    EXPECT_TRUE(at::equal(fsdp.forward(b.input), expected)) << flatshard::to_string(strategy);
+    EXPECT_TRUE(at::equal(from_file.forward(b.input), expected))
+        << flatshard::to_string(strategy) << ", safetensors";
   }
+  ::unlink(st_file.c_str());
 }

@@ -75,6 +75,38 @@ TEST(Sampler, RanksGetDisjointBatchesThatCoverTheDataOncePerEpoch) {
   }
 }
 
+// The documented loop (epoch_done, then next) over uneven ends: a rank whose share of an
+// epoch's last batch is empty still moves with the others, and every rank's position is
+// the same at every step, so a checkpoint from any rank resumes the same data.
+TEST(Sampler, EveryRankMovesTogetherThroughUnevenEnds) {
+  SamplerOptions o;
+  o.batch_size = 4;
+  auto ranks = world_of(16, 3, o);  // epochs of one full global batch of 12, then 4 samples for rank 0 only
+  std::vector<std::vector<std::int64_t>> sizes(3);
+  for (int step = 0; step < 8;) {
+    if (ranks[0].epoch_done()) {
+      for (auto& s : ranks) {
+        ASSERT_TRUE(s.epoch_done());
+        s.set_epoch(s.epoch() + 1);
+      }
+      continue;
+    }
+    for (int r = 0; r < 3; ++r) sizes[r].push_back(static_cast<std::int64_t>(ranks[r].next().size()));
+    for (auto& s : ranks) {
+      EXPECT_EQ(s.epoch(), ranks[0].epoch());
+      EXPECT_EQ(s.consumed(), ranks[0].consumed());
+    }
+    ++step;
+  }
+  EXPECT_EQ(sizes[0], (std::vector<std::int64_t>{4, 4, 4, 4, 4, 4, 4, 4}));
+  EXPECT_EQ(sizes[1], (std::vector<std::int64_t>{4, 0, 4, 0, 4, 0, 4, 0}));
+  EXPECT_EQ(sizes[2], (std::vector<std::int64_t>{4, 0, 4, 0, 4, 0, 4, 0}));
+  EXPECT_EQ(ranks[0].epoch(), 3);
+  auto bad = ranks[0].state();
+  bad.consumed = -1;
+  EXPECT_THROW(ranks[0].restore(bad), flatshard::InvalidArgument);
+}
+
 TEST(Sampler, ShufflesByEpochAndSeedTheSameOnEveryRank) {
   SamplerOptions o;
   o.batch_size = 4;

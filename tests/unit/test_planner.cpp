@@ -341,3 +341,28 @@ TEST(Planner, FrozenParametersTakeNoGradientOrState) {
 }
 
 }  // namespace
+
+// Loading a whole model adds one parameter's piece to what a rank holds between steps;
+// exporting one adds one flat group at full size in fp32 (the largest unit's or the
+// root's, padded; the replicated strategies' one group is the model).
+TEST(Planner, LoadingAndExportingAddOnePieceOrOneGroup) {
+  plan::ModelShape shape;
+  shape.root_numel = 10;
+  shape.unit_numels = {100, 301};
+  shape.largest_param_numel = 200;
+  for (int world = 1; world <= 4; ++world) {
+    for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::ShardGradOp,
+                          flatshard::Strategy::NoShard, flatshard::Strategy::ShardOptimizerState}) {
+      plan::PlanOptions o;
+      o.strategy = strategy;
+      o.world_size = world;
+      const auto p = plan::predict(shape, o);
+      const std::int64_t held = p.params + p.masters + p.optimizer_state;
+      EXPECT_EQ(p.load_whole - held, 200 * 4);
+      const bool sharded =
+          strategy == flatshard::Strategy::FullShard || strategy == flatshard::Strategy::ShardGradOp;
+      const std::int64_t group = sharded ? flatshard::padded_numel(301, world, 4) * 4 : 411 * 4;
+      EXPECT_EQ(p.export_whole - held, group) << flatshard::to_string(strategy) << " at " << world;
+    }
+  }
+}
