@@ -176,6 +176,9 @@ int main(int argc, char** argv) {
 
     // Built straight into shards (sharded strategies): no rank holds the whole model.
     LlamaForCausalLM model{nullptr};
+    // The initial values are replaced by the loaded ones, but every rank builds the same
+    // (BuildIntoShards compares the units across ranks as they are built).
+    torch::manual_seed(0);
     if (sharded) {
       flatshard::BuildIntoShards build(world, options);
       model = LlamaForCausalLM(cfg);
@@ -192,16 +195,17 @@ int main(int argc, char** argv) {
       }
     }
     flatshard::FullyShard<LlamaForCausalLM> fsdp(model, world, options);
+    const auto layout = fsdp.layout();
     std::int64_t params = 0;
-    for (const auto& l : fsdp.layout()) {
+    for (const auto& l : layout) {
       for (const auto& p : l.params) params += p.numel;
     }
     // The planner's figures for loading and exporting, from the wrapper's layout (the
     // parameters are already sharded: plan::shape_of would see them empty).
     flatshard::plan::ModelShape shape;
-    for (std::size_t i = 0; i < fsdp.layout().size(); ++i) {
+    for (std::size_t i = 0; i < layout.size(); ++i) {
       std::int64_t numel = 0;
-      for (const auto& p : fsdp.layout()[i].params) {
+      for (const auto& p : layout[i].params) {
         numel += p.numel;
         shape.largest_param_numel = std::max(shape.largest_param_numel, p.numel);
       }
@@ -315,10 +319,9 @@ int main(int argc, char** argv) {
       if (rank == 0) {
         std::printf("exported %s (%s)\n", a.out.c_str(), a.export_dtype.c_str());
         std::printf(
-            "export: each rank's allocations beyond its shards peaked at (MiB) %s; the largest unit is %.2f "
-            "MiB, the whole model %.2f MiB\n",
-            export_peaks.c_str(), mib(std::max(fsdp.largest_unit_bytes(), fsdp.root_unit_bytes())),
-            mib(4 * params));
+            "export: each rank's allocations beyond its shards peaked at (MiB) %s; planned: %.2f; the whole "
+            "model: %.2f\n",
+            export_peaks.c_str(), mib(planned.export_whole - held), mib(4 * params));
       }
     }
     if (!a.logits.empty()) {
