@@ -6,7 +6,8 @@
 # its shards while loading and exporting (the counting allocator's peak), the planner's
 # figures, and the whole model's size.
 #
-#   bench/hf_memory.sh [RANKS] [BUILD_DIR]
+#   bench/hf_memory.sh [RANKS] [BUILD_DIR]      (EXTRA="--embedding-units": the embedding and
+#                                               the head as units of their own)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$root/scripts/env.sh"
@@ -26,6 +27,6 @@ PY
 for n in $(seq 1 "$ranks"); do
   echo "== world $n, full shard"
   "$build/flatshard-run" -n "$n" --deadline-s 600 "$build/examples/finetune_llama" --model "$out/model" \
-      --data "$out/tokens.bin" --seq-len 32 --batch 1 --steps 0 --out "$out/export$n" 2>&1 |
+      --data "$out/tokens.bin" --seq-len 32 --batch 1 --steps 0 --out "$out/export$n" ${EXTRA:-} 2>&1 |
     sed -n 's/^\[rank 0\] //p' | grep -E "^(loaded|load:|export:)"
 done

@@ -33,6 +33,10 @@
 //   --freeze A,B,...        fine-tuning: parameters whose name contains one of these are frozen
 //                           (requires_grad off before wrapping), e.g. .attn. for every block's
 //                           attention (docs/fully-shard.md#frozen-parameters-fine-tuning)
+//   --async-save            checkpoints through checkpoint::AsyncSaver: a save blocks only for the
+//                           host copy and is written while training goes on
+//   --save-timing           rank 0 prints SAVE,step,blocking_ms,copy_bytes for every save (the
+//                           time the save kept training waiting; bench/async_checkpoint.sh)
 //   --memory-every N        every N steps, rank 0 prints MEMORY,step,current_bytes,peak_bytes,rss_bytes
 //                           (counting allocator, resident set; bench/soak.sh watches them for leaks)
 //
@@ -72,6 +76,7 @@ struct Args {
   std::string precision = "fp32";
   std::vector<std::string> freeze;
   bool resume = false, result = false, recompute = false, build_into_shards = false, sgd = false;
+  bool async_save = false, save_timing = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -120,6 +125,10 @@ Args parse(int argc, char** argv) {
       a.budget_mib = std::stod(next());
     else if (k == "--resume")
       a.resume = true;
+    else if (k == "--async-save")
+      a.async_save = true;
+    else if (k == "--save-timing")
+      a.save_timing = true;
     else if (k == "--recompute")
       a.recompute = true;
     else if (k == "--dropout")
@@ -279,12 +288,30 @@ int main(int argc, char** argv) {
     std::unique_ptr<optim::GradScaler> scaler;
     if (a.precision == "fp16") scaler = std::make_unique<optim::GradScaler>(run);
     auto& comm = run.comm();
+    std::unique_ptr<flatshard::checkpoint::AsyncSaver> saver;
+    if (a.async_save) saver = std::make_unique<flatshard::checkpoint::AsyncSaver>(run);
     auto save = [&](int step) {
       flatshard::checkpoint::SaveOptions so;
       so.step = step;
       so.scheduler = &schedule;
       so.scaler = scaler.get();
-      return flatshard::checkpoint::save_sharded(a.ckpt, run, opt.get(), so);
+      const auto t0 = std::chrono::steady_clock::now();
+      flatshard::checkpoint::CheckpointInfo info;
+      std::int64_t copy_bytes = 0;
+      if (saver) {
+        saver->save(a.ckpt, opt.get(), so);
+        copy_bytes = saver->last_copy_bytes();
+        info.path = fmt::format("{}/step-{:09d} (being written)", a.ckpt, step);
+      } else {
+        info = flatshard::checkpoint::save_sharded(a.ckpt, run, opt.get(), so);
+      }
+      const double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (a.save_timing && rank == 0) {
+        std::printf("SAVE,%d,%.1f,%lld\n", step, ms, static_cast<long long>(copy_bytes));
+        std::fflush(stdout);
+      }
+      return info;
     };
 
     int first = 0;
@@ -363,7 +390,8 @@ int main(int argc, char** argv) {
       if (!a.ckpt.empty() && a.save_every > 0 && done % a.save_every == 0 && done < a.steps) save(done);
     }
     if (!a.ckpt.empty()) {
-      const auto info = save(a.steps);
+      auto info = save(a.steps);
+      if (saver) info = saver->wait();
       if (rank == 0) std::printf("saved %s\n", info.path.c_str());
     }
 

@@ -15,8 +15,10 @@
 // See docs/checkpoints.md.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -79,6 +81,7 @@ std::map<std::string, at::Tensor> load_tensors(const std::string& path);
 // How far a sharded save has got (SaveOptions::on_stage). The stages of Note [Checkpoint
 // directories] in src/io/shard_save.cpp.
 enum class SaveStage {
+  Copied,           // every rank: writing begins (an AsyncSaver's: its host copy is made)
   ShardWritten,     // every rank: its shard file is written and synced in root/.step-<S>.tmp/
   MetadataWritten,  // rank 0: metadata.json too; complete, not yet in place
   Renamed,          // rank 0: root/step-<S>/ is in place; root/latest still names the previous
@@ -127,6 +130,56 @@ struct CheckpointInfo {
 // rank throws CheckpointError on every rank and leaves the previous checkpoint as it was.
 CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
                             const optim::ShardOptimizer* optimizer, const SaveOptions& options = {});
+
+// Asynchronous sharded checkpoints: save() blocks only while this rank's share of the
+// shards, the optimizer state and the buffers is copied to host memory (page-locked on a
+// GPU), then a thread of this saver writes, checksums and commits it (save_sharded's
+// format and crash safety; the previous checkpoint stays the latest until every rank's
+// files are complete) while training goes on. What is saved is the state at the call:
+// training may change every weight as soon as save() returns.
+//
+//   flatshard::checkpoint::AsyncSaver saver(fsdp);   // a collective: its own communicator
+//   for (...) {
+//     ... step ...
+//     if (step % 100 == 0) saver.save("ckpt", &opt, {.step = step});
+//   }
+//   saver.wait();                                     // the last one complete
+//
+// The commit is collective over the saver's own communicator (never the one training
+// uses), so the writing thread's messages never interleave with training's. One save at a
+// time: the next save() (and wait()) first waits for the one in flight, and a failure in
+// the background (a full disk, a dead rank) surfaces there, as CheckpointError on every
+// rank naming the file. SaveOptions::on_stage runs on the writing thread. See
+// docs/checkpoints.md#asynchronous-saves.
+struct AsyncSaverOptions {
+  // The deadline of the saver's collectives (a rank that dies mid-save).
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+};
+
+class AsyncSaver {
+ public:
+  explicit AsyncSaver(FullyShardBase& fsdp, const AsyncSaverOptions& options = {});
+  // Waits for a save in flight; its failure is logged, not thrown.
+  ~AsyncSaver();
+  AsyncSaver(const AsyncSaver&) = delete;
+  AsyncSaver& operator=(const AsyncSaver&) = delete;
+
+  // A collective: every rank calls it with the same step.
+  void save(const std::string& root, const optim::ShardOptimizer* optimizer, const SaveOptions& options = {});
+  // Waits for the save in flight and returns what it saved (the last save's when none is in
+  // flight); its failure throws CheckpointError, on every rank alike (the commit agreed on it).
+  CheckpointInfo wait();
+  bool in_flight() const;  // a save not yet waited for
+  // How long the last save() blocked its caller (ms): the host copy, and the wait for the
+  // save before it.
+  double last_blocking_ms() const;
+  // The bytes of the last host copy (this rank's).
+  std::int64_t last_copy_bytes() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 // Loads a sharded checkpoint saved at any world size and under any strategy. `path` is a
 // root (its latest checkpoint) or a step directory. Names and shapes must match the

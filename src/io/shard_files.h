@@ -118,6 +118,16 @@ std::int64_t steps_of(const Checkpoint& c, const std::string& param);
 Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool loading,
                          const std::vector<std::string>& load_states);
 
+// What save_sharded writes of this rank: its holding, the communication hook's state and
+// the training state (optimizer groups, scheduler, scaler, sampler), as of now.
+Holding hold_for_save(FullyShardBase& fsdp, const optim::ShardOptimizer* optimizer,
+                      const SaveOptions& options);
+
+// A copy of what `h` has this rank write (its share of each segment, rank 0's buffers) in
+// host memory of its own (page-locked for device tensors): later writes to the model or
+// the optimizer do not reach it (shard_save.cpp).
+Holding snapshot(const Holding& h, int rank);
+
 // Note [Every rank's masters move together]: a load writes only the elements a rank holds,
 // and a rank whose slice of a group is all padding writes none of them; yet whether a
 // gathered unit gathers again (Note [Masters written while gathered]) and whether the

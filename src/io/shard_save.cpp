@@ -163,6 +163,33 @@ std::vector<Piece> pieces_to_write(const Holding& h, int rank) {
   return out;
 }
 
+}  // namespace
+
+Holding snapshot(const Holding& h, int rank) {
+  Holding out = h;
+  std::optional<c10::Device> device;
+  auto copy = [&](const at::Tensor& t) {
+    if (t.device().is_cpu()) return t.detach().clone();
+    device = t.device();
+    auto host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+    host.copy_(t.detach(), /*non_blocking=*/true);
+    return host;
+  };
+  for (auto& seg : out.segments) {
+    // Only the share this rank writes; the segment now begins where that share does.
+    seg.values = copy(seg.values.narrow(0, seg.write_begin - seg.begin, seg.write_end - seg.write_begin));
+    seg.begin = seg.write_begin;
+  }
+  out.buffers.clear();
+  if (rank == 0) {
+    for (const auto& [name, t] : h.buffers) out.buffers.emplace_back(name, copy(t));
+  }
+  if (device) c10::impl::VirtualGuardImpl(device->type()).getStream(*device).synchronize();
+  return out;
+}
+
+namespace {
+
 // Writes this rank's pieces into `path` and returns its index (JSON).
 json write_shard_file(const std::vector<Piece>& pieces, const std::string& path, const std::string& file) {
   ::signal(SIGXFSZ, SIG_IGN);  // a write past ulimit -f then fails with EFBIG
@@ -220,6 +247,7 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
   const std::string name = step_dir_name(options.step);
   const std::string tmp = fmt::format("{}/.{}.tmp", root, name);
   const std::string final_dir = root + "/" + name;
+  if (options.on_stage) options.on_stage(SaveStage::Copied);
   std::string failure;
   if (rank == 0) {
     try {

@@ -230,12 +230,21 @@ Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool 
 
 // --- public entry points ---------------------------------------------------------------------
 
-CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
-                            const optim::ShardOptimizer* optimizer, const SaveOptions& options) {
+namespace shards {
+
+Holding hold_for_save(FullyShardBase& fsdp, const optim::ShardOptimizer* optimizer,
+                      const SaveOptions& options) {
   auto h = hold_fully_shard(fsdp, const_cast<optim::ShardOptimizer*>(optimizer), false, {});
   if (fsdp.comm_hook()) hold_hook_state(h, fsdp.comm().rank(), fsdp.comm_hook()->state());
   h.training = training_state(optimizer, options, fsdp.synced_backwards());
-  return save(root, fsdp.comm(), h, options);
+  return h;
+}
+
+}  // namespace shards
+
+CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
+                            const optim::ShardOptimizer* optimizer, const SaveOptions& options) {
+  return save(root, fsdp.comm(), hold_for_save(fsdp, optimizer, options), options);
 }
 
 CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim::ShardOptimizer* optimizer,

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Asynchronous against synchronous sharded checkpoints, in one run: for each mode and world
+# size, the GPT trainer runs STEPS steps three times, saving every EVERY steps synchronously
+# (save_sharded), asynchronously (checkpoint::AsyncSaver), and not at all. Prints, as a
+# Markdown table, how long a save kept training waiting (mean over the saves) and the mean
+# step time (saves excluded), with the ratios.
+#
+#   bench/async_checkpoint.sh                 # MODES="full zero1" WORLDS="2 4" STEPS=40 EVERY=20
+#   MODEL="--layers 12 --dim 768 --heads 12 --vocab 8192 --context 64" bench/async_checkpoint.sh
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${BUILD:-$root/build}"
+MODES="${MODES:-full zero1}"
+WORLDS="${WORLDS:-2 4}"
+STEPS="${STEPS:-40}"
+EVERY="${EVERY:-20}"
+MODEL="${MODEL:---layers 12 --dim 768 --heads 12 --vocab 8192 --context 64}"
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+echo "| mode | world | params | sync save blocks (ms) | async save blocks (ms) | async / sync | step without saves (ms) | step with async saves (ms) | overhead |"
+echo "|---|---|---|---|---|---|---|---|---|"
+for mode in $MODES; do
+  for n in $WORLDS; do
+    run() {  # extra args...
+      rm -rf "$out/ckpt"
+      "$build/flatshard-run" -n "$n" --deadline-s 3000 "$build/examples/train_gpt" --mode "$mode" $MODEL \
+          --batch 1 --steps "$STEPS" --log-every 1000 --optimizer adamw --result --save-timing "$@" 2>/dev/null |
+        sed -n 's/^\[rank 0\] //p'
+    }
+    run > "$out/none.txt"
+    run --ckpt "$out/ckpt" --save-every "$EVERY" > "$out/sync.txt"
+    run --ckpt "$out/ckpt" --save-every "$EVERY" --async-save > "$out/async.txt"
+    python3 - "$out" "$mode" "$n" <<'PY'
+import sys
+out, mode, n = sys.argv[1:]
+def read(name):
+    saves, step, params = [], None, None
+    for line in open(f"{out}/{name}.txt"):
+        f = line.strip().split(",")
+        if f[0] == "SAVE": saves.append(float(f[2]))
+        if f[0] == "RESULT": params, step = int(f[3]), float(f[4])
+    return saves, step, params
+_, none_step, params = read("none")
+sync, _, _ = read("sync")
+asyn, async_step, _ = read("async")
+s, a = sum(sync) / len(sync), sum(asyn) / len(asyn)
+print(f"| {mode} | {n} | {params / 1e6:.1f}M | {s:.0f} | {a:.0f} | {a / s:.3f} | {none_step:.0f} | "
+      f"{async_step:.0f} | {100 * (async_step / none_step - 1):+.1f}% |")
+PY
+  done
+done

@@ -1,0 +1,97 @@
+// Asynchronous sharded checkpoints (checkpoint::AsyncSaver): a host copy of what this rank
+// writes, then save_sharded's writing and commit on a thread of the saver, over a
+// communicator of its own.
+#include <chrono>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include "flatshard/checkpoint.h"
+#include "src/io/shard_files.h"
+#include "src/logging.h"
+
+namespace flatshard::checkpoint {
+
+// Note [One writer thread, one communicator]: the thread that writes a save runs the
+// commit's collectives (the shard files' indexes, the agreement on failures) on the saver's
+// own communicator, which nothing else uses, while training's collectives run on the
+// wrapper's. Each communicator sees its ops in the same order on every rank, so the two
+// never interleave differently across ranks. At most one save is in flight: the next one
+// (or wait()) joins the thread first.
+struct AsyncSaver::State {
+  std::unique_ptr<Communicator> comm;
+  FullyShardBase* fsdp = nullptr;
+  std::thread writer;
+  // Written by the writer thread, read after joining it.
+  std::string failure;      // empty: the last save succeeded
+  std::string failed_root;  // the root it was saving under
+  CheckpointInfo info;
+  double blocking_ms = 0;
+  std::int64_t copy_bytes = 0;
+
+  // Joins the writer; throws its failure (once).
+  void join() {
+    if (!writer.joinable()) return;
+    writer.join();
+    if (failure.empty()) return;
+    const std::string what = std::move(failure);
+    failure.clear();
+    throw CheckpointError(failed_root, what);
+  }
+};
+
+AsyncSaver::AsyncSaver(FullyShardBase& fsdp, const AsyncSaverOptions& options)
+    : state_(std::make_unique<State>()) {
+  CommunicatorOptions co;
+  co.name = "async_checkpoint";
+  co.timeout = options.timeout;
+  state_->comm = Communicator::create(fsdp.world(), co);
+  state_->fsdp = &fsdp;
+}
+
+AsyncSaver::~AsyncSaver() {
+  try {
+    state_->join();
+  } catch (const std::exception& e) {
+    log::at(log::Level::Error, "AsyncSaver: the last asynchronous save failed: {}", e.what());
+  }
+}
+
+void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* optimizer,
+                      const SaveOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  state_->join();
+  const int rank = state_->comm->rank();
+  shards::Holding copy = shards::snapshot(shards::hold_for_save(*state_->fsdp, optimizer, options), rank);
+  std::int64_t bytes = 0;
+  for (const auto& seg : copy.segments) bytes += static_cast<std::int64_t>(seg.values.nbytes());
+  for (const auto& [name, t] : copy.buffers) bytes += static_cast<std::int64_t>(t.nbytes());
+  state_->copy_bytes = bytes;
+  SaveOptions background = options;  // the pointers were read into the copy's training state
+  background.scheduler = nullptr;
+  background.scaler = nullptr;
+  background.sampler = nullptr;
+  State* s = state_.get();
+  s->failed_root = root;
+  s->writer = std::thread([s, root, background, held = std::move(copy)] {
+    try {
+      s->info = shards::save(root, *s->comm, held, background);
+    } catch (const std::exception& e) {  // CheckpointError, or CommError when a rank died
+      s->failure = e.what();
+    }
+  });
+  state_->blocking_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+CheckpointInfo AsyncSaver::wait() {
+  state_->join();
+  return state_->info;
+}
+
+bool AsyncSaver::in_flight() const { return state_->writer.joinable(); }
+double AsyncSaver::last_blocking_ms() const { return state_->blocking_ms; }
+std::int64_t AsyncSaver::last_copy_bytes() const { return state_->copy_bytes; }
+
+}  // namespace flatshard::checkpoint
