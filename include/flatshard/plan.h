@@ -151,6 +151,10 @@ struct Plan {
   // one flat group at full size in fp32 (Note [Streaming full state dicts]): the largest
   // unit's or the root's (the replicated strategies: the model, one flat group).
   std::int64_t load_whole = 0, export_whole = 0;
+  // checkpoint::AsyncSaver's host copy: this rank's share of the fp32 masters and of the
+  // optimizer state (every strategy writes (4 + K)Ψ/N per rank), alive from one save to the
+  // next, in host memory.
+  std::int64_t async_save_host = 0;
   std::int64_t training() const;  // the sum of the device figures above `construction`
   std::int64_t peak = 0;          // what one rank needs: the largest of training(), construction, rebuild
   // The ZeRO paper's model-state formula for this mode (fp32 params and grads, K bytes

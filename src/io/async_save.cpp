@@ -27,6 +27,8 @@ struct AsyncSaver::State {
   std::string failure;      // empty: the last save succeeded
   std::string failed_root;  // the root it was saving under
   CheckpointInfo info;
+  // The host copy's tensors, kept from one save to the next and copied into again.
+  std::vector<at::Tensor> copies;
   double blocking_ms = 0;
   std::int64_t copy_bytes = 0;
 
@@ -63,7 +65,8 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
   const auto start = std::chrono::steady_clock::now();
   state_->join();
   const int rank = state_->comm->rank();
-  shards::Holding copy = shards::snapshot(shards::hold_for_save(*state_->fsdp, optimizer, options), rank);
+  shards::Holding copy =
+      shards::snapshot(shards::hold_for_save(*state_->fsdp, optimizer, options), rank, &state_->copies);
   std::int64_t bytes = 0;
   for (const auto& seg : copy.segments) bytes += static_cast<std::int64_t>(seg.values.nbytes());
   for (const auto& [name, t] : copy.buffers) bytes += static_cast<std::int64_t>(t.nbytes());

@@ -126,7 +126,10 @@ Holding hold_for_save(FullyShardBase& fsdp, const optim::ShardOptimizer* optimiz
 // A copy of what `h` has this rank write (its share of each segment, rank 0's buffers) in
 // host memory of its own (page-locked for device tensors): later writes to the model or
 // the optimizer do not reach it (shard_save.cpp).
-Holding snapshot(const Holding& h, int rank);
+// With `reuse`, the copies go into its tensors where sizes and dtypes match (a saver's
+// buffers from its previous save: no allocation, no first-touch page faults), and take
+// their places in it.
+Holding snapshot(const Holding& h, int rank, std::vector<at::Tensor>* reuse = nullptr);
 
 // Note [Every rank's masters move together]: a load writes only the elements a rank holds,
 // and a rank whose slice of a group is all padding writes none of them; yet whether a

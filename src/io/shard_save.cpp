@@ -165,14 +165,29 @@ std::vector<Piece> pieces_to_write(const Holding& h, int rank) {
 
 }  // namespace
 
-Holding snapshot(const Holding& h, int rank) {
+Holding snapshot(const Holding& h, int rank, std::vector<at::Tensor>* reuse) {
   Holding out = h;
   std::optional<c10::Device> device;
+  std::size_t next = 0;  // in *reuse
   auto copy = [&](const at::Tensor& t) {
-    if (t.device().is_cpu()) return t.detach().clone();
-    device = t.device();
-    auto host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
-    host.copy_(t.detach(), /*non_blocking=*/true);
+    const bool on_device = !t.device().is_cpu();
+    if (on_device) device = t.device();
+    at::Tensor host;
+    if (reuse && next < reuse->size()) {
+      const at::Tensor& old = (*reuse)[next];
+      if (old.scalar_type() == t.scalar_type() && old.sizes() == t.sizes() && (!on_device || old.is_pinned()))
+        host = old;
+    }
+    if (!host.defined()) host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(on_device));
+    host.copy_(t.detach(), /*non_blocking=*/on_device);
+    if (reuse) {
+      if (next < reuse->size()) {
+        (*reuse)[next] = host;
+      } else {
+        reuse->push_back(host);
+      }
+    }
+    ++next;
     return host;
   };
   for (auto& seg : out.segments) {

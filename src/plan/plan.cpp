@@ -285,6 +285,9 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
             ? std::max(padded(shape.root_numel, n, 4), largest_unit == 0 ? 0 : padded(largest_unit, n, 4)) * 4
             : psi * 4;
     p.load_whole = held + shape.largest_param_numel * 4;
+    const std::int64_t trained_share = (shape.total() - shape.frozen() + n - 1) / n;
+    const std::int64_t frozen_share = (shape.frozen() + n - 1) / n;
+    p.async_save_host = (4 + o.optimizer_state_bytes) * trained_share + 4 * frozen_share;
     p.export_whole = held + whole_group;
   }
   p.peak = std::max({p.training(), p.construction, p.rebuild});

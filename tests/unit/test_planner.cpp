@@ -363,6 +363,7 @@ TEST(Planner, LoadingAndExportingAddOnePieceOrOneGroup) {
           strategy == flatshard::Strategy::FullShard || strategy == flatshard::Strategy::ShardGradOp;
       const std::int64_t group = sharded ? flatshard::padded_numel(301, world, 4) * 4 : 411 * 4;
       EXPECT_EQ(p.export_whole - held, group) << flatshard::to_string(strategy) << " at " << world;
+      EXPECT_EQ(p.async_save_host, (4 + 8) * ((411 + world - 1) / world)) << flatshard::to_string(strategy);
     }
   }
 }
