@@ -8,6 +8,7 @@
 #
 #   scripts/chaos.sh                      # 3 kills, 2 ranks, 1000 steps (build/ by default)
 #   KILLS=10 RANKS=4 STEPS=3000 scripts/chaos.sh
+#   ASYNC=1 scripts/chaos.sh              # the job saves asynchronously (kills land mid-write)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD:-$root/build}"
@@ -20,6 +21,7 @@ run="$build/flatshard-run"
 gpt="$build/examples/train_gpt"
 model=(--mode full --steps "$steps" --log-every "$save_every" --save-every "$save_every" --resume
        --layers 2 --dim 64 --vocab 256)
+[[ "${ASYNC:-0}" == 1 ]] && model+=(--async-save)  # checkpoints written beside training (AsyncSaver)
 mkdir -p "$out"
 rm -rf "$out/straight" "$out/chaos"
 
