@@ -113,6 +113,7 @@ at::Tensor TokenFile::read(std::int64_t begin, std::int64_t n) const {
   }
   const std::size_t element = c10::elementSize(dtype_);
   auto raw = at::empty({n}, at::TensorOptions().dtype(dtype_));
+  if (n == 0) return raw.to(at::kLong);
   std::memcpy(raw.data_ptr(), map_ + data_offset_ + begin * static_cast<std::int64_t>(element),
               static_cast<std::size_t>(n) * element);
   return raw.to(at::kLong);

@@ -223,6 +223,7 @@ void File::read_into(const std::string& name, std::int64_t begin, const at::Tens
     throw InvalidArgument(
         fmt::format("elements [{}, {}) of '{}' in '{}': it has {}", begin, begin + n, name, path_, t.numel));
   }
+  if (n == 0) return;  // an empty tensor has no bytes (and may have no storage to copy into)
   const std::size_t element = c10::elementSize(t.dtype);
   const char* src = data_ + t.byte_offset + begin * static_cast<std::int64_t>(element);
   // Copied out of the mapping first: the format does not promise aligned data, and the
