@@ -1,10 +1,6 @@
 // Token files, fixed-length samples and the distributed sampler (include/flatshard/data.h).
 #include "flatshard/data.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -47,28 +43,12 @@ TokenFile::TokenFile(const std::string& path, const TokenFileOptions& options)
     throw InvalidArgument(
         fmt::format("TokenFile '{}': tokens are kUInt16 or kUInt32, not {}", path, c10::toString(dtype_)));
   }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw CheckpointError(path, fmt::format("cannot open '{}': {}", path, io::errno_reason(errno)));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    throw CheckpointError(path, fmt::format("cannot read '{}': {}", path, io::errno_reason(err)));
-  }
-  map_bytes_ = static_cast<std::size_t>(st.st_size);
-  if (map_bytes_ > 0) {
-    void* map = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (map == MAP_FAILED) {
-      const int err = errno;
-      ::close(fd);
-      throw CheckpointError(path, fmt::format("cannot map '{}': {}", path, io::errno_reason(err)));
-    }
-    map_ = static_cast<const char*>(map);
-  }
-  ::close(fd);
+  const io::Mapping map = io::map_file(path);
+  map_ = map.data;
+  map_bytes_ = map.bytes;
   // The constructor's failures after the mapping: unmapped here (no destructor runs).
   auto refuse = [&](const std::string& message) {
-    if (map_) ::munmap(const_cast<char*>(map_), map_bytes_);
+    io::unmap_file({map_, map_bytes_});
     map_ = nullptr;
     throw CheckpointError(path, message);
   };
@@ -101,10 +81,7 @@ TokenFile::TokenFile(const std::string& path, const TokenFileOptions& options)
   tokens_ = data_bytes / element;
 }
 
-TokenFile::~TokenFile() {
-  if (map_) ::munmap(const_cast<char*>(map_), map_bytes_);
-  map_ = nullptr;
-}
+TokenFile::~TokenFile() { io::unmap_file({map_, map_bytes_}); }
 
 at::Tensor TokenFile::read(std::int64_t begin, std::int64_t n) const {
   if (begin < 0 || n < 0 || begin + n > tokens_) {

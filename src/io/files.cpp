@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -155,6 +156,36 @@ std::vector<std::string> list_dir(const std::string& dir) {
     ::closedir(d);
   }
   return out;
+}
+
+Mapping map_file(const std::string& path) {
+  auto refuse = [&](const char* what, int err) {
+    throw checkpoint::CheckpointError(path, fmt::format("cannot {} '{}': {}", what, path, errno_reason(err)));
+  };
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) refuse("open", errno);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    refuse("read", err);
+  }
+  Mapping m;
+  m.bytes = static_cast<std::size_t>(st.st_size);
+  if (m.bytes > 0) {
+    void* map = ::mmap(nullptr, m.bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int err = errno;
+    ::close(fd);
+    if (map == MAP_FAILED) refuse("map", err);
+    m.data = static_cast<const char*>(map);
+  } else {
+    ::close(fd);
+  }
+  return m;
+}
+
+void unmap_file(const Mapping& m) {
+  if (m.data) ::munmap(const_cast<char*>(m.data), m.bytes);
 }
 
 }  // namespace flatshard::io

@@ -2,6 +2,7 @@
 // helpers the sharded checkpoint's directories need.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,15 @@ void fsync_dir(const std::string& dir);
 void make_dirs(const std::string& dir);
 // rm -rf; silent about what is not there.
 void remove_tree(const std::string& path);
+// A whole file mapped read-only: its bytes and their count (nullptr and 0 for an empty
+// file); CheckpointError naming the file when it cannot be opened, read or mapped. Give it
+// back with unmap_file.
+struct Mapping {
+  const char* data = nullptr;
+  std::size_t bytes = 0;
+};
+Mapping map_file(const std::string& path);
+void unmap_file(const Mapping& m);
 // The names in a directory ("." and ".." included); empty when it cannot be read.
 std::vector<std::string> list_dir(const std::string& dir);
 

@@ -109,28 +109,14 @@ std::string dtype_name(at::ScalarType dtype) {
 // --- File ----------------------------------------------------------------------------------
 
 File::File(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    throw CheckpointError(path, fmt::format("cannot open '{}': {}", path, io::errno_reason(errno)));
-  }
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    throw CheckpointError(path, fmt::format("cannot read '{}': {}", path, io::errno_reason(err)));
-  }
-  bytes_ = static_cast<std::size_t>(st.st_size);
+  const io::Mapping map = io::map_file(path);
+  data_ = map.data;
+  bytes_ = map.bytes;
   if (bytes_ < 8) {
-    ::close(fd);
+    io::unmap_file(map);
+    data_ = nullptr;
     corrupt(path, fmt::format("it is {} bytes long, shorter than the 8-byte header length", bytes_));
   }
-  void* map = ::mmap(nullptr, bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_err = errno;
-  ::close(fd);
-  if (map == MAP_FAILED) {
-    throw CheckpointError(path, fmt::format("cannot map '{}': {}", path, io::errno_reason(map_err)));
-  }
-  data_ = static_cast<const char*>(map);
   try {
     std::uint64_t header_bytes = 0;
     std::memcpy(&header_bytes, data_, 8);
@@ -192,14 +178,12 @@ File::File(const std::string& path) : path_(path) {
       if (ranges[i].first < ranges[i - 1].second) corrupt(path, "two tensors' data overlap");
     }
   } catch (...) {
-    ::munmap(const_cast<char*>(data_), bytes_);
+    io::unmap_file({data_, bytes_});
     throw;
   }
 }
 
-File::~File() {
-  if (data_) ::munmap(const_cast<char*>(data_), bytes_);
-}
+File::~File() { io::unmap_file({data_, bytes_}); }
 
 const TensorInfo& File::info(const std::string& name) const {
   auto it = tensors_.find(name);
