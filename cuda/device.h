@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -52,6 +53,24 @@ struct Health {
     std::lock_guard<std::mutex> lock(mutex);
     if (failure) throw *failure;
   }
+
+  // Note [An op complete on the device is not yet a success]: NCCL may let an op's
+  // kernels return after an asynchronous error (a peer lost), its output undefined, so
+  // a waiter whose event has completed asks the transport to confirm before it trusts
+  // the result. The NCCL transport installs the check and removes it before it goes;
+  // confirm_mutex keeps it alive while a waiter runs it.
+  void confirm(const std::string& op) {
+    std::lock_guard<std::mutex> lock(confirm_mutex);
+    if (confirm_check) confirm_check(op);
+  }
+  void set_confirm(std::function<void(const std::string& op)> check) {
+    std::lock_guard<std::mutex> lock(confirm_mutex);
+    confirm_check = std::move(check);
+  }
+
+ private:
+  std::mutex confirm_mutex;  // taken before the transport's own lock, never after
+  std::function<void(const std::string& op)> confirm_check;  // guarded by confirm_mutex
 };
 
 class CudaEvent final : public DeviceEvent {
@@ -80,6 +99,7 @@ class CudaEvent final : public DeviceEvent {
       if (health_ && health_->failed()) break;
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
+    if (health_ && e == cudaSuccess) health_->confirm(op_);
     if (health_) rethrow_as_comm_error();
     if (e != cudaSuccess && e != cudaErrorNotReady) {
       throw CommError(CommError::Kind::Aborted, -1, -1, "cuda", 0, -1,
@@ -97,6 +117,8 @@ class CudaEvent final : public DeviceEvent {
   }
 
   cudaEvent_t get() const { return event_; }
+  // The op this event ends ("all_reduce #2"), for errors found once it has completed.
+  void set_op(std::string op) { op_ = std::move(op); }
 
  private:
   void rethrow_as_comm_error() const {
@@ -111,6 +133,7 @@ class CudaEvent final : public DeviceEvent {
   cudaEvent_t event_ = nullptr;
   int device_;
   std::shared_ptr<Health> health_;
+  std::string op_;
 };
 
 // The streams of a device transport: one high-priority non-blocking stream per role,

@@ -49,10 +49,12 @@ class NcclTransport final : public comm::Backend {
     barrier_buffer_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));
     comms_.resize(static_cast<std::size_t>(channels), nullptr);
     for (int c = 0; c < channels; ++c) comms_[static_cast<std::size_t>(c)] = init_comm(world, prefix, c);
+    health_->set_confirm([this](const std::string& op) { confirm(op); });
     watchdog_ = std::thread([this] { watch(); });
   }
 
   ~NcclTransport() override {
+    health_->set_confirm(nullptr);  // waits out a waiter confirming now
     {
       // Issued ops finish first; the watchdog still enforces their deadlines.
       std::unique_lock<std::mutex> lock(mutex_);
@@ -111,6 +113,7 @@ class NcclTransport final : public comm::Backend {
       check_cuda(cudaMemcpyAsync(out + bytes, out, bytes, cudaMemcpyDeviceToDevice, s), "cudaMemcpyAsync");
     }
     auto done = std::make_shared<CudaEvent>(s, streams_.device(), health_);
+    done->set_op(fmt::format("{} #{}", comm::to_string(op.kind), op.seq));
     comm::InFlightBuffers::instance().track(done, op);  // Note [Buffers a collective touches]
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -350,19 +353,32 @@ class NcclTransport final : public comm::Backend {
         }
         break;
       }
-      if (aborted_) continue;
-      for (auto c : comms_) {  // under mutex_: Note [NCCL calls from several threads]
-        ncclResult_t async = ncclSuccess;
-        ncclCommGetAsyncError(c, &async);
-        if (async != ncclSuccess && async != ncclInProgress) {
-          // Named after the oldest op not yet complete: the one a peer failed to join.
-          const std::string op = inflight_.empty()
+      check_async_locked();
+    }
+  }
+
+  // Health::confirm for a waiter whose op's event has completed (Note [An op complete on
+  // the device is not yet a success]).
+  void confirm(const std::string& op) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    check_async_locked(op, "its kernels returned after NCCL failed, its output undefined; ");
+  }
+
+  // Fails the transport when NCCL reports an asynchronous error on any communicator,
+  // naming `op`, or else the oldest op not yet complete (the one a peer failed to join).
+  void check_async_locked(const std::string& op = "", const std::string& context = "") {
+    if (aborted_) return;    // the failure is recorded already
+    for (auto c : comms_) {  // under mutex_: Note [NCCL calls from several threads]
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(c, &async);
+      if (async != ncclSuccess && async != ncclInProgress) {
+        const std::string name = !op.empty() ? op + ": "
+                                 : inflight_.empty()
                                      ? std::string()
                                      : fmt::format("{} #{}: ", inflight_.front().op, inflight_.front().seq);
-          fail_locked(CommError::Kind::PeerLost, fmt::format("{}NCCL error: {}: {}", op,
-                                                             ncclGetErrorString(async), ncclGetLastError(c)));
-          break;
-        }
+        fail_locked(CommError::Kind::PeerLost, fmt::format("{}{}NCCL error: {}: {}", name, context,
+                                                           ncclGetErrorString(async), ncclGetLastError(c)));
+        return;
       }
     }
   }
