@@ -3,7 +3,8 @@
 # CUDA, PyTorch, CMake and ninja but no package registry: the headers, libraries and
 # CMake package files of fmt, nlohmann_json, zlib, GoogleTest and Thrust's C++ back end
 # (the CPU step kernels; the toolkit's own Thrust serves the CUDA ones) from Debian's packages,
-# laid out under .gpu-deps/usr as under /usr (so their CMake files find themselves).
+# and OpenSSL's libcrypto, laid out under .gpu-deps/usr as under /usr (so their CMake files
+# find themselves).
 # Carry .gpu-deps with the call (about 10 MB).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,4 +24,8 @@ copy /usr/include/zlib.h /usr/include/zconf.h /usr/lib/"$arch"/libz.so /usr/lib/
 copy /usr/include/gtest /usr/include/gmock /usr/lib/"$arch"/cmake/GTest /usr/lib/"$arch"/libgtest*.a \
      /usr/lib/"$arch"/libgmock*.a
 copy /usr/include/thrust /usr/include/cub
+# OpenSSL's libcrypto (HMAC-SHA256 of the job secret): its headers, the multiarch ones
+# merged in, and the library.
+copy /usr/include/openssl /usr/lib/"$arch"/libcrypto.so*
+cp -L /usr/include/"$arch"/openssl/* "$deps/include/openssl/"
 du -sh "$root/.gpu-deps"

@@ -1,11 +1,8 @@
 // flatshard::init(): resolve the world, then meet the other ranks through a LibTorch
 // store (TCPStore served by rank 0, or FileStore on a shared file system).
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <optional>
 #include <thread>
 
@@ -18,58 +15,67 @@
 #include "flatshard/errors.h"
 #include "flatshard/world.h"
 #include "src/logging.h"
+#include "src/tcp/auth.h"
 #include "src/tcp/socket.h"
+#include "src/tcp/store.h"
 
 namespace flatshard {
 namespace {
 
-// A job whose master is a loopback address runs on one machine: rank 0 serves the store
-// on the loopback interface only, so no other machine can read or set its keys (LibTorch's
-// TCPStore would listen on every interface). The store takes over the socket. Nothing when
-// the port cannot be bound here: TCPStore then reports it (or, under torchrun, uses the
-// agent's store on that port).
-std::optional<int> loopback_listener(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return std::nullopt;
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = htons(static_cast<std::uint16_t>(port));
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 1024) != 0) {
-    ::close(fd);
-    return std::nullopt;
-  }
-  return fd;
+// Under torchrun the agent serves a TCPStore on the master port and tells the workers so
+// (TORCHELASTIC_USE_AGENT_STORE): every rank, rank 0 too, is then its client.
+bool torchrun_agent_store() {
+  const char* v = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  return v != nullptr && std::string(v) == "True";
 }
 
-c10::intrusive_ptr<c10d::Store> make_tcp_store(const WorldSpec& spec, std::chrono::milliseconds timeout) {
+c10::intrusive_ptr<c10d::Store> make_agent_store(const WorldSpec& spec, std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(spec.master_port);
-  opts.isServer = spec.rank == 0;
+  opts.isServer = spec.rank == 0;  // TCPStore makes rank 0 a client of the agent's store
   opts.numWorkers = spec.world_size;
   opts.waitWorkers = false;  // the join count below waits, with a message that names who is missing
   opts.timeout = timeout;
-  if (opts.isServer && tcp::is_loopback(spec.master_addr))
-    opts.masterListenFd = loopback_listener(spec.master_port);
-  try {
-    return c10::make_intrusive<c10d::TCPStore>(spec.master_addr, opts);
-  } catch (const std::exception& e) {
-    std::string what = e.what();
+  return c10::make_intrusive<c10d::TCPStore>(spec.master_addr, opts);
+}
+
+// The job's own store (Note [The job's store]), served by rank 0 on the master port: on
+// the loopback interface only when the master is a loopback address or a name for one (a
+// job on one machine), and joined only by ranks that prove the job's secret. A job that listens
+// beyond loopback must have a secret (Note [Proving the job's secret]).
+c10::intrusive_ptr<c10d::Store> make_tcp_store(const WorldSpec& spec, std::chrono::milliseconds timeout) {
+  const std::string secret = tcp::job_secret();
+  if (secret.empty() && tcp::loopback_address_of(spec.master_addr).empty()) {
+    throw RendezvousError(fmt::format(
+        "flatshard::init (rank {}/{}): a job whose master {} is not a loopback address listens for other "
+        "machines and needs a job secret that only its ranks know: set FLATSHARD_JOB_SECRET to the same "
+        "random string on every rank (e.g. `export FLATSHARD_JOB_SECRET=$(openssl rand -hex 32)` in the "
+        "batch "
+        "script, passed on by srun, or by mpirun -x FLATSHARD_JOB_SECRET)",
+        spec.rank, spec.world_size, spec.master_addr));
+  }
+  const auto fail = [&](std::string what) {
     what = what.substr(0, what.find('\n'));
-    if (spec.rank == 0) {
-      throw RendezvousError(
+    if (spec.rank == 0 && !torchrun_agent_store()) {
+      return RendezvousError(
           fmt::format("flatshard::init (rank 0/{}): cannot serve the rendezvous store on {}:{}: {}. If the "
                       "port is in use, set MASTER_PORT to a free port (flatshard-run picks one when "
                       "--master-port is omitted); if the address is not this host's, fix MASTER_ADDR.",
                       spec.world_size, spec.master_addr, spec.master_port, what));
     }
-    throw RendezvousError(
+    return RendezvousError(
         fmt::format("flatshard::init (rank {}/{}): cannot reach the rendezvous store of rank 0 at {}:{} "
-                    "within {} ms: {}. Check MASTER_ADDR and MASTER_PORT, that rank 0 was started, and that "
-                    "no firewall blocks the port.",
+                    "within {} ms: {}. Check MASTER_ADDR and MASTER_PORT, that rank 0 was started, that no "
+                    "firewall blocks the port, and that every rank has the same FLATSHARD_JOB_SECRET.",
                     spec.rank, spec.world_size, spec.master_addr, spec.master_port, timeout.count(), what));
+  };
+  try {
+    if (torchrun_agent_store()) return make_agent_store(spec, timeout);
+    return tcp::make_job_store(spec.master_addr, spec.master_port, spec.rank == 0, secret, timeout);
+  } catch (const tcp::IoError& e) {
+    throw fail(e.detail);
+  } catch (const std::exception& e) {
+    throw fail(e.what());
   }
 }
 

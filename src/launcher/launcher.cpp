@@ -15,6 +15,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -44,6 +46,24 @@ double parse_double(const std::string& flag, const std::string& text) {
   if (text.empty() || *end != '\0')
     throw std::invalid_argument(fmt::format("{} needs a number, got '{}'", flag, text));
   return v;
+}
+
+// `bytes` bytes from the operating system's random source, in hex; "" when it fails.
+std::string random_hex(std::size_t bytes) {
+  std::vector<unsigned char> raw(bytes);
+  const int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  std::size_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = ::read(fd, raw.data() + got, bytes - got);
+    if (n <= 0 && errno != EINTR) break;
+    if (n > 0) got += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
+  if (got < bytes) return "";
+  std::string hex;
+  for (unsigned char b : raw) hex += fmt::format("{:02x}", b);
+  return hex;
 }
 
 int free_port() {
@@ -389,6 +409,18 @@ int run(const LaunchOptions& o) {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
+  // Note [Proving the job's secret]: a job on one machine gets a secret of its own, made
+  // here and kept across restarts; the nodes of a job across machines each run a launcher,
+  // so the user gives them one (FLATSHARD_JOB_SECRET), which init() requires.
+  if (o.nnodes == 1 && std::getenv("FLATSHARD_JOB_SECRET") == nullptr) {
+    const std::string secret = random_hex(32);
+    if (secret.empty()) {
+      std::fprintf(stderr, "flatshard-run: cannot read /dev/urandom for the job's secret: %s\n",
+                   std::strerror(errno));
+      return 1;
+    }
+    ::setenv("FLATSHARD_JOB_SECRET", secret.c_str(), 1);
+  }
   const auto job_start = Clock::now();
   for (int restart = 0;; ++restart) {
     const Outcome out = run_once(o, restart, job_start);

@@ -1,11 +1,14 @@
 // Making a TCP ring's links: addresses through the store, one connection per channel
-// each way with a checked hello, then Note [Direct copies]'s agreement per link.
+// each way, proving the job's secret (Note [Proving the job's secret]) and with a checked hello, then
+// Note [Direct copies]'s agreement per link.
 #include "src/tcp/ring_links.h"
 
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <future>
 #include <random>
 
 #include <fmt/format.h>
@@ -13,6 +16,8 @@
 
 #include "flatshard/errors.h"
 #include "src/errors.h"
+#include "src/logging.h"
+#include "src/tcp/auth.h"
 
 namespace flatshard::comm {
 namespace {
@@ -23,6 +28,9 @@ using tcp::Socket;
 
 constexpr std::uint32_t kHelloMagic = 0x46534845;   // "FSHE"
 constexpr std::uint32_t kDirectMagic = 0x46534443;  // "FSDC"
+// How long a connection to a ring listener has to prove the job's secret: the job's own
+// answer at once, and a stranger holds the listener no longer than this.
+constexpr auto kProofTime = std::chrono::seconds(5);
 
 // Note [Direct copies] (ring_links.h): what a link's sender offers and its receiver answers.
 struct DirectOffer {
@@ -119,18 +127,32 @@ std::vector<Channel> connect_ring(const World& world, const CommunicatorOptions&
     const std::string next_host = address.substr(0, colon);
     const int next_port = std::stoi(address.substr(colon + 1));
     channels.resize(num_channels);
-    for (int c = 0; c < num_channels; ++c) {
-      channels[c].to_next = Socket::connect(next_host, next_port, (rank + 1) % world_size, deadline);
-      Hello hello{kHelloMagic, rank, world_size, c};
-      channels[c].to_next.send_all(&hello, sizeof(hello), deadline);
-    }
+    // Note [Proving the job's secret]: every link proves it both ways, so each rank proves
+    // its links to the next rank (on a thread of its own) while it checks those from the
+    // previous one; in sequence, every rank would wait on the next one's listener.
+    const std::string secret = tcp::job_secret();
+    auto outgoing = std::async(std::launch::async, [&] {
+      for (int c = 0; c < num_channels; ++c) {
+        channels[c].to_next = Socket::connect(next_host, next_port, (rank + 1) % world_size, deadline);
+        tcp::prove_secret(channels[c].to_next, secret, tcp::kRingPurpose, deadline);
+        Hello hello{kHelloMagic, rank, world_size, c};
+        channels[c].to_next.send_all(&hello, sizeof(hello), deadline);
+      }
+    });
     const int prev = (rank + world_size - 1) % world_size;
-    for (int accepted = 0; accepted < num_channels; ++accepted) {
+    std::vector<Socket> incoming(static_cast<std::size_t>(num_channels));
+    for (int accepted = 0; accepted < num_channels;) {
       Socket s = listener.accept(deadline);
+      if (auto refused = tcp::check_secret(s, secret, tcp::kRingPurpose,
+                                           std::min(deadline, Clock::now() + kProofTime))) {
+        log::at(log::Level::Warn, "communicator '{}': refused a ring link from {}: {}", options.name,
+                tcp::peer_address(s), *refused);
+        continue;  // a stranger: the listener waits on for the job's own
+      }
       Hello hello{};
       s.recv_all(&hello, sizeof(hello), deadline);
       if (hello.magic != kHelloMagic || hello.world_size != world_size || hello.rank != prev ||
-          hello.channel < 0 || hello.channel >= num_channels || channels[hello.channel].from_prev.valid()) {
+          hello.channel < 0 || hello.channel >= num_channels || incoming[hello.channel].valid()) {
         throw fail(
             fmt::format("unexpected connection (magic {:#x}, rank {}, world size {}, channel {}) "
                         "while waiting for rank {}: are two jobs using the same master address "
@@ -138,8 +160,11 @@ std::vector<Channel> connect_ring(const World& world, const CommunicatorOptions&
                         hello.magic, hello.rank, hello.world_size, hello.channel, prev));
       }
       s.set_peer(prev);
-      channels[hello.channel].from_prev = std::move(s);
+      incoming[hello.channel] = std::move(s);
+      ++accepted;
     }
+    outgoing.get();
+    for (int c = 0; c < num_channels; ++c) channels[c].from_prev = std::move(incoming[c]);
     agree_on_direct_copies(channels, wants_direct_copy(options), deadline);
   } catch (const IoError& e) {
     throw fail(fmt::format("{}; check that every rank is running and can reach the others", e.detail));

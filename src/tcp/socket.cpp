@@ -121,6 +121,19 @@ bool is_loopback(const std::string& host) {
   return ::inet_pton(AF_INET, host.c_str(), &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
 }
 
+std::string loopback_address_of(const std::string& host) {
+  if (is_loopback(host)) return host;
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) return "";
+  char text[INET_ADDRSTRLEN] = "";
+  ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(found->ai_addr)->sin_addr, text, sizeof(text));
+  freeaddrinfo(found);
+  return is_loopback(text) ? std::string(text) : std::string();
+}
+
 Listener::Listener(bool loopback_only) {
   fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   FLATSHARD_ASSERT(fd_ >= 0, "socket() failed");

@@ -68,6 +68,10 @@ class Listener {
 // Whether `host` is an IPv4 loopback address (127.0.0.0/8), written as such.
 bool is_loopback(const std::string& host);
 
+// `host`'s first IPv4 address when it is a loopback one ("localhost" -> "127.0.0.1"),
+// else "" (another machine's, or unresolvable).
+std::string loopback_address_of(const std::string& host);
+
 // The local address this host uses to reach `host` (no packet is sent).
 std::string local_address_toward(const std::string& host, int port);
 

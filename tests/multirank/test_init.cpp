@@ -10,13 +10,16 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "flatshard/flatshard.h"
+#include "src/tcp/auth.h"
 #include "src/tcp/socket.h"
+#include "src/tcp/store.h"
 #include "tests/support/multirank.h"
 #include "tests/support/subprocess.h"
 
@@ -114,7 +117,8 @@ void expect_ranks_sum(const flatshard::World& world) {
 
 // Runs the current test's ranks under another launcher: `launcher` (its command and
 // options), then this binary filtered to the current test, in rank mode.
-flatshard::testing::RunResult run_current_test_under(std::vector<std::string> launcher) {
+flatshard::testing::RunResult run_current_test_under(std::vector<std::string> launcher,
+                                                     const std::map<std::string, std::string>& env = {}) {
   char self[4096];
   const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
@@ -123,7 +127,8 @@ flatshard::testing::RunResult run_current_test_under(std::vector<std::string> la
   launcher.push_back("--gtest_color=no");
   flatshard::testing::RunOptions options;
   options.deadline = std::chrono::seconds(120);
-  options.env = {{"FLATSHARD_TEST_RANK_MODE", "1"}};
+  options.env = env;
+  options.env["FLATSHARD_TEST_RANK_MODE"] = "1";
   return flatshard::testing::run_command(launcher, options);
 }
 
@@ -160,13 +165,15 @@ TEST(Launchers, MpirunStartsFlatShardRanks) {
 }
 
 // Two "nodes" on one machine: two flatshard-run processes, --nnodes 2 and a node rank
-// each, two ranks per node, meet at one master port and make one world of four.
+// each, two ranks per node, meet at one master port and make one world of four, proving
+// the job secret both nodes were given (a launcher of several nodes makes none itself).
 TEST(Launchers, TwoNodesOfFlatshardRunMakeOneWorld) {
   if (flatshard::testing::in_rank_mode()) {
     auto world = flatshard::init();
     EXPECT_EQ(world.world_size(), 4);
     EXPECT_EQ(world.local_world_size(), 2);
     EXPECT_EQ(world.rank(), 2 * std::atoi(std::getenv("GROUP_RANK")) + world.local_rank());
+    EXPECT_EQ(flatshard::tcp::job_secret(), "two-nodes-one-job");
     expect_ranks_sum(world);
     return;
   }
@@ -179,9 +186,10 @@ TEST(Launchers, TwoNodesOfFlatshardRunMakeOneWorld) {
   std::thread nodes[2];
   for (int node = 0; node < 2; ++node) {
     nodes[node] = std::thread([&, node] {
-      results[node] = run_current_test_under({flatshard::testing::launcher_path(), "-n", "2", "--nnodes", "2",
-                                              "--node-rank", std::to_string(node), "--master-port",
-                                              std::to_string(port), "--deadline-s", "90"});
+      results[node] = run_current_test_under(
+          {flatshard::testing::launcher_path(), "-n", "2", "--nnodes", "2", "--node-rank",
+           std::to_string(node), "--master-port", std::to_string(port), "--deadline-s", "90"},
+          {{"FLATSHARD_JOB_SECRET", "two-nodes-one-job"}});
     });
   }
   for (auto& t : nodes) t.join();
@@ -287,6 +295,183 @@ TEST(Rendezvous, MissingRankIsReportedByCount) {
   } catch (const flatshard::RendezvousError& e) {
     EXPECT_NE(std::string(e.what()).find("only 1 of 3 ranks joined"), std::string::npos) << e.what();
   }
+}
+
+// The job's store (Note [The job's store]) keeps TCPStore's meanings: set and get, add
+// as decimal text, compareSet's three cases, check, delete, the key count, and a get or
+// wait that times out instead of hanging.
+TEST(JobStore, KeepsTheMeaningsOfTcpStore) {
+  int port;
+  { port = HeldPort(false).port; }
+  const auto timeout = std::chrono::milliseconds(3000);
+  auto server = flatshard::tcp::make_job_store("127.0.0.1", port, true, "s3cret", timeout);
+  auto other = flatshard::tcp::make_job_store("127.0.0.1", port, false, "s3cret", timeout);
+  const auto b = [](const std::string& s) { return std::vector<std::uint8_t>(s.begin(), s.end()); };
+  server->set("a", b("one"));
+  EXPECT_EQ(other->get("a"), b("one"));
+  EXPECT_EQ(other->add("n", 5), 5);
+  EXPECT_EQ(server->add("n", -2), 3);
+  EXPECT_EQ(other->get("n"), b("3"));
+  EXPECT_EQ(other->compareSet("a", b("one"), b("two")), b("two"));    // held the expected: swapped
+  EXPECT_EQ(other->compareSet("a", b("one"), b("three")), b("two"));  // did not: what it holds
+  EXPECT_EQ(other->compareSet("m", b("x"), b("y")), b("x"));          // missing, expected given
+  EXPECT_FALSE(other->check({"m"}));
+  EXPECT_EQ(other->compareSet("m", b(""), b("y")), b("y"));  // missing, expected empty: set
+  EXPECT_TRUE(other->check({"a", "n", "m"}));
+  EXPECT_EQ(other->getNumKeys(), 3);
+  EXPECT_TRUE(other->deleteKey("m"));
+  EXPECT_FALSE(other->deleteKey("m"));
+  EXPECT_FALSE(other->check({"a", "m"}));
+  // A get waits on the server until another client sets the key.
+  std::thread later([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    server->set("late", b("here"));
+  });
+  EXPECT_EQ(other->get("late"), b("here"));
+  later.join();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW(other->wait({"never"}, std::chrono::milliseconds(300)), c10::DistStoreError);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GT(waited, 0.25);
+  EXPECT_LT(waited, 3.0);
+  auto copy = other->clone();  // a second connection to the same keys
+  EXPECT_EQ(copy->get("a"), b("two"));
+}
+
+// A rank whose secret differs from rank 0's cannot join the store, and is told why.
+TEST(JobStore, ADifferentSecretCannotJoin) {
+  int port;
+  { port = HeldPort(false).port; }
+  const auto timeout = std::chrono::milliseconds(3000);
+  auto server = flatshard::tcp::make_job_store("127.0.0.1", port, true, "ours", timeout);
+  try {
+    flatshard::tcp::make_job_store("127.0.0.1", port, false, "theirs", timeout);
+    FAIL() << "a client with another secret joined the store";
+  } catch (const flatshard::tcp::IoError& e) {
+    EXPECT_NE(e.detail.find("FLATSHARD_JOB_SECRET"), std::string::npos) << e.detail;
+  }
+  EXPECT_NO_THROW(flatshard::tcp::make_job_store("127.0.0.1", port, false, "ours", timeout));
+}
+
+// A job whose master is another machine's address listens beyond loopback, so it must
+// carry a secret: without FLATSHARD_JOB_SECRET, init() refuses, naming the variable.
+TEST(Rendezvous, AJobAcrossMachinesNeedsASecret) {
+  const char* had = std::getenv("FLATSHARD_JOB_SECRET");
+  const std::string saved = had == nullptr ? "" : had;
+  ::unsetenv("FLATSHARD_JOB_SECRET");
+  flatshard::InitOptions options;
+  options.init_method = "tcp://10.255.255.1:29500";
+  options.rank = 1;
+  options.world_size = 2;
+  options.timeout = std::chrono::seconds(2);
+  try {
+    flatshard::init(options);
+    ADD_FAILURE() << "init went on without a secret";
+  } catch (const flatshard::RendezvousError& e) {
+    EXPECT_NE(std::string(e.what()).find("FLATSHARD_JOB_SECRET"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 1/2"), std::string::npos) << e.what();
+  }
+  if (had != nullptr) ::setenv("FLATSHARD_JOB_SECRET", saved.c_str(), 1);
+}
+
+// Whether the peer closes `s` before `deadline` (whatever it sends first is read and
+// dropped).
+bool closed_by_peer(flatshard::tcp::Socket& s, flatshard::tcp::Clock::time_point deadline) {
+  char byte;
+  try {
+    for (;;) s.recv_all(&byte, 1, deadline);
+  } catch (const flatshard::tcp::IoError& e) {
+    return e.kind == flatshard::tcp::IoError::Kind::Closed;
+  }
+}
+
+// Strangers at `host:port`: one sends garbage, one proves the wrong secret, one proves
+// none. They connect before this returns (so they queue ahead of anyone connecting
+// later); the returned thread waits for the listener's answers and expects each to be
+// refused: the connection closed by the listener, not a deadline passed.
+std::thread send_strangers(const std::string& host, int port, const char* purpose) {
+  namespace tcp = flatshard::tcp;
+  const auto deadline = tcp::Clock::now() + std::chrono::seconds(60);
+  std::vector<tcp::Socket> sockets;
+  for (int i = 0; i < 3; ++i) sockets.push_back(tcp::Socket::connect(host, port, -1, deadline));
+  std::vector<char> garbage(200);
+  for (std::size_t i = 0; i < garbage.size(); ++i) garbage[i] = static_cast<char>(i * 37 + 11);
+  sockets[0].send_all(garbage.data(), garbage.size(), deadline);
+  return std::thread([sockets = std::move(sockets), purpose, deadline]() mutable {
+    EXPECT_TRUE(closed_by_peer(sockets[0], deadline)) << purpose << ": garbage was not refused";
+    const std::string secrets[] = {"not the job's secret", ""};
+    for (int i = 0; i < 2; ++i) {
+      try {
+        tcp::prove_secret(sockets[i + 1], secrets[i], purpose, deadline);
+        ADD_FAILURE() << purpose << ": a proof of '" << secrets[i] << "' was accepted";
+      } catch (const tcp::IoError& e) {
+        EXPECT_EQ(e.kind, tcp::IoError::Kind::Closed) << purpose << ": " << e.detail;
+        EXPECT_NE(e.detail.find("refused this rank's proof"), std::string::npos) << e.detail;
+      }
+    }
+  });
+}
+
+// Note [Proving the job's secret]: strangers at the store's port and at a ring listener
+// (garbage, the wrong secret, none, and at the store one that connects and says nothing)
+// are refused and logged, while the job's own ranks join, make a ring and reduce.
+TEST(Rendezvous, StrangersAreRefusedAndLoggedAndTheJobGoesOn) {
+  if (!flatshard::testing::in_rank_mode()) {
+    LaunchSpec spec;
+    spec.ranks = 2;
+    spec.deadline = std::chrono::seconds(90);
+    const auto r = launch_current_test(spec);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto count = [&](const std::string& what) {
+      std::size_t n = 0;
+      for (auto at = r.output.find(what); at != std::string::npos; at = r.output.find(what, at + 1)) ++n;
+      return n;
+    };
+    EXPECT_GE(count("the rendezvous store refused a connection from 127.0.0.1:"), 3u) << r.output;
+    EXPECT_EQ(count("communicator 'strangers': refused a ring link from 127.0.0.1:"), 3u) << r.output;
+    return;
+  }
+  namespace tcp = flatshard::tcp;
+  auto world = flatshard::init();
+  ASSERT_EQ(world.world_size(), 2);
+  const std::string secret = tcp::job_secret();
+  ASSERT_FALSE(secret.empty()) << "flatshard-run gives a job on one machine a secret";
+  const auto soon = [] { return tcp::Clock::now() + std::chrono::seconds(10); };
+  const std::string host = world.spec.master_addr;
+  const int port = world.spec.master_port;
+  world.store->set("before", std::vector<std::uint8_t>{1, 2, 3});
+  tcp::Socket silent;
+  if (world.rank() == 0) {
+    // The store: the job's own secret is accepted on this port (so the refusals below are
+    // the secret's doing), strangers are not.
+    {
+      tcp::Socket s = tcp::Socket::connect(host, port, -1, soon());
+      EXPECT_NO_THROW(tcp::prove_secret(s, secret, tcp::kStorePurpose, soon()));
+    }
+    send_strangers(host, port, tcp::kStorePurpose).join();
+    silent = tcp::Socket::connect(host, port, -1, soon());  // held open, says nothing
+  }
+  // Rank 1's ring listener: the strangers connect before this rank's links, so they are
+  // the first that rank 1 accepts; it must refuse them and still take this rank's.
+  std::thread ring_strangers;
+  if (world.rank() == 0) {
+    const std::string key = "flatshard/comm/strangers/0/1";
+    world.store->wait({key}, std::chrono::seconds(30));
+    const auto value = world.store->get(key);
+    const std::string address(value.begin(), value.end());
+    const auto colon = address.rfind(':');
+    ring_strangers =
+        send_strangers(address.substr(0, colon), std::stoi(address.substr(colon + 1)), tcp::kRingPurpose);
+  }
+  flatshard::CommunicatorOptions options;
+  options.name = "strangers";
+  auto comm = flatshard::Communicator::create(world, options);
+  auto t = at::full({33}, static_cast<float>(world.rank() + 1));
+  comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
+  EXPECT_TRUE(at::equal(t, at::full({33}, 3.0f)));
+  EXPECT_EQ(world.store->get("before"), (std::vector<std::uint8_t>{1, 2, 3}));
+  if (ring_strangers.joinable()) ring_strangers.join();
+  comm->barrier().wait();
 }
 
 }  // namespace

@@ -74,6 +74,41 @@ TEST(Launcher, NcclHostPerRankGivesEachRankItsOwnHostId) {
   EXPECT_NE(r.output.find("[rank 1] host [unset]"), std::string::npos) << r.output;
 }
 
+// Note [Proving the job's secret]: a job on one machine gets a fresh secret, the same on
+// every rank (64 hex digits, another for the next job); one the user gave is kept; the
+// nodes of a job across machines get none from their launchers (each would make its own).
+TEST(Launcher, AJobOnOneMachineGetsASecretOfItsOwn) {
+  unsetenv("FLATSHARD_JOB_SECRET");
+  const auto secrets = [](const flatshard::testing::RunResult& r, int ranks) {
+    std::set<std::string> seen;
+    for (int i = 0; i < ranks; ++i) {
+      const std::string prefix = "[rank " + std::to_string(i) + "] secret ";
+      const auto at = r.output.find(prefix);
+      if (at == std::string::npos) return std::set<std::string>{"missing"};
+      const auto end = r.output.find('\n', at);
+      seen.insert(r.output.substr(at + prefix.size(), end - at - prefix.size()));
+    }
+    return seen;
+  };
+  const std::string echo = "echo \"secret ${FLATSHARD_JOB_SECRET:-none}\"";
+  auto first = run_command(launch({"-n", "3"}, echo));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto one = secrets(first, 3);
+  ASSERT_EQ(one.size(), 1u) << first.output;
+  EXPECT_EQ(one.begin()->size(), 64u) << first.output;
+  EXPECT_EQ(one.begin()->find_first_not_of("0123456789abcdef"), std::string::npos) << first.output;
+  auto second = run_command(launch({"-n", "1"}, echo));
+  EXPECT_NE(secrets(second, 1), one) << "two jobs got the same secret";
+  RunOptions given;
+  given.env["FLATSHARD_JOB_SECRET"] = "users-own";
+  auto kept = run_command(launch({"-n", "2"}, echo), given);
+  EXPECT_EQ(secrets(kept, 2), std::set<std::string>{"users-own"}) << kept.output;
+  auto nodes =
+      run_command(launch({"-n", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", "999"}, echo));
+  ASSERT_EQ(nodes.exit_code, 0) << nodes.output;
+  EXPECT_NE(nodes.output.find("[rank 1] secret none"), std::string::npos) << nodes.output;
+}
+
 TEST(Launcher, FailedRankStopsTheOthersAndItsCodeIsTheJobs) {
   const auto r = run_command(
       launch({"-n", "3", "--grace-s", "0.5"}, "if [ \"$RANK\" = 1 ]; then sleep 0.2; exit 3; fi; sleep 60"));

@@ -1,0 +1,52 @@
+// Proving a job's secret on a TCP connection: the rendezvous store's and the rings' links.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "src/tcp/socket.h"
+
+namespace flatshard::tcp {
+
+// Note [Proving the job's secret]
+// Whoever can reach a job's ports could otherwise read and set its store's keys (ring
+// addresses, NCCL ids) or open a ring link. Every connection to the store and to a ring
+// listener therefore starts with a mutual challenge: the listening side sends a magic and
+// a fresh 32-byte nonce; the connecting side answers with its own nonce and
+// HMAC-SHA256(secret, "client " purpose, both nonces); the listening side checks it in
+// constant time and, only then, answers HMAC-SHA256(secret, "server " purpose, both
+// nonces), which the connecting side checks in turn. The secret never crosses the wire,
+// and a recorded exchange proves nothing later (fresh nonces). A connection that fails
+// the check (the wrong or no secret, garbage, silence past a short deadline) is closed
+// and logged with its address, and the listener goes on waiting for the job's own.
+// The secret is FLATSHARD_JOB_SECRET: flatshard-run makes one for a job on one machine;
+// a job across machines must be given one (init refuses to listen beyond loopback
+// without it). With none (a job on one machine started by another launcher), the
+// exchange runs with an empty key: it still refuses garbage and other protocols.
+
+// What a proof is for: one for the store cannot be taken for a ring link.
+inline constexpr const char* kStorePurpose = "rendezvous store";
+inline constexpr const char* kRingPurpose = "ring link";
+
+// FLATSHARD_JOB_SECRET, or "" when unset.
+std::string job_secret();
+
+// A new secret: 32 bytes from the operating system's random source, in hex.
+std::string make_secret();
+
+// The connecting side: proves `secret` for `purpose` and checks the listener's proof.
+// Throws IoError (Closed, naming the likely cause, when the listener refused the proof or
+// could not prove the secret back).
+void prove_secret(Socket& s, const std::string& secret, const std::string& purpose,
+                  Clock::time_point deadline);
+
+// The listening side: nullopt when the peer proved `secret` for `purpose` (and has been
+// sent the listener's proof), else why not. Never throws for what a peer sends or
+// withholds; at most waits until `deadline`.
+std::optional<std::string> check_secret(Socket& s, const std::string& secret, const std::string& purpose,
+                                        Clock::time_point deadline);
+
+// "address:port" of the socket's peer, for logs.
+std::string peer_address(const Socket& s);
+
+}  // namespace flatshard::tcp
