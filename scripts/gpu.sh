@@ -41,7 +41,7 @@ prefix="$torch_prefix"
 arch_list="$("$python" -c 'import torch; c = torch.cuda.get_device_capability(); print(f"{c[0]}.{c[1]}")')"
 # No compiler cache: a lent machine starts bare, so a cache would only cost its writes.
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-      -DFLATSHARD_WITH_CUDA=ON -DFLATSHARD_GPU_TESTS=ON -DFLATSHARD_BUILD_BENCH=OFF -DFLATSHARD_CCACHE=OFF \
+      -DFLATSHARD_WITH_CUDA=ON -DFLATSHARD_GPU_TESTS=ON -DFLATSHARD_WITH_MPI=OFF -DFLATSHARD_BUILD_BENCH=OFF -DFLATSHARD_CCACHE=OFF \
       -DFLATSHARD_BUILD_EXAMPLES=OFF -DCMAKE_CUDA_ARCHITECTURES="${arch_list/./}" \
       > "$out/configure.log" 2>&1 || { tail -n 40 "$out/configure.log"; exit 1; }
 TORCH_CUDA_ARCH_LIST="$arch_list" cmake --build "$build" -j "$(nproc)" \

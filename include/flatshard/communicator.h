@@ -53,9 +53,10 @@ const char* to_string(StreamRole role);
 
 // How bytes move between ranks.
 enum class Transport {
-  Auto,  // the CPU: TCP rings; CUDA: NCCL
+  Auto,  // the CPU: TCP rings (or FLATSHARD_TRANSPORT=tcp|mpi); CUDA: NCCL
   Tcp,   // TCP rings (CUDA tensors go through host memory)
   Nccl,  // NCCL (CUDA only; one rank per GPU)
+  Mpi,   // MPI's collectives (CPU only; link flatshard::mpi; ranks started by mpirun or srun)
 };
 
 struct CommunicatorOptions {

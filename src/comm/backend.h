@@ -96,4 +96,9 @@ using BackendFactory = std::unique_ptr<Backend> (*)(const World& world, const Co
 void register_device_backend(c10::DeviceType type, BackendFactory factory);
 BackendFactory device_backend(c10::DeviceType type);
 
+// Transports for the CPU beside the TCP rings, registered likewise (flatshard::mpi
+// registers Transport::Mpi's when it is linked).
+void register_cpu_transport(Transport transport, BackendFactory factory);
+BackendFactory cpu_transport(Transport transport);
+
 }  // namespace flatshard::comm

@@ -5,6 +5,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 
@@ -69,6 +70,22 @@ std::string next_rendezvous_prefix(const std::string& name) {
   static std::map<std::string, int> created;
   std::lock_guard<std::mutex> lock(mutex);
   return fmt::format("flatshard/comm/{}/{}/", name, created[name]++);
+}
+
+std::map<Transport, BackendFactory>& cpu_registry() {
+  static std::map<Transport, BackendFactory> r;
+  return r;
+}
+
+void register_cpu_transport(Transport transport, BackendFactory factory) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  cpu_registry()[transport] = factory;
+}
+
+BackendFactory cpu_transport(Transport transport) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto it = cpu_registry().find(transport);
+  return it == cpu_registry().end() ? nullptr : it->second;
 }
 
 BackendFactory device_backend(c10::DeviceType type) {
@@ -188,6 +205,23 @@ std::uint64_t Communicator::ring_bytes_sent(const comm::Collective& c, std::size
   return 0;
 }
 
+namespace {
+
+// The CPU's transport: the one asked for, or under Auto FLATSHARD_TRANSPORT's (tcp, mpi),
+// else the TCP rings.
+Transport cpu_transport_for(const World& world, Transport asked) {
+  if (asked != Transport::Auto) return asked;
+  const char* env = std::getenv("FLATSHARD_TRANSPORT");
+  const std::string v = env == nullptr ? "" : env;
+  if (v.empty() || v == "tcp") return Transport::Tcp;
+  if (v == "mpi") return Transport::Mpi;
+  throw InvalidArgument(
+      fmt::format("flatshard::Communicator::create (rank {}/{}): FLATSHARD_TRANSPORT is tcp or mpi, not '{}'",
+                  world.rank(), world.world_size(), v));
+}
+
+}  // namespace
+
 std::unique_ptr<Communicator> Communicator::create(const World& world, const CommunicatorOptions& options) {
   if (options.timeout.count() <= 0) {
     throw InvalidArgument(
@@ -197,13 +231,25 @@ std::unique_ptr<Communicator> Communicator::create(const World& world, const Com
   }
   std::unique_ptr<comm::Backend> backend;
   if (options.device.is_cpu()) {
-    if (options.transport == Transport::Nccl) {
+    const Transport transport = cpu_transport_for(world, options.transport);
+    if (transport == Transport::Nccl) {
       throw InvalidArgument(
           fmt::format("flatshard::Communicator::create (rank {}/{}): Transport::Nccl "
-                      "moves CUDA tensors; the CPU uses Transport::Tcp (or Auto)",
+                      "moves CUDA tensors; the CPU uses Transport::Tcp, Transport::Mpi (or Auto)",
                       world.rank(), world.world_size()));
     }
-    backend = comm::make_tcp_ring_backend(world, options, kNumStreamRoles);
+    if (transport == Transport::Mpi) {
+      const comm::BackendFactory factory = comm::cpu_transport(Transport::Mpi);
+      if (!factory) {
+        throw InvalidArgument(fmt::format(
+            "flatshard::Communicator::create (rank {}/{}): Transport::Mpi was asked for, but this program "
+            "does not link flatshard::mpi (built where MPI is found: Debian's libopenmpi-dev)",
+            world.rank(), world.world_size()));
+      }
+      backend = factory(world, options, kNumStreamRoles);
+    } else {
+      backend = comm::make_tcp_ring_backend(world, options, kNumStreamRoles);
+    }
   } else {
     const comm::BackendFactory factory = comm::device_backend(options.device.type());
     if (!factory) {

@@ -474,4 +474,28 @@ TEST(Rendezvous, StrangersAreRefusedAndLoggedAndTheJobGoesOn) {
   comm->barrier().wait();
 }
 
+// Transport::Mpi lives in flatshard::mpi: a program that does not link it is told so by
+// name, and FLATSHARD_TRANSPORT takes tcp or mpi only.
+TEST(Transports, MpiWithoutFlatshardMpiAndUnknownNamesAreRefused) {
+  const auto world = flatshard::init();  // one rank
+  flatshard::CommunicatorOptions options;
+  options.transport = flatshard::Transport::Mpi;
+  try {
+    flatshard::Communicator::create(world, options);
+    ADD_FAILURE() << "Transport::Mpi without flatshard::mpi";
+  } catch (const flatshard::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("flatshard::mpi"), std::string::npos) << e.what();
+  }
+  ::setenv("FLATSHARD_TRANSPORT", "carrier-pigeon", 1);
+  try {
+    flatshard::Communicator::create(world);
+    ADD_FAILURE() << "an unknown FLATSHARD_TRANSPORT";
+  } catch (const flatshard::InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("carrier-pigeon"), std::string::npos) << e.what();
+  }
+  ::setenv("FLATSHARD_TRANSPORT", "tcp", 1);
+  EXPECT_NO_THROW(flatshard::Communicator::create(world));
+  ::unsetenv("FLATSHARD_TRANSPORT");
+}
+
 }  // namespace
