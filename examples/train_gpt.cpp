@@ -198,6 +198,20 @@ std::pair<at::Tensor, at::Tensor> batch_of(const at::Tensor& tokens, int step, i
           windows.narrow(1, 1, a.model.context).contiguous()};
 }
 
+// After flatshard-run restarted the job (Note [Restarting a failed job]): how long the
+// failure cost, from the moment it was seen to the end of the first step of this start.
+void report_first_step_after_a_failure(int step) {
+  const char* at = std::getenv("FLATSHARD_FAILED_AT_UNIX_MS");
+  if (at == nullptr) return;
+  const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                       std::chrono::system_clock::now().time_since_epoch())
+                       .count();
+  const char* cause = std::getenv("FLATSHARD_FAILURE_CAUSE");
+  std::printf("first step after the failure (%s): step %d done %.1f s after it\n", cause ? cause : "?", step,
+              static_cast<double>(now - std::atoll(at)) / 1000.0);
+  std::fflush(stdout);
+}
+
 std::string bar(int done, int total) {
   const int width = 24, filled = total > 0 ? done * width / total : width;
   return std::string(filled, '#') + std::string(width - filled, '.');
@@ -374,6 +388,7 @@ int main(int argc, char** argv) {
         ++timed_steps;
       }
       const int done = step + 1;
+      if (step == first && rank == 0) report_first_step_after_a_failure(done);
       if (rank == 0 && (done % a.log_every == 0 || done == a.steps)) {
         std::printf("[%s] step %d/%d  loss %.4f  lr %.3g  %.0f tokens/s%s\n", bar(done, a.steps).c_str(),
                     done, a.steps, loss_sum.item<double>(), lr,

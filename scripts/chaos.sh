@@ -4,7 +4,8 @@
 # SIGKILLs a random rank every 1-4 s (mid-save included, when it falls there), KILLS
 # times; then checks that the job succeeded and that its final checkpoint is byte for
 # byte the checkpoint of the same run uninterrupted (deterministic data by step, exact
-# resume). Prints the failures survived and the seconds from each failure to the new start.
+# resume). Prints the failures survived, the seconds from each failure to the new start and
+# to the end of the first step after it.
 #
 #   scripts/chaos.sh                      # 3 kills, 2 ranks, 1000 steps (build/ by default)
 #   KILLS=10 RANKS=4 STEPS=3000 scripts/chaos.sh
@@ -60,6 +61,8 @@ restarts="$(grep -c 'starting every rank again' "$out/chaos.log" || true)"
 echo "job exit code $status; kills $done_kills; restarts $restarts"
 grep -o 'restart [0-9]* of [0-9]*, [0-9.]* s after the failure' "$out/chaos.log" || true
 grep -o 'resumed from [^ ]* (step [0-9]*' "$out/chaos.log" | sed 's/^/  /' || true
+# From each failure to the end of the first step of the next start (the trainer's report):
+grep -o 'first step after the failure .*' "$out/chaos.log" | sed 's/^/  /' || true
 [ "$status" -eq 0 ] || { echo "FAIL: the job did not finish (see $out/chaos.log)"; exit 1; }
 [ "$done_kills" -eq "$kills" ] || { echo "FAIL: the job ended after $done_kills of $kills kills: raise STEPS"; exit 1; }
 [ "$restarts" -ge "$done_kills" ] || { echo "FAIL: $done_kills kills but $restarts restarts"; exit 1; }

@@ -237,6 +237,7 @@ struct Outcome {
   bool restartable = false;  // a rank failed by itself: not the launcher's signal, not the deadline
   std::string cause;         // "rank 1 exited with code 3"
   Clock::time_point failed_at;
+  std::chrono::system_clock::time_point failed_at_wall;  // the same moment, for the next start's ranks
 };
 
 Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_start) {
@@ -370,6 +371,7 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
     return out;
   }
   out.failed_at = failed_at;
+  out.failed_at_wall = std::chrono::system_clock::now() - (Clock::now() - failed_at);
   for (auto& r : ranks) {
     const Rank& failed = first_failure >= 0 ? ranks[first_failure] : r;
     if (failed.code == 0) continue;
@@ -431,6 +433,16 @@ int run(const LaunchOptions& o) {
                    out.cause, o.max_restarts);
       return out.code;
     }
+    // Note [Restarting a failed job]: the next start's ranks learn what failed and when
+    // (milliseconds since the Unix epoch), so that a program can report how long the
+    // failure cost until its first resumed step.
+    ::setenv("FLATSHARD_FAILURE_CAUSE", out.cause.c_str(), 1);
+    ::setenv("FLATSHARD_FAILED_AT_UNIX_MS",
+             std::to_string(
+                 std::chrono::duration_cast<std::chrono::milliseconds>(out.failed_at_wall.time_since_epoch())
+                     .count())
+                 .c_str(),
+             1);
     fmt::print(stderr,
                "flatshard-run: {}; restart {} of {}, {:.1f} s after the failure: starting every rank again\n",
                out.cause, restart + 1, o.max_restarts,

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <set>
 #include <string>
 
@@ -107,6 +109,39 @@ TEST(Launcher, AJobOnOneMachineGetsASecretOfItsOwn) {
       run_command(launch({"-n", "1", "--nnodes", "2", "--node-rank", "1", "--master-port", "999"}, echo));
   ASSERT_EQ(nodes.exit_code, 0) << nodes.output;
   EXPECT_NE(nodes.output.find("[rank 1] secret none"), std::string::npos) << nodes.output;
+}
+
+// A restarted job's ranks are told what failed and when (FLATSHARD_FAILURE_CAUSE,
+// FLATSHARD_FAILED_AT_UNIX_MS), so that a program can say what the failure cost; the
+// first start is told nothing.
+TEST(Launcher, ARestartedJobIsToldWhatFailedAndWhen) {
+  unsetenv("FLATSHARD_FAILED_AT_UNIX_MS");
+  unsetenv("FLATSHARD_FAILURE_CAUSE");
+  const auto now_ms = [] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
+  const long long before = now_ms();
+  const auto r = run_command(
+      launch({"-n", "2", "--grace-s", "0.5", "--max-restarts", "1"},
+             "echo \"told ${FLATSHARD_FAILED_AT_UNIX_MS:-none} [${FLATSHARD_FAILURE_CAUSE:-none}]\"; "
+             "if [ \"$RANK\" = 1 ] && [ \"$FLATSHARD_RESTART_COUNT\" = 0 ]; then sleep 0.3; exit 4; fi; "
+             "if [ \"$FLATSHARD_RESTART_COUNT\" = 0 ]; then sleep 60; fi"));
+  const long long after = now_ms();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] told none [none]"), std::string::npos) << r.output;
+  const std::string prefix = "[rank 1] told ";
+  const auto first = r.output.find(prefix);
+  ASSERT_NE(first, std::string::npos) << r.output;
+  const auto second = r.output.find(prefix, first + 1);
+  ASSERT_NE(second, std::string::npos) << "no second start: " << r.output;
+  const std::string line =
+      r.output.substr(second + prefix.size(), r.output.find('\n', second) - second - prefix.size());
+  const long long at = std::atoll(line.c_str());
+  EXPECT_GE(at, before + 250) << line;  // rank 1 failed 0.3 s after its start
+  EXPECT_LE(at, after) << line;
+  EXPECT_NE(line.find("[rank 1 exited with code 4]"), std::string::npos) << line;
 }
 
 TEST(Launcher, FailedRankStopsTheOthersAndItsCodeIsTheJobs) {
