@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the CUDA path needs a GPU for, in one run on a GPU machine:
 #   1. builds FlatShard against that machine's own torch (and NCCL, from its toolkit or
-#      torch's nvidia-nccl), with fmt, nlohmann_json, zlib and GoogleTest from .gpu-deps
+#      torch's nvidia-nccl), with fmt, nlohmann_json, zlib, GoogleTest and OpenSSL from .gpu-deps
 #      (scripts/gpu_deps.sh makes it on a machine with Debian's packages; carry it along);
 #   2. runs the GPU tests: the CUDA kernels, the Communicator at world 1 over NCCL,
 #      FullyShard at world 1 over NCCL (fp32 and bf16) and at world 2 over TCP on one GPU,
