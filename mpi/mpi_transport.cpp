@@ -75,18 +75,34 @@ void sum_16(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
 // Buffers of ops that MPI still holds after their wait was given up (a deadline, an
 // abort): MPI may write into them whenever the peers arrive, so they live as long as the
 // process.
-void strand(const at::Tensor& t) {
+std::atomic<bool> g_stranded{false};  // some op's wait was given up: MPI still holds it
+
+void keep_alive(std::shared_ptr<void> p) {
   static std::mutex mutex;
-  static auto* kept = new std::vector<at::Tensor>();  // never freed, on purpose
-  if (!t.defined()) return;
+  static auto* kept = new std::vector<std::shared_ptr<void>>();  // never freed, on purpose
+  g_stranded.store(true);
   std::lock_guard<std::mutex> lock(mutex);
-  kept->push_back(t);
+  kept->push_back(std::move(p));
 }
 
+void strand(const at::Tensor& t) {
+  if (t.defined()) keep_alive(std::make_shared<at::Tensor>(t));
+}
+
+// MPI_Finalize with collectives still pending is not allowed, and may wait for peers that
+// never come: a process that gave up on an op leaves MPI unfinalized (its launcher then
+// ends the job, which an op past its deadline has failed anyway).
 void finalize_at_exit() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  if (finalized) return;
+  if (g_stranded.load()) {
+    std::fprintf(stderr,
+                 "flatshard: MPI is left unfinalized: collectives given up at their deadline are still "
+                 "pending\n");
+    return;
+  }
+  MPI_Finalize();
 }
 
 // MPI, initialized with MPI_THREAD_MULTIPLE once per process.
@@ -367,7 +383,9 @@ class MpiBackend final : public comm::Backend {
   }
 
   void all_gather(const Collective& op, MPI_Comm comm) {
-    std::vector<int> counts, offsets;
+    // MPI may read the counts until the op completes: they outlive an op given up.
+    auto layout = std::make_shared<std::pair<std::vector<int>, std::vector<int>>>();
+    auto& [counts, offsets] = *layout;
     slots(op.output.numel(), counts, offsets);
     const MPI_Datatype type = mpi_type(op.output.scalar_type());
     char* out = static_cast<char*>(op.output.data_ptr());
@@ -377,11 +395,17 @@ class MpiBackend final : public comm::Backend {
     MPI_Request r;
     MPI_Iallgatherv(send, counts[static_cast<std::size_t>(rank_)], type, out, counts.data(), offsets.data(),
                     type, comm, &r);
-    wait(&r, 1, op);
+    try {
+      wait(&r, 1, op);
+    } catch (...) {
+      keep_alive(layout);
+      throw;
+    }
   }
 
   void reduce_scatter(const Collective& op, MPI_Comm comm) {
-    std::vector<int> counts, offsets;
+    auto layout = std::make_shared<std::pair<std::vector<int>, std::vector<int>>>();
+    auto& [counts, offsets] = *layout;
     slots(op.input.numel(), counts, offsets);
     const auto dtype = op.input.scalar_type();
     // The output may be this rank's slot of the input (in place): MPI wants them apart.
@@ -394,6 +418,7 @@ class MpiBackend final : public comm::Backend {
       wait(&r, 1, op);
     } catch (...) {
       strand(out);
+      keep_alive(layout);
       throw;
     }
     if (op.reduce == ReduceOp::Avg) out.div_(n_);

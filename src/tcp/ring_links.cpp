@@ -3,12 +3,15 @@
 // Note [Direct copies]'s agreement per link.
 #include "src/tcp/ring_links.h"
 
+#include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <future>
+#include <list>
+#include <optional>
 #include <random>
 
 #include <fmt/format.h>
@@ -52,6 +55,33 @@ struct Hello {
   std::int32_t world_size;
   std::int32_t channel;
 };
+
+// A connection to a ring listener, once it has proved the job's secret and said hello
+// (or why it was refused).
+struct Arrival {
+  Socket socket;
+  Hello hello{};
+  std::optional<std::string> refused;
+  std::string address;
+};
+
+// At most this many connections prove the secret at once; more are refused at the door.
+constexpr std::size_t kMaxPending = 64;
+
+Arrival arrive(Socket s, const std::string& secret, Clock::time_point deadline) {
+  Arrival a;
+  a.address = tcp::peer_address(s);
+  a.refused = tcp::check_secret(s, secret, tcp::kRingPurpose, deadline);
+  if (!a.refused) {
+    try {
+      s.recv_all(&a.hello, sizeof(a.hello), deadline);
+    } catch (const IoError& e) {
+      a.refused = fmt::format("it proved the secret but sent no hello: {}", e.detail);
+    }
+  }
+  a.socket = std::move(s);
+  return a;
+}
 
 std::vector<std::uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
@@ -140,30 +170,67 @@ std::vector<Channel> connect_ring(const World& world, const CommunicatorOptions&
       }
     });
     const int prev = (rank + world_size - 1) % world_size;
+    // Each accepted connection proves the secret and says hello on a thread of its own, so
+    // that a silent stranger holds up nobody; the outgoing links' failure (another secret,
+    // say) is reported as soon as it happens rather than at the deadline.
     std::vector<Socket> incoming(static_cast<std::size_t>(num_channels));
+    // Each with its descriptor, open until the future is gone (the task or its result
+    // holds the socket), so that the strangers still pending can be woken at the end.
+    std::list<std::pair<std::future<Arrival>, int>> pending;
+    bool outgoing_done = false;
     for (int accepted = 0; accepted < num_channels;) {
-      Socket s = listener.accept(deadline);
-      if (auto refused = tcp::check_secret(s, secret, tcp::kRingPurpose,
-                                           std::min(deadline, Clock::now() + kProofTime))) {
-        log::at(log::Level::Warn, "communicator '{}': refused a ring link from {}: {}", options.name,
-                tcp::peer_address(s), *refused);
-        continue;  // a stranger: the listener waits on for the job's own
+      if (!outgoing_done && outgoing.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+        outgoing.get();  // rethrows the outgoing links' failure
+        outgoing_done = true;
       }
-      Hello hello{};
-      s.recv_all(&hello, sizeof(hello), deadline);
-      if (hello.magic != kHelloMagic || hello.world_size != world_size || hello.rank != prev ||
-          hello.channel < 0 || hello.channel >= num_channels || incoming[hello.channel].valid()) {
-        throw fail(
-            fmt::format("unexpected connection (magic {:#x}, rank {}, world size {}, channel {}) "
-                        "while waiting for rank {}: are two jobs using the same master address "
-                        "and port?",
-                        hello.magic, hello.rank, hello.world_size, hello.channel, prev));
+      try {
+        Socket s = listener.accept(std::min(deadline, Clock::now() + std::chrono::milliseconds(20)));
+        if (pending.size() >= kMaxPending) {
+          log::at(log::Level::Warn,
+                  "communicator '{}': refused a ring link from {}: {} others are still proving "
+                  "the job secret",
+                  options.name, tcp::peer_address(s), pending.size());
+        } else {
+          const int fd = s.fd();
+          pending.emplace_back(std::async(std::launch::async,
+                                          [s = std::move(s), &secret, deadline]() mutable {
+                                            return arrive(std::move(s), secret,
+                                                          std::min(deadline, Clock::now() + kProofTime));
+                                          }),
+                               fd);
+        }
+      } catch (const IoError& e) {
+        if (e.kind != IoError::Kind::Timeout || Clock::now() >= deadline) throw;
       }
-      s.set_peer(prev);
-      incoming[hello.channel] = std::move(s);
-      ++accepted;
+      for (auto it = pending.begin(); it != pending.end();) {
+        if (it->first.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+          ++it;
+          continue;
+        }
+        Arrival a = it->first.get();
+        it = pending.erase(it);
+        if (a.refused) {
+          log::at(log::Level::Warn, "communicator '{}': refused a ring link from {}: {}", options.name,
+                  a.address, *a.refused);
+          continue;  // a stranger: the listener waits on for the job's own
+        }
+        const Hello& hello = a.hello;
+        if (hello.magic != kHelloMagic || hello.world_size != world_size || hello.rank != prev ||
+            hello.channel < 0 || hello.channel >= num_channels || incoming[hello.channel].valid()) {
+          throw fail(
+              fmt::format("unexpected connection (magic {:#x}, rank {}, world size {}, channel {}) "
+                          "while waiting for rank {}: are two jobs using the same master address "
+                          "and port?",
+                          hello.magic, hello.rank, hello.world_size, hello.channel, prev));
+        }
+        a.socket.set_peer(prev);
+        incoming[hello.channel] = std::move(a.socket);
+        ++accepted;
+      }
     }
-    outgoing.get();
+    for (auto& p : pending) ::shutdown(p.second, SHUT_RDWR);  // strangers still silent: done waiting
+    pending.clear();
+    if (!outgoing_done) outgoing.get();
     for (int c = 0; c < num_channels; ++c) channels[c].from_prev = std::move(incoming[c]);
     agree_on_direct_copies(channels, wants_direct_copy(options), deadline);
   } catch (const IoError& e) {

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -36,6 +37,9 @@ constexpr std::uint32_t kStoreMagic = 0x46535354;  // "FSST"
 constexpr std::uint32_t kMaxPart = 1u << 30;       // a key or value: at most 1 GiB
 constexpr std::uint32_t kMaxParts = 1u << 16;
 constexpr auto kHandshake = std::chrono::seconds(10);
+// Connections still proving the secret at once: more are refused at the door, so that
+// strangers cannot take every descriptor or thread of rank 0.
+constexpr int kMaxUnproven = 64;
 
 enum class Op : std::uint32_t { Set = 1, Get, Add, CompareSet, Delete, Check, NumKeys, Wait };
 enum class Status : std::uint32_t { Ok = 0, Timeout = 1, Refused = 2 };
@@ -127,7 +131,8 @@ class Server {
     const char byte = 1;
     (void)!::write(wake_[1], &byte, 1);
     acceptor_.join();
-    for (auto& c : connections_) c.thread.join();
+    for (auto& c : connections_)
+      if (c.thread.joinable()) c.thread.join();
     ::close(fd_);
     ::close(wake_[0]);
     ::close(wake_[1]);
@@ -140,15 +145,39 @@ class Server {
   struct Connection {
     Socket socket;
     std::thread thread;
+    std::atomic<bool> finished{false};  // its thread is done: join it and close the socket
   };
+
+  // Joins and forgets the connections whose threads are done (their sockets close).
+  void reap_locked() {
+    for (auto it = connections_.begin(); it != connections_.end();) {
+      if (it->finished.load()) {
+        if (it->thread.joinable()) it->thread.join();
+        it = connections_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
 
   void accept_loop() {
     for (;;) {
       pollfd p[2] = {{fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
-      ::poll(p, 2, -1);
+      ::poll(p, 2, 1000);  // wakes at least once a second to reap finished connections
       if (p[1].revents != 0) return;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        reap_locked();
+      }
+      if ((p[0].revents & POLLIN) == 0) continue;
       const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) continue;
+      if (fd < 0) {
+        // Out of descriptors (EMFILE, ENFILE) or a connection gone before it was taken:
+        // pause rather than spin on a listener that stays readable.
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        continue;
+      }
       int one = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       std::lock_guard<std::mutex> lock(mutex_);
@@ -156,10 +185,29 @@ class Server {
         ::close(fd);
         return;
       }
+      if (unproven_ >= kMaxUnproven) {
+        Socket refused(fd, -1);
+        log::at(
+            log::Level::Warn,
+            "the rendezvous store refused a connection from {}: {} others are still proving the job secret",
+            peer_address(refused), unproven_);
+        continue;
+      }
       connections_.emplace_back();
       Connection& c = connections_.back();
       c.socket = Socket(fd, -1);
-      c.thread = std::thread([this, &c] { serve(c.socket); });
+      ++unproven_;
+      try {
+        c.thread = std::thread([this, &c] {
+          serve(c.socket);
+          c.finished.store(true);
+        });
+      } catch (const std::system_error& e) {  // no thread to be had: drop this connection
+        --unproven_;
+        connections_.pop_back();
+        log::at(log::Level::Warn, "the rendezvous store dropped a connection: cannot start a thread: {}",
+                e.what());
+      }
     }
   }
 
@@ -168,10 +216,14 @@ class Server {
     // Socket's transfers poll a non-blocking descriptor.
     const int flags = ::fcntl(s.fd(), F_GETFL, 0);
     ::fcntl(s.fd(), F_SETFL, flags | O_NONBLOCK);
-    if (auto refused = check_secret(s, secret_, kStorePurpose, Clock::now() + kHandshake)) {
+    const auto refused = check_secret(s, secret_, kStorePurpose, Clock::now() + kHandshake);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      --unproven_;
+    }
+    if (refused) {
       log::at(log::Level::Warn, "the rendezvous store refused a connection from {}: {}", peer_address(s),
               *refused);
-      s.shutdown();
       return;
     }
     try {
@@ -181,6 +233,9 @@ class Server {
       }
     } catch (const IoError&) {
       // The client closed its connection, or the server is stopping.
+    } catch (const std::exception& e) {  // a malformed request from a proven client
+      log::at(log::Level::Warn, "the rendezvous store dropped a connection from {}: {}", peer_address(s),
+              e.what());
     }
   }
 
@@ -216,7 +271,9 @@ class Server {
       case Op::Add: {
         need(1);
         Bytes& v = data_[text(r.parts[0])];
-        const std::int64_t now = (v.empty() ? 0 : std::stoll(text(v))) + r.arg;
+        std::int64_t now = 0;
+        if (__builtin_add_overflow(v.empty() ? std::int64_t{0} : std::stoll(text(v)), r.arg, &now))
+          throw IoError{IoError::Kind::Closed, -1, "an add that overflows 64 bits"};
         v = bytes(std::to_string(now));
         out.arg = now;
         changed_.notify_all();
@@ -268,6 +325,7 @@ class Server {
   std::condition_variable changed_;
   std::map<std::string, Bytes> data_;  // guarded by mutex_
   std::list<Connection> connections_;  // guarded by mutex_; a list, so that each stays put
+  int unproven_ = 0;                   // guarded by mutex_: connections still in the handshake
   bool stop_ = false;                  // guarded by mutex_
 };
 
@@ -343,13 +401,16 @@ class JobStore final : public c10d::Store {
   Message call(Op op, std::int64_t arg, std::vector<Bytes> parts,
                std::chrono::milliseconds waits = std::chrono::milliseconds(0)) {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (!broken_.empty()) C10_THROW_ERROR(DistNetworkError, broken_);
     const auto deadline = Clock::now() + timeout_ + waits;
     try {
       send_message(socket_, Message{static_cast<std::uint32_t>(op), arg, std::move(parts)}, deadline);
       return recv_message(socket_, deadline);
     } catch (const IoError& e) {
-      C10_THROW_ERROR(DistNetworkError, fmt::format("flatshard's store at {}:{}: {} (has rank 0 stopped?)",
-                                                    host_, port_, e.detail));
+      // A late answer would be read as the next request's: this connection is done.
+      socket_.shutdown();
+      broken_ = fmt::format("flatshard's store at {}:{}: {} (has rank 0 stopped?)", host_, port_, e.detail);
+      C10_THROW_ERROR(DistNetworkError, broken_);
     }
   }
 
@@ -358,7 +419,8 @@ class JobStore final : public c10d::Store {
   const std::string secret_;
   std::shared_ptr<Server> server_;  // rank 0's: outlives every store object of this process
   std::mutex mutex_;
-  Socket socket_;  // guarded by mutex_
+  Socket socket_;       // guarded by mutex_
+  std::string broken_;  // guarded by mutex_: why the connection failed, once it has
 };
 
 }  // namespace

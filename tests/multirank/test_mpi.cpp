@@ -203,8 +203,17 @@ TEST(Mpi, EveryStrategyMatchesSingleProcess) {
 // instead of letting it hang.
 TEST(Mpi, APeerThatNeverJoinsIsBoundedByTheDeadline) {
   if (!flatshard::testing::in_rank_mode()) {
-    run_under_mpirun({2});
-    const auto start = std::chrono::steady_clock::now();
+    auto start = std::chrono::steady_clock::now();
+    {
+      // Non-blocking: rank 0's checks pass (the CommError); it then leaves MPI unfinalized,
+      // since the collective it gave up is still pending, and mpirun ends the job.
+      const auto r = mpirun_current_test(2);
+      EXPECT_NE(r.output.find("[  PASSED  ] 1 test"), std::string::npos) << r.output;
+      EXPECT_EQ(r.output.find("[  FAILED  ]"), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find("MPI is left unfinalized"), std::string::npos) << r.output;
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60)) << r.output;
+    }
+    start = std::chrono::steady_clock::now();
     const auto r = mpirun_current_test(2, {{"FLATSHARD_MPI_BLOCKING", "1"}});
     EXPECT_NE(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("rank 0/2: all_reduce #2 did not complete within its deadline over MPI"),
@@ -233,9 +242,14 @@ TEST(Mpi, APeerThatNeverJoinsIsBoundedByTheDeadline) {
       EXPECT_NE(what.find("rank 0/2"), std::string::npos) << what;
     }
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
-    return;  // rank 1's late all-reduce meets the one MPI still holds posted
+    return;
   }
-  comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
+  // Rank 1, late: its all-reduce meets the one rank 0 left posted, or fails at its own
+  // deadline, or mpirun ends this rank first; none of these is a failure of the test.
+  try {
+    comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
+  } catch (const flatshard::CommError&) {
+  }
 }
 
 }  // namespace
