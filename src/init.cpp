@@ -45,7 +45,12 @@ c10::intrusive_ptr<c10d::Store> make_agent_store(const WorldSpec& spec, std::chr
 // beyond loopback must have a secret (Note [Proving the job's secret]).
 c10::intrusive_ptr<c10d::Store> make_tcp_store(const WorldSpec& spec, std::chrono::milliseconds timeout) {
   const std::string secret = tcp::job_secret();
-  if (secret.empty() && tcp::loopback_address_of(spec.master_addr).empty()) {
+  // Every rank on this machine: the store on loopback, whatever MASTER_ADDR names.
+  const bool one_machine = tcp::job_on_one_machine();
+  const std::string host = one_machine && tcp::loopback_address_of(spec.master_addr).empty()
+                               ? std::string("127.0.0.1")
+                               : spec.master_addr;
+  if (secret.empty() && tcp::loopback_address_of(host).empty()) {
     throw RendezvousError(fmt::format(
         "flatshard::init (rank {}/{}): a job whose master {} is not a loopback address listens for other "
         "machines and needs a job secret that only its ranks know: set FLATSHARD_JOB_SECRET to the same "
@@ -71,7 +76,7 @@ c10::intrusive_ptr<c10d::Store> make_tcp_store(const WorldSpec& spec, std::chron
   };
   try {
     if (torchrun_agent_store()) return make_agent_store(spec, timeout);
-    return tcp::make_job_store(spec.master_addr, spec.master_port, spec.rank == 0, secret, timeout);
+    return tcp::make_job_store(host, spec.master_port, spec.rank == 0, secret, timeout);
   } catch (const tcp::IoError& e) {
     throw fail(e.detail);
   } catch (const std::exception& e) {

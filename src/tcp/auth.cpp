@@ -73,6 +73,17 @@ std::string job_secret() {
   return s == nullptr ? std::string() : std::string(s);
 }
 
+bool job_on_one_machine() {
+  const auto get = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v == nullptr ? std::string() : std::string(v);
+  };
+  const auto same = [&](const char* a, const char* b) { return !get(a).empty() && get(a) == get(b); };
+  return get("GROUP_WORLD_SIZE") == "1" || same("LOCAL_WORLD_SIZE", "WORLD_SIZE") ||
+         same("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE") || get("SLURM_NNODES") == "1" ||
+         get("SLURM_JOB_NUM_NODES") == "1";
+}
+
 std::string make_secret() {
   const Nonce bytes = fresh_nonce();
   std::string hex;

@@ -31,6 +31,13 @@ inline constexpr const char* kRingPurpose = "ring link";
 // FLATSHARD_JOB_SECRET, or "" when unset.
 std::string job_secret();
 
+// Whether the launcher's environment says every rank of the job runs on this machine
+// (torchrun's GROUP_WORLD_SIZE=1, LOCAL_WORLD_SIZE equal to WORLD_SIZE, Open MPI's local
+// size equal to its size, Slurm's node count of 1). Such a job's store and rings use the
+// loopback interface whatever MASTER_ADDR names (torchrun sets it to the host's name), and
+// need no secret.
+bool job_on_one_machine();
+
 // A new secret: 32 bytes from the operating system's random source, in hex.
 std::string make_secret();
 

@@ -143,9 +143,18 @@ std::vector<Channel> connect_ring(const World& world, const CommunicatorOptions&
   std::string host = world.spec.store_kind == "tcp"
                          ? tcp::local_address_toward(world.spec.master_addr, world.spec.master_port)
                          : "127.0.0.1";
+  if (tcp::job_on_one_machine()) host = "127.0.0.1";  // every rank here: loopback
   if (const char* forced = std::getenv("FLATSHARD_SOCKET_ADDR")) host = forced;
   // A ring reached over loopback (a job on one machine) listens on loopback only: no other
-  // machine can open a link into it.
+  // machine can open a link into it. One that listens beyond loopback (FLATSHARD_SOCKET_ADDR
+  // naming another interface, or a file store across machines) needs the job's secret, as
+  // init() requires of the store (Note [Proving the job's secret]).
+  if (!tcp::is_loopback(host) && tcp::job_secret().empty()) {
+    throw fail(
+        fmt::format("its ring would listen on {}, beyond loopback, with no job secret to keep strangers "
+                    "out: set FLATSHARD_JOB_SECRET to the same random string on every rank",
+                    host));
+  }
   tcp::Listener listener(tcp::is_loopback(host));
   try {
     world.store->set(prefix + std::to_string(rank), to_bytes(fmt::format("{}:{}", host, listener.port())));
@@ -228,7 +237,13 @@ std::vector<Channel> connect_ring(const World& world, const CommunicatorOptions&
         ++accepted;
       }
     }
-    for (auto& p : pending) ::shutdown(p.second, SHUT_RDWR);  // strangers still silent: done waiting
+    // Whoever is still proving is no link of this ring: woken and refused, each logged.
+    for (auto& p : pending) ::shutdown(p.second, SHUT_RDWR);
+    for (auto& p : pending) {
+      const Arrival a = p.first.get();
+      log::at(log::Level::Warn, "communicator '{}': refused a ring link from {}: {}", options.name, a.address,
+              a.refused ? *a.refused : std::string("the ring was complete without it"));
+    }
     pending.clear();
     if (!outgoing_done) outgoing.get();
     for (int c = 0; c < num_channels; ++c) channels[c].from_prev = std::move(incoming[c]);

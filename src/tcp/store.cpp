@@ -224,6 +224,7 @@ class Server {
     if (refused) {
       log::at(log::Level::Warn, "the rendezvous store refused a connection from {}: {}", peer_address(s),
               *refused);
+      s.shutdown();  // the peer sees it closed now; the acceptor closes the descriptor
       return;
     }
     try {
@@ -237,6 +238,7 @@ class Server {
       log::at(log::Level::Warn, "the rendezvous store dropped a connection from {}: {}", peer_address(s),
               e.what());
     }
+    s.shutdown();
   }
 
   Message answer(const Message& r) {
