@@ -1,7 +1,6 @@
 // Token files, fixed-length samples and the distributed sampler (include/flatshard/data.h).
 #include "flatshard/data.h"
 
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
