@@ -233,7 +233,7 @@ class MpiBackend final : public comm::Backend {
                              "the communicator was aborted by an earlier failure");
     }
     if (n_ == 1) {
-      run_single(op);
+      comm::run_on_one_rank(op);
       return nullptr;
     }
     const MPI_Comm comm = comms_.at(static_cast<std::size_t>(channel));
@@ -356,20 +356,6 @@ class MpiBackend final : public comm::Backend {
 
   int next() const { return (rank_ + 1) % n_; }
   int prev() const { return (rank_ + n_ - 1) % n_; }
-
-  static void run_single(const Collective& op) {
-    switch (op.kind) {
-      case OpKind::AllGather:
-      case OpKind::ReduceScatter:
-        if (op.output.data_ptr() != op.input.data_ptr()) op.output.copy_(op.input);
-        break;
-      case OpKind::NeighborExchange:
-        op.output.narrow(0, 0, op.input.numel()).copy_(op.input);
-        op.output.narrow(0, op.input.numel(), op.input.numel()).copy_(op.input);
-        break;
-      default: break;
-    }
-  }
 
   // Every rank's slot (shard_range) of a buffer of `numel` elements.
   void slots(std::int64_t numel, std::vector<int>& counts, std::vector<int>& offsets) const {

@@ -85,6 +85,11 @@ class Backend {
 // same on every rank and never reused. Each call counts one creation.
 std::string next_rendezvous_prefix(const std::string& name);
 
+// What `op` does on a world of one rank, where nothing crosses: all-gather and
+// reduce-scatter copy when input and output differ, neighbour exchange copies the input
+// into both halves, the rest leave the tensor as it is.
+void run_on_one_rank(const Collective& op);
+
 // The CPU transport: `num_channels` independent rings of TCP connections.
 std::unique_ptr<Backend> make_tcp_ring_backend(const World& world, const CommunicatorOptions& options,
                                                int num_channels);

@@ -125,7 +125,7 @@ class TcpRingBackend final : public Backend {
                              "the communicator was aborted by an earlier failure");
     }
     if (world_size_ == 1) {
-      run_single(op);
+      run_on_one_rank(op);
       return nullptr;
     }
     Channel& ch = channels_[channel];
@@ -219,22 +219,6 @@ class TcpRingBackend final : public Backend {
   int next() const { return (rank_ + 1) % world_size_; }
   int prev() const { return (rank_ + world_size_ - 1) % world_size_; }
   int mod(int i) const { return ((i % world_size_) + world_size_) % world_size_; }
-
-  void run_single(const Collective& op) {
-    switch (op.kind) {
-      case OpKind::AllGather:
-        if (op.output.data_ptr() != op.input.data_ptr()) op.output.copy_(op.input);
-        break;
-      case OpKind::ReduceScatter:
-        if (op.output.data_ptr() != op.input.data_ptr()) op.output.copy_(op.input);
-        break;
-      case OpKind::NeighborExchange:  // this rank is both its neighbours
-        op.output.narrow(0, 0, op.input.numel()).copy_(op.input);
-        op.output.narrow(0, op.input.numel(), op.input.numel()).copy_(op.input);
-        break;
-      default: break;  // all_reduce, broadcast and barrier are identities for one rank
-    }
-  }
 
   // The previous rank's buffer into the first half of the output, the next rank's into
   // the second: one step with the ring (direct copies apply), one against it. Of two
