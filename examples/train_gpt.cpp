@@ -7,6 +7,9 @@
 //   --mode full|zero2|zero1|ddp [full]   full shard, shard-grad-op, DDP + ZeRO-1 optimizer, DDP
 //   --layers N [4] --dim N [256] --heads N [8] --vocab N [4096] --context N [64]
 //   --batch N [4]           sequences per rank per step
+//   --global-batch N        sequences per step over all ranks instead (each rank takes N / world):
+//                           the same training at any world size, for a job that resumes at
+//                           another one (flatshard-run --nnodes MIN:MAX)
 //   --steps N [50] --lr X [3e-4]   peak learning rate: linear warm-up over --warmup steps,
 //                           then cosine decay to --min-lr-ratio of it by the last step
 //   --warmup N [steps / 10] --min-lr-ratio X [0.1]
@@ -70,7 +73,7 @@ namespace {
 struct Args {
   std::string mode = "full", data, ckpt;
   GPTConfig model{4096, 64, 256, 8, 4};
-  int batch = 4, steps = 50, save_every = 0, log_every = 0, memory_every = 0;
+  int batch = 4, global_batch = 0, steps = 50, save_every = 0, log_every = 0, memory_every = 0;
   double lr = 3e-4, budget_mib = 0, min_lr_ratio = 0.1;
   int warmup = -1;
   std::string precision = "fp32";
@@ -101,6 +104,8 @@ Args parse(int argc, char** argv) {
       a.model.context = std::stoi(next());
     else if (k == "--batch")
       a.batch = std::stoi(next());
+    else if (k == "--global-batch")
+      a.global_batch = std::stoi(next());
     else if (k == "--steps")
       a.steps = std::stoi(next());
     else if (k == "--lr")
@@ -244,6 +249,15 @@ int main(int argc, char** argv) {
   try {
     auto world = flatshard::init();
     const int rank = world.rank(), n = world.world_size();
+    if (a.global_batch > 0) {
+      if (a.global_batch % n != 0) {
+        throw flatshard::InvalidArgument(fmt::format(
+            "train_gpt: --global-batch {} does not split over {} ranks; give a multiple of every world size "
+            "the job may run at",
+            a.global_batch, n));
+      }
+      a.batch = a.global_batch / n;
+    }
     flatshard::Strategy mode;
     flatshard::parse_strategy(a.mode, mode);
     const auto tokens = corpus(a);

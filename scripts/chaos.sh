@@ -10,6 +10,10 @@
 #   scripts/chaos.sh                      # 3 kills, 2 ranks, 1000 steps (build/ by default)
 #   KILLS=10 RANKS=4 STEPS=3000 scripts/chaos.sh
 #   ASYNC=1 scripts/chaos.sh              # the job saves asynchronously (kills land mid-write)
+#   SHRINK=1 RANKS=4 scripts/chaos.sh     # two elastic nodes (flatshard-run --nnodes 1:2) of RANKS/2
+#                                         # ranks; after the kills, node 1 is lost for good and the
+#                                         # job finishes at the world that remains: its loss curve
+#                                         # must match the uninterrupted run's (the same global batch)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD:-$root/build}"
@@ -20,8 +24,12 @@ save_every="${SAVE_EVERY:-25}"
 out="${OUT:-$(mktemp -d /tmp/flatshard-chaos.XXXXXX)}"
 run="$build/flatshard-run"
 gpt="$build/examples/train_gpt"
+shrink="${SHRINK:-0}"
 model=(--mode full --steps "$steps" --log-every "$save_every" --save-every "$save_every" --resume
        --layers 2 --dim 64 --vocab 256)
+# Shrinking, every world the job runs at trains on the same global batch (4 sequences per rank at
+# the start), so that the training is the same whatever the world.
+[[ "$shrink" == 1 ]] && model+=(--global-batch "$((4 * ranks))")
 [[ "${ASYNC:-0}" == 1 ]] && model+=(--async-save)  # checkpoints written beside training (AsyncSaver)
 mkdir -p "$out"
 rm -rf "$out/straight" "$out/chaos"
@@ -39,9 +47,23 @@ echo "== uninterrupted: $ranks ranks, $steps steps"
 "$run" -n "$ranks" --deadline-s 600 "$gpt" "${model[@]}" --ckpt "$out/straight" >"$out/straight.log" 2>&1
 
 echo "== killed $kills times at random"
-"$run" -n "$ranks" --deadline-s 900 --max-restarts "$((kills + 1))" "$gpt" "${model[@]}" --ckpt "$out/chaos" \
-  >"$out/chaos.log" 2>&1 &
-job=$!
+if [[ "$shrink" == 1 ]]; then
+  (( ranks % 2 == 0 )) || { echo "SHRINK=1 needs an even RANKS (two nodes)"; exit 2; }
+  port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+  node() {  # node id
+    FLATSHARD_JOB_SECRET=chaos-shrink exec "$run" -n "$((ranks / 2))" --nnodes 1:2 --node-rank "$1" \
+      --master-port "$port" --rdzv-wait-s 3 --deadline-s 900 --max-restarts "$((kills + 2))" \
+      "$gpt" "${model[@]}" --ckpt "$out/chaos"
+  }
+  node 0 >"$out/chaos.log" 2>&1 &
+  job=$!
+  node 1 >"$out/chaos-node1.log" 2>&1 &
+  node1=$!
+else
+  "$run" -n "$ranks" --deadline-s 900 --max-restarts "$((kills + 1))" "$gpt" "${model[@]}" --ckpt "$out/chaos" \
+    >"$out/chaos.log" 2>&1 &
+  job=$!
+fi
 done_kills=0
 while [ "$done_kills" -lt "$kills" ] && kill -0 "$job" 2>/dev/null; do
   sleep "$((1 + RANDOM % 3)).$((RANDOM % 10))"
@@ -53,6 +75,17 @@ while [ "$done_kills" -lt "$kills" ] && kill -0 "$job" 2>/dev/null; do
     echo "kill $done_kills: pid $victim at $(date +%T.%N | cut -c1-12)"
   fi
 done
+if [[ "$shrink" == 1 ]]; then
+  # Node 1 is lost for good once the job has saved a checkpoint after the last kill: its
+  # launcher is killed, and its ranks with it.
+  seen="$(cat "$out/chaos/latest" 2>/dev/null || true)"
+  while kill -0 "$job" 2>/dev/null && [ "$(cat "$out/chaos/latest" 2>/dev/null || true)" == "$seen" ]; do
+    sleep 0.1
+  done
+  sleep "0.$((RANDOM % 10))"
+  kill -9 "$node1" 2>/dev/null && echo "node 1 lost for good at $(date +%T.%N | cut -c1-12)"
+  wait "$node1" 2>/dev/null || true
+fi
 status=0
 wait "$job" || status=$?
 
@@ -66,6 +99,32 @@ grep -o 'first step after the failure .*' "$out/chaos.log" | sed 's/^/  /' || tr
 [ "$status" -eq 0 ] || { echo "FAIL: the job did not finish (see $out/chaos.log)"; exit 1; }
 [ "$done_kills" -eq "$kills" ] || { echo "FAIL: the job ended after $done_kills of $kills kills: raise STEPS"; exit 1; }
 [ "$restarts" -ge "$done_kills" ] || { echo "FAIL: $done_kills kills but $restarts restarts"; exit 1; }
+if [[ "$shrink" == 1 ]]; then
+  grep -o 'the job goes on at world [0-9]* (was [0-9]*)' "$out/chaos.log" ||
+    { echo "FAIL: the job never went on at a smaller world (see $out/chaos.log)"; exit 1; }
+  # The loss at every logged step of the last start (after the world shrank) against the
+  # uninterrupted run's: the same global batches, so the same curve up to rounding.
+  python3 - "$out/straight.log" "$out/chaos.log" <<'PY'
+import re, sys
+def curve(path, last_start_only):
+    text = open(path).read()
+    if last_start_only:
+        text = text[text.rindex("round "):]
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+)/\d+  loss ([0-9.]+)", text)}
+straight, shrunk = curve(sys.argv[1], False), curve(sys.argv[2], True)
+resumed = re.findall(r"resumed from \S+ \(step (\d+), saved at world (\d+)", open(sys.argv[2]).read())
+steps = sorted(shrunk)
+if not steps:
+    sys.exit("FAIL: the last start logged no step")
+worst = max(abs(shrunk[s] - straight[s]) for s in steps)
+print(f"after the shrink: resumed at step {resumed[-1][0]} (saved at world {resumed[-1][1]}); {len(steps)} logged "
+      f"steps {steps[0]}..{steps[-1]}; largest |loss - uninterrupted loss| {worst:.4f}")
+if worst > 2e-3:
+    sys.exit("FAIL: the loss curve after the shrink left the uninterrupted run's")
+PY
+  echo "OK: the job lost a node for good and finished at the world that remains on the uninterrupted run's loss curve"
+  exit 0
+fi
 for f in "$out/straight/$final"/*; do
   cmp -s "$f" "$out/chaos/$final/$(basename "$f")" ||
     { echo "FAIL: $(basename "$f") of $final differs from the uninterrupted run's"; exit 1; }

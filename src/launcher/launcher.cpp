@@ -14,11 +14,16 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "src/launcher/rendezvous.h"
+#include "src/tcp/socket.h"
 
 namespace flatshard::launcher {
 namespace {
@@ -160,12 +165,18 @@ pid_t spawn(const LaunchOptions& o, int local, int port, int restart, int out_fd
 }  // namespace
 
 std::string usage() {
-  return "usage: flatshard-run -n N [--nnodes M --node-rank R --master-addr A --master-port P]\n"
+  return "usage: flatshard-run -n N [--nnodes M|MIN:MAX --node-rank R --master-addr A --master-port P]\n"
          "                     [--grace-s S] [--deadline-s S] [--nccl-host-per-rank] [--max-restarts N]\n"
-         "                     PROGRAM [ARGS...]\n"
+         "                     [--rdzv-wait-s S] [--rdzv-timeout-s S] PROGRAM [ARGS...]\n"
          "  -n, --nproc-per-node N  ranks to start on this node\n"
          "  --nnodes M              nodes in the job (default 1)\n"
-         "  --node-rank R           this node's index (default 0)\n"
+         "  --nnodes MIN:MAX        an elastic job: the nodes meet before every start at node 0\n"
+         "                          (--master-addr:--master-port) and each start runs with the\n"
+         "                          nodes present, at least MIN; with --max-restarts, a node\n"
+         "                          lost for good leaves the job at the world that remains\n"
+         "  --node-rank R           this node's index (default 0); elastic: its id, 0 hosts\n"
+         "  --rdzv-wait-s S         elastic: how long a start waits for nodes beyond MIN (10)\n"
+         "  --rdzv-timeout-s S      elastic: how long a start waits for MIN nodes (600)\n"
          "  --master-addr A         host of global rank 0 (default 127.0.0.1)\n"
          "  --master-port P         its rendezvous port (default: a free port; required if M > 1)\n"
          "  --grace-s S             after a rank fails, seconds the others get to exit (default 5)\n"
@@ -189,8 +200,21 @@ LaunchOptions parse_args(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "-n" || a == "--nproc-per-node" || a == "--nproc_per_node")
       o.nproc_per_node = parse_int(a, value(a));
-    else if (a == "--nnodes")
-      o.nnodes = parse_int(a, value(a));
+    else if (a == "--nnodes") {
+      const std::string v = value(a);
+      const auto colon = v.find(':');
+      if (colon == std::string::npos) {
+        o.nnodes = parse_int(a, v);
+      } else {
+        o.elastic = true;
+        o.min_nodes = parse_int(a, v.substr(0, colon));
+        o.max_nodes = parse_int(a, v.substr(colon + 1));
+        o.nnodes = o.max_nodes;
+      }
+    } else if (a == "--rdzv-wait-s")
+      o.rdzv_wait_s = parse_double(a, value(a));
+    else if (a == "--rdzv-timeout-s")
+      o.rdzv_timeout_s = parse_double(a, value(a));
     else if (a == "--node-rank" || a == "--node_rank")
       o.node_rank = parse_int(a, value(a));
     else if (a == "--master-addr" || a == "--master_addr")
@@ -226,6 +250,12 @@ LaunchOptions parse_args(int argc, char** argv) {
   if (o.nnodes > 1 && o.master_port == 0)
     throw std::invalid_argument("--master-port is required when --nnodes > 1");
   if (o.max_restarts < 0) throw std::invalid_argument("--max-restarts must be at least 0");
+  if (o.elastic && (o.min_nodes < 1 || o.max_nodes < o.min_nodes))
+    throw std::invalid_argument("--nnodes MIN:MAX needs 1 <= MIN <= MAX");
+  if (o.elastic && o.master_port == 0)
+    throw std::invalid_argument("--nnodes MIN:MAX needs --master-port (where node 0 hosts the rendezvous)");
+  if (o.rdzv_wait_s < 0 || o.rdzv_timeout_s <= 0)
+    throw std::invalid_argument("--rdzv-wait-s must be >= 0 and --rdzv-timeout-s > 0");
   return o;
 }
 
@@ -387,6 +417,108 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
 
 }  // namespace
 
+namespace {
+
+// After a start ended: whether another follows (and then its ranks are told what failed
+// and when), or the job ends with the start's code.
+bool restart_follows(const LaunchOptions& o, const Outcome& out, int restart) {
+  if (out.code == 0 || !out.restartable) return false;
+  if (restart >= o.max_restarts) {
+    if (o.max_restarts > 0)
+      fmt::print(stderr, "flatshard-run: {}; no restart left (--max-restarts {}): the job fails\n", out.cause,
+                 o.max_restarts);
+    return false;
+  }
+  // Note [Restarting a failed job]: the next start's ranks learn what failed and when
+  // (milliseconds since the Unix epoch), so that a program can report how long the
+  // failure cost until its first resumed step.
+  ::setenv("FLATSHARD_FAILURE_CAUSE", out.cause.c_str(), 1);
+  ::setenv("FLATSHARD_FAILED_AT_UNIX_MS",
+           std::to_string(
+               std::chrono::duration_cast<std::chrono::milliseconds>(out.failed_at_wall.time_since_epoch())
+                   .count())
+               .c_str(),
+           1);
+  fmt::print(stderr,
+             "flatshard-run: {}; restart {} of {}, {:.1f} s after the failure: starting every rank again\n",
+             out.cause, restart + 1, o.max_restarts,
+             std::chrono::duration<double>(Clock::now() - out.failed_at).count());
+  std::fflush(stderr);
+  return true;
+}
+
+// Note [Rounds of an elastic job]: before every start, this node meets the others (node 0
+// hosts the rounds), and the start runs as a fixed job of the nodes present.
+int run_elastic(const LaunchOptions& o) {
+  RendezvousOptions r;
+  r.host = o.master_addr;
+  r.port = o.master_port;
+  r.min_nodes = o.min_nodes;
+  r.max_nodes = o.max_nodes;
+  r.node_id = o.node_rank;
+  r.nproc = o.nproc_per_node;
+  r.wait_s = o.rdzv_wait_s;
+  r.timeout_s = o.rdzv_timeout_s;
+  const char* secret = std::getenv("FLATSHARD_JOB_SECRET");
+  r.secret = secret ? secret : "";
+  if (r.secret.empty() && tcp::loopback_address_of(o.master_addr).empty()) {
+    fmt::print(stderr,
+               "flatshard-run: an elastic job across machines needs a secret: give every node the same "
+               "FLATSHARD_JOB_SECRET (docs/launching.md)\n");
+    return 2;
+  }
+  std::unique_ptr<RendezvousHost> host;
+  try {
+    if (o.node_rank == 0) host = std::make_unique<RendezvousHost>(r);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "flatshard-run: {}\n", e.what());
+    return 1;
+  }
+  const auto job_start = Clock::now();
+  std::vector<int> before;  // the node ids of the previous start
+  for (int restart = 0;; ++restart) {
+    Membership m;
+    try {
+      m = host ? host->next_round() : join_round(r);
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "flatshard-run: {}\n", e.what());
+      return 1;
+    }
+    if (m.job_over) {
+      fmt::print(stderr,
+                 "flatshard-run: node {}: the job ended (code {}) while this node waited to rejoin it\n",
+                 o.node_rank, *m.job_over);
+      return *m.job_over;
+    }
+    std::vector<int> gone;
+    for (int id : before) {
+      if (std::find(m.node_ids.begin(), m.node_ids.end(), id) == m.node_ids.end()) gone.push_back(id);
+    }
+    const int world = m.nnodes * o.nproc_per_node;
+    fmt::print(stderr, "flatshard-run: round {}: nodes {} (of {}..{}); this is node {} of world {}{}\n",
+               m.round, fmt::join(m.node_ids, ","), o.min_nodes, o.max_nodes, m.node_rank, world,
+               gone.empty()
+                   ? std::string()
+                   : fmt::format("; the job goes on at world {} (was {}): node {} did not return within "
+                                 "--rdzv-wait-s {:g}",
+                                 world, static_cast<int>(before.size()) * o.nproc_per_node,
+                                 fmt::join(gone, ","), o.rdzv_wait_s));
+    std::fflush(stderr);
+    before = m.node_ids;
+    LaunchOptions start = o;
+    start.node_rank = m.node_rank;
+    start.nnodes = m.nnodes;
+    start.master_port = m.port;
+    const Outcome out = run_once(start, restart, job_start);
+    if (!restart_follows(o, out, restart)) {
+      if (host) host->finish(out.code);
+      return out.code;
+    }
+  }
+}
+
+}  // namespace
+
 // Note [Restarting a failed job]
 // With --max-restarts N, a start that ends with a rank's own failure (an exit code other
 // than 0, or a signal the launcher did not send) is followed, once every rank has
@@ -423,31 +555,11 @@ int run(const LaunchOptions& o) {
     }
     ::setenv("FLATSHARD_JOB_SECRET", secret.c_str(), 1);
   }
+  if (o.elastic) return run_elastic(o);
   const auto job_start = Clock::now();
   for (int restart = 0;; ++restart) {
     const Outcome out = run_once(o, restart, job_start);
-    if (out.code == 0 || !out.restartable) return out.code;
-    if (restart >= o.max_restarts) {
-      if (o.max_restarts > 0)
-        fmt::print(stderr, "flatshard-run: {}; no restart left (--max-restarts {}): the job fails\n",
-                   out.cause, o.max_restarts);
-      return out.code;
-    }
-    // Note [Restarting a failed job]: the next start's ranks learn what failed and when
-    // (milliseconds since the Unix epoch), so that a program can report how long the
-    // failure cost until its first resumed step.
-    ::setenv("FLATSHARD_FAILURE_CAUSE", out.cause.c_str(), 1);
-    ::setenv("FLATSHARD_FAILED_AT_UNIX_MS",
-             std::to_string(
-                 std::chrono::duration_cast<std::chrono::milliseconds>(out.failed_at_wall.time_since_epoch())
-                     .count())
-                 .c_str(),
-             1);
-    fmt::print(stderr,
-               "flatshard-run: {}; restart {} of {}, {:.1f} s after the failure: starting every rank again\n",
-               out.cause, restart + 1, o.max_restarts,
-               std::chrono::duration<double>(Clock::now() - out.failed_at).count());
-    std::fflush(stderr);
+    if (!restart_follows(o, out, restart)) return out.code;
   }
 }
 

@@ -19,6 +19,12 @@ struct LaunchOptions {
   // Note [Restarting a failed job]: after a failure, start every rank again, up to this
   // many times.
   int max_restarts = 0;
+  // Note [Rounds of an elastic job]: --nnodes MIN:MAX. The nodes meet before every start,
+  // and a start goes on with the nodes present (at least min_nodes).
+  bool elastic = false;
+  int min_nodes = 1, max_nodes = 1;
+  double rdzv_wait_s = 10;           // how long a round waits for nodes beyond MIN
+  double rdzv_timeout_s = 600;       // how long a round waits for MIN nodes
   std::vector<std::string> command;  // PROGRAM ARGS...
 };
 

@@ -134,7 +134,9 @@ std::string loopback_address_of(const std::string& host) {
   return is_loopback(text) ? std::string(text) : std::string();
 }
 
-Listener::Listener(bool loopback_only) {
+Listener::Listener(bool loopback_only) : Listener(0, loopback_only) {}
+
+Listener::Listener(int port, bool loopback_only) {
   fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   FLATSHARD_ASSERT(fd_ >= 0, "socket() failed");
   int one = 1;
@@ -142,9 +144,15 @@ Listener::Listener(bool loopback_only) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(loopback_only ? INADDR_LOOPBACK : INADDR_ANY);
-  addr.sin_port = 0;
-  FLATSHARD_ASSERT(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0, "bind() failed");
-  FLATSHARD_ASSERT(::listen(fd_, 128) == 0, "listen() failed");
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd_, 128) != 0) {
+    const int error = errno;
+    ::close(fd_);
+    fd_ = -1;
+    FLATSHARD_ASSERT(port != 0, "binding a free port failed");
+    throw_io(IoError::Kind::Closed, -1,
+             fmt::format("cannot listen on port {}: {}", port, std::strerror(error)));
+  }
   socklen_t len = sizeof(addr);
   getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
   port_ = ntohs(addr.sin_port);

@@ -54,6 +54,9 @@ class Listener {
   // Binds a free port on every interface, or on the loopback interface only (a job on one
   // machine: nothing from outside it can connect).
   explicit Listener(bool loopback_only = false);
+  // Binds `port` (on every interface, or on the loopback interface only); throws IoError
+  // (Closed) naming the port when it cannot (taken, or not ours to bind).
+  Listener(int port, bool loopback_only);
   ~Listener();
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;

@@ -4,10 +4,15 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "tests/support/multirank.h"
 #include "tests/support/subprocess.h"
@@ -144,6 +149,128 @@ TEST(Launcher, ARestartedJobIsToldWhatFailedAndWhen) {
   EXPECT_NE(line.find("[rank 1 exited with code 4]"), std::string::npos) << line;
 }
 
+// A port nobody listens on now.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Runs one flatshard-run per node of an elastic job on this machine, side by side:
+// node_args[k] are node k's options before the program.
+std::vector<flatshard::testing::RunResult> run_nodes(const std::vector<std::vector<std::string>>& node_args,
+                                                     const std::vector<RunOptions>& options,
+                                                     const std::string& script) {
+  std::vector<flatshard::testing::RunResult> results(node_args.size());
+  std::vector<std::thread> nodes;
+  for (std::size_t k = 0; k < node_args.size(); ++k) {
+    nodes.emplace_back([&, k] { results[k] = run_command(launch(node_args[k], script), options[k]); });
+  }
+  for (auto& t : nodes) t.join();
+  return results;
+}
+
+// Note [Rounds of an elastic job]: three nodes (ids 0, 1, 2) start at world 3; node 1 is
+// lost for good (its launcher killed, and with it its rank); the others' ranks fail as on a
+// lost peer, their launchers meet again, wait --rdzv-wait-s for node 1, and start at world 2,
+// node 2 now node rank 1.
+TEST(Launcher, AnElasticJobGoesOnAtTheWorldThatRemains) {
+  const std::string port = std::to_string(free_port());
+  const std::string script =
+      "echo \"env $RANK $WORLD_SIZE $GROUP_RANK $TORCHELASTIC_RESTART_COUNT\"; "
+      "if [ \"$WORLD_SIZE\" = 3 ]; then "
+      "  if [ \"$GROUP_RANK\" = 1 ]; then exec sleep 60; fi; sleep 3; exit 4; "
+      "fi; echo done-$WORLD_SIZE";
+  std::vector<std::vector<std::string>> args;
+  for (int id = 0; id < 3; ++id) {
+    args.push_back({"-n", "1", "--nnodes", "2:3", "--node-rank", std::to_string(id), "--master-port", port,
+                    "--rdzv-wait-s", "1", "--max-restarts", "1", "--grace-s", "0.5", "--deadline-s", "60"});
+  }
+  std::vector<RunOptions> options(3);
+  for (auto& o : options) o.env["FLATSHARD_JOB_SECRET"] = "elastic-test";
+  options[1].signal = SIGKILL;  // node 1 is lost once its rank runs
+  options[1].signal_after = std::chrono::milliseconds(1500);
+  const auto r = run_nodes(args, options, script);
+  EXPECT_NE(r[1].output.find("[rank 1] env 1 3 1 0"), std::string::npos) << r[1].output;
+  EXPECT_EQ(r[1].exit_code, 128 + SIGKILL) << r[1].output;
+  for (int id : {0, 2}) {
+    const int first_rank = id, second_rank = id / 2;
+    EXPECT_EQ(r[id].exit_code, 0) << r[id].output;
+    EXPECT_NE(r[id].output.find(fmt::format("[rank {0}] env {0} 3 {0} 0", first_rank)), std::string::npos)
+        << r[id].output;
+    EXPECT_NE(r[id].output.find(fmt::format("[rank {0}] env {0} 2 {0} 1", second_rank)), std::string::npos)
+        << r[id].output;
+    EXPECT_NE(r[id].output.find(fmt::format("[rank {}] done-2", second_rank)), std::string::npos)
+        << r[id].output;
+    EXPECT_NE(r[id].output.find("round 2: nodes 0,2 (of 2..3); this is node " + std::to_string(second_rank) +
+                                " of world 2; the job goes on at world 2 (was 3): node 1 did not return"),
+              std::string::npos)
+        << r[id].output;
+  }
+}
+
+// Both nodes' ranks fail (as on a lost peer) and both launchers come back: the next start
+// has the same nodes and world, without waiting for --rdzv-wait-s (every node is in).
+TEST(Launcher, AnElasticJobsNodesMeetAgainAfterAFailure) {
+  const std::string port = std::to_string(free_port());
+  std::vector<std::vector<std::string>> args;
+  for (int id = 0; id < 2; ++id) {
+    args.push_back({"-n", "2", "--nnodes", "1:2", "--node-rank", std::to_string(id), "--master-port", port,
+                    "--rdzv-wait-s", "30", "--max-restarts", "2", "--grace-s", "0.5", "--deadline-s", "60"});
+  }
+  std::vector<RunOptions> options(2);
+  for (auto& o : options) o.env["FLATSHARD_JOB_SECRET"] = "elastic-test";
+  const auto r = run_nodes(args, options,
+                           "echo \"env $RANK $WORLD_SIZE $TORCHELASTIC_RESTART_COUNT\"; "
+                           "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 0.$RANK; exit 3; fi");
+  for (int id = 0; id < 2; ++id) {
+    EXPECT_EQ(r[id].exit_code, 0) << r[id].output;
+    EXPECT_LT(r[id].seconds, 20.0) << "a round waited for --rdzv-wait-s with every node in: " << r[id].output;
+    for (int local = 0; local < 2; ++local) {
+      const int rank = 2 * id + local;
+      EXPECT_NE(r[id].output.find(fmt::format("[rank {0}] env {0} 4 1", rank)), std::string::npos)
+          << r[id].output;
+    }
+    EXPECT_NE(r[id].output.find("round 2: nodes 0,1 (of 1..2); this is node " + std::to_string(id) +
+                                " of world 4\n"),
+              std::string::npos)
+        << r[id].output;
+  }
+}
+
+// A second node with a taken id is refused by name; a round that never reaches MIN nodes
+// fails once --rdzv-timeout-s passes, on the host and on the node waiting in it.
+TEST(Launcher, AnElasticRoundRefusesATakenIdAndEndsWithoutMinNodes) {
+  const std::string port = std::to_string(free_port());
+  std::vector<std::vector<std::string>> args;
+  for (int id : {0, 1, 1}) {
+    args.push_back({"-n", "1", "--nnodes", "3:3", "--node-rank", std::to_string(id), "--master-port", port,
+                    "--rdzv-timeout-s", "3", "--deadline-s", "60"});
+  }
+  std::vector<RunOptions> options(3);
+  for (auto& o : options) o.env["FLATSHARD_JOB_SECRET"] = "elastic-test";
+  const auto r = run_nodes(args, options, "echo started");
+  EXPECT_EQ(r[0].exit_code, 1) << r[0].output;
+  EXPECT_NE(r[0].output.find("round 1 of the launchers' rendezvous: 2 of at least 3 nodes arrived"),
+            std::string::npos)
+      << r[0].output;
+  int refused = 0;
+  for (int k : {1, 2}) {
+    EXPECT_EQ(r[k].exit_code, 1) << r[k].output;
+    EXPECT_EQ(r[k].output.find("started"), std::string::npos) << r[k].output;
+    if (r[k].output.find("refused node 1: another node with this --node-rank is in the round") !=
+        std::string::npos)
+      ++refused;
+  }
+  EXPECT_EQ(refused, 1) << r[1].output << r[2].output;
+}
+
 TEST(Launcher, FailedRankStopsTheOthersAndItsCodeIsTheJobs) {
   const auto r = run_command(
       launch({"-n", "3", "--grace-s", "0.5"}, "if [ \"$RANK\" = 1 ]; then sleep 0.2; exit 3; fi; sleep 60"));
@@ -221,12 +348,14 @@ TEST(Launcher, MaxRestartsEndsWithTheLastFailureAndNeverAfterASignal) {
 }
 
 TEST(Launcher, BadArgumentsPrintUsage) {
-  for (auto args :
-       std::vector<std::vector<std::string>>{{launcher_path()},
-                                             {launcher_path(), "-n", "0", "true"},
-                                             {launcher_path(), "--nnodes", "2", "-n", "1", "true"},
-                                             {launcher_path(), "--bogus", "true"},
-                                             {launcher_path(), "--max-restarts", "-1", "true"}}) {
+  for (auto args : std::vector<std::vector<std::string>>{
+           {launcher_path()},
+           {launcher_path(), "-n", "0", "true"},
+           {launcher_path(), "--nnodes", "2", "-n", "1", "true"},
+           {launcher_path(), "--bogus", "true"},
+           {launcher_path(), "--max-restarts", "-1", "true"},
+           {launcher_path(), "--nnodes", "2:1", "--master-port", "9", "true"},
+           {launcher_path(), "--nnodes", "1:2", "true"}}) {
     const auto r = run_command(args);
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find("usage: flatshard-run"), std::string::npos) << r.output;

@@ -1,0 +1,239 @@
+#include "src/launcher/rendezvous.h"
+
+#include <arpa/inet.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <stdexcept>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "src/tcp/auth.h"
+#include "src/tcp/socket.h"
+
+namespace flatshard::launcher {
+namespace {
+
+using tcp::Clock;
+using Seconds = std::chrono::duration<double>;
+
+constexpr const char* kPurpose = "launcher rendezvous";
+constexpr std::uint32_t kMagic = 0x46535256;  // "FSRV"
+constexpr auto kHandshake = std::chrono::seconds(5);
+
+// What the host answers a node.
+enum Kind : std::int32_t { kMember = 0, kRefused = 1, kJobOver = 2 };
+// Why it refused one.
+enum Refusal : std::int32_t { kIdTaken = 1, kIdOutOfRange = 2, kOtherNproc = 3 };
+
+// Messages are 32-bit integers in network byte order.
+void send_ints(tcp::Socket& s, const std::vector<std::int32_t>& values, Clock::time_point deadline) {
+  std::vector<std::uint32_t> wire;
+  for (std::int32_t v : values) wire.push_back(htonl(static_cast<std::uint32_t>(v)));
+  s.send_all(wire.data(), wire.size() * sizeof(std::uint32_t), deadline);
+}
+
+std::vector<std::int32_t> recv_ints(tcp::Socket& s, std::size_t count, Clock::time_point deadline) {
+  std::vector<std::uint32_t> wire(count);
+  s.recv_all(wire.data(), count * sizeof(std::uint32_t), deadline);
+  std::vector<std::int32_t> values;
+  for (std::uint32_t v : wire) values.push_back(static_cast<std::int32_t>(ntohl(v)));
+  return values;
+}
+
+Clock::time_point after(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(Seconds(seconds));
+}
+
+// A node waiting in a round: its id and its connection.
+struct Arrival {
+  int id = 0;
+  tcp::Socket socket;
+};
+
+}  // namespace
+
+struct RendezvousHost::State {
+  RendezvousOptions options;
+  tcp::Listener listener;
+  int round = 0;
+  State(const RendezvousOptions& o, int port, bool loopback) : options(o), listener(port, loopback) {}
+
+  // Accepts one node before `until`, checks its proof and its hello; nullopt when none came
+  // or it was refused (a refused node is told why and logged).
+  std::optional<Arrival> accept(Clock::time_point until, const std::vector<Arrival>& present) {
+    tcp::Socket s;
+    try {
+      s = listener.accept(until);
+    } catch (const tcp::IoError&) {
+      return std::nullopt;  // none before `until`
+    }
+    if (auto refused = tcp::check_secret(s, options.secret, kPurpose, Clock::now() + kHandshake)) {
+      std::fprintf(stderr, "flatshard-run: refused a connection to the launchers' rendezvous from %s: %s\n",
+                   tcp::peer_address(s).c_str(), refused->c_str());
+      return std::nullopt;
+    }
+    std::vector<std::int32_t> hello;
+    try {
+      hello = recv_ints(s, 3, Clock::now() + kHandshake);
+    } catch (const tcp::IoError& e) {
+      std::fprintf(stderr, "flatshard-run: a node left the rendezvous before saying who it is: %s\n",
+                   e.detail.c_str());
+      return std::nullopt;
+    }
+    if (static_cast<std::uint32_t>(hello[0]) != kMagic) return std::nullopt;
+    const int id = hello[1], nproc = hello[2];
+    std::int32_t refusal = 0;
+    if (id <= 0 || id >= options.max_nodes) {
+      refusal = kIdOutOfRange;
+    } else if (nproc != options.nproc) {
+      refusal = kOtherNproc;
+    } else if (std::any_of(present.begin(), present.end(), [&](const Arrival& a) { return a.id == id; })) {
+      refusal = kIdTaken;
+    }
+    if (refusal != 0) {
+      std::fprintf(stderr, "flatshard-run: refused node %d (%d ranks) in round %d: %s\n", id, nproc,
+                   round + 1,
+                   refusal == kIdTaken        ? "another node of that --node-rank is in the round"
+                   : refusal == kIdOutOfRange ? "its --node-rank is out of range"
+                                              : "it runs another number of ranks");
+      try {
+        send_ints(s, {kRefused, refusal, options.max_nodes, options.nproc}, Clock::now() + kHandshake);
+      } catch (const tcp::IoError&) {
+      }
+      return std::nullopt;
+    }
+    return Arrival{id, std::move(s)};
+  }
+};
+
+RendezvousHost::RendezvousHost(const RendezvousOptions& options) {
+  const bool loopback = !tcp::loopback_address_of(options.host).empty();
+  try {
+    state_ = std::make_unique<State>(options, options.port, loopback);
+  } catch (const tcp::IoError& e) {
+    throw std::runtime_error(
+        fmt::format("node 0 cannot host the launchers' rendezvous at {}:{}: {}; give a free --master-port",
+                    options.host, options.port, e.detail));
+  }
+}
+
+RendezvousHost::~RendezvousHost() = default;
+
+Membership RendezvousHost::next_round() {
+  State& st = *state_;
+  const RendezvousOptions& o = st.options;
+  ++st.round;
+  const auto last_call = after(o.wait_s), give_up = after(o.timeout_s);
+  std::vector<Arrival> present;
+  for (;;) {
+    const int count = 1 + static_cast<int>(present.size());
+    const auto now = Clock::now();
+    if (count >= o.max_nodes || (count >= o.min_nodes && now >= last_call)) break;
+    if (now >= give_up) {
+      throw std::runtime_error(
+          fmt::format("round {} of the launchers' rendezvous: {} of at least {} nodes arrived within "
+                      "--rdzv-timeout-s {:g}; "
+                      "start the missing nodes' flatshard-run (same --master-addr, --master-port and secret) "
+                      "or lower MIN in "
+                      "--nnodes MIN:MAX",
+                      st.round, count, o.min_nodes, o.timeout_s));
+    }
+    const auto until =
+        std::min(count >= o.min_nodes ? last_call : give_up, now + std::chrono::milliseconds(200));
+    if (auto arrival = st.accept(until, present)) present.push_back(std::move(*arrival));
+  }
+  std::sort(present.begin(), present.end(), [](const Arrival& a, const Arrival& b) { return a.id < b.id; });
+  Membership m;
+  m.round = st.round;
+  m.node_rank = 0;
+  m.nnodes = 1 + static_cast<int>(present.size());
+  m.node_ids.push_back(0);
+  for (const auto& a : present) m.node_ids.push_back(a.id);
+  tcp::Listener free_now(0, !tcp::loopback_address_of(o.host).empty());
+  m.port = free_now.port();  // released before the ranks start; rank 0 binds it again
+  for (std::size_t k = 0; k < present.size(); ++k) {
+    std::vector<std::int32_t> answer{kMember, m.round, static_cast<std::int32_t>(k + 1), m.nnodes, m.port};
+    answer.insert(answer.end(), m.node_ids.begin(), m.node_ids.end());
+    try {
+      send_ints(present[k].socket, answer, Clock::now() + kHandshake);
+    } catch (const tcp::IoError& e) {
+      // It left between its hello and the answer: the start fails without it, and the
+      // next round goes on without it.
+      std::fprintf(stderr, "flatshard-run: node %d left round %d before its answer: %s\n", present[k].id,
+                   m.round, e.detail.c_str());
+    }
+  }
+  return m;
+}
+
+void RendezvousHost::finish(int code) {
+  State& st = *state_;
+  std::vector<Arrival> present;
+  for (;;) {  // only those already waiting
+    tcp::Socket s;
+    try {
+      s = st.listener.accept(Clock::now());
+    } catch (const tcp::IoError&) {
+      break;  // none left
+    }
+    if (tcp::check_secret(s, st.options.secret, kPurpose, Clock::now() + kHandshake)) continue;
+    try {
+      recv_ints(s, 3, Clock::now() + kHandshake);
+      send_ints(s, {kJobOver, code}, Clock::now() + kHandshake);
+    } catch (const tcp::IoError&) {
+    }
+  }
+}
+
+Membership join_round(const RendezvousOptions& o) {
+  const auto give_up = after(o.timeout_s);
+  std::string last_error;
+  while (Clock::now() < give_up) {
+    try {
+      tcp::Socket s = tcp::Socket::connect(o.host, o.port, 0, give_up);
+      // The host answers once it opens a round: while a start runs, not before it ends.
+      tcp::prove_secret(s, o.secret, kPurpose, give_up);
+      send_ints(s, {static_cast<std::int32_t>(kMagic), o.node_id, o.nproc}, Clock::now() + kHandshake);
+      const auto head = recv_ints(s, 2, give_up);
+      if (head[0] == kJobOver) {
+        Membership m;
+        m.job_over = head[1];
+        return m;
+      }
+      if (head[0] == kRefused) {
+        const auto rest = recv_ints(s, 2, Clock::now() + kHandshake);
+        throw std::runtime_error(fmt::format(
+            "the launchers' rendezvous at {}:{} refused node {}: {}", o.host, o.port, o.node_id,
+            head[1] == kIdTaken ? "another node with this --node-rank is in the round; give each node its own"
+            : head[1] == kIdOutOfRange
+                ? fmt::format("--node-rank must be in 1..{} (node 0 hosts the rounds)", rest[0] - 1)
+                : fmt::format("node 0 runs {} ranks per node and this node {}; give every node the same -n",
+                              rest[1], o.nproc)));
+      }
+      Membership m;
+      m.round = head[1];
+      const auto rest = recv_ints(s, 3, Clock::now() + kHandshake);
+      m.node_rank = rest[0];
+      m.nnodes = rest[1];
+      m.port = rest[2];
+      const auto ids = recv_ints(s, static_cast<std::size_t>(m.nnodes), Clock::now() + kHandshake);
+      m.node_ids.assign(ids.begin(), ids.end());
+      return m;
+    } catch (const tcp::IoError& e) {
+      last_error = e.detail;  // the host restarting its listener, or gone: try again until the timeout
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+  throw std::runtime_error(
+      fmt::format("node {} could not join a round of the launchers' rendezvous at {}:{} within "
+                  "--rdzv-timeout-s {:g} ({}); "
+                  "node 0 (--node-rank 0) hosts the rounds and must be running",
+                  o.node_id, o.host, o.port, o.timeout_s, last_error));
+}
+
+}  // namespace flatshard::launcher

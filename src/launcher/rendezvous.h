@@ -1,0 +1,78 @@
+// The launchers' rendezvous of an elastic job (flatshard-run --nnodes MIN:MAX).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace flatshard::launcher {
+
+// Note [Rounds of an elastic job]
+// An elastic job's nodes do not know their node ranks in advance: before every start (the
+// first, and each restart after a failure) their launchers meet in a round. The launcher
+// given --node-rank 0 hosts the rounds on --master-addr:--master-port for the job's whole
+// life and is always node 0; every other launcher connects there, proves the job's secret
+// (Note [Proving the job's secret], purpose "launcher rendezvous") and says which node it is
+// (its --node-rank, an id kept across rounds) and how many ranks it runs. A round closes
+// when MAX nodes are in, or when at least MIN are and --rdzv-wait-s has passed since it
+// opened: a node that has not come back by then is taken to be gone for good. The host
+// numbers the nodes present in the order of their ids, picks the ranks' MASTER_PORT for
+// the start (a free port of its own), and tells every node its node rank, the number of
+// nodes and the port; the start then runs as a fixed job of that many nodes. A start at
+// fewer nodes than the one before is a smaller world: the program resumes from its latest
+// checkpoint, resharded (load_sharded reads any world size). A node that arrives while a
+// start is running waits for the next round. If fewer than MIN nodes arrive within
+// --rdzv-timeout-s, the round fails and the job ends. When the job ends on the host, a
+// node still waiting is told so, with the job's exit code. The host holds the rounds: if
+// node 0 is lost, the other nodes cannot meet again and fail once --rdzv-timeout-s passes
+// (as torchrun's c10d rendezvous, whose store lives on one node).
+
+struct RendezvousOptions {
+  std::string host;  // --master-addr
+  int port = 0;      // --master-port
+  int min_nodes = 1, max_nodes = 1;
+  int node_id = 0;  // --node-rank: 0 hosts the rounds
+  int nproc = 1;    // ranks on each node (every node runs as many)
+  double wait_s = 10;
+  double timeout_s = 600;
+  std::string secret;  // FLATSHARD_JOB_SECRET
+};
+
+// One node's place in a round.
+struct Membership {
+  int round = 0;
+  int node_rank = 0;
+  int nnodes = 1;
+  int port = 0;               // the ranks' MASTER_PORT in this round
+  std::vector<int> node_ids;  // the ids of the round's nodes, by node rank
+  // Set when the job ended on the host while this node waited: its exit code.
+  std::optional<int> job_over;
+};
+
+// Node 0's side: binds host:port (on the loopback interface only when `host` is a loopback
+// address) at construction, and serves every round through it.
+class RendezvousHost {
+ public:
+  // Throws std::runtime_error naming the address when the port cannot be bound.
+  explicit RendezvousHost(const RendezvousOptions& options);
+  ~RendezvousHost();
+  RendezvousHost(const RendezvousHost&) = delete;
+  RendezvousHost& operator=(const RendezvousHost&) = delete;
+  // Waits for the round's nodes (Note [Rounds of an elastic job]) and tells each its place.
+  // Throws std::runtime_error when fewer than min_nodes arrive before timeout_s.
+  Membership next_round();
+  // Tells the nodes already waiting for another round that the job ended with `code`.
+  void finish(int code);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// Any other node's side: joins the next round at the host and returns this node's place
+// in it. Throws std::runtime_error when the host refuses the node (an id taken or out of
+// range, another number of ranks) or cannot be reached within timeout_s.
+Membership join_round(const RendezvousOptions& options);
+
+}  // namespace flatshard::launcher
