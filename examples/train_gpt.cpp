@@ -4,7 +4,9 @@
 //   flatshard-run -n 4 build/examples/train_gpt --mode full --steps 200 --ckpt out/ckpt --resume
 //
 // Options (defaults in brackets):
-//   --mode full|zero2|zero1|ddp [full]   full shard, shard-grad-op, DDP + ZeRO-1 optimizer, DDP
+//   --mode full|zero2|zero1|ddp|hybrid [full]   full shard, shard-grad-op, DDP + ZeRO-1 optimizer,
+//                           DDP, hybrid sharding
+//   --shard-group N         hybrid: ranks per shard group [the ranks of a node]
 //   --layers N [4] --dim N [256] --heads N [8] --vocab N [4096] --context N [64]
 //   --batch N [4]           sequences per rank per step
 //   --global-batch N        sequences per step over all ranks instead (each rank takes N / world):
@@ -73,7 +75,8 @@ namespace {
 struct Args {
   std::string mode = "full", data, ckpt;
   GPTConfig model{4096, 64, 256, 8, 4};
-  int batch = 4, global_batch = 0, steps = 50, save_every = 0, log_every = 0, memory_every = 0;
+  int batch = 4, global_batch = 0, shard_group = 0, steps = 50, save_every = 0, log_every = 0,
+      memory_every = 0;
   double lr = 3e-4, budget_mib = 0, min_lr_ratio = 0.1;
   int warmup = -1;
   std::string precision = "fp32";
@@ -104,6 +107,8 @@ Args parse(int argc, char** argv) {
       a.model.context = std::stoi(next());
     else if (k == "--batch")
       a.batch = std::stoi(next());
+    else if (k == "--shard-group")
+      a.shard_group = std::stoi(next());
     else if (k == "--global-batch")
       a.global_batch = std::stoi(next());
     else if (k == "--steps")
@@ -269,6 +274,7 @@ int main(int argc, char** argv) {
     budget.optimizer_state_bytes = a.sgd ? 0 : 8;
     flatshard::FullyShardOptions options;  // every mode: the strategy is the one choice
     options.strategy = mode;
+    options.shard_group_size = a.shard_group;
     options.memory_budget = budget;
     if (a.precision != "fp32") {
       options.mixed_precision.param = a.precision == "bf16" ? at::kBFloat16 : at::kHalf;

@@ -6,6 +6,8 @@
 //                  [--budget-mib 16000] [--shard-group-size G] [--offload 1] [--build-on-host 1]
 //                  [--step-in-backward 1] [--cpu 1] [--offload-bf16-copy 0]
 //                  [--fit-mib 81559 [--host-mib 122880]]
+//   flatshard-plan --cluster 16x8 --gpu h100 --model llama3-8b --seq 8192 --batch 2 (step time:
+//                  src/plan/cluster_cli.cpp)
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -20,6 +22,7 @@
 #include <fmt/format.h>
 
 #include "flatshard/plan.h"
+#include "src/plan/cluster_cli.h"
 
 namespace {
 
@@ -87,6 +90,9 @@ double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
 
 int main(int argc, char** argv) {
   using namespace flatshard::plan;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--cluster") return cluster_main(argc, argv);  // the step-time model
+  }
   using flatshard::Strategy;
   double params = 0, root = 0, activation_mib = 0, budget_mib = 0, fit_mib = 0, host_mib = 0, frozen = 0;
   bool offload = false, offload_bf16_copy = true;

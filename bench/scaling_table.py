@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""The scaling table of docs/scaling.md: flatshard-plan --cluster's predicted tokens/s per GPU for
+each strategy from 1 to 1,024 H100s (8 per node beyond 8), its efficiency against one GPU, what
+limits it, and whether it fits the GPU's memory.
+
+    bench/scaling_table.py [BUILD_DIR]          # both models, Markdown
+"""
+import subprocess
+import sys
+
+build = sys.argv[1] if len(sys.argv) > 1 else "build"
+SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+MODELS = [
+    ("gpt-1b", ["--model", "gpt-1b", "--seq", "1024", "--batch", "16"], 80,
+     "the 1.04B GPT, 16 sequences of 1,024 tokens per GPU, no recomputation"),
+    ("llama3-8b", ["--model", "llama3-8b", "--seq", "8192", "--batch", "2", "--recompute", "selective"], 80,
+     "Llama 3.1 8B, 2 sequences of 8,192 tokens per GPU, selective recomputation (torchtitan's settings)"),
+]
+STRATEGIES = ["full shard", "shard-grad-op", "hybrid (groups of 8)", "ZeRO-1", "DDP"]
+
+
+def predict(n, args, gib):
+    cluster = f"1x{n}" if n <= 8 else f"{n // 8}x8"
+    out = subprocess.run([f"{build}/flatshard-plan", "--cluster", cluster, *args, "--device-gib", str(gib), "--csv", "1"],
+                         check=True, capture_output=True, text=True).stdout
+    rows = {}
+    for line in out.splitlines():
+        f = line.split(",")
+        if f[0] == "TIME":
+            rows[f[1]] = {"tps": float(f[3]), "exposed": float(f[4]), "limit": f[5], "gib": float(f[6])}
+    return rows
+
+
+for name, args, gib, what in MODELS:
+    base = predict(1, args, gib)["full shard"]["tps"]
+    print(f"#### {name}: {what}; {gib} GiB per GPU\n")
+    print("tokens/s per GPU (efficiency against one GPU; limit when not compute; — where it does not fit)\n")
+    print("| GPUs | " + " | ".join(STRATEGIES) + " |")
+    print("|---:|" + "---:|" * len(STRATEGIES))
+    for n in SIZES:
+        rows = predict(n, args, gib)
+        cells = []
+        for s in STRATEGIES:
+            if s.startswith("hybrid") and n <= 8:
+                r = rows.get("full shard")  # one node: a group of 8 is the world
+            else:
+                r = rows.get(s)
+            if r is None:
+                cells.append("")
+                continue
+            text = f"{r['tps']:,.0f} ({100 * r['tps'] / base:.0f}%)"
+            if r["limit"] != "compute":
+                text += f" {r['limit']}, {100 * r['exposed']:.0f}% exposed"
+            if r["gib"] > gib:
+                text = f"— ({r['gib']:.0f} GiB)"
+            cells.append(text)
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    print()

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The step-time model (flatshard-plan --cluster) against the engine on this CPU machine, in one
+# run: calibrates the model's inputs here (one rank's step with no communication for the
+# compute throughput, the optimizer step's memory bandwidth, the loopback rings' bus bandwidth
+# and latency at each world size), then measures each strategy's step with bench_modes and
+# prints predicted against measured, with the error and the exposed-communication share
+# (predicted, and the engine's communication_wait). Markdown.
+#
+#   bench/step_time_cpu.sh                     # WORLDS="2 4" MODES="full zero2 zero1 ddp"
+#   MODEL="--layers 8 --dim 512 --heads 8 --vocab 8192 --context 32" BATCH=1 bench/step_time_cpu.sh
+#   THROTTLE="tcp 1gbit 100mbit" bench/step_time_cpu.sh   # also over TCP on the loopback, unthrottled
+#                                                       # (tcp) and throttled with tc (root)
+# Ranks on one machine copy each other's buffers directly (Note [Direct copies]) unless
+# FLATSHARD_DIRECT_COPY=0: the rows other than "unthrottled" set it, so that their bytes cross
+# the loopback interface that tc throttles.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+. "$root/scripts/env.sh"
+build="${BUILD:-$root/build}"
+WORLDS="${WORLDS:-2 4}"
+MODES="${MODES:-full zero2 zero1 ddp}"
+MODEL="${MODEL:---layers 8 --dim 512 --heads 8 --vocab 8192 --context 32}"
+BATCH="${BATCH:-4}"
+STEPS="${STEPS:-6}"
+THROTTLE="${THROTTLE:-}"
+out="$(mktemp -d)"
+trap 'rm -rf "$out"; [ -n "$THROTTLE" ] && tc qdisc del dev lo root 2>/dev/null || true' EXIT
+read -r layers dim heads vocab context < <(echo "$MODEL" |
+  sed -E 's/.*--layers ([0-9]+).*--dim ([0-9]+).*--heads ([0-9]+).*--vocab ([0-9]+).*--context ([0-9]+).*/\1 \2 \3 \4 \5/')
+gpt="$layers,$dim,$heads,$vocab,$context"
+
+modes_step() {  # world mode -> "step_ms comm_wait_share"
+  "$build/flatshard-run" -n "$1" --deadline-s 1200 "$build/bench/bench_modes" --mode "$2" $MODEL --batch "$BATCH" \
+      --steps "$STEPS" 2>/dev/null | sed -n 's/^\[rank 0\] //p' | awk -F, 'NF > 10 { print $4, $NF }' | tail -1
+}
+
+# The optimizer step's memory bandwidth: FlatShard's AdamW over 64 Mi elements on one thread.
+mem_gbs="$("$build/bench/bench_optimizer_step" --benchmark_filter='BM_FlatShard_AdamW/numel:67108864/threads:1' \
+  --benchmark_format=csv 2>/dev/null | python3 -c '
+import csv, sys
+rows = [r for r in csv.DictReader(l for l in sys.stdin if l.count(",") > 3)]
+print(float(rows[0]["bytes_per_second"]) / 1e9)')"
+# Compute: N ranks at once, each alone in its world (no communication): bench_modes' DDP at
+# world 1 is the model and its optimizer step. Ranks beyond the cores share them, and ranks on
+# one socket share its memory bandwidth: the throughput a rank sustains depends on how many run.
+alone_ms() {  # ranks -> the mean step of that many lone ranks run side by side
+  local k
+  for k in $(seq "$1"); do modes_step 1 ddp > "$out/alone.$k" & done
+  wait
+  cat "$out"/alone.* | awk '{ s += $1; n++ } END { printf "%.1f", s / n }'
+  rm -f "$out"/alone.*
+}
+calibrate() {  # step_ms -> TFLOP/s
+  "$build/flatshard-plan" --cluster 1x1 --gpt "$gpt" --seq "$context" --batch "$BATCH" --dtype fp32 --reduce fp32 \
+    --memory-gbs "$mem_gbs" --calibrate-ms "$1" --csv 1 | awk -F, '/CALIBRATED/ { print $2 }'
+}
+one_ms="$(alone_ms 1)"
+tflops="$(calibrate "$one_ms")"
+echo "Calibration on $(nproc) cores: one rank's step ${one_ms} ms with no communication -> ${tflops} TFLOP/s sustained;"
+echo "the optimizer step's memory bandwidth ${mem_gbs} GB/s. Model: $MODEL, $BATCH sequences per rank, fp32."
+echo
+
+link() {  # world -> "bus_GBps latency_us": all-gather and reduce-scatter at 64 KiB and 64 MiB
+  "$build/flatshard-run" -n "$1" "$build/bench/bench_collectives" --benchmark_format=csv \
+      --benchmark_filter='Communicator/(all_gather|reduce_scatter)/(65536|67108864)/' 2>/dev/null |
+    sed -n 's/^\[rank 0\] //p' | python3 -c '
+import csv, sys
+n = int(sys.argv[1]); t = {}
+for row in csv.DictReader(l for l in sys.stdin if l.count(",") > 3):
+    size = int(row["name"].strip("\"").split("/")[2])
+    t.setdefault(size, []).append(size / float(row["bytes_per_second"]))  # seconds per op
+small, large = (sum(t[s]) / len(t[s]) for s in (65536, 67108864))
+steps = n - 1
+bus = (67108864 - 65536) * steps / n / (large - small)          # bytes/s
+lat = max(0.0, (small - 65536 * steps / n / bus) / steps)      # seconds per ring step
+print(f"{bus / 1e9:.4f} {lat * 1e6:.2f}")' "$1"
+}
+
+echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | link GB/s, µs | lone rank's step ms |"
+echo "|---|---|---|---:|---:|---:|---:|---:|---|---:|"
+for rate in unthrottled $THROTTLE; do
+  if [ "$rate" != unthrottled ]; then
+    export FLATSHARD_DIRECT_COPY=0
+  fi
+  if [ "$rate" != unthrottled ] && [ "$rate" != tcp ]; then
+    tc qdisc del dev lo root 2>/dev/null || true
+    tc qdisc add dev lo root handle 1: htb default 10
+    tc class add dev lo parent 1: classid 1:10 htb rate "$rate" ceil "$rate" 2>/dev/null
+  fi
+  for n in $WORLDS; do
+    read -r bus lat < <(link "$n")
+    ms_n="$(alone_ms "$n")"
+    rank_tflops="$(calibrate "$ms_n")"
+    "$build/flatshard-plan" --cluster "1x$n" --gpt "$gpt" --seq "$context" --batch "$BATCH" --dtype fp32 --reduce fp32 \
+      --tflops "$rank_tflops" --memory-gbs "$mem_gbs" --intra "$bus" --intra-us "$lat" \
+      --csv 1 > "$out/plan.csv"
+    for mode in $MODES; do
+      case "$mode" in full) row="full shard" ;; zero2) row="shard-grad-op" ;; zero1) row="ZeRO-1" ;; ddp) row="DDP" ;; esac
+      read -r ms wait < <(modes_step "$n" "$mode")
+      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$rate" "$n" "$mode" "$bus" "$lat" "$ms_n" <<'PY'
+import sys
+plan, row, ms, wait, rate, n, mode, bus, lat, alone = sys.argv[1:]
+for line in open(plan):
+    f = line.strip().split(",")
+    if f[0] == "TIME" and f[1] == row:
+        p, exposed = float(f[2]), float(f[4])
+        print(f"| {rate} | {n} | {mode} | {p:.0f} | {float(ms):.0f} | {100 * (p / float(ms) - 1):+.1f}% | "
+              f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {float(bus):.2f}, {float(lat):.0f} | {alone} |")
+PY
+    done
+  done
+done

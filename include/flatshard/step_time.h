@@ -1,0 +1,131 @@
+// The step-time model: how long one training step takes in each strategy on a given
+// cluster, from the model's shapes, a device's measured throughput and the links' costs.
+//
+//   auto model = flatshard::plan::llama3_8b();
+//   flatshard::plan::Cluster c = flatshard::plan::h100_cluster(16, 8);   // 16 nodes of 8
+//   flatshard::plan::TimeOptions o{.strategy = flatshard::Strategy::FullShard};
+//   o.sequences = 2; o.sequence_length = 8192;
+//   auto t = flatshard::plan::predict_time(model, c, o);   // t.step_s, t.tokens_per_s, t.mfu, ...
+//
+// flatshard-plan --cluster NODESxGPUS prints it for every strategy; docs/scaling.md states
+// the model's assumptions and checks it against what the engine measured.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flatshard/plan.h"
+#include "flatshard/strategy.h"
+
+namespace flatshard::plan {
+
+// A decoder-only transformer by its shapes: GPT (models/gpt.h: LayerNorm, biases, a 4x
+// GELU MLP, learned positions, untied head) or Llama (models/llama.h: RMSNorm, no biases,
+// grouped-query attention, SwiGLU of width `ffn`, rotary positions).
+struct TransformerShape {
+  std::string name;
+  bool llama = false;
+  int layers = 0;
+  std::int64_t dim = 0;
+  int heads = 0;
+  int kv_heads = 0;      // Llama: grouped-query attention (0: heads)
+  std::int64_t ffn = 0;  // Llama: the SwiGLU's hidden width
+  std::int64_t vocab = 0;
+  std::int64_t context = 0;  // GPT: learned positions
+  bool tied = false;         // the head shares the embedding's weights
+  std::int64_t head_dim() const { return dim / heads; }
+  std::int64_t layer_params() const;  // one decoder layer (one Unit)
+  std::int64_t root_params() const;   // embeddings, final norm, head
+  std::int64_t params() const { return layer_params() * layers + root_params(); }
+  // Forward FLOPs of one token through the whole model at sequence length `seq`, in the
+  // convention torchtitan and PaLM use: 2 per parameter and token over every weight but
+  // the embeddings' (token and, for GPT, position), plus attention's 4 * layers * heads * head_dim * seq
+  // (scores and their weighted sum, counted over the whole sequence, causal or not). Backward is twice the
+  // forward.
+  double forward_flops_per_token(std::int64_t seq) const;
+  // The planner's view: each layer a unit, the rest the root.
+  ModelShape model_shape() const;
+};
+
+// The GPT of examples/train_gpt and bench_modes (layers, dim, heads, vocab, context).
+TransformerShape gpt(int layers, std::int64_t dim, int heads, std::int64_t vocab, std::int64_t context);
+// The 1.04B GPT of the GPU benchmarks (bench_gpt_gpu: 18 layers, dim 2048, vocab 32768).
+TransformerShape gpt_1b();
+// Llama 3 / 3.1 8B and 70B as published (transformers' LlamaConfig of Meta-Llama-3.1-8B/70B).
+TransformerShape llama3_8b();
+TransformerShape llama3_70b();
+// By name: "gpt-1b", "llama3-8b", "llama3-70b" (throws std::invalid_argument otherwise).
+TransformerShape named_model(const std::string& name);
+
+// A class of link: the cost of a ring collective step on it. nccl-tests' conventions: an
+// all-gather or reduce-scatter of S bytes (the whole, gathered size) over n ranks takes
+// S (n-1)/n / bus_bandwidth + (n-1) latency; an all-reduce twice that.
+struct Link {
+  double bus_bandwidth = 0;  // bytes/s, as nccl-tests reports busbw
+  double latency = 0;        // seconds per ring step
+};
+
+// Where the ranks run: nodes of `per_node` devices, the links within and across nodes,
+// and each device's throughput.
+struct Cluster {
+  std::string name;
+  int nodes = 1;
+  int per_node = 1;
+  // Sustained FLOP/s of one device on this model's matmuls in the compute dtype: measured
+  // (a calibration run, or a training run's MFU) rather than the datasheet's peak.
+  double flops = 0;
+  double peak_flops = 0;        // the datasheet's dense peak in the compute dtype, for MFU
+  double memory_bandwidth = 0;  // bytes/s of the device's memory (the optimizer step)
+  Link intra;                   // within a node
+  Link inter;                   // across nodes, per device
+  int world() const { return nodes * per_node; }
+};
+
+// H100 SXM nodes: NVLink within a node, 400 Gb/s RDMA per GPU across nodes (Note [The H100
+// cluster's figures] in src/plan/step_time.cpp says where each number comes from).
+Cluster h100_cluster(int nodes, int per_node);
+
+// How activations are recomputed: none; selective, as torchtitan's per-op policy (every
+// second matmul's output is kept, the others and the cheap ops are computed again: half a
+// layer's matmul FLOPs again in backward, half its activations kept); or full (every
+// block's forward again in backward: FlatShard's recompute.h).
+enum class Recompute { None, Selective, Full };
+
+struct TimeOptions {
+  Strategy strategy = Strategy::FullShard;
+  int shard_group_size = 0;  // HybridShard: ranks per shard group (0: a node)
+  int sequences = 1;         // per rank per step
+  std::int64_t sequence_length = 1024;
+  int param_bytes = 2;   // the compute dtype's (gathers move these)
+  int reduce_bytes = 4;  // the gradients' reduction dtype (FSDP2's default: fp32)
+  int prefetch = 1;
+  Recompute recompute = Recompute::None;
+  int optimizer_state_bytes = 8;
+  // DDP's and ZeRO-1's gradient buckets (FullyShardOptions::bucket_bytes).
+  std::int64_t bucket_bytes = 25 << 20;
+};
+
+// One step, predicted.
+struct StepTime {
+  double forward_s = 0, backward_s = 0;  // compute only (recomputation in backward)
+  double optimizer_s = 0;
+  double step_s = 0;           // the critical path through compute and the links
+  double communication_s = 0;  // every collective's time on its link, overlapped or not
+  double exposed_s = 0;        // of the step, the time compute waits for communication
+  double tokens_per_s = 0;     // per device
+  double mfu = 0;              // model FLOPs (6 per parameter and token + attention) over peak
+  std::string limit;           // "compute", "gathers", "reductions", "latency"
+  double exposed_share() const { return step_s > 0 ? exposed_s / step_s : 0; }
+};
+
+// One rank's activations for `options.sequences` sequences (bytes), estimated from the
+// shapes (Note [Activations from the shapes] in src/plan/step_time.cpp): what the memory
+// planner's PlanOptions::activation_bytes takes when nothing was measured.
+std::int64_t estimate_activation_bytes(const TransformerShape& model, const TimeOptions& options);
+
+// Throws std::invalid_argument for a world the strategy cannot use (a shard group that does
+// not divide it).
+StepTime predict_time(const TransformerShape& model, const Cluster& cluster, const TimeOptions& options);
+
+}  // namespace flatshard::plan

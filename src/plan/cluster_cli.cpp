@@ -1,0 +1,229 @@
+// flatshard-plan --cluster: predicted step time, tokens/s per device, MFU, exposed
+// communication and peak memory of every strategy on a cluster, and the fastest that fits.
+#include "src/plan/cluster_cli.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "flatshard/plan.h"
+#include "flatshard/step_time.h"
+
+namespace flatshard::plan {
+namespace {
+
+int usage(const char* why) {
+  if (why) std::fprintf(stderr, "flatshard-plan: %s\n\n", why);
+  std::fprintf(
+      stderr,
+      "usage: flatshard-plan --cluster NODESxDEVICES [--gpu h100] [--model gpt-1b|llama3-8b|llama3-70b |\n"
+      "                      --gpt LAYERS,DIM,HEADS,VOCAB,CONTEXT] [--seq S] [--batch B (sequences per\n"
+      "                      device)] [--recompute none|selective|full] [--dtype bf16|fp32]\n"
+      "                      [--reduce fp32|bf16] [--prefetch P] [--device-gib G]\n"
+      "                      [--tflops T (sustained per device)] [--intra GB/s] [--intra-us U]\n"
+      "                      [--inter Gb/s] [--inter-us U] [--memory-gbs GB/s]\n"
+      "                      [--calibrate-ms T (the sustained throughput that makes this model's step\n"
+      "                      on one device take T ms)] [--csv 1]\n"
+      "Predicts each strategy's step (docs/scaling.md): tokens/s per device, MFU, the share of\n"
+      "the step spent waiting for communication, what limits it, and per-device peak memory;\n"
+      "names the fastest strategy that fits --device-gib (80).\n");
+  return why ? 2 : 0;
+}
+
+bool number(const std::string& text, double& out) {
+  char* end = nullptr;
+  out = std::strtod(text.c_str(), &end);
+  return !text.empty() && end == text.c_str() + text.size() && std::isfinite(out) && out > 0;
+}
+
+struct Row {
+  std::string name;
+  TimeOptions time;
+  PlanOptions memory;
+};
+
+}  // namespace
+
+int cluster_main(int argc, char** argv) {
+  int nodes = 0, per_node = 0;
+  TransformerShape model = gpt_1b();
+  TimeOptions base;
+  base.sequences = 4;
+  base.sequence_length = 1024;
+  double device_gib = 80;
+  Cluster c = h100_cluster(1, 1);
+  double tflops = 0, intra = 0, intra_us = -1, inter = 0, inter_us = -1, memory_gbs = 0, calibrate_ms = 0;
+  bool csv = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "-h" || a == "--help") return usage(nullptr);
+    if (i + 1 >= argc) return usage(("missing value for " + a).c_str());
+    const std::string v = argv[++i];
+    double x = 0;
+    const bool positive = number(v, x);
+    auto need = [&](bool ok, const char* what) {
+      return ok ? 0 : usage(fmt::format("{} takes {}, got '{}'", a, what, v).c_str());
+    };
+    if (a == "--cluster") {
+      if (std::sscanf(v.c_str(), "%dx%d", &nodes, &per_node) != 2 || nodes < 1 || per_node < 1 ||
+          v != fmt::format("{}x{}", nodes, per_node))
+        return usage(fmt::format("--cluster takes NODESxDEVICES (e.g. 16x8), got '{}'", v).c_str());
+    } else if (a == "--gpu") {
+      if (v != "h100") return usage("--gpu is h100 (or give --tflops, --intra, --inter, --memory-gbs)");
+    } else if (a == "--model") {
+      try {
+        model = named_model(v);
+      } catch (const std::invalid_argument& e) {
+        return usage(e.what());
+      }
+    } else if (a == "--gpt") {
+      int l, d, h, voc, ctx;
+      if (std::sscanf(v.c_str(), "%d,%d,%d,%d,%d", &l, &d, &h, &voc, &ctx) != 5 || l < 1 || d < 1 || h < 1 ||
+          voc < 1 || ctx < 1 || d % h != 0)
+        return usage("--gpt takes LAYERS,DIM,HEADS,VOCAB,CONTEXT (DIM a multiple of HEADS)");
+      model = gpt(l, d, h, voc, ctx);
+    } else if (a == "--seq") {
+      if (int r = need(positive && x == std::floor(x), "a whole number")) return r;
+      base.sequence_length = static_cast<std::int64_t>(x);
+    } else if (a == "--batch") {
+      if (int r = need(positive && x == std::floor(x), "a whole number")) return r;
+      base.sequences = static_cast<int>(x);
+    } else if (a == "--prefetch") {
+      if (v != "0" && (!positive || x != std::floor(x))) return usage("--prefetch takes a whole number");
+      base.prefetch = v == "0" ? 0 : static_cast<int>(x);
+    } else if (a == "--recompute") {
+      if (v == "none")
+        base.recompute = Recompute::None;
+      else if (v == "selective")
+        base.recompute = Recompute::Selective;
+      else if (v == "full")
+        base.recompute = Recompute::Full;
+      else
+        return usage("--recompute is none, selective or full");
+    } else if (a == "--dtype") {
+      if (v != "bf16" && v != "fp32") return usage("--dtype is bf16 or fp32");
+      base.param_bytes = v == "bf16" ? 2 : 4;
+    } else if (a == "--reduce") {
+      if (v != "bf16" && v != "fp32") return usage("--reduce is bf16 or fp32");
+      base.reduce_bytes = v == "bf16" ? 2 : 4;
+    } else if (a == "--device-gib") {
+      if (int r = need(positive, "a number of GiB")) return r;
+      device_gib = x;
+    } else if (a == "--tflops" || a == "--intra" || a == "--inter" || a == "--memory-gbs") {
+      if (int r = need(positive, "a positive number")) return r;
+      (a == "--tflops" ? tflops : a == "--intra" ? intra : a == "--inter" ? inter : memory_gbs) = x;
+    } else if (a == "--calibrate-ms") {
+      if (int r = need(positive, "milliseconds")) return r;
+      calibrate_ms = x;
+    } else if (a == "--csv") {
+      if (v != "0" && v != "1") return usage("--csv takes 0 or 1");
+      csv = v == "1";
+    } else if (a == "--intra-us" || a == "--inter-us") {
+      if (!number(v, x) && v != "0")
+        return usage(fmt::format("{} takes microseconds, got '{}'", a, v).c_str());
+      (a == "--intra-us" ? intra_us : inter_us) = v == "0" ? 0 : x;
+    } else {
+      return usage(("unknown option " + a).c_str());
+    }
+  }
+  if (nodes < 1) return usage("--cluster NODESxDEVICES is required");
+  c = h100_cluster(nodes, per_node);
+  if (tflops > 0) c.flops = tflops * 1e12;
+  if (intra > 0) c.intra.bus_bandwidth = intra * 1e9;
+  if (intra_us >= 0) c.intra.latency = intra_us * 1e-6;
+  if (inter > 0) c.inter.bus_bandwidth = inter * 1e9 / 8;  // Gb/s per device
+  if (inter_us >= 0) c.inter.latency = inter_us * 1e-6;
+  if (memory_gbs > 0) c.memory_bandwidth = memory_gbs * 1e9;
+  if (calibrate_ms > 0) {
+    // The step on one device is compute / flops + the optimizer step: solve for flops.
+    Cluster one = c;
+    one.nodes = one.per_node = 1;
+    one.flops = 1;
+    TimeOptions alone = base;
+    alone.strategy = Strategy::NoShard;
+    const StepTime unit = predict_time(model, one, alone);
+    const double compute = calibrate_ms * 1e-3 - unit.optimizer_s;
+    if (compute <= 0)
+      return usage(fmt::format("--calibrate-ms {} is shorter than the optimizer step alone ({:.1f} ms)",
+                               calibrate_ms, unit.optimizer_s * 1e3)
+                       .c_str());
+    c.flops = (unit.forward_s + unit.backward_s) / compute;
+    if (csv) std::printf("CALIBRATED,%.6g\n", c.flops / 1e12);
+  }
+  const int n = c.world();
+
+  std::vector<Row> rows;
+  auto add = [&](const std::string& name, Strategy s, int group) {
+    Row r{name, base, {}};
+    r.time.strategy = s;
+    r.time.shard_group_size = group;
+    r.memory.strategy = s == Strategy::HybridShard ? Strategy::FullShard : s;
+    r.memory.world_size = n;
+    r.memory.shard_group_size = group;
+    r.memory.param_bytes = base.param_bytes;
+    r.memory.optimizer_state_bytes = base.optimizer_state_bytes;
+    r.memory.prefetch = base.prefetch;
+    r.memory.recompute = base.recompute == Recompute::Full;
+    r.memory.build_into_shards = s != Strategy::NoShard && s != Strategy::ShardOptimizerState;
+    r.memory.activation_bytes = estimate_activation_bytes(model, base);
+    rows.push_back(r);
+  };
+  add("full shard", Strategy::FullShard, 0);
+  add("shard-grad-op", Strategy::ShardGradOp, 0);
+  for (int g = per_node; g < n; g *= 2) {
+    if (n % g == 0) add(fmt::format("hybrid (groups of {})", g), Strategy::HybridShard, g);
+  }
+  add("ZeRO-1", Strategy::ShardOptimizerState, 0);
+  add("DDP", Strategy::NoShard, 0);
+
+  if (!csv)
+    std::printf(
+        "%s\n",
+        fmt::format("{} ({:.2f}B parameters) on {} ({} devices): {} sequences of {} tokens per device, {}, "
+                    "recompute {}; {:.0f} TFLOP/s sustained per device, {:.0f} GB/s within a node, "
+                    "{:.0f} GB/s across nodes",
+                    model.name, static_cast<double>(model.params()) / 1e9, c.name, n, base.sequences,
+                    base.sequence_length, base.param_bytes == 2 ? "bf16" : "fp32",
+                    base.recompute == Recompute::None        ? "none"
+                    : base.recompute == Recompute::Selective ? "selective"
+                                                             : "full",
+                    c.flops / 1e12, c.intra.bus_bandwidth / 1e9, c.inter.bus_bandwidth / 1e9)
+            .c_str());
+  if (!csv)
+    std::printf("%-22s %12s %10s %7s %10s %11s %12s %6s\n", "strategy", "tokens/s/dev", "step ms", "MFU",
+                "exposed", "limit", "peak GiB", "fits");
+  const Row* best = nullptr;
+  double best_tps = 0;
+  for (const Row& r : rows) {
+    const StepTime t = predict_time(model, c, r.time);
+    const Plan p = predict(model.model_shape(), r.memory);
+    const double gib = static_cast<double>(p.peak) / (1 << 30);
+    const bool fits = gib <= device_gib;
+    if (csv)
+      std::printf("TIME,%s,%.3f,%.1f,%.4f,%s,%.3f\n", r.name.c_str(), t.step_s * 1e3, t.tokens_per_s,
+                  t.exposed_share(), t.limit.c_str(), gib);
+    else
+      std::printf("%-22s %12.0f %10.1f %6.1f%% %9.1f%% %11s %12.1f %6s\n", r.name.c_str(), t.tokens_per_s,
+                  t.step_s * 1e3, 100 * t.mfu, 100 * t.exposed_share(), t.limit.c_str(), gib,
+                  fits ? "yes" : "no");
+    if (fits && t.tokens_per_s > best_tps) {
+      best = &r;
+      best_tps = t.tokens_per_s;
+    }
+  }
+  if (csv) return 0;
+  if (best)
+    std::printf("fastest that fits %.0f GiB: %s, %.0f tokens/s per device (%.0f for the cluster)\n",
+                device_gib, best->name.c_str(), best_tps, best_tps * n);
+  else
+    std::printf("nothing fits %.0f GiB per device: more devices, recomputation or fewer sequences\n",
+                device_gib);
+  return 0;
+}
+
+}  // namespace flatshard::plan

@@ -1,0 +1,340 @@
+// The step-time model (include/flatshard/step_time.h): each strategy's step, simulated unit
+// by unit on a compute stream and the links, as the engine schedules it.
+#include "flatshard/step_time.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include <fmt/format.h>
+
+namespace flatshard::plan {
+
+// --- shapes ------------------------------------------------------------------------------
+
+std::int64_t TransformerShape::layer_params() const {
+  const std::int64_t d = dim;
+  if (!llama) return 12 * d * d + 10 * d;  // qkv 3d², proj d²+d, fc 4d²+4d, out 4d²+d, two LayerNorms 4d
+  const std::int64_t kv = (kv_heads > 0 ? kv_heads : heads) * head_dim();
+  return d * d + 2 * d * kv + d * d + 3 * d * ffn + 2 * d;  // q, k and v, o, SwiGLU, two RMSNorms
+}
+
+std::int64_t TransformerShape::root_params() const {
+  const std::int64_t d = dim;
+  const std::int64_t head = tied ? 0 : vocab * d;
+  if (!llama) return vocab * d + context * d + 2 * d + head;  // wte, wpe, ln_f, head (no bias)
+  return vocab * d + d + head;                                // embed_tokens, norm, lm_head
+}
+
+double TransformerShape::forward_flops_per_token(std::int64_t seq) const {
+  // Embedding lookups are no matmuls: the token embedding (unless it is the head too) and
+  // GPT's learned positions are left out.
+  const double weights = static_cast<double>(params() - vocab * dim - (llama ? 0 : context * dim)) +
+                         (tied ? static_cast<double>(vocab * dim) : 0);
+  return 2 * weights + 4.0 * layers * heads * static_cast<double>(head_dim()) * static_cast<double>(seq);
+}
+
+ModelShape TransformerShape::model_shape() const {
+  ModelShape s;
+  s.root_numel = root_params();
+  s.unit_numels.assign(static_cast<std::size_t>(layers), layer_params());
+  s.largest_param_numel = std::max(vocab * dim, llama ? dim * ffn : 4 * dim * dim);
+  return s;
+}
+
+TransformerShape gpt(int layers, std::int64_t dim, int heads, std::int64_t vocab, std::int64_t context) {
+  TransformerShape m;
+  m.name = fmt::format("gpt-{}x{}", layers, dim);
+  m.layers = layers;
+  m.dim = dim;
+  m.heads = heads;
+  m.vocab = vocab;
+  m.context = context;
+  return m;
+}
+
+TransformerShape gpt_1b() {
+  auto m = gpt(18, 2048, 16, 32768, 1024);
+  m.name = "gpt-1b";
+  return m;
+}
+
+TransformerShape llama3_8b() {
+  TransformerShape m;
+  m.name = "llama3-8b";
+  m.llama = true;
+  m.layers = 32;
+  m.dim = 4096;
+  m.heads = 32;
+  m.kv_heads = 8;
+  m.ffn = 14336;
+  m.vocab = 128256;
+  return m;
+}
+
+TransformerShape llama3_70b() {
+  TransformerShape m = llama3_8b();
+  m.name = "llama3-70b";
+  m.layers = 80;
+  m.dim = 8192;
+  m.heads = 64;
+  m.ffn = 28672;
+  return m;
+}
+
+TransformerShape named_model(const std::string& name) {
+  if (name == "gpt-1b") return gpt_1b();
+  if (name == "llama3-8b") return llama3_8b();
+  if (name == "llama3-70b") return llama3_70b();
+  throw std::invalid_argument(
+      fmt::format("no model named '{}': gpt-1b, llama3-8b, llama3-70b (or --gpt L,D,H,V,C)", name));
+}
+
+// Note [The H100 cluster's figures]
+// - flops: 530 TFLOP/s of bf16 per GPU: the throughput at which this model reproduces what
+//   FlatShard's full shard measured on an H100 SXM 80GB at world 1 (the 1.04B GPT, 16
+//   sequences of 1,024 tokens, 79,736 tokens/s, docs/cuda.md): `flatshard-plan --cluster 1x1
+//   --model gpt-1b --seq 1024 --batch 16 --calibrate-ms 205.5`. A calibration on the device,
+//   not the datasheet.
+// - peak_flops: 989 TFLOP/s, the datasheet's dense bf16 peak (for MFU).
+// - memory_bandwidth: 2.7 TB/s, 80% of HBM3's 3.35 TB/s, for the fused optimizer step.
+// - intra: NVLink 4 within an 8-GPU node; nccl-tests' all-gather and reduce-scatter bus
+//   bandwidth at large sizes is about 360 GB/s; 3 µs per ring step.
+// - inter: 400 Gb/s RDMA per GPU (one NIC per GPU), about 45 GB/s of bus bandwidth once
+//   the protocol's overhead is paid; 8 µs per ring step.
+// None of these was measured across machines here: docs/scaling.md shows what each
+// changes.
+Cluster h100_cluster(int nodes, int per_node) {
+  Cluster c;
+  c.name = fmt::format("{}x{} H100", nodes, per_node);
+  c.nodes = nodes;
+  c.per_node = per_node;
+  c.flops = 530e12;
+  c.peak_flops = 989e12;
+  c.memory_bandwidth = 2.7e12;
+  c.intra = {360e9, 3e-6};
+  c.inter = {45e9, 8e-6};
+  return c;
+}
+
+// Note [Activations from the shapes]
+// Per layer and token, in 2-byte activations (twice that in fp32), with attention that
+// keeps no score matrix (flash or memory-efficient attention, as SDPA picks): the
+// attention's inputs and outputs, about 18 x dim bytes (Korthikanti et al.'s count without
+// the s² terms and dropout masks), and the MLP's, 4 x its hidden width for GPT's GELU
+// (input of the second matmul and the GELU's input) or 8 x for Llama's SwiGLU (gate, up,
+// their activation and product). Full recomputation keeps each layer's input (2 x dim) and
+// one layer's whole set; selective keeps half. The loss adds the logits: 2-byte logits, their
+// fp32 copy and its gradient, 10 x vocab bytes per token. An estimate within tens of
+// percent: measure_activation_bytes gives the exact figure for a model at hand.
+std::int64_t estimate_activation_bytes(const TransformerShape& m, const TimeOptions& o) {
+  const double tokens = static_cast<double>(o.sequences) * static_cast<double>(o.sequence_length);
+  const double scale = o.param_bytes / 2.0;
+  const double hidden = m.llama ? 8.0 * static_cast<double>(m.ffn) : 16.0 * static_cast<double>(m.dim);
+  const double layer = (18.0 * static_cast<double>(m.dim) + hidden) * tokens * scale;
+  double layers = m.layers * layer;
+  if (o.recompute == Recompute::Selective) layers /= 2;
+  if (o.recompute == Recompute::Full)
+    layers = m.layers * 2.0 * static_cast<double>(m.dim) * tokens * scale + layer;
+  return static_cast<std::int64_t>(layers + 10.0 * static_cast<double>(m.vocab) * tokens);
+}
+
+// --- the simulation ----------------------------------------------------------------------
+
+namespace {
+
+enum class Collective { AllGather, ReduceScatter, AllReduce };
+
+// A ring collective of `bytes` (the whole, gathered or unreduced size) over `ranks`.
+struct Cost {
+  double seconds = 0, latency = 0;
+};
+Cost cost(Collective c, double bytes, int ranks, const Link& link) {
+  if (ranks <= 1 || bytes <= 0) return {};
+  const double steps = c == Collective::AllReduce ? 2.0 * (ranks - 1) : ranks - 1.0;
+  const double moved = bytes * steps / ranks;
+  const double latency = steps * link.latency;
+  return {moved / link.bus_bandwidth + latency, latency};
+}
+
+// A link as a queue: collectives run one after another in the order issued.
+struct Lane {
+  const Link* link = nullptr;
+  double free_at = 0;
+  double busy = 0, latency = 0;
+  double run(double issued, const Cost& c) {
+    const double start = std::max(issued, free_at);
+    free_at = start + c.seconds;
+    busy += c.seconds;
+    latency += c.latency;
+    return free_at;
+  }
+};
+
+// What a step's compute waits on, to name what limits it.
+struct Waits {
+  double gathers = 0, reductions = 0;
+};
+
+}  // namespace
+
+StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOptions& o) {
+  const int n = c.world();
+  if (n < 1 || c.flops <= 0) throw std::invalid_argument("predict_time: a cluster needs devices and flops");
+  const bool sharded = o.strategy == Strategy::FullShard || o.strategy == Strategy::ShardGradOp ||
+                       o.strategy == Strategy::HybridShard;
+  int group = n;  // ranks a unit is sharded over
+  if (o.strategy == Strategy::HybridShard) group = o.shard_group_size > 0 ? o.shard_group_size : c.per_node;
+  if (group < 1 || n % group != 0)
+    throw std::invalid_argument(
+        fmt::format("predict_time: a shard group of {} does not divide {} ranks", group, n));
+  const int replicas = n / group;
+  // A group of consecutive ranks stays on a node's links while it fits in one; replica
+  // groups (one rank of each shard group) cross nodes when there are several.
+  const Link& group_link = group <= c.per_node ? c.intra : c.inter;
+  const Link& replica_link = n <= c.per_node ? c.intra : c.inter;
+  Lane intra{&c.intra}, inter{&c.inter};
+  auto lane_of = [&](const Link& l) -> Lane& { return &l == &c.intra ? intra : inter; };
+
+  const double tokens = static_cast<double>(o.sequences) * static_cast<double>(o.sequence_length);
+  const double hd = static_cast<double>(m.head_dim());
+  const double attention = 4.0 * m.heads * hd * static_cast<double>(o.sequence_length) * tokens;  // one layer
+  const double layer_fwd = (2.0 * static_cast<double>(m.layer_params()) * tokens + attention) / c.flops;
+  const double head_fwd = 2.0 * static_cast<double>(m.vocab * m.dim) * tokens / c.flops;
+  double layer_bwd = 2 * layer_fwd;
+  if (o.recompute == Recompute::Full) layer_bwd += layer_fwd;
+  if (o.recompute == Recompute::Selective)
+    layer_bwd += static_cast<double>(m.layer_params()) * tokens / c.flops;
+  const double layer_bytes = static_cast<double>(m.layer_params());
+  const double root_bytes = static_cast<double>(m.root_params());
+
+  StepTime t;
+  t.forward_s = m.layers * layer_fwd + head_fwd;
+  t.backward_s = m.layers * layer_bwd + 2 * head_fwd;
+  Waits waits;
+  double now = 0;  // the compute stream
+
+  // Each unit's gradient reduction: reduce-scatter within the shard group, then (hybrid)
+  // all-reduce of the shard across replicas. Returns when it is done.
+  auto reduce_unit = [&](double issued, double elements) {
+    double done =
+        lane_of(group_link)
+            .run(issued, cost(Collective::ReduceScatter, elements * o.reduce_bytes, group, group_link));
+    if (replicas > 1)
+      done = lane_of(replica_link)
+                 .run(done,
+                      cost(Collective::AllReduce, elements * o.reduce_bytes / group, replicas, replica_link));
+    return done;
+  };
+
+  if (sharded) {
+    // Forward: the root is gathered first and kept; unit k's gather is issued once the
+    // compute reaches unit k - prefetch - 1 (the first ones at once).
+    Lane& gl = lane_of(group_link);
+    auto gather = [&](double issued, double elements) {
+      return gl.run(issued, cost(Collective::AllGather, elements * o.param_bytes, group, group_link));
+    };
+    const double root_ready = gather(0, root_bytes);
+    std::vector<double> ready(m.layers), start(m.layers);
+    int issued = 0;
+    auto issue_until = [&](int last, double at) {
+      for (; issued <= std::min(last, m.layers - 1); ++issued) ready[issued] = gather(at, layer_bytes);
+    };
+    issue_until(o.prefetch, 0);
+    now = std::max(now, root_ready);
+    for (int k = 0; k < m.layers; ++k) {
+      issue_until(k + o.prefetch, now);
+      if (ready[k] > now) waits.gathers += ready[k] - now;
+      start[k] = now = std::max(now, ready[k]);
+      now += layer_fwd;
+    }
+    now += head_fwd;      // the head's forward
+    now += 2 * head_fwd;  // and backward (the root stays gathered)
+    // Backward: full shard gathers each unit again (shard-grad-op kept them); each unit's
+    // reduction is issued when its backward ends, one after another.
+    const bool regather = o.strategy != Strategy::ShardGradOp;
+    double reduced = 0;
+    int next = m.layers - 1;
+    auto issue_back = [&](int last, double at) {
+      for (; regather && next >= std::max(last, 0); --next) ready[next] = gather(at, layer_bytes);
+    };
+    issue_back(m.layers - 1 - o.prefetch, now);
+    for (int k = m.layers - 1; k >= 0; --k) {
+      issue_back(k - o.prefetch, now);
+      if (regather) {
+        if (ready[k] > now) waits.gathers += ready[k] - now;
+        now = std::max(now, ready[k]);
+      }
+      now += layer_bwd;
+      reduced = reduce_unit(std::max(now, reduced), layer_bytes);
+    }
+    reduced = reduce_unit(std::max(now, reduced), root_bytes);  // the root's, after the embedding's backward
+    if (reduced > now) waits.reductions += reduced - now;
+    now = std::max(now, reduced);
+    // The optimizer steps this rank's shard: fp32 master read and written, the gradient
+    // read, the state read and written.
+    const double shard = static_cast<double>(m.params()) / group;
+    t.optimizer_s = shard * (12 + 2 * o.optimizer_state_bytes) / c.memory_bandwidth;
+    now += t.optimizer_s;
+  } else {
+    // DDP and ZeRO-1: forward needs no communication; backward fills buckets in reverse
+    // order and reduces each when full (all-reduce; ZeRO-1 reduce-scatter).
+    const bool zero1 = o.strategy == Strategy::ShardOptimizerState;
+    const Link& link = n <= c.per_node ? c.intra : c.inter;
+    Lane& lane = lane_of(link);
+    now = t.forward_s + 2 * head_fwd;
+    const double bucket_elements = static_cast<double>(o.bucket_bytes) / o.reduce_bytes;
+    double pending = root_bytes;  // the head's gradients come first
+    double reduced = 0;
+    std::vector<double> buckets;
+    auto flush = [&](double at) {
+      if (pending <= 0) return;
+      buckets.push_back(pending);
+      reduced = lane.run(
+          std::max(at, reduced),
+          cost(zero1 ? Collective::ReduceScatter : Collective::AllReduce, pending * o.reduce_bytes, n, link));
+      pending = 0;
+    };
+    for (int k = m.layers - 1; k >= 0; --k) {
+      now += layer_bwd;
+      pending += layer_bytes;
+      if (pending >= bucket_elements) flush(now);
+    }
+    flush(now);
+    if (reduced > now) waits.reductions += reduced - now;
+    now = std::max(now, reduced);
+    const double per_param = 12 + 2 * o.optimizer_state_bytes;
+    if (!zero1) {
+      t.optimizer_s = static_cast<double>(m.params()) * per_param / c.memory_bandwidth;
+      now += t.optimizer_s;
+    } else {
+      // Note [Gathers behind the step]: each bucket's slice is gathered as soon as it is stepped.
+      double gathered = now;
+      for (double b : buckets) {
+        const double step = b / n * per_param / c.memory_bandwidth;
+        t.optimizer_s += step;
+        now += step;
+        gathered = lane.run(std::max(now, gathered), cost(Collective::AllGather, b * o.param_bytes, n, link));
+      }
+      if (gathered > now) waits.gathers += gathered - now;
+      now = std::max(now, gathered);
+    }
+  }
+
+  t.step_s = now;
+  t.communication_s = intra.busy + inter.busy;
+  t.exposed_s = std::max(0.0, t.step_s - (t.forward_s + t.backward_s + t.optimizer_s));
+  t.tokens_per_s = tokens / t.step_s;
+  const double model_flops = 3 * m.forward_flops_per_token(o.sequence_length) * tokens;
+  t.mfu = c.peak_flops > 0 ? model_flops / t.step_s / c.peak_flops : 0;
+  const double latency = intra.latency + inter.latency;
+  if (t.exposed_s < 0.05 * t.step_s)
+    t.limit = "compute";
+  else if (latency > 0.5 * t.communication_s)
+    t.limit = "latency";
+  else
+    t.limit = waits.gathers >= waits.reductions ? "gathers" : "reductions";
+  return t;
+}
+
+}  // namespace flatshard::plan

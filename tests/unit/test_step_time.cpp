@@ -1,0 +1,186 @@
+// The step-time model (include/flatshard/step_time.h): shapes against published counts,
+// compute and communication against hand-computed costs, overlap, and the command line.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "flatshard/step_time.h"
+#include "tests/support/subprocess.h"
+
+namespace {
+
+using namespace flatshard::plan;
+using flatshard::Strategy;
+
+// The models' parameter counts: bench_modes prints 33,612,800 for its GPT; Meta's Llama
+// 3.1 8B and 70B configurations have 8,030,261,248 and 70,553,706,496.
+TEST(StepTime, ShapesCountTheParametersTheModelsHave) {
+  EXPECT_EQ(gpt(8, 512, 8, 8192, 32).params(), 33'612'800);
+  EXPECT_EQ(llama3_8b().params(), 8'030'261'248);
+  EXPECT_EQ(llama3_70b().params(), 70'553'706'496);
+  const auto shape = llama3_8b().model_shape();
+  EXPECT_EQ(shape.total(), llama3_8b().params());
+  EXPECT_EQ(shape.unit_numels.size(), 32u);
+  EXPECT_THROW(named_model("llama2-7b"), std::invalid_argument);
+}
+
+Cluster one_device(double flops) {
+  Cluster c = h100_cluster(1, 1);
+  c.flops = flops;
+  return c;
+}
+
+// On one device nothing communicates: the step is forward, backward (twice the forward)
+// and the optimizer, and the forward is the FLOP count over the throughput.
+TEST(StepTime, OneDeviceIsItsComputeAndItsOptimizerStep) {
+  const auto m = gpt(8, 512, 8, 8192, 1024);
+  TimeOptions o;
+  o.sequences = 4;
+  o.sequence_length = 1024;
+  const Cluster c = one_device(100e12);
+  for (Strategy s :
+       {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    o.strategy = s;
+    const StepTime t = predict_time(m, c, o);
+    const double tokens = 4.0 * 1024;
+    EXPECT_NEAR(t.forward_s, m.forward_flops_per_token(1024) * tokens / c.flops, 1e-3 * t.forward_s);
+    EXPECT_NEAR(t.backward_s, 2 * t.forward_s, 1e-9);
+    EXPECT_NEAR(t.optimizer_s, static_cast<double>(m.params()) * 28 / c.memory_bandwidth, 1e-12);
+    EXPECT_NEAR(t.step_s, t.forward_s + t.backward_s + t.optimizer_s, 1e-12);
+    EXPECT_EQ(t.communication_s, 0);
+    EXPECT_EQ(t.limit, "compute");
+    EXPECT_NEAR(t.tokens_per_s, tokens / t.step_s, 1e-6);
+  }
+  o.strategy = Strategy::FullShard;
+  const double forward = predict_time(m, c, o).forward_s;
+  const double head =
+      2.0 * 8192 * 512 * 4 * 1024 / c.flops;  // the head's forward: not a unit, not recomputed
+  o.recompute = Recompute::Full;              // each unit's forward again in backward
+  EXPECT_NEAR(predict_time(m, c, o).backward_s, 3 * forward - head, 1e-9);
+}
+
+// With compute free, the step is the collectives, one after another on the link, each at
+// nccl-tests' cost: (n-1)/n of the bytes over the bus bandwidth, plus a latency per step.
+TEST(StepTime, WithoutComputeTheStepIsEveryCollectiveAtItsRingCost) {
+  const auto m = gpt(4, 256, 4, 1024, 64);
+  Cluster c = h100_cluster(1, 4);
+  c.flops = 1e30;
+  c.memory_bandwidth = 1e30;
+  c.intra = {1e9, 1e-5};
+  TimeOptions o;
+  o.param_bytes = 2;
+  o.reduce_bytes = 4;
+  const double layer = static_cast<double>(m.layer_params()), root = static_cast<double>(m.root_params());
+  const auto ring = [&](double bytes) { return bytes * 3 / 4 / 1e9 + 3 * 1e-5; };
+  o.strategy = Strategy::FullShard;
+  const double gathers = ring(root * 2) + 2 * m.layers * ring(layer * 2);
+  const double reductions = m.layers * ring(layer * 4) + ring(root * 4);
+  StepTime t = predict_time(m, c, o);
+  EXPECT_NEAR(t.step_s, gathers + reductions, 1e-9);
+  EXPECT_NEAR(t.communication_s, gathers + reductions, 1e-9);
+  EXPECT_NEAR(t.exposed_share(), 1.0, 1e-6);
+  o.strategy = Strategy::ShardGradOp;  // no gathers in backward
+  t = predict_time(m, c, o);
+  EXPECT_NEAR(t.step_s, gathers - m.layers * ring(layer * 2) + reductions, 1e-9);
+  o.strategy = Strategy::NoShard;  // one bucket (the model is under 25 MiB), all-reduced
+  const auto all_reduce = [&](double bytes) { return 2 * bytes * 3 / 4 / 1e9 + 6 * 1e-5; };
+  EXPECT_NEAR(predict_time(m, c, o).step_s, all_reduce((root + m.layers * layer) * 4), 1e-9);
+  o.strategy = Strategy::ShardOptimizerState;  // reduce-scatter, then the gathers behind the step
+  EXPECT_NEAR(predict_time(m, c, o).step_s,
+              ring((root + m.layers * layer) * 4) + ring((root + m.layers * layer) * 2), 1e-9);
+}
+
+// Communication shorter than each unit's compute hides behind it: only the first gather and
+// the last reductions show; a link too slow to hide it makes the gathers the limit.
+TEST(StepTime, CommunicationHidesBehindComputeUntilTheLinkIsTooSlow) {
+  const auto m = llama3_8b();
+  TimeOptions o;
+  o.sequences = 2;
+  o.sequence_length = 8192;
+  o.recompute = Recompute::Selective;
+  const StepTime node = predict_time(m, h100_cluster(1, 8), o);
+  EXPECT_LT(node.exposed_share(), 0.05);
+  EXPECT_EQ(node.limit, "compute");
+  Cluster slow = h100_cluster(1, 8);
+  slow.intra.bus_bandwidth = 5e9;
+  const StepTime starved = predict_time(m, slow, o);
+  EXPECT_GT(starved.exposed_share(), 0.5);
+  EXPECT_EQ(starved.limit, "gathers");
+  EXPECT_LT(starved.tokens_per_s, node.tokens_per_s / 2);
+}
+
+// Across slow inter-node links hybrid sharding keeps gathers on NVLink and sends each
+// gradient shard across nodes once: it beats full shard; on fast links they are even.
+TEST(StepTime, HybridShardingWinsWhereTheLinksAcrossNodesAreSlow) {
+  const auto m = llama3_8b();
+  TimeOptions o;
+  o.sequences = 2;
+  o.sequence_length = 8192;
+  Cluster c = h100_cluster(16, 8);
+  c.inter.bus_bandwidth = 5e9;
+  o.strategy = Strategy::FullShard;
+  const double full = predict_time(m, c, o).tokens_per_s;
+  o.strategy = Strategy::HybridShard;
+  o.shard_group_size = 8;
+  const double hybrid = predict_time(m, c, o).tokens_per_s;
+  EXPECT_GT(hybrid, 1.5 * full);
+  o.shard_group_size = 3;
+  EXPECT_THROW(predict_time(m, c, o), std::invalid_argument);
+}
+
+// Activations from the shapes: the loss's logits and each layer's share, halved by selective
+// recomputation, down to a layer's input per layer under full recomputation.
+TEST(StepTime, ActivationEstimatesFollowTheShapesAndTheRecomputation) {
+  const auto m = llama3_8b();
+  TimeOptions o;
+  o.sequences = 1;
+  o.sequence_length = 1000;
+  const double logits = 10.0 * 128256 * 1000;
+  const double layer = (18.0 * 4096 + 8.0 * 14336) * 1000;
+  EXPECT_NEAR(static_cast<double>(estimate_activation_bytes(m, o)), 32 * layer + logits, 2);
+  o.recompute = Recompute::Selective;
+  EXPECT_NEAR(static_cast<double>(estimate_activation_bytes(m, o)), 16 * layer + logits, 2);
+  o.recompute = Recompute::Full;
+  EXPECT_NEAR(static_cast<double>(estimate_activation_bytes(m, o)), 32 * 2.0 * 4096 * 1000 + layer + logits,
+              2);
+}
+
+std::string plan_path() { return FLATSHARD_PLAN_PATH; }
+
+// flatshard-plan --cluster prints each strategy's prediction (the library's, row by row) and
+// names the fastest that fits; bad arguments are refused by name.
+TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
+  const auto r = flatshard::testing::run_command({plan_path(), "--cluster", "2x8", "--model", "llama3-8b",
+                                                  "--seq", "8192", "--batch", "2", "--recompute", "selective",
+                                                  "--device-gib", "96"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  TimeOptions o;
+  o.sequences = 2;
+  o.sequence_length = 8192;
+  o.recompute = Recompute::Selective;
+  const StepTime full = predict_time(llama3_8b(), h100_cluster(2, 8), o);
+  EXPECT_NE(r.output.find(fmt::format("full shard {:>24.0f}", full.tokens_per_s)), std::string::npos)
+      << r.output;
+  for (const char* row : {"shard-grad-op", "hybrid (groups of 8)", "ZeRO-1", "DDP"})
+    EXPECT_NE(r.output.find(row), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fastest that fits 96 GiB: "), std::string::npos) << r.output;
+  const auto ddp = r.output.find("\nDDP");
+  ASSERT_NE(ddp, std::string::npos);
+  EXPECT_NE(r.output.substr(ddp, r.output.find('\n', ddp + 1) - ddp).find(" no"), std::string::npos)
+      << "8B under DDP cannot fit 96 GiB: " << r.output;
+  for (auto bad :
+       std::vector<std::vector<std::string>>{{plan_path(), "--cluster", "2x"},
+                                             {plan_path(), "--cluster", "2x8", "--model", "gpt-9"},
+                                             {plan_path(), "--cluster", "2x8", "--recompute", "some"},
+                                             {plan_path(), "--cluster", "2x8", "--tflops", "-3"}}) {
+    const auto refused = flatshard::testing::run_command(bad);
+    EXPECT_EQ(refused.exit_code, 2) << refused.output;
+    EXPECT_NE(refused.output.find("usage: flatshard-plan --cluster"), std::string::npos) << refused.output;
+  }
+}
+
+}  // namespace
