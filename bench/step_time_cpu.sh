@@ -23,8 +23,12 @@ MODEL="${MODEL:---layers 8 --dim 512 --heads 8 --vocab 8192 --context 32}"
 BATCH="${BATCH:-4}"
 STEPS="${STEPS:-6}"
 THROTTLE="${THROTTLE:-}"
+RATES="${RATES:-unthrottled $THROTTLE}"  # the rows to run (unthrottled: direct copies)
+MAX_ERROR="${MAX_ERROR:-}"               # set: fail when a cell's step error passes this many percent
 out="$(mktemp -d)"
-trap 'rm -rf "$out"; [ -n "$THROTTLE" ] && tc qdisc del dev lo root 2>/dev/null || true' EXIT
+cleanup() { rm -rf "$out"; tc qdisc del dev lo root 2>/dev/null || true; }
+trap cleanup EXIT
+trap 'exit 1' INT TERM
 read -r layers dim heads vocab context < <(echo "$MODEL" |
   sed -E 's/.*--layers ([0-9]+).*--dim ([0-9]+).*--heads ([0-9]+).*--vocab ([0-9]+).*--context ([0-9]+).*/\1 \2 \3 \4 \5/')
 gpt="$layers,$dim,$heads,$vocab,$context"
@@ -78,7 +82,7 @@ print(f"{bus / 1e9:.4f} {lat * 1e6:.2f}")' "$1"
 
 echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | link GB/s, µs | lone rank's step ms |"
 echo "|---|---|---|---:|---:|---:|---:|---:|---|---:|"
-for rate in unthrottled $THROTTLE; do
+for rate in $RATES; do
   if [ "$rate" != unthrottled ]; then
     export FLATSHARD_DIRECT_COPY=0
   fi
@@ -104,9 +108,17 @@ for line in open(plan):
     f = line.strip().split(",")
     if f[0] == "TIME" and f[1] == row:
         p, exposed = float(f[2]), float(f[4])
-        print(f"| {rate} | {n} | {mode} | {p:.0f} | {float(ms):.0f} | {100 * (p / float(ms) - 1):+.1f}% | "
+        error = 100 * (p / float(ms) - 1)
+        print(f"| {rate} | {n} | {mode} | {p:.0f} | {float(ms):.0f} | {error:+.1f}% | "
               f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {float(bus):.2f}, {float(lat):.0f} | {alone} |")
+        open(plan + ".errors", "a").write(f"{abs(error):.1f} {rate} {n} {mode}\n")
 PY
     done
   done
 done
+if [ -n "$MAX_ERROR" ]; then
+  worst="$(sort -rn "$out/plan.csv.errors" | head -1)"
+  echo "largest |error|: $worst"
+  awk -v max="$MAX_ERROR" '$1 > max { bad = 1 } END { exit bad }' "$out/plan.csv.errors" ||
+    { echo "FAIL: a predicted step is more than $MAX_ERROR% from the measured one"; exit 1; }
+fi

@@ -1,10 +1,6 @@
 // Asynchronous sharded checkpoints (checkpoint::AsyncSaver): a host copy of what this rank
 // writes, then save_sharded's writing and commit on a thread of the saver, over a
 // communicator of its own.
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <thread>
 
@@ -82,12 +78,6 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
   State* s = state_.get();
   s->failed_root = root;
   s->writer = std::thread([s, root, background, held = std::move(copy)] {
-    // Note [The writer takes the cores training leaves]: the writer thread runs at the
-    // lowest priority (nice 19), so that on a host whose cores the ranks keep busy (training
-    // on the CPU) it writes and checksums in the time the ranks wait, not in theirs. On a GPU
-    // machine the host's cores are mostly idle and it runs as fast as before. The commit's
-    // collectives run on the saver's communicator, whose threads keep their priority.
-    ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
     try {
       s->info = shards::save(root, *s->comm, held, background);
     } catch (const std::exception& e) {  // CheckpointError, or CommError when a rank died

@@ -467,6 +467,14 @@ int run_elastic(const LaunchOptions& o) {
                "FLATSHARD_JOB_SECRET (docs/launching.md)\n");
     return 2;
   }
+  // A signal to the launcher while the nodes meet ends the job (Note [Restarting a failed
+  // job]): the rounds ask between their waits.
+  int stop_signal = 0;
+  r.stop = [&stop_signal] {
+    unsigned char sig = 0;
+    if (stop_signal == 0 && ::read(g_signal_pipe[0], &sig, 1) == 1) stop_signal = sig;
+    return stop_signal != 0;
+  };
   std::unique_ptr<RendezvousHost> host;
   try {
     if (o.node_rank == 0) host = std::make_unique<RendezvousHost>(r);
@@ -480,6 +488,9 @@ int run_elastic(const LaunchOptions& o) {
     Membership m;
     try {
       m = host ? host->next_round() : join_round(r);
+    } catch (const RendezvousStopped&) {
+      fmt::print(stderr, "flatshard-run: got signal {} while the nodes met: the job ends\n", stop_signal);
+      return 128 + stop_signal;
     } catch (const std::exception& e) {
       fmt::print(stderr, "flatshard-run: {}\n", e.what());
       return 1;

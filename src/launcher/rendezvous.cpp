@@ -1,6 +1,7 @@
 #include "src/launcher/rendezvous.h"
 
 #include <arpa/inet.h>
+#include <poll.h>
 
 #include <algorithm>
 #include <chrono>
@@ -47,6 +48,22 @@ std::vector<std::int32_t> recv_ints(tcp::Socket& s, std::size_t count, Clock::ti
 
 Clock::time_point after(double seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(Seconds(seconds));
+}
+
+// Waits until `s` has bytes to read (or is closed) or `until` passes, asking `o.stop` every
+// 200 ms; false when `until` passed.
+bool wait_readable(tcp::Socket& s, Clock::time_point until, const RendezvousOptions& o) {
+  for (;;) {
+    if (o.stop && o.stop()) throw RendezvousStopped{};
+    const auto now = Clock::now();
+    if (now >= until) return false;
+    const auto slice = std::min<Clock::duration>(until - now, std::chrono::milliseconds(200));
+    pollfd p{s.fd(), POLLIN, 0};
+    if (::poll(&p, 1,
+               static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(slice).count()) + 1) >
+        0)
+      return true;
+  }
 }
 
 // A node waiting in a round: its id and its connection.
@@ -134,6 +151,7 @@ Membership RendezvousHost::next_round() {
     const int count = 1 + static_cast<int>(present.size());
     const auto now = Clock::now();
     if (count >= o.max_nodes || (count >= o.min_nodes && now >= last_call)) break;
+    if (o.stop && o.stop()) throw RendezvousStopped{};
     if (now >= give_up) {
       throw std::runtime_error(
           fmt::format("round {} of the launchers' rendezvous: {} of at least {} nodes arrived within "
@@ -195,11 +213,14 @@ Membership join_round(const RendezvousOptions& o) {
   std::string last_error;
   while (Clock::now() < give_up) {
     try {
-      tcp::Socket s = tcp::Socket::connect(o.host, o.port, 0, give_up);
+      if (o.stop && o.stop()) throw RendezvousStopped{};
+      tcp::Socket s = tcp::Socket::connect(o.host, o.port, 0, std::min(give_up, after(1)));
       // The host answers once it opens a round: while a start runs, not before it ends.
-      tcp::prove_secret(s, o.secret, kPurpose, give_up);
+      if (!wait_readable(s, give_up, o)) break;
+      tcp::prove_secret(s, o.secret, kPurpose, Clock::now() + kHandshake);
       send_ints(s, {static_cast<std::int32_t>(kMagic), o.node_id, o.nproc}, Clock::now() + kHandshake);
-      const auto head = recv_ints(s, 2, give_up);
+      if (!wait_readable(s, give_up, o)) break;
+      const auto head = recv_ints(s, 2, Clock::now() + kHandshake);
       if (head[0] == kJobOver) {
         Membership m;
         m.job_over = head[1];

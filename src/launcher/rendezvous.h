@@ -1,6 +1,7 @@
 // The launchers' rendezvous of an elastic job (flatshard-run --nnodes MIN:MAX).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -28,6 +29,9 @@ namespace flatshard::launcher {
 // node 0 is lost, the other nodes cannot meet again and fail once --rdzv-timeout-s passes
 // (as torchrun's c10d rendezvous, whose store lives on one node).
 
+// Thrown when `RendezvousOptions::stop` says to stop (the launcher got a signal).
+struct RendezvousStopped {};
+
 struct RendezvousOptions {
   std::string host;  // --master-addr
   int port = 0;      // --master-port
@@ -37,6 +41,8 @@ struct RendezvousOptions {
   double wait_s = 10;
   double timeout_s = 600;
   std::string secret;  // FLATSHARD_JOB_SECRET
+  // Asked at least every 200 ms while a round waits: true throws RendezvousStopped.
+  std::function<bool()> stop;
 };
 
 // One node's place in a round.

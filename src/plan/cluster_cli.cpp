@@ -124,9 +124,11 @@ int cluster_main(int argc, char** argv) {
       if (v != "0" && v != "1") return usage("--csv takes 0 or 1");
       csv = v == "1";
     } else if (a == "--intra-us" || a == "--inter-us") {
-      if (!number(v, x) && v != "0")
-        return usage(fmt::format("{} takes microseconds, got '{}'", a, v).c_str());
-      (a == "--intra-us" ? intra_us : inter_us) = v == "0" ? 0 : x;
+      char* end = nullptr;
+      const double us = std::strtod(v.c_str(), &end);
+      if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(us) || us < 0)
+        return usage(fmt::format("{} takes microseconds (0 or more), got '{}'", a, v).c_str());
+      (a == "--intra-us" ? intra_us : inter_us) = us;
     } else {
       return usage(("unknown option " + a).c_str());
     }

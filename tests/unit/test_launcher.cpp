@@ -271,6 +271,25 @@ TEST(Launcher, AnElasticRoundRefusesATakenIdAndEndsWithoutMinNodes) {
   EXPECT_EQ(refused, 1) << r[1].output << r[2].output;
 }
 
+// A signal to a launcher waiting in a round (the host for its nodes, a node for its host)
+// ends it at once, with 128 + the signal, not at --rdzv-timeout-s.
+TEST(Launcher, ASignalEndsAnElasticRoundAtOnce) {
+  const std::string port = std::to_string(free_port());
+  RunOptions options;
+  options.env["FLATSHARD_JOB_SECRET"] = "elastic-test";
+  options.signal = SIGTERM;
+  options.signal_after = std::chrono::milliseconds(1000);
+  for (const char* id : {"0", "1"}) {  // alone: node 0 waits for node 1, node 1 for a host that is not there
+    const auto r = run_command(launch({"-n", "1", "--nnodes", "2:2", "--node-rank", id, "--master-port", port,
+                                       "--rdzv-timeout-s", "60"},
+                                      "echo started"),
+                               options);
+    EXPECT_EQ(r.exit_code, 128 + SIGTERM) << "node " << id << ": " << r.output;
+    EXPECT_LT(r.seconds, 10.0) << "node " << id << ": " << r.output;
+    EXPECT_NE(r.output.find("got signal 15 while the nodes met"), std::string::npos) << r.output;
+  }
+}
+
 TEST(Launcher, FailedRankStopsTheOthersAndItsCodeIsTheJobs) {
   const auto r = run_command(
       launch({"-n", "3", "--grace-s", "0.5"}, "if [ \"$RANK\" = 1 ]; then sleep 0.2; exit 3; fi; sleep 60"));
