@@ -33,7 +33,7 @@ if [[ "$what" == asan || "$what" == all ]]; then
   export ASAN_OPTIONS="detect_leaks=1:detect_container_overflow=0:detect_odr_violation=0:abort_on_error=0"
   export LSAN_OPTIONS="suppressions=$root/scripts/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
-  (cd "$root/build-asan" && ctest --output-on-failure -j 1 -E 'install\.|examples\.')
+  (cd "$root/build-asan" && ctest --output-on-failure -j 1 -E 'install\.|examples\.|bench\.')
 fi
 
 if [[ "$what" == tsan || "$what" == tsan-training || "$what" == all ]]; then

@@ -17,7 +17,7 @@ log() { printf '[setup] %s\n' "$*"; }
 # --- Debian packages -------------------------------------------------------------
 debs=(cmake ninja-build g++ ccache pkg-config libfmt-dev libgtest-dev libgmock-dev
       libbenchmark-dev libthrust-dev python3-venv zlib1g-dev nlohmann-json3-dev
-      dataset-fashion-mnist openmpi-bin libopenmpi-dev libssl-dev)
+      dataset-fashion-mnist openmpi-bin libopenmpi-dev libssl-dev iproute2)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
