@@ -520,7 +520,8 @@ int run_elastic(const LaunchOptions& o) {
     start.node_rank = m.node_rank;
     start.nnodes = m.nnodes;
     start.master_port = m.port;
-    const Outcome out = run_once(start, restart, job_start);
+    // The job's restart count is the host's: a node that joins a later round is told it too.
+    const Outcome out = run_once(start, m.round - 1, job_start);
     if (!restart_follows(o, out, restart)) {
       if (host) host->finish(out.code);
       return out.code;

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <poll.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <chrono>
@@ -64,6 +65,16 @@ bool wait_readable(tcp::Socket& s, Clock::time_point until, const RendezvousOpti
         0)
       return true;
   }
+}
+
+// Whether the node at the other end of `s` has gone (closed, reset): a node that died while
+// it waited in a round must not be counted, nor keep its id from its next launcher.
+bool gone(const tcp::Socket& s) {
+  pollfd p{s.fd(), POLLIN | POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLHUP | POLLERR | POLLRDHUP)) return true;
+  char byte;
+  return (p.revents & POLLIN) && ::recv(s.fd(), &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
 }
 
 // A node waiting in a round: its id and its connection.
@@ -153,6 +164,14 @@ Membership RendezvousHost::next_round() {
     if (count >= o.max_nodes || (count >= o.min_nodes && now >= last_call)) break;
     if (o.stop && o.stop()) throw RendezvousStopped{};
     if (now >= give_up) {
+      // The nodes that came are told the job ends (exit code 1) instead of finding out at
+      // their own timeout.
+      for (auto& a : present) {
+        try {
+          send_ints(a.socket, {kJobOver, 1}, Clock::now() + kHandshake);
+        } catch (const tcp::IoError&) {
+        }
+      }
       throw std::runtime_error(
           fmt::format("round {} of the launchers' rendezvous: {} of at least {} nodes arrived within "
                       "--rdzv-timeout-s {:g}; "
@@ -164,6 +183,9 @@ Membership RendezvousHost::next_round() {
     const auto until =
         std::min(count >= o.min_nodes ? last_call : give_up, now + std::chrono::milliseconds(200));
     if (auto arrival = st.accept(until, present)) present.push_back(std::move(*arrival));
+    present.erase(
+        std::remove_if(present.begin(), present.end(), [](const Arrival& a) { return gone(a.socket); }),
+        present.end());
   }
   std::sort(present.begin(), present.end(), [](const Arrival& a, const Arrival& b) { return a.id < b.id; });
   Membership m;
@@ -209,14 +231,17 @@ void RendezvousHost::finish(int code) {
 }
 
 Membership join_round(const RendezvousOptions& o) {
-  const auto give_up = after(o.timeout_s);
+  auto give_up = after(o.timeout_s);
   std::string last_error;
   while (Clock::now() < give_up) {
     try {
       if (o.stop && o.stop()) throw RendezvousStopped{};
       tcp::Socket s = tcp::Socket::connect(o.host, o.port, 0, std::min(give_up, after(1)));
-      // The host answers once it opens a round: while a start runs, not before it ends.
-      if (!wait_readable(s, give_up, o)) break;
+      // The host answers once it opens a round: while a start runs, not before it ends, so
+      // a node that arrives then waits as long as the host is there; once it is gone, the
+      // timeout counts from then.
+      give_up = after(o.timeout_s);
+      wait_readable(s, Clock::time_point::max(), o);
       tcp::prove_secret(s, o.secret, kPurpose, Clock::now() + kHandshake);
       send_ints(s, {static_cast<std::int32_t>(kMagic), o.node_id, o.nproc}, Clock::now() + kHandshake);
       if (!wait_readable(s, give_up, o)) break;

@@ -215,7 +215,9 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   double now = 0;  // the compute stream
 
   // Each unit's gradient reduction: reduce-scatter within the shard group, then (hybrid)
-  // all-reduce of the shard across replicas. Returns when it is done.
+  // all-reduce of the shard across replicas. Returns when it is done. Each link's queue
+  // keeps its collectives in the order issued, so one unit's all-reduce across nodes never
+  // holds up the next unit's reduce-scatter (or a gather) on the node's links.
   auto reduce_unit = [&](double issued, double elements) {
     double done =
         lane_of(group_link)
@@ -228,8 +230,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   };
 
   if (sharded) {
-    // Forward: the root is gathered first and kept; unit k's gather is issued once the
-    // compute reaches unit k - prefetch - 1 (the first ones at once).
+    // Forward: the root is gathered first and kept; unit k's gather is issued when unit
+    // k - prefetch starts (units 0..prefetch at once): `prefetch` units ahead.
     Lane& gl = lane_of(group_link);
     auto gather = [&](double issued, double elements) {
       return gl.run(issued, cost(Collective::AllGather, elements * o.param_bytes, group, group_link));
@@ -241,6 +243,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       for (; issued <= std::min(last, m.layers - 1); ++issued) ready[issued] = gather(at, layer_bytes);
     };
     issue_until(o.prefetch, 0);
+    if (root_ready > now) waits.gathers += root_ready - now;
     now = std::max(now, root_ready);
     for (int k = 0; k < m.layers; ++k) {
       issue_until(k + o.prefetch, now);
@@ -266,9 +269,9 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         now = std::max(now, ready[k]);
       }
       now += layer_bwd;
-      reduced = reduce_unit(std::max(now, reduced), layer_bytes);
+      reduced = std::max(reduced, reduce_unit(now, layer_bytes));
     }
-    reduced = reduce_unit(std::max(now, reduced), root_bytes);  // the root's, after the embedding's backward
+    reduced = std::max(reduced, reduce_unit(now, root_bytes));  // the root's, after the embedding's backward
     if (reduced > now) waits.reductions += reduced - now;
     now = std::max(now, reduced);
     // The optimizer steps this rank's shard: fp32 master read and written, the gradient
@@ -284,7 +287,10 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     Lane& lane = lane_of(link);
     now = t.forward_s + 2 * head_fwd;
     const double bucket_elements = static_cast<double>(o.bucket_bytes) / o.reduce_bytes;
-    double pending = root_bytes;  // the head's gradients come first
+    // The head's gradients come first (with the final norm's), the embeddings' last.
+    const double head_elements =
+        static_cast<double>(m.tied ? 0 : m.vocab * m.dim) + 2.0 * static_cast<double>(m.dim);
+    double pending = head_elements;
     double reduced = 0;
     std::vector<double> buckets;
     auto flush = [&](double at) {
@@ -295,11 +301,13 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
           cost(zero1 ? Collective::ReduceScatter : Collective::AllReduce, pending * o.reduce_bytes, n, link));
       pending = 0;
     };
+    if (pending >= bucket_elements) flush(now);
     for (int k = m.layers - 1; k >= 0; --k) {
       now += layer_bwd;
       pending += layer_bytes;
       if (pending >= bucket_elements) flush(now);
     }
+    pending += root_bytes - head_elements;
     flush(now);
     if (reduced > now) waits.reductions += reduced - now;
     now = std::max(now, reduced);

@@ -260,15 +260,18 @@ TEST(Launcher, AnElasticRoundRefusesATakenIdAndEndsWithoutMinNodes) {
   EXPECT_NE(r[0].output.find("round 1 of the launchers' rendezvous: 2 of at least 3 nodes arrived"),
             std::string::npos)
       << r[0].output;
-  int refused = 0;
+  int refused = 0, told = 0;
   for (int k : {1, 2}) {
     EXPECT_EQ(r[k].exit_code, 1) << r[k].output;
+    EXPECT_LT(r[k].seconds, 10.0) << "a node waited past the host's end: " << r[k].output;
+    if (r[k].output.find("the job ended (code 1) while this node waited") != std::string::npos) ++told;
     EXPECT_EQ(r[k].output.find("started"), std::string::npos) << r[k].output;
     if (r[k].output.find("refused node 1: another node with this --node-rank is in the round") !=
         std::string::npos)
       ++refused;
   }
   EXPECT_EQ(refused, 1) << r[1].output << r[2].output;
+  EXPECT_EQ(told, 1) << "the node in the round is told the round failed: " << r[1].output << r[2].output;
 }
 
 // A signal to a launcher waiting in a round (the host for its nodes, a node for its host)

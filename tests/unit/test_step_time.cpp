@@ -113,6 +113,31 @@ TEST(StepTime, CommunicationHidesBehindComputeUntilTheLinkIsTooSlow) {
   EXPECT_LT(starved.tokens_per_s, node.tokens_per_s / 2);
 }
 
+// Prefetch: unit k+1's gather runs beside unit k's forward. With each unit's gather exactly
+// as long as its forward, prefetch 1 leaves only the first gather exposed and prefetch 0
+// every one: the steps differ by all the gathers but one.
+TEST(StepTime, PrefetchHidesEachGatherBehindThePreviousUnit) {
+  const auto m = gpt(6, 256, 4, 1024, 64);
+  Cluster c = h100_cluster(1, 2);
+  c.memory_bandwidth = 1e30;
+  c.intra = {1e9, 0};
+  TimeOptions o;
+  o.strategy = Strategy::ShardGradOp;  // backward needs no gathers: the forward makes the difference
+  o.sequences = 1;
+  o.sequence_length = 64;
+  o.param_bytes = 2;
+  const double layer = static_cast<double>(m.layer_params());
+  const double gather = layer * 2 / 2 / 1e9;                     // half the unit's bf16 bytes cross the link
+  c.flops = (2 * layer * 64 + 4.0 * 4 * 64 * 64 * 64) / gather;  // a unit's forward takes as long
+  o.prefetch = 0;
+  const double none = predict_time(m, c, o).step_s;
+  o.prefetch = 1;
+  const double one = predict_time(m, c, o).step_s;
+  EXPECT_NEAR(none - one, (m.layers - 1) * gather, 1e-9 * none);
+  o.prefetch = 2;  // the link is the limit already
+  EXPECT_NEAR(predict_time(m, c, o).step_s, one, 1e-9 * one);
+}
+
 // Across slow inter-node links hybrid sharding keeps gathers on NVLink and sends each
 // gradient shard across nodes once: it beats full shard; on fast links they are even.
 TEST(StepTime, HybridShardingWinsWhereTheLinksAcrossNodesAreSlow) {
