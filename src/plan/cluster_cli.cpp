@@ -1,6 +1,7 @@
 // flatshard-plan --cluster: predicted step time, tokens/s per device, MFU, exposed
 // communication and peak memory of every strategy on a cluster, and the fastest that fits.
 #include "src/plan/cluster_cli.h"
+#include "src/plan/cli_numbers.h"
 
 #include <cmath>
 #include <cstdio>
@@ -35,11 +36,8 @@ int usage(const char* why) {
   return why ? 2 : 0;
 }
 
-bool number(const std::string& text, double& out) {
-  char* end = nullptr;
-  out = std::strtod(text.c_str(), &end);
-  return !text.empty() && end == text.c_str() + text.size() && std::isfinite(out) && out > 0;
-}
+// A number above 0 (the whole text).
+bool positive_number(const std::string& text, double& out) { return parse_double(text, out) && out > 0; }
 
 struct Row {
   std::string name;
@@ -56,7 +54,6 @@ int cluster_main(int argc, char** argv) {
   base.sequences = 4;
   base.sequence_length = 1024;
   double device_gib = 80;
-  Cluster c = h100_cluster(1, 1);
   double tflops = 0, intra = 0, intra_us = -1, inter = 0, inter_us = -1, memory_gbs = 0, calibrate_ms = 0;
   bool csv = false;
   for (int i = 1; i < argc; ++i) {
@@ -65,7 +62,7 @@ int cluster_main(int argc, char** argv) {
     if (i + 1 >= argc) return usage(("missing value for " + a).c_str());
     const std::string v = argv[++i];
     double x = 0;
-    const bool positive = number(v, x);
+    const bool positive = positive_number(v, x);
     auto need = [&](bool ok, const char* what) {
       return ok ? 0 : usage(fmt::format("{} takes {}, got '{}'", a, what, v).c_str());
     };
@@ -124,9 +121,8 @@ int cluster_main(int argc, char** argv) {
       if (v != "0" && v != "1") return usage("--csv takes 0 or 1");
       csv = v == "1";
     } else if (a == "--intra-us" || a == "--inter-us") {
-      char* end = nullptr;
-      const double us = std::strtod(v.c_str(), &end);
-      if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(us) || us < 0)
+      double us = 0;
+      if (!parse_double(v, us) || us < 0)
         return usage(fmt::format("{} takes microseconds (0 or more), got '{}'", a, v).c_str());
       (a == "--intra-us" ? intra_us : inter_us) = us;
     } else {
@@ -134,7 +130,7 @@ int cluster_main(int argc, char** argv) {
     }
   }
   if (nodes < 1) return usage("--cluster NODESxDEVICES is required");
-  c = h100_cluster(nodes, per_node);
+  Cluster c = h100_cluster(nodes, per_node);
   if (tflops > 0) c.flops = tflops * 1e12;
   if (intra > 0) c.intra.bus_bandwidth = intra * 1e9;
   if (intra_us >= 0) c.intra.latency = intra_us * 1e-6;

@@ -22,9 +22,13 @@
 #include <fmt/format.h>
 
 #include "flatshard/plan.h"
+#include "src/plan/cli_numbers.h"
 #include "src/plan/cluster_cli.h"
 
 namespace {
+
+using flatshard::plan::parse_double;
+using flatshard::plan::parse_int;
 
 int usage(const char* why) {
   if (why) std::fprintf(stderr, "flatshard-plan: %s\n\n", why);
@@ -51,25 +55,6 @@ int usage(const char* why) {
       "                       peak within H MiB)]\n"
       "Predicts per-rank peak memory (MiB) of each mode; see docs/memory-model.md.\n");
   return why ? 2 : 0;
-}
-
-// Strict numbers: the whole text, finite and in range, or nothing (atoi would read "abc"
-// as 0 and "4k" as 4; strtod alone would take "nan", "inf" and " 4").
-bool parse_double(const std::string& text, double& out) {
-  if (text.empty() || std::isspace(static_cast<unsigned char>(text.front()))) return false;
-  char* end = nullptr;
-  errno = 0;
-  out = std::strtod(text.c_str(), &end);
-  return end == text.c_str() + text.size() && errno == 0 && std::isfinite(out);
-}
-
-bool parse_int(const std::string& text, int& out) {
-  double d;
-  if (!parse_double(text, d) || d < std::numeric_limits<int>::min() || d > std::numeric_limits<int>::max() ||
-      d != std::floor(d))
-    return false;
-  out = static_cast<int>(d);
-  return true;
 }
 
 bool parse_list(const std::string& text, std::vector<int>& out) {
