@@ -7,7 +7,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 
@@ -83,6 +86,124 @@ void write_file_atomically(const std::string& path, const std::vector<char>& byt
     ::fsync(dir);
     ::close(dir);
   }
+}
+
+namespace {
+constexpr std::size_t kBlock = 4096;                    // O_DIRECT's alignment on every common device
+constexpr std::size_t kStaging = std::size_t{8} << 20;  // bytes per write
+}  // namespace
+
+SequentialFile::SequentialFile(const std::string& path) : path_(path) {
+  ::signal(SIGXFSZ, SIG_IGN);  // a write past ulimit -f then fails with EFBIG
+  constexpr int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+  const char* setting = std::getenv("FLATSHARD_CHECKPOINT_DIRECT");
+  const bool wanted = !setting || std::string(setting) != "0";
+  if (wanted) fd_ = ::open(path.c_str(), flags | O_DIRECT, 0644);
+  direct_ = fd_ >= 0;
+  if (!wanted || (fd_ < 0 && errno == EINVAL)) fd_ = ::open(path.c_str(), flags, 0644);  // no O_DIRECT
+  if (fd_ < 0) fail("creating", errno);
+  void* buffer = nullptr;
+  if (::posix_memalign(&buffer, kBlock, kStaging) != 0) {
+    ::close(fd_);
+    fd_ = -1;
+    fail("allocating a staging buffer for", ENOMEM);
+  }
+  staging_ = static_cast<char*>(buffer);
+}
+
+SequentialFile::~SequentialFile() {
+  if (fd_ >= 0) ::close(fd_);
+  std::free(staging_);
+}
+
+void SequentialFile::fail(const char* step, int err) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  throw checkpoint::CheckpointError(
+      path_, fmt::format("flatshard::checkpoint: {} '{}' failed: {}", step, path_, errno_reason(err)));
+}
+
+void SequentialFile::write_out(const char* data, std::size_t bytes) {
+  std::size_t done = 0;
+  while (done < bytes) {
+    const ssize_t w = ::write(fd_, data + done, bytes - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && errno == EINVAL && direct_) {
+      // The file system took O_DIRECT at open but not this write (or a short write left
+      // the offset unaligned): go on through the page cache.
+      direct_ = false;
+      if (::fcntl(fd_, F_SETFL, ::fcntl(fd_, F_GETFL) & ~O_DIRECT) != 0) fail("writing", errno);
+      continue;
+    }
+    if (w <= 0) fail("writing", w < 0 ? errno : ENOSPC);
+    done += static_cast<std::size_t>(w);
+  }
+  written_ += static_cast<std::int64_t>(bytes);
+}
+
+void SequentialFile::stage(const char* data, std::size_t n) {
+  while (n > 0) {
+    const std::size_t take = std::min(n, kStaging - staged_);
+    std::memcpy(staging_ + staged_, data, take);
+    staged_ += take;
+    size_ += static_cast<std::int64_t>(take);
+    data += take;
+    n -= take;
+    if (staged_ == kStaging) {
+      write_out(staging_, staged_);
+      staged_ = 0;
+    }
+  }
+}
+
+void SequentialFile::append(const void* data, std::size_t n) {
+  const auto* p = static_cast<const char*>(data);
+  const std::size_t in_block = static_cast<std::size_t>(size_) % kBlock;
+  if (!direct_ || (reinterpret_cast<std::uintptr_t>(p) - in_block) % kBlock != 0 ||
+      n < kBlock + kBlock - in_block) {
+    stage(p, n);
+    return;
+  }
+  // The source sits in memory as the file's blocks do: complete the block that is staged,
+  // write out what is staged, and send the whole blocks that follow straight from `data`.
+  const std::size_t head = in_block == 0 ? 0 : kBlock - in_block;
+  stage(p, head);
+  if (staged_ > 0) {
+    write_out(staging_, staged_);
+    staged_ = 0;
+  }
+  const std::size_t blocks = (n - head) / kBlock * kBlock;
+  write_out(p + head, blocks);
+  size_ += static_cast<std::int64_t>(blocks);
+  stage(p + head + blocks, n - head - blocks);
+}
+
+std::int64_t SequentialFile::align_with(const void* data) {
+  if (!direct_) return 0;
+  const std::size_t want = reinterpret_cast<std::uintptr_t>(data) % kBlock;
+  const std::size_t pad = (want + kBlock - static_cast<std::size_t>(size_) % kBlock) % kBlock;
+  static const char zeros[kBlock] = {};
+  stage(zeros, pad);
+  return static_cast<std::int64_t>(pad);
+}
+
+void SequentialFile::finish() {
+  if (staged_ > 0) {
+    std::size_t bytes = staged_;
+    if (direct_) {  // pad to whole blocks; the truncate below drops the padding
+      bytes = (staged_ + kBlock - 1) / kBlock * kBlock;
+      std::memset(staging_ + staged_, 0, bytes - staged_);
+    }
+    write_out(staging_, bytes);
+    staged_ = 0;
+  }
+  if (written_ != size_ && ::ftruncate(fd_, size_) != 0) fail("setting the length of", errno);
+  if (::fsync(fd_) != 0) fail("flushing", errno);
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0)
+    throw checkpoint::CheckpointError(
+        path_, fmt::format("flatshard::checkpoint: closing '{}' failed: {}", path_, errno_reason(errno)));
 }
 
 std::vector<char> read_file(const std::string& path) {

@@ -476,6 +476,7 @@ int run_elastic(const LaunchOptions& o) {
     return stop_signal != 0;
   };
   std::unique_ptr<RendezvousHost> host;
+  RendezvousNode node(r);
   try {
     if (o.node_rank == 0) host = std::make_unique<RendezvousHost>(r);
   } catch (const std::exception& e) {
@@ -487,7 +488,7 @@ int run_elastic(const LaunchOptions& o) {
   for (int restart = 0;; ++restart) {
     Membership m;
     try {
-      m = host ? host->next_round() : join_round(r);
+      m = host ? host->next_round() : node.join();
     } catch (const RendezvousStopped&) {
       fmt::print(stderr, "flatshard-run: got signal {} while the nodes met: the job ends\n", stop_signal);
       return 128 + stop_signal;

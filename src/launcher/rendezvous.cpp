@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <map>
 #include <stdexcept>
 #include <thread>
 
@@ -89,6 +90,8 @@ struct RendezvousHost::State {
   RendezvousOptions options;
   tcp::Listener listener;
   int round = 0;
+  // Each node's connection of the last round it was in, by id: told when the job ends.
+  std::map<int, tcp::Socket> known;
   State(const RendezvousOptions& o, int port, bool loopback) : options(o), listener(port, loopback) {}
 
   // Accepts one node before `until`, checks its proof and its hello; nullopt when none came
@@ -208,13 +211,19 @@ Membership RendezvousHost::next_round() {
                    m.round, e.detail.c_str());
     }
   }
+  for (auto& a : present) st.known[a.id] = std::move(a.socket);  // its previous one closes
   return m;
 }
 
 void RendezvousHost::finish(int code) {
   State& st = *state_;
-  std::vector<Arrival> present;
-  for (;;) {  // only those already waiting
+  for (auto& node : st.known) {
+    try {
+      send_ints(node.second, {kJobOver, code}, Clock::now() + std::chrono::seconds(1));
+    } catch (const tcp::IoError&) {
+    }
+  }
+  for (;;) {  // and those waiting for another round
     tcp::Socket s;
     try {
       s = st.listener.accept(Clock::now());
@@ -230,10 +239,42 @@ void RendezvousHost::finish(int code) {
   }
 }
 
-Membership join_round(const RendezvousOptions& o) {
+struct RendezvousNode::State {
+  RendezvousOptions options;
+  tcp::Socket last;  // this node's connection of the last round it was in
+};
+
+RendezvousNode::RendezvousNode(const RendezvousOptions& options)
+    : state_(std::make_unique<State>(State{options, {}})) {}
+
+RendezvousNode::~RendezvousNode() = default;
+
+Membership RendezvousNode::join() {
+  const RendezvousOptions& o = state_->options;
+  tcp::Socket& last = state_->last;
+  // Whether the host said on the last round's connection that the job ended. Its closing
+  // the connection says nothing: it does so when the next round forms without this node.
+  auto ended = [&]() -> std::optional<int> {
+    if (!last.valid()) return std::nullopt;
+    pollfd p{last.fd(), POLLIN, 0};
+    if (::poll(&p, 1, 0) <= 0) return std::nullopt;
+    try {
+      const auto head = recv_ints(last, 2, Clock::now() + kHandshake);
+      if (head[0] == kJobOver) return head[1];
+    } catch (const tcp::IoError&) {
+    }
+    last = tcp::Socket();
+    return std::nullopt;
+  };
   auto give_up = after(o.timeout_s);
   std::string last_error;
+  int refused_proofs = 0;
   while (Clock::now() < give_up) {
+    if (const auto code = ended()) {
+      Membership m;
+      m.job_over = *code;
+      return m;
+    }
     try {
       if (o.stop && o.stop()) throw RendezvousStopped{};
       tcp::Socket s = tcp::Socket::connect(o.host, o.port, 0, std::min(give_up, after(1)));
@@ -242,7 +283,18 @@ Membership join_round(const RendezvousOptions& o) {
       // timeout counts from then.
       give_up = after(o.timeout_s);
       wait_readable(s, Clock::time_point::max(), o);
-      tcp::prove_secret(s, o.secret, kPurpose, Clock::now() + kHandshake);
+      try {
+        tcp::prove_secret(s, o.secret, kPurpose, Clock::now() + kHandshake);
+        refused_proofs = 0;
+      } catch (const tcp::IoError& e) {
+        // Once may be the host going away mid-handshake; twice is a secret it does not share.
+        if (++refused_proofs >= 2)
+          throw std::runtime_error(fmt::format(
+              "node {} cannot join the launchers' rendezvous at {}:{}: {}; give every node the same "
+              "FLATSHARD_JOB_SECRET",
+              o.node_id, o.host, o.port, e.detail));
+        throw;
+      }
       send_ints(s, {static_cast<std::int32_t>(kMagic), o.node_id, o.nproc}, Clock::now() + kHandshake);
       if (!wait_readable(s, give_up, o)) break;
       const auto head = recv_ints(s, 2, Clock::now() + kHandshake);
@@ -269,6 +321,7 @@ Membership join_round(const RendezvousOptions& o) {
       m.port = rest[2];
       const auto ids = recv_ints(s, static_cast<std::size_t>(m.nnodes), Clock::now() + kHandshake);
       m.node_ids.assign(ids.begin(), ids.end());
+      last = std::move(s);
       return m;
     } catch (const tcp::IoError& e) {
       last_error = e.detail;  // the host restarting its listener, or gone: try again until the timeout

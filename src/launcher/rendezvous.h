@@ -24,10 +24,13 @@ namespace flatshard::launcher {
 // fewer nodes than the one before is a smaller world: the program resumes from its latest
 // checkpoint, resharded (load_sharded reads any world size). A node that arrives while a
 // start is running waits for the next round. If fewer than MIN nodes arrive within
-// --rdzv-timeout-s, the round fails and the job ends. When the job ends on the host, a
-// node still waiting is told so, with the job's exit code. The host holds the rounds: if
-// node 0 is lost, the other nodes cannot meet again and fail once --rdzv-timeout-s passes
-// (as torchrun's c10d rendezvous, whose store lives on one node).
+// --rdzv-timeout-s, the round fails and the job ends. When the job ends on the host, the
+// nodes are told so, with the job's exit code: those waiting for a round on their new
+// connection, the others (a node left out of the last rounds included) on the one they
+// kept from the last round they were in, read when they next look for a round. A node whose proof of the
+// secret is refused twice gives up at once. The host holds the rounds: if node 0 is lost, the other nodes
+// cannot meet again and fail once --rdzv-timeout-s passes (as torchrun's c10d rendezvous, whose store lives
+// on one node).
 
 // Thrown when `RendezvousOptions::stop` says to stop (the launcher got a signal).
 struct RendezvousStopped {};
@@ -68,7 +71,8 @@ class RendezvousHost {
   // Waits for the round's nodes (Note [Rounds of an elastic job]) and tells each its place.
   // Throws std::runtime_error when fewer than min_nodes arrive before timeout_s.
   Membership next_round();
-  // Tells the nodes already waiting for another round that the job ended with `code`.
+  // Tells every node that was ever in a round (on its connection of the last round it was
+  // in), and any node already waiting for another round, that the job ended with `code`.
   void finish(int code);
 
  private:
@@ -76,9 +80,23 @@ class RendezvousHost {
   std::unique_ptr<State> state_;
 };
 
-// Any other node's side: joins the next round at the host and returns this node's place
-// in it. Throws std::runtime_error when the host refuses the node (an id taken or out of
-// range, another number of ranks) or cannot be reached within timeout_s.
-Membership join_round(const RendezvousOptions& options);
+// Any other node's side. join() joins the next round at the host and returns this node's
+// place in it. Throws std::runtime_error when the host refuses the node (an id taken or out
+// of range, another number of ranks, a proof of the job secret it refused twice) or cannot
+// be reached within timeout_s. The node keeps its connection of the last round it was in:
+// the host says there when the job ends, so a node whose ranks fail after the host's job
+// ended is told at once (Membership::job_over) instead of retrying until its timeout.
+class RendezvousNode {
+ public:
+  explicit RendezvousNode(const RendezvousOptions& options);
+  ~RendezvousNode();
+  RendezvousNode(const RendezvousNode&) = delete;
+  RendezvousNode& operator=(const RendezvousNode&) = delete;
+  Membership join();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 }  // namespace flatshard::launcher

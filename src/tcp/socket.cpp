@@ -9,7 +9,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <thread>
 
@@ -89,14 +91,24 @@ Socket Socket::connect(const std::string& host, int port, int peer, Clock::time_
       last_error = fmt::format("cannot resolve '{}': {}", host, gai_strerror(rc));
     } else {
       for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-        int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        // Non-blocking, so that a host that drops the handshake's packets costs this attempt
+        // its share of the deadline, not the kernel's minutes of SYN retries.
+        int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
         if (fd < 0) continue;
-        if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+        int err = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno;
+        if (err == EINPROGRESS) {
+          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+          pollfd p{fd, POLLOUT, 0};
+          const int ready = ::poll(&p, 1, static_cast<int>(std::clamp<std::int64_t>(left.count(), 1, 1000)));
+          socklen_t len = sizeof(err);
+          if (ready <= 0 || ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = ETIMEDOUT;
+        }
+        if (err == 0) {
           freeaddrinfo(found);
           tune(fd);
           return Socket(fd, peer);
         }
-        last_error = std::strerror(errno);
+        last_error = std::strerror(err);
         ::close(fd);
       }
       freeaddrinfo(found);

@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "flatshard/checkpoint.h"
+#include "src/io/files.h"
 
 namespace {
 
@@ -60,6 +61,91 @@ TEST(CheckpointFiles, FailedWriteKeepsThePreviousFile) {
   EXPECT_TRUE(at::equal(load_tensors(file).at("a.weight"), sample(1).at("a.weight")));
   for (const auto& entry : fs::directory_iterator(dir.path)) {
     EXPECT_EQ(entry.path().filename(), "model.pt") << "a temporary file was left behind";
+  }
+}
+
+// Shard files are written around the page cache (O_DIRECT where the file system takes
+// it) through an aligned staging buffer: lengths that end inside a block, exactly on one,
+// on the staging buffer's size and past it, appended in uneven pieces, come back byte for
+// byte at their exact length.
+TEST(CheckpointFiles, SequentialFileWritesExactBytes) {
+  TempDir dir;
+  const std::size_t staging = std::size_t{8} << 20;
+  for (const std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{4095}, std::size_t{4096},
+                              std::size_t{4097}, staging, staging + 12345, 2 * staging + 4096}) {
+    std::vector<char> bytes(n);
+    for (std::size_t i = 0; i < n; ++i) bytes[i] = static_cast<char>((i * 2654435761u) >> 13);
+    const auto file = (dir.path / ("f" + std::to_string(n))).string();
+    flatshard::io::SequentialFile out(file);
+    std::size_t done = 0, piece = 1;
+    while (done < n) {  // pieces of 1, 3, 9, ... bytes, up to 3 MiB
+      const std::size_t take = std::min(n - done, piece);
+      out.append(bytes.data() + done, take);
+      done += take;
+      piece = std::min<std::size_t>(piece * 3, 3u << 20);
+    }
+    EXPECT_EQ(out.size(), static_cast<std::int64_t>(n));
+    out.finish();
+    ASSERT_EQ(fs::file_size(file), n) << file;
+    std::ifstream in(file, std::ios::binary);
+    const std::vector<char> back((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_TRUE(back == bytes) << n << " bytes came back different";
+  }
+}
+
+// A large piece is written from where it lies: align_with pads the file (with zeros, less
+// than a block) so that the piece's address and its place in the file agree within a
+// block, and the piece lands at the offset the file's size gave after the padding.
+TEST(CheckpointFiles, SequentialFileWritesALargePieceFromWhereItLies) {
+  TempDir dir;
+  std::vector<char> source((std::size_t{5} << 20) + 4096 + 200);
+  for (std::size_t i = 0; i < source.size(); ++i) source[i] = static_cast<char>((i * 40503u) >> 7);
+  const std::string prefix(1000, 'p'), suffix(77, 's');
+  const char* piece = source.data() + 123;
+  const std::size_t n = (std::size_t{5} << 20) + 77;
+  const auto file = (dir.path / "aligned").string();
+  flatshard::io::SequentialFile out(file);
+  out.append(prefix.data(), prefix.size());
+  const std::int64_t pad = out.align_with(piece);
+  EXPECT_GE(pad, 0);
+  EXPECT_LT(pad, 4096);
+  const std::int64_t offset = out.size();
+  EXPECT_EQ(offset, 1000 + pad);
+  out.append(piece, n);
+  out.append(suffix.data(), suffix.size());
+  out.finish();
+  std::ifstream in(file, std::ios::binary);
+  const std::string back((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(back.size(), 1000 + static_cast<std::size_t>(pad) + n + 77);
+  EXPECT_EQ(back.substr(0, 1000), prefix);
+  EXPECT_EQ(back.substr(1000, static_cast<std::size_t>(pad)),
+            std::string(static_cast<std::size_t>(pad), '\0'));
+  EXPECT_TRUE(back.compare(static_cast<std::size_t>(offset), n, piece, n) == 0)
+      << "the piece came back different";
+  EXPECT_EQ(back.substr(static_cast<std::size_t>(offset) + n), suffix);
+}
+
+// Past the file-size limit (a full disk's stand-in) a direct write fails as a buffered one
+// does: a CheckpointError naming the file and saying what to do.
+TEST(CheckpointFiles, SequentialFileReportsAFullDisk) {
+  TempDir dir;
+  const auto file = (dir.path / "big").string();
+  rlimit old{};
+  ::getrlimit(RLIMIT_FSIZE, &old);
+  rlimit small = old;
+  small.rlim_cur = 1 << 20;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  try {
+    flatshard::io::SequentialFile out(file);
+    const std::vector<char> bytes(std::size_t{20} << 20, 'x');
+    out.append(bytes.data(), bytes.size());
+    out.finish();
+    ::setrlimit(RLIMIT_FSIZE, &old);
+    FAIL() << "20 MiB were written under a 1 MiB file-size limit";
+  } catch (const CheckpointError& e) {
+    ::setrlimit(RLIMIT_FSIZE, &old);
+    EXPECT_EQ(e.path(), file);
+    EXPECT_NE(std::string(e.what()).find("ulimit -f"), std::string::npos) << e.what();
   }
 }
 

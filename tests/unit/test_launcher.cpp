@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -149,17 +150,24 @@ TEST(Launcher, ARestartedJobIsToldWhatFailedAndWhen) {
   EXPECT_NE(line.find("[rank 1 exited with code 4]"), std::string::npos) << line;
 }
 
-// A port nobody listens on now.
+// A port nobody listens on now, below the kernel's range of ephemeral ports (32768 and up
+// by default), so that no process binding port 0 (another test's ranks, its launcher's
+// picks) takes it between this call and the test's bind.
 int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  static std::mt19937 pick(
+      static_cast<unsigned>(::getpid()) * 7919u +
+      static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  for (;;) {
+    const int port = 20000 + static_cast<int>(pick() % 12000);
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<std::uint16_t>(port));
+    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    ::close(fd);
+    if (free) return port;
+  }
 }
 
 // Runs one flatshard-run per node of an elastic job on this machine, side by side:
@@ -272,6 +280,51 @@ TEST(Launcher, AnElasticRoundRefusesATakenIdAndEndsWithoutMinNodes) {
   }
   EXPECT_EQ(refused, 1) << r[1].output << r[2].output;
   EXPECT_EQ(told, 1) << "the node in the round is told the round failed: " << r[1].output << r[2].output;
+}
+
+// Node 0's rank fails at once, twice, and its job ends (code 7) while node 1's rank is
+// still running: node 1 was left out of round 2, yet when its rank fails and it looks for
+// another round it is told the job ended, at once, instead of retrying for
+// --rdzv-timeout-s (60).
+TEST(Launcher, AnElasticNodeIsToldTheJobEndedAfterItsRanksFail) {
+  const std::string port = std::to_string(free_port());
+  std::vector<std::vector<std::string>> args;
+  for (int id = 0; id < 2; ++id) {
+    args.push_back({"-n", "1", "--nnodes", "1:2", "--node-rank", std::to_string(id), "--master-port", port,
+                    "--rdzv-wait-s", "1", "--rdzv-timeout-s", "60", "--max-restarts", "1", "--grace-s", "0.5",
+                    "--deadline-s", "60"});
+  }
+  std::vector<RunOptions> options(2);
+  for (auto& o : options) o.env["FLATSHARD_JOB_SECRET"] = "elastic-test";
+  const auto r = run_nodes(args, options, "if [ \"$GROUP_RANK\" = 0 ]; then exit 7; fi; sleep 4; exit 5");
+  EXPECT_EQ(r[0].exit_code, 7) << r[0].output;
+  EXPECT_NE(r[0].output.find("round 2: nodes 0 (of 1..2)"), std::string::npos) << r[0].output;
+  EXPECT_EQ(r[1].exit_code, 7) << r[1].output;
+  EXPECT_NE(r[1].output.find("the job ended (code 7) while this node waited to rejoin it"), std::string::npos)
+      << r[1].output;
+  EXPECT_LT(r[1].seconds, 20.0) << r[1].output;
+}
+
+// A node whose job secret differs is refused at once, by name, not after its timeout.
+TEST(Launcher, AnElasticNodeWithAnotherSecretIsRefusedAtOnce) {
+  const std::string port = std::to_string(free_port());
+  std::vector<std::vector<std::string>> args;
+  for (int id = 0; id < 2; ++id) {
+    args.push_back({"-n", "1", "--nnodes", "2:2", "--node-rank", std::to_string(id), "--master-port", port,
+                    "--rdzv-timeout-s", std::to_string(id == 0 ? 5 : 60), "--deadline-s", "60"});
+  }
+  std::vector<RunOptions> options(2);
+  options[0].env["FLATSHARD_JOB_SECRET"] = "elastic-test";
+  options[1].env["FLATSHARD_JOB_SECRET"] = "another-job";
+  const auto r = run_nodes(args, options, "echo started");
+  EXPECT_EQ(r[1].exit_code, 1) << r[1].output;
+  EXPECT_LT(r[1].seconds, 4.0) << r[1].output;
+  EXPECT_NE(r[1].output.find("give every node the same FLATSHARD_JOB_SECRET"), std::string::npos)
+      << r[1].output;
+  EXPECT_NE(r[0].output.find("refused a connection to the launchers' rendezvous"), std::string::npos)
+      << r[0].output;
+  EXPECT_EQ(r[0].exit_code, 1) << r[0].output;
+  EXPECT_EQ(r[0].output.find("started"), std::string::npos) << r[0].output;
 }
 
 // A signal to a launcher waiting in a round (the host for its nodes, a node for its host)

@@ -63,14 +63,22 @@ TEST(StepTime, OneDeviceIsItsComputeAndItsOptimizerStep) {
   EXPECT_NEAR(predict_time(m, c, o).backward_s, 3 * forward - head, 1e-9);
 }
 
+// A cluster of nodes x per_node devices on which only communication takes time: one
+// latency-free link and one link of 1 GB/s with 10 us per ring step (`slow_intra`: which).
+Cluster only_links(int nodes, int per_node, bool slow_intra) {
+  Cluster c = h100_cluster(nodes, per_node);
+  c.flops = 1e30;
+  c.memory_bandwidth = 1e30;
+  c.intra = slow_intra ? Link{1e9, 1e-5} : Link{1e30, 0};
+  c.inter = slow_intra ? Link{1e30, 0} : Link{1e9, 1e-5};
+  return c;
+}
+
 // With compute free, the step is the collectives, one after another on the link, each at
 // nccl-tests' cost: (n-1)/n of the bytes over the bus bandwidth, plus a latency per step.
 TEST(StepTime, WithoutComputeTheStepIsEveryCollectiveAtItsRingCost) {
   const auto m = gpt(4, 256, 4, 1024, 64);
-  Cluster c = h100_cluster(1, 4);
-  c.flops = 1e30;
-  c.memory_bandwidth = 1e30;
-  c.intra = {1e9, 1e-5};
+  const Cluster c = only_links(1, 4, true);
   TimeOptions o;
   o.param_bytes = 2;
   o.reduce_bytes = 4;
@@ -136,6 +144,75 @@ TEST(StepTime, PrefetchHidesEachGatherBehindThePreviousUnit) {
   EXPECT_NEAR(none - one, (m.layers - 1) * gather, 1e-9 * none);
   o.prefetch = 2;  // the link is the limit already
   EXPECT_NEAR(predict_time(m, c, o).step_s, one, 1e-9 * one);
+}
+
+// DDP with buckets smaller than the model: one all-reduce per bucket, in backward's order
+// (the head's gradients join the last layer's bucket, the embeddings close the last one),
+// each paying its own latency; ZeRO-1 reduce-scatters the same buckets and gathers each
+// behind the step. Five buckets: the step is every byte at the ring's cost plus five
+// collectives' latency (one bucket would pay it once).
+TEST(StepTime, BucketsAreReducedOneByOneEachPayingItsLatency) {
+  const auto m = gpt(4, 256, 4, 1024, 64);
+  const Cluster c = only_links(1, 4, true);
+  TimeOptions o;
+  o.reduce_bytes = 4;
+  o.param_bytes = 4;
+  o.bucket_bytes = m.layer_params() * 4;  // one layer per bucket
+  const double bytes = static_cast<double>(m.params()) * 4;
+  o.strategy = Strategy::NoShard;
+  EXPECT_NEAR(predict_time(m, c, o).step_s, 2 * bytes * 3 / 4 / 1e9 + 5 * 6 * 1e-5, 1e-9);
+  o.strategy = Strategy::ShardOptimizerState;
+  EXPECT_NEAR(predict_time(m, c, o).step_s, 2 * (bytes * 3 / 4 / 1e9 + 5 * 3 * 1e-5), 1e-9);
+  o.bucket_bytes = std::int64_t{1} << 40;  // one bucket
+  o.strategy = Strategy::NoShard;
+  EXPECT_NEAR(predict_time(m, c, o).step_s, 2 * bytes * 3 / 4 / 1e9 + 6 * 1e-5, 1e-9);
+}
+
+// Hybrid sharding on 2 nodes of 2 devices, in groups of 2: gathers and reduce-scatters run
+// over the node's link among 2 ranks, and each unit's reduced shard (half its gradient) is
+// all-reduced across the 2 replicas on the link between nodes. With one link free the step
+// is the other link's collectives, one after another, at their ring costs.
+TEST(StepTime, HybridShardingRunsEachLevelOnItsOwnLink) {
+  const auto m = gpt(4, 256, 4, 1024, 64);
+  TimeOptions o;
+  o.strategy = Strategy::HybridShard;
+  o.shard_group_size = 2;
+  o.param_bytes = 2;
+  o.reduce_bytes = 4;
+  const double layer = static_cast<double>(m.layer_params()), root = static_cast<double>(m.root_params());
+  const double params = static_cast<double>(m.params());
+  // Only the link across nodes costs: every unit's all-reduce of elements * 4 / 2 bytes
+  // over 2 replicas moves those bytes once and takes 2 latencies.
+  StepTime t = predict_time(m, only_links(2, 2, false), o);
+  EXPECT_NEAR(t.step_s, params * 4 / 2 / 1e9 + (m.layers + 1) * 2 * 1e-5, 1e-9);
+  EXPECT_EQ(t.limit, "reductions");
+  // Only the node's link costs: full shard's collectives among 2 ranks (half the bytes
+  // cross, one latency each), not among 4.
+  const auto ring = [&](double bytes) { return bytes / 2 / 1e9 + 1e-5; };
+  const double collectives =
+      ring(root * 2) + 2 * m.layers * ring(layer * 2) + m.layers * ring(layer * 4) + ring(root * 4);
+  t = predict_time(m, only_links(2, 2, true), o);
+  EXPECT_NEAR(t.step_s, collectives, 1e-9);
+  EXPECT_NEAR(t.communication_s, collectives, 1e-9);
+}
+
+// MFU counts the model's FLOPs (three forwards' worth), not the recomputed ones: on one
+// device with a free optimizer it is the sustained over the peak throughput, and
+// recomputation lowers it.
+TEST(StepTime, MfuIsTheModelsFlopsOverThePeak) {
+  const auto m = gpt(8, 512, 8, 8192, 1024);
+  Cluster c = one_device(400e12);
+  c.peak_flops = 1000e12;
+  c.memory_bandwidth = 1e30;
+  TimeOptions o;
+  o.sequences = 4;
+  o.sequence_length = 1024;
+  const StepTime t = predict_time(m, c, o);
+  EXPECT_NEAR(t.mfu, 0.4, 1e-3);
+  o.recompute = Recompute::Full;
+  const StepTime r = predict_time(m, c, o);
+  EXPECT_NEAR(r.mfu, t.mfu * t.step_s / r.step_s, 1e-12);
+  EXPECT_LT(r.mfu, 0.35);
 }
 
 // Across slow inter-node links hybrid sharding keeps gathers on NVLink and sends each
