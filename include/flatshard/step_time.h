@@ -79,6 +79,11 @@ struct Cluster {
   double memory_bandwidth = 0;  // bytes/s of the device's memory (the optimizer step)
   Link intra;                   // within a node
   Link inter;                   // across nodes, per device
+  // CPU offload: the link between a device and its host (bytes/s in each direction, both
+  // at once; seconds per copy) and the host memory's bandwidth for one device's optimizer
+  // step on the host (a host serving 8 devices that step at once gives each an eighth).
+  Link pcie;
+  double host_bandwidth = 0;
   int world() const { return nodes * per_node; }
 };
 
@@ -104,18 +109,26 @@ struct TimeOptions {
   int optimizer_state_bytes = 8;
   // DDP's and ZeRO-1's gradient buckets (FullyShardOptions::bucket_bytes).
   std::int64_t bucket_bytes = 25 << 20;
+  // CPU offload (FullyShardOptions::cpu_offload): the fp32 masters, their gradients and the
+  // optimizer state live on the host, which steps them (Note [Offload in the step-time
+  // model] in src/plan/step_time.cpp).
+  bool offload = false;
+  bool offload_bf16_copy = true;  // the masters' bf16 copies cross to the device, not the fp32 masters
+  bool step_in_backward =
+      false;  // offloaded full shard / shard-grad-op / hybrid: each unit steps as its gradient lands
 };
 
 // One step, predicted.
 struct StepTime {
   double forward_s = 0, backward_s = 0;  // compute only (recomputation in backward)
-  double optimizer_s = 0;
-  double step_s = 0;           // the critical path through compute and the links
-  double communication_s = 0;  // every collective's time on its link, overlapped or not
-  double exposed_s = 0;        // of the step, the time compute waits for communication
-  double tokens_per_s = 0;     // per device
-  double mfu = 0;              // model FLOPs (6 per parameter and token + attention) over peak
-  std::string limit;           // "compute", "gathers", "reductions", "latency"
+  double optimizer_s = 0;                // on the device, or on the host when offloaded
+  double copies_s = 0;                   // offload: every copy between host and device, overlapped or not
+  double step_s = 0;                     // the critical path through compute and the links
+  double communication_s = 0;            // every collective's time on its link, overlapped or not
+  double exposed_s = 0;                  // of the step, the time compute waits for communication
+  double tokens_per_s = 0;               // per device
+  double mfu = 0;                        // model FLOPs (6 per parameter and token + attention) over peak
+  std::string limit;  // "compute", "gathers", "reductions", "latency", "host copies", "host step"
   double exposed_share() const { return step_s > 0 ? exposed_s / step_s : 0; }
 };
 

@@ -28,6 +28,8 @@ int usage(const char* why) {
       "                      [--reduce fp32|bf16] [--prefetch P] [--device-gib G]\n"
       "                      [--tflops T (sustained per device)] [--intra GB/s] [--intra-us U]\n"
       "                      [--inter Gb/s] [--inter-us U] [--memory-gbs GB/s]\n"
+      "                      [--offload 0|1] [--bf16-copy 0|1] [--step-in-backward 0|1]\n"
+      "                      [--pcie GB/s (each way)] [--host-gbs GB/s (the host's optimizer step)]\n"
       "                      [--calibrate-ms T (the sustained throughput that makes this model's step\n"
       "                      on one device take T ms)] [--csv 1]\n"
       "Predicts each strategy's step (docs/scaling.md): tokens/s per device, MFU, the share of\n"
@@ -55,6 +57,7 @@ int cluster_main(int argc, char** argv) {
   base.sequence_length = 1024;
   double device_gib = 80;
   double tflops = 0, intra = 0, intra_us = -1, inter = 0, inter_us = -1, memory_gbs = 0, calibrate_ms = 0;
+  double pcie = 0, host_gbs = 0;
   bool csv = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -111,9 +114,20 @@ int cluster_main(int argc, char** argv) {
     } else if (a == "--device-gib") {
       if (int r = need(positive, "a number of GiB")) return r;
       device_gib = x;
-    } else if (a == "--tflops" || a == "--intra" || a == "--inter" || a == "--memory-gbs") {
+    } else if (a == "--tflops" || a == "--intra" || a == "--inter" || a == "--memory-gbs" || a == "--pcie" ||
+               a == "--host-gbs") {
       if (int r = need(positive, "a positive number")) return r;
-      (a == "--tflops" ? tflops : a == "--intra" ? intra : a == "--inter" ? inter : memory_gbs) = x;
+      (a == "--tflops"       ? tflops
+       : a == "--intra"      ? intra
+       : a == "--inter"      ? inter
+       : a == "--memory-gbs" ? memory_gbs
+       : a == "--pcie"       ? pcie
+                             : host_gbs) = x;
+    } else if (a == "--offload" || a == "--bf16-copy" || a == "--step-in-backward") {
+      if (v != "0" && v != "1") return usage(fmt::format("{} takes 0 or 1", a).c_str());
+      (a == "--offload"     ? base.offload
+       : a == "--bf16-copy" ? base.offload_bf16_copy
+                            : base.step_in_backward) = v == "1";
     } else if (a == "--calibrate-ms") {
       if (int r = need(positive, "milliseconds")) return r;
       calibrate_ms = x;
@@ -137,6 +151,8 @@ int cluster_main(int argc, char** argv) {
   if (inter > 0) c.inter.bus_bandwidth = inter * 1e9 / 8;  // Gb/s per device
   if (inter_us >= 0) c.inter.latency = inter_us * 1e-6;
   if (memory_gbs > 0) c.memory_bandwidth = memory_gbs * 1e9;
+  if (pcie > 0) c.pcie.bus_bandwidth = pcie * 1e9;
+  if (host_gbs > 0) c.host_bandwidth = host_gbs * 1e9;
   if (calibrate_ms > 0) {
     // The step on one device is compute / flops + the optimizer step: solve for flops.
     Cluster one = c;
@@ -144,6 +160,7 @@ int cluster_main(int argc, char** argv) {
     one.flops = 1;
     TimeOptions alone = base;
     alone.strategy = Strategy::NoShard;
+    alone.offload = false;  // the device's throughput: its compute and its own step
     const StepTime unit = predict_time(model, one, alone);
     const double compute = calibrate_ms * 1e-3 - unit.optimizer_s;
     if (compute <= 0)
@@ -167,6 +184,10 @@ int cluster_main(int argc, char** argv) {
     r.memory.optimizer_state_bytes = base.optimizer_state_bytes;
     r.memory.prefetch = base.prefetch;
     r.memory.recompute = base.recompute == Recompute::Full;
+    r.memory.cpu_offload = base.offload;
+    r.memory.offload_bf16_copy = base.offload_bf16_copy;
+    r.memory.step_in_backward = base.step_in_backward && r.memory.strategy != Strategy::NoShard &&
+                                r.memory.strategy != Strategy::ShardOptimizerState;
     r.memory.build_into_shards = s != Strategy::NoShard && s != Strategy::ShardOptimizerState;
     r.memory.activation_bytes = estimate_activation_bytes(model, base);
     rows.push_back(r);
@@ -179,19 +200,23 @@ int cluster_main(int argc, char** argv) {
   add("ZeRO-1", Strategy::ShardOptimizerState, 0);
   add("DDP", Strategy::NoShard, 0);
 
-  if (!csv)
-    std::printf(
-        "%s\n",
-        fmt::format("{} ({:.2f}B parameters) on {} ({} devices): {} sequences of {} tokens per device, {}, "
-                    "recompute {}; {:.0f} TFLOP/s sustained per device, {:.0f} GB/s within a node, "
-                    "{:.0f} GB/s across nodes",
-                    model.name, static_cast<double>(model.params()) / 1e9, c.name, n, base.sequences,
-                    base.sequence_length, base.param_bytes == 2 ? "bf16" : "fp32",
-                    base.recompute == Recompute::None        ? "none"
-                    : base.recompute == Recompute::Selective ? "selective"
-                                                             : "full",
-                    c.flops / 1e12, c.intra.bus_bandwidth / 1e9, c.inter.bus_bandwidth / 1e9)
-            .c_str());
+  std::string header = fmt::format(
+      "{} ({:.2f}B parameters) on {} ({} devices): {} sequences of {} tokens per device, {}, recompute {}; "
+      "{:.0f} TFLOP/s sustained per device, {:.0f} GB/s within a node, {:.0f} GB/s across nodes",
+      model.name, static_cast<double>(model.params()) / 1e9, c.name, n, base.sequences, base.sequence_length,
+      base.param_bytes == 2 ? "bf16" : "fp32",
+      base.recompute == Recompute::None        ? "none"
+      : base.recompute == Recompute::Selective ? "selective"
+                                               : "full",
+      c.flops / 1e12, c.intra.bus_bandwidth / 1e9, c.inter.bus_bandwidth / 1e9);
+  if (base.offload)
+    header += fmt::format(
+        "; offloaded ({}{}), {:.0f} GB/s each way to the host, the host's step at {:.0f} GB/s "
+        "per device",
+        base.offload_bf16_copy ? "bf16 copies sent" : "fp32 masters sent",
+        base.step_in_backward ? ", stepping in backward" : "", c.pcie.bus_bandwidth / 1e9,
+        c.host_bandwidth / 1e9);
+  if (!csv) std::printf("%s\n", header.c_str());
   if (!csv)
     std::printf("%-22s %12s %10s %7s %10s %11s %12s %6s\n", "strategy", "tokens/s/dev", "step ms", "MFU",
                 "exposed", "limit", "peak GiB", "fits");

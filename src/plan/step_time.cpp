@@ -102,6 +102,12 @@ TransformerShape named_model(const std::string& name) {
 //   bandwidth at large sizes is about 360 GB/s; 3 µs per ring step.
 // - inter: 400 Gb/s RDMA per GPU (one NIC per GPU), about 45 GB/s of bus bandwidth once
 //   the protocol's overhead is paid; 8 µs per ring step.
+// - pcie: PCIe 5 x16 between each GPU and its host, 55 GB/s each way with page-locked
+//   memory (what CUDA's bandwidth test typically shows of the 64 GB/s), 10 µs per copy.
+// - host_bandwidth: 129 GB/s for the optimizer's step on the host: what reproduces
+//   FlatShard's offloaded full shard on that H100 (the 1.04B GPT, 4 sequences of 1,024
+//   tokens, bf16 copies sent, 16 host threads: 363.9 ms per step, docs/cuda.md), with
+//   the throughput above. A calibration too.
 // None of these was measured across machines here: docs/scaling.md shows what each
 // changes.
 Cluster h100_cluster(int nodes, int per_node) {
@@ -114,6 +120,8 @@ Cluster h100_cluster(int nodes, int per_node) {
   c.memory_bandwidth = 2.7e12;
   c.intra = {360e9, 3e-6};
   c.inter = {45e9, 8e-6};
+  c.pcie = {55e9, 10e-6};
+  c.host_bandwidth = 129e9;
   return c;
 }
 
@@ -195,6 +203,26 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   const Link& replica_link = n <= c.per_node ? c.intra : c.inter;
   Lane intra{&c.intra}, inter{&c.inter};
   auto lane_of = [&](const Link& l) -> Lane& { return &l == &c.intra ? intra : inter; };
+  // Note [Offload in the step-time model]: offloaded, the device holds no shard. Each
+  // gather first copies this rank's shard from the host (its bf16 copy, or the fp32 master),
+  // each reduced gradient shard is copied to the host (fp32), each direction a queue of its
+  // own beside the collectives, and the host steps the masters at its memory's bandwidth:
+  // after backward, or (stepping in backward, sharded strategies) unit by unit as each
+  // gradient lands, one after another on the host. DDP and ZeRO-1 copy each reduced bucket
+  // to the host, step after backward bucket by bucket, and copy each stepped bucket back
+  // (ZeRO-1 then gathers it).
+  if (o.offload && (c.pcie.bus_bandwidth <= 0 || c.host_bandwidth <= 0))
+    throw std::invalid_argument("predict_time: offload needs the cluster's pcie link and host bandwidth");
+  Lane h2d{&c.pcie}, d2h{&c.pcie}, host;
+  const double send_bytes = o.offload_bf16_copy ? o.param_bytes : 4;
+  const double host_per_param =
+      12 + 2.0 * o.optimizer_state_bytes + (o.offload_bf16_copy && o.param_bytes < 4 ? o.param_bytes : 0);
+  auto copy = [&](Lane& lane, double issued, double bytes) {
+    return lane.run(issued, Cost{bytes / c.pcie.bus_bandwidth + c.pcie.latency, 0});
+  };
+  auto host_step = [&](double issued, double elements) {
+    return host.run(issued, Cost{elements * host_per_param / c.host_bandwidth, 0});
+  };
 
   const double tokens = static_cast<double>(o.sequences) * static_cast<double>(o.sequence_length);
   const double hd = static_cast<double>(m.head_dim());
@@ -226,6 +254,10 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       done = lane_of(replica_link)
                  .run(done,
                       cost(Collective::AllReduce, elements * o.reduce_bytes / group, replicas, replica_link));
+    if (o.offload) {
+      done = copy(d2h, done, elements / group * 4);
+      if (o.step_in_backward) done = host_step(done, elements / group);
+    }
     return done;
   };
 
@@ -234,6 +266,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // k - prefetch starts (units 0..prefetch at once): `prefetch` units ahead.
     Lane& gl = lane_of(group_link);
     auto gather = [&](double issued, double elements) {
+      if (o.offload) issued = copy(h2d, issued, elements / group * send_bytes);
       return gl.run(issued, cost(Collective::AllGather, elements * o.param_bytes, group, group_link));
     };
     const double root_ready = gather(0, root_bytes);
@@ -277,8 +310,15 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // The optimizer steps this rank's shard: fp32 master read and written, the gradient
     // read, the state read and written.
     const double shard = static_cast<double>(m.params()) / group;
-    t.optimizer_s = shard * (12 + 2 * o.optimizer_state_bytes) / c.memory_bandwidth;
-    now += t.optimizer_s;
+    if (!o.offload) {
+      t.optimizer_s = shard * (12 + 2 * o.optimizer_state_bytes) / c.memory_bandwidth;
+      now += t.optimizer_s;
+    } else if (o.step_in_backward) {
+      t.optimizer_s = host.busy;  // within the waits above
+    } else {
+      now = host_step(now, shard);
+      t.optimizer_s = host.busy;
+    }
   } else {
     // DDP and ZeRO-1: forward needs no communication; backward fills buckets in reverse
     // order and reduces each when full (all-reduce; ZeRO-1 reduce-scatter).
@@ -293,12 +333,15 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     double pending = head_elements;
     double reduced = 0;
     std::vector<double> buckets;
+    const double owned = zero1 ? n : 1;  // a bucket's share this rank steps
+    double landed = 0;                   // offload: the last bucket's copy to the host
     auto flush = [&](double at) {
       if (pending <= 0) return;
       buckets.push_back(pending);
       reduced = lane.run(
           std::max(at, reduced),
           cost(zero1 ? Collective::ReduceScatter : Collective::AllReduce, pending * o.reduce_bytes, n, link));
+      if (o.offload) landed = copy(d2h, reduced, pending / owned * 4);  // behind its reduction
       pending = 0;
     };
     if (pending >= bucket_elements) flush(now);
@@ -309,10 +352,23 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     }
     pending += root_bytes - head_elements;
     flush(now);
+    reduced = std::max(reduced, landed);
     if (reduced > now) waits.reductions += reduced - now;
     now = std::max(now, reduced);
     const double per_param = 12 + 2 * o.optimizer_state_bytes;
-    if (!zero1) {
+    if (o.offload) {
+      // The host steps bucket by bucket; each stepped bucket goes back to the device (and
+      // under ZeRO-1 is gathered from there).
+      double back = now;
+      for (double b : buckets) {
+        now = host_step(now, b / owned);
+        back = copy(h2d, std::max(now, back), b / owned * send_bytes);
+        if (zero1) back = lane.run(back, cost(Collective::AllGather, b * o.param_bytes, n, link));
+      }
+      t.optimizer_s = host.busy;
+      if (back > now) waits.gathers += back - now;
+      now = std::max(now, back);
+    } else if (!zero1) {
       t.optimizer_s = static_cast<double>(m.params()) * per_param / c.memory_bandwidth;
       now += t.optimizer_s;
     } else {
@@ -331,13 +387,20 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
 
   t.step_s = now;
   t.communication_s = intra.busy + inter.busy;
-  t.exposed_s = std::max(0.0, t.step_s - (t.forward_s + t.backward_s + t.optimizer_s));
+  t.copies_s = h2d.busy + d2h.busy;
+  t.exposed_s = waits.gathers + waits.reductions;  // the compute stream's waits
   t.tokens_per_s = tokens / t.step_s;
   const double model_flops = 3 * m.forward_flops_per_token(o.sequence_length) * tokens;
   t.mfu = c.peak_flops > 0 ? model_flops / t.step_s / c.peak_flops : 0;
   const double latency = intra.latency + inter.latency;
-  if (t.exposed_s < 0.05 * t.step_s)
+  // The host's step after backward is time the devices idle; stepping in backward it
+  // overlaps backward, and limits only when it is most of the step.
+  if (o.offload && host.busy > (o.step_in_backward ? 0.5 : 0.2) * t.step_s && host.busy > t.exposed_s)
+    t.limit = "host step";
+  else if (t.exposed_s < 0.05 * t.step_s)
     t.limit = "compute";
+  else if (o.offload && t.copies_s > t.communication_s)
+    t.limit = "host copies";
   else if (latency > 0.5 * t.communication_s)
     t.limit = "latency";
   else

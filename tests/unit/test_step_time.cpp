@@ -196,6 +196,72 @@ TEST(StepTime, HybridShardingRunsEachLevelOnItsOwnLink) {
   EXPECT_NEAR(t.communication_s, collectives, 1e-9);
 }
 
+// Offloaded, the host steps the masters at its memory's bandwidth (AdamW: 28 bytes per
+// parameter, 2 more writing the bf16 copy), and the shards cross the host link: with
+// everything else free the step is that step; with the host free, each copy one after
+// another on its direction's queue (shard-grad-op at world 1: every unit's bf16 shard to
+// the device in forward, then every fp32 gradient back, 6 bytes per parameter in all).
+TEST(StepTime, OffloadIsTheHostStepAndTheCopiesEachWay) {
+  const auto m = gpt(4, 256, 4, 1024, 64);
+  const double params = static_cast<double>(m.params());
+  Cluster c = only_links(1, 1, true);
+  TimeOptions o;
+  o.offload = true;
+  o.param_bytes = 2;
+  c.pcie = {1e30, 0};
+  c.host_bandwidth = 1e9;
+  for (Strategy s : {Strategy::FullShard, Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    o.strategy = s;
+    o.offload_bf16_copy = true;
+    StepTime t = predict_time(m, c, o);
+    EXPECT_NEAR(t.step_s, params * 30 / 1e9, 1e-9);
+    EXPECT_NEAR(t.optimizer_s, params * 30 / 1e9, 1e-9);
+    EXPECT_EQ(t.limit, "host step");
+    o.offload_bf16_copy = false;  // the fp32 masters cross: no copy to write
+    EXPECT_NEAR(predict_time(m, c, o).step_s, params * 28 / 1e9, 1e-9);
+  }
+  c.pcie = {1e9, 0};
+  c.host_bandwidth = 1e30;
+  o.offload_bf16_copy = true;
+  o.strategy = Strategy::ShardGradOp;
+  StepTime t = predict_time(m, c, o);
+  EXPECT_NEAR(t.step_s, params * 6 / 1e9, 1e-9);
+  EXPECT_NEAR(t.copies_s, params * 6 / 1e9, 1e-9);
+  EXPECT_EQ(t.limit, "host copies");
+  o.strategy = Strategy::NoShard;  // one bucket: its fp32 average to the host, its bf16 copy back
+  o.bucket_bytes = std::int64_t{1} << 40;
+  EXPECT_NEAR(predict_time(m, c, o).step_s, params * 6 / 1e9, 1e-9);
+  c.host_bandwidth = 0;
+  EXPECT_THROW(predict_time(m, c, o), std::invalid_argument);
+}
+
+// Stepping in backward, each unit's host step runs beside the backward of the units after
+// it: with a host step no longer than a layer's backward, only the last layer's and the
+// root's (whose gradients land as backward ends) are left after it; stepping after
+// backward adds every unit's.
+TEST(StepTime, SteppingInBackwardHidesTheHostStepBehindBackward) {
+  const auto m = gpt(4, 256, 4, 1024, 64);
+  Cluster c = one_device(1e12);
+  c.pcie = {1e30, 0};
+  TimeOptions o;
+  o.offload = true;
+  o.strategy = Strategy::FullShard;
+  o.sequences = 1;
+  o.sequence_length = 64;
+  const StepTime plain = predict_time(m, c, o);
+  const double layer_bwd = plain.backward_s / m.layers;  // about: the head's share is small
+  c.host_bandwidth = static_cast<double>(m.layer_params()) * 30 / (0.5 * layer_bwd);
+  const StepTime after = predict_time(m, c, o);
+  o.step_in_backward = true;
+  const StepTime during = predict_time(m, c, o);
+  const double compute = after.forward_s + after.backward_s;
+  EXPECT_NEAR(after.step_s, compute + static_cast<double>(m.params()) * 30 / c.host_bandwidth, 1e-12);
+  EXPECT_NEAR(during.step_s,
+              compute + static_cast<double>(m.layer_params() + m.root_params()) * 30 / c.host_bandwidth,
+              1e-12);
+  EXPECT_NEAR(during.optimizer_s, after.optimizer_s, 1e-12);
+}
+
 // MFU counts the model's FLOPs (three forwards' worth), not the recomputed ones: on one
 // device with a free optimizer it is the sustained over the peak throughput, and
 // recomputation lowers it.
@@ -270,6 +336,22 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
   for (const char* row : {"shard-grad-op", "hybrid (groups of 8)", "ZeRO-1", "DDP"})
     EXPECT_NE(r.output.find(row), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("fastest that fits 96 GiB: "), std::string::npos) << r.output;
+  // Offloaded: the library's prediction with the host's step, named as what limits it.
+  const auto off =
+      flatshard::testing::run_command({plan_path(), "--cluster", "1x1", "--model", "gpt-1b", "--seq", "1024",
+                                       "--batch", "4", "--offload", "1", "--host-gbs", "40"});
+  ASSERT_EQ(off.exit_code, 0) << off.output;
+  TimeOptions oo;
+  oo.sequences = 4;
+  oo.sequence_length = 1024;
+  oo.offload = true;
+  Cluster host = h100_cluster(1, 1);
+  host.host_bandwidth = 40e9;
+  const StepTime offloaded = predict_time(gpt_1b(), host, oo);
+  EXPECT_NE(off.output.find(fmt::format("full shard {:>24.0f}", offloaded.tokens_per_s)), std::string::npos)
+      << off.output;
+  EXPECT_NE(off.output.find("offloaded (bf16 copies sent)"), std::string::npos) << off.output;
+  EXPECT_NE(off.output.find("host step"), std::string::npos) << off.output;
   const auto ddp = r.output.find("\nDDP");
   ASSERT_NE(ddp, std::string::npos);
   EXPECT_NE(r.output.substr(ddp, r.output.find('\n', ddp + 1) - ddp).find(" no"), std::string::npos)
@@ -278,7 +360,9 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
        std::vector<std::vector<std::string>>{{plan_path(), "--cluster", "2x"},
                                              {plan_path(), "--cluster", "2x8", "--model", "gpt-9"},
                                              {plan_path(), "--cluster", "2x8", "--recompute", "some"},
-                                             {plan_path(), "--cluster", "2x8", "--tflops", "-3"}}) {
+                                             {plan_path(), "--cluster", "2x8", "--tflops", "-3"},
+                                             {plan_path(), "--cluster", "2x8", "--offload", "2"},
+                                             {plan_path(), "--cluster", "2x8", "--host-gbs", "0"}}) {
     const auto refused = flatshard::testing::run_command(bad);
     EXPECT_EQ(refused.exit_code, 2) << refused.output;
     EXPECT_NE(refused.output.find("usage: flatshard-plan --cluster"), std::string::npos) << refused.output;
