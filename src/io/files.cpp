@@ -158,6 +158,15 @@ void SequentialFile::stage(const char* data, std::size_t n) {
 
 void SequentialFile::append(const void* data, std::size_t n) {
   const auto* p = static_cast<const char*>(data);
+  if (!direct_ && n >= kBlock) {  // through the page cache: no copy of ours either
+    if (staged_ > 0) {
+      write_out(staging_, staged_);
+      staged_ = 0;
+    }
+    write_out(p, n);
+    size_ += static_cast<std::int64_t>(n);
+    return;
+  }
   const std::size_t in_block = static_cast<std::size_t>(size_) % kBlock;
   if (!direct_ || (reinterpret_cast<std::uintptr_t>(p) - in_block) % kBlock != 0 ||
       n < kBlock + kBlock - in_block) {

@@ -216,10 +216,11 @@ json write_shard_file(const std::vector<Piece>& pieces, const std::string& path,
     // (Note [Writing around the page cache]); the index says where each piece begins.
     if (n >= (std::size_t{1} << 20)) out.align_with(bytes);
     const std::int64_t offset = out.size();
-    // The checksum and the copy into the writer read each chunk while it is in cache.
+    // Each chunk is checksummed and then written: a few large writes per piece, each read
+    // soon after its checksum.
     uLong crc = ::crc32(0L, Z_NULL, 0);
     for (std::size_t done = 0; done < n;) {
-      const std::size_t chunk = std::min<std::size_t>(n - done, std::size_t{1} << 20);
+      const std::size_t chunk = std::min<std::size_t>(n - done, std::size_t{64} << 20);
       crc = ::crc32(crc, reinterpret_cast<const Bytef*>(bytes + done), static_cast<uInt>(chunk));
       out.append(bytes + done, chunk);
       done += chunk;

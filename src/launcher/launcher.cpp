@@ -491,6 +491,7 @@ int run_elastic(const LaunchOptions& o) {
       m = host ? host->next_round() : node.join();
     } catch (const RendezvousStopped&) {
       fmt::print(stderr, "flatshard-run: got signal {} while the nodes met: the job ends\n", stop_signal);
+      if (host) host->finish(128 + stop_signal);
       return 128 + stop_signal;
     } catch (const std::exception& e) {
       fmt::print(stderr, "flatshard-run: {}\n", e.what());

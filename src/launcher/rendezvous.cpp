@@ -92,6 +92,15 @@ struct RendezvousHost::State {
   int round = 0;
   // Each node's connection of the last round it was in, by id: told when the job ends.
   std::map<int, tcp::Socket> known;
+  void tell_known(int code) {
+    for (auto& node : known) {
+      try {
+        send_ints(node.second, {kJobOver, code}, Clock::now() + std::chrono::seconds(1));
+      } catch (const tcp::IoError&) {
+      }
+    }
+    known.clear();
+  }
   State(const RendezvousOptions& o, int port, bool loopback) : options(o), listener(port, loopback) {}
 
   // Accepts one node before `until`, checks its proof and its hello; nullopt when none came
@@ -175,6 +184,7 @@ Membership RendezvousHost::next_round() {
         } catch (const tcp::IoError&) {
         }
       }
+      st.tell_known(1);  // and those left out of this round
       throw std::runtime_error(
           fmt::format("round {} of the launchers' rendezvous: {} of at least {} nodes arrived within "
                       "--rdzv-timeout-s {:g}; "
@@ -217,12 +227,7 @@ Membership RendezvousHost::next_round() {
 
 void RendezvousHost::finish(int code) {
   State& st = *state_;
-  for (auto& node : st.known) {
-    try {
-      send_ints(node.second, {kJobOver, code}, Clock::now() + std::chrono::seconds(1));
-    } catch (const tcp::IoError&) {
-    }
-  }
+  st.tell_known(code);
   for (;;) {  // and those waiting for another round
     tcp::Socket s;
     try {
@@ -287,8 +292,9 @@ Membership RendezvousNode::join() {
         tcp::prove_secret(s, o.secret, kPurpose, Clock::now() + kHandshake);
         refused_proofs = 0;
       } catch (const tcp::IoError& e) {
-        // Once may be the host going away mid-handshake; twice is a secret it does not share.
-        if (++refused_proofs >= 2)
+        // A refusal once may be the host going away just then; twice is a secret it does not
+        // share. A connection that broke before the host answered is retried as any other.
+        if (e.refused && ++refused_proofs >= 2)
           throw std::runtime_error(fmt::format(
               "node {} cannot join the launchers' rendezvous at {}:{}: {}; give every node the same "
               "FLATSHARD_JOB_SECRET",

@@ -99,7 +99,8 @@ void prove_secret(Socket& s, const std::string& secret, const std::string& purpo
     throw IoError{
         IoError::Kind::Closed, s.peer(),
         fmt::format("the {} at {} does not speak FlatShard's handshake (another program on that port?)",
-                    purpose, peer_address(s))};
+                    purpose, peer_address(s)),
+        true};
   }
   Answer answer{kMagic, fresh_nonce(), {}};
   answer.proof = mac(secret, "client", purpose, answer.client, challenge.server);
@@ -112,13 +113,15 @@ void prove_secret(Socket& s, const std::string& secret, const std::string& purpo
         e.kind, s.peer(),
         fmt::format("the {} at {} refused this rank's proof of the job secret ({}): give every rank the "
                     "same FLATSHARD_JOB_SECRET",
-                    purpose, peer_address(s), e.detail)};
+                    purpose, peer_address(s), e.detail),
+        true};
   }
   if (!same(theirs, mac(secret, "server", purpose, answer.client, challenge.server))) {
     throw IoError{IoError::Kind::Closed, s.peer(),
                   fmt::format("the {} at {} could not prove the job secret: it belongs to another job, or "
                               "FLATSHARD_JOB_SECRET differs between ranks",
-                              purpose, peer_address(s))};
+                              purpose, peer_address(s)),
+                  true};
   }
 }
 

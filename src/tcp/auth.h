@@ -42,8 +42,9 @@ bool job_on_one_machine();
 std::string make_secret();
 
 // The connecting side: proves `secret` for `purpose` and checks the listener's proof.
-// Throws IoError (Closed, naming the likely cause, when the listener refused the proof or
-// could not prove the secret back).
+// Throws IoError (Closed, naming the likely cause and with `refused` set, when the listener
+// refused the proof, could not prove the secret back or speaks another protocol; without
+// `refused` when the connection broke before the listener answered).
 void prove_secret(Socket& s, const std::string& secret, const std::string& purpose,
                   Clock::time_point deadline);
 

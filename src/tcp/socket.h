@@ -17,6 +17,9 @@ struct IoError {
   Kind kind;
   int peer;
   std::string detail;
+  // Set by prove_secret when the listener answered and did not accept the proof (or could
+  // not prove the secret back): retrying will not help, unlike a connection that broke.
+  bool refused = false;
 };
 
 class Socket {

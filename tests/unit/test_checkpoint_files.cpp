@@ -5,6 +5,9 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -71,26 +74,30 @@ TEST(CheckpointFiles, FailedWriteKeepsThePreviousFile) {
 TEST(CheckpointFiles, SequentialFileWritesExactBytes) {
   TempDir dir;
   const std::size_t staging = std::size_t{8} << 20;
-  for (const std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{4095}, std::size_t{4096},
-                              std::size_t{4097}, staging, staging + 12345, 2 * staging + 4096}) {
-    std::vector<char> bytes(n);
-    for (std::size_t i = 0; i < n; ++i) bytes[i] = static_cast<char>((i * 2654435761u) >> 13);
-    const auto file = (dir.path / ("f" + std::to_string(n))).string();
-    flatshard::io::SequentialFile out(file);
-    std::size_t done = 0, piece = 1;
-    while (done < n) {  // pieces of 1, 3, 9, ... bytes, up to 3 MiB
-      const std::size_t take = std::min(n - done, piece);
-      out.append(bytes.data() + done, take);
-      done += take;
-      piece = std::min<std::size_t>(piece * 3, 3u << 20);
+  for (const char* direct : {"1", "0"})  // 0: FLATSHARD_CHECKPOINT_DIRECT=0, through the page cache
+    for (const std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{4095}, std::size_t{4096},
+                                std::size_t{4097}, staging, staging + 12345, 2 * staging + 4096}) {
+      std::vector<char> bytes(n);
+      for (std::size_t i = 0; i < n; ++i) bytes[i] = static_cast<char>((i * 2654435761u) >> 13);
+      const auto file = (dir.path / ("f" + std::to_string(n))).string();
+      ::setenv("FLATSHARD_CHECKPOINT_DIRECT", direct, 1);
+      flatshard::io::SequentialFile out(file);
+      ::unsetenv("FLATSHARD_CHECKPOINT_DIRECT");
+      if (direct[0] == '0') EXPECT_FALSE(out.direct());
+      std::size_t done = 0, piece = 1;
+      while (done < n) {  // pieces of 1, 3, 9, ... bytes, up to 3 MiB
+        const std::size_t take = std::min(n - done, piece);
+        out.append(bytes.data() + done, take);
+        done += take;
+        piece = std::min<std::size_t>(piece * 3, 3u << 20);
+      }
+      EXPECT_EQ(out.size(), static_cast<std::int64_t>(n));
+      out.finish();
+      ASSERT_EQ(fs::file_size(file), n) << file;
+      std::ifstream in(file, std::ios::binary);
+      const std::vector<char> back((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      EXPECT_TRUE(back == bytes) << n << " bytes came back different (direct " << direct << ")";
     }
-    EXPECT_EQ(out.size(), static_cast<std::int64_t>(n));
-    out.finish();
-    ASSERT_EQ(fs::file_size(file), n) << file;
-    std::ifstream in(file, std::ios::binary);
-    const std::vector<char> back((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    EXPECT_TRUE(back == bytes) << n << " bytes came back different";
-  }
 }
 
 // A large piece is written from where it lies: align_with pads the file (with zeros, less
@@ -111,6 +118,12 @@ TEST(CheckpointFiles, SequentialFileWritesALargePieceFromWhereItLies) {
   EXPECT_LT(pad, 4096);
   const std::int64_t offset = out.size();
   EXPECT_EQ(offset, 1000 + pad);
+  if (out.direct()) {
+    EXPECT_EQ((reinterpret_cast<std::uintptr_t>(piece) - static_cast<std::uintptr_t>(offset)) % 4096, 0u)
+        << "the piece's address and its place in the file do not agree within a block";
+  } else {
+    std::printf("this file system refused O_DIRECT: the piece went through the page cache\n");
+  }
   out.append(piece, n);
   out.append(suffix.data(), suffix.size());
   out.finish();

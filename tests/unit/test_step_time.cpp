@@ -235,6 +235,30 @@ TEST(StepTime, OffloadIsTheHostStepAndTheCopiesEachWay) {
   EXPECT_THROW(predict_time(m, c, o), std::invalid_argument);
 }
 
+// At 4 ranks each copies and steps its own share: a quarter of every unit under the sharded
+// strategies and ZeRO-1, the whole model under DDP.
+TEST(StepTime, OffloadedRanksCopyAndStepTheirShare) {
+  const auto m = gpt(4, 256, 4, 1024, 64);
+  const double params = static_cast<double>(m.params());
+  Cluster c = only_links(1, 4, true);
+  c.intra = {1e30, 0};
+  TimeOptions o;
+  o.offload = true;
+  o.param_bytes = 2;
+  c.pcie = {1e30, 0};
+  c.host_bandwidth = 1e9;
+  for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp, Strategy::ShardOptimizerState}) {
+    o.strategy = s;
+    EXPECT_NEAR(predict_time(m, c, o).step_s, params / 4 * 30 / 1e9, 1e-9);
+  }
+  o.strategy = Strategy::NoShard;
+  EXPECT_NEAR(predict_time(m, c, o).step_s, params * 30 / 1e9, 1e-9);
+  c.pcie = {1e9, 0};
+  c.host_bandwidth = 1e30;
+  o.strategy = Strategy::ShardGradOp;
+  EXPECT_NEAR(predict_time(m, c, o).step_s, params / 4 * 6 / 1e9, 1e-9);
+}
+
 // Stepping in backward, each unit's host step runs beside the backward of the units after
 // it: with a host step no longer than a layer's backward, only the last layer's and the
 // root's (whose gradients land as backward ends) are left after it; stepping after
