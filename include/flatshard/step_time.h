@@ -6,6 +6,8 @@
 //   flatshard::plan::TimeOptions o{.strategy = flatshard::Strategy::FullShard};
 //   o.sequences = 2; o.sequence_length = 8192;
 //   auto t = flatshard::plan::predict_time(model, c, o);   // t.step_s, t.tokens_per_s, t.mfu, ...
+//   auto rows = flatshard::plan::plan_cluster(model, c, o, 80LL << 30);  // every strategy: time and memory
+//   auto* best = flatshard::plan::fastest_that_fits(rows);
 //
 // flatshard-plan --cluster NODESxGPUS prints it for every strategy; docs/scaling.md states
 // the model's assumptions and checks it against what the engine measured.
@@ -140,5 +142,23 @@ std::int64_t estimate_activation_bytes(const TransformerShape& model, const Time
 // Throws std::invalid_argument for a world the strategy cannot use (a shard group that does
 // not divide it).
 StepTime predict_time(const TransformerShape& model, const Cluster& cluster, const TimeOptions& options);
+
+// One strategy on a cluster: its memory per device (the planner's Plan) and its step.
+struct StrategyPlan {
+  std::string name;     // "full shard", "shard-grad-op", "hybrid (groups of 8)", "ZeRO-1", "DDP"
+  TimeOptions options;  // `base` with this strategy (and shard group)
+  Plan memory;          // PlanOptions from the same options, activations from the shapes
+  StepTime time;
+  bool fits = false;  // memory.peak <= device_bytes
+};
+
+// Every strategy on `cluster`, with hybrid sharding in groups of a node, two nodes, ... up
+// to half the world: what flatshard-plan --cluster prints. `base` gives everything but the
+// strategy; activations are estimate_activation_bytes's.
+std::vector<StrategyPlan> plan_cluster(const TransformerShape& model, const Cluster& cluster,
+                                       const TimeOptions& base, std::int64_t device_bytes);
+
+// The row with the most tokens/s per device among those that fit; nullptr if none fits.
+const StrategyPlan* fastest_that_fits(const std::vector<StrategyPlan>& plans);
 
 }  // namespace flatshard::plan

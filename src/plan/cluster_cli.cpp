@@ -41,12 +41,6 @@ int usage(const char* why) {
 // A number above 0 (the whole text).
 bool positive_number(const std::string& text, double& out) { return parse_double(text, out) && out > 0; }
 
-struct Row {
-  std::string name;
-  TimeOptions time;
-  PlanOptions memory;
-};
-
 }  // namespace
 
 int cluster_main(int argc, char** argv) {
@@ -172,33 +166,9 @@ int cluster_main(int argc, char** argv) {
   }
   const int n = c.world();
 
-  std::vector<Row> rows;
-  auto add = [&](const std::string& name, Strategy s, int group) {
-    Row r{name, base, {}};
-    r.time.strategy = s;
-    r.time.shard_group_size = group;
-    r.memory.strategy = s == Strategy::HybridShard ? Strategy::FullShard : s;
-    r.memory.world_size = n;
-    r.memory.shard_group_size = group;
-    r.memory.param_bytes = base.param_bytes;
-    r.memory.optimizer_state_bytes = base.optimizer_state_bytes;
-    r.memory.prefetch = base.prefetch;
-    r.memory.recompute = base.recompute == Recompute::Full;
-    r.memory.cpu_offload = base.offload;
-    r.memory.offload_bf16_copy = base.offload_bf16_copy;
-    r.memory.step_in_backward = base.step_in_backward && r.memory.strategy != Strategy::NoShard &&
-                                r.memory.strategy != Strategy::ShardOptimizerState;
-    r.memory.build_into_shards = s != Strategy::NoShard && s != Strategy::ShardOptimizerState;
-    r.memory.activation_bytes = estimate_activation_bytes(model, base);
-    rows.push_back(r);
-  };
-  add("full shard", Strategy::FullShard, 0);
-  add("shard-grad-op", Strategy::ShardGradOp, 0);
-  for (int g = per_node; g < n; g *= 2) {
-    if (n % g == 0) add(fmt::format("hybrid (groups of {})", g), Strategy::HybridShard, g);
-  }
-  add("ZeRO-1", Strategy::ShardOptimizerState, 0);
-  add("DDP", Strategy::NoShard, 0);
+  const auto device_bytes =
+      static_cast<std::int64_t>(device_gib * static_cast<double>(std::int64_t{1} << 30));
+  const std::vector<StrategyPlan> rows = plan_cluster(model, c, base, device_bytes);
 
   std::string header = fmt::format(
       "{} ({:.2f}B parameters) on {} ({} devices): {} sequences of {} tokens per device, {}, recompute {}; "
@@ -220,29 +190,22 @@ int cluster_main(int argc, char** argv) {
   if (!csv)
     std::printf("%-22s %12s %10s %7s %10s %11s %12s %6s\n", "strategy", "tokens/s/dev", "step ms", "MFU",
                 "exposed", "limit", "peak GiB", "fits");
-  const Row* best = nullptr;
-  double best_tps = 0;
-  for (const Row& r : rows) {
-    const StepTime t = predict_time(model, c, r.time);
-    const Plan p = predict(model.model_shape(), r.memory);
-    const double gib = static_cast<double>(p.peak) / (1 << 30);
-    const bool fits = gib <= device_gib;
+  for (const StrategyPlan& r : rows) {
+    const StepTime& t = r.time;
+    const double gib = static_cast<double>(r.memory.peak) / (1 << 30);
     if (csv)
       std::printf("TIME,%s,%.3f,%.1f,%.4f,%s,%.3f\n", r.name.c_str(), t.step_s * 1e3, t.tokens_per_s,
                   t.exposed_share(), t.limit.c_str(), gib);
     else
       std::printf("%-22s %12.0f %10.1f %6.1f%% %9.1f%% %11s %12.1f %6s\n", r.name.c_str(), t.tokens_per_s,
                   t.step_s * 1e3, 100 * t.mfu, 100 * t.exposed_share(), t.limit.c_str(), gib,
-                  fits ? "yes" : "no");
-    if (fits && t.tokens_per_s > best_tps) {
-      best = &r;
-      best_tps = t.tokens_per_s;
-    }
+                  r.fits ? "yes" : "no");
   }
+  const StrategyPlan* best = fastest_that_fits(rows);
   if (csv) return 0;
   if (best)
     std::printf("fastest that fits %.0f GiB: %s, %.0f tokens/s per device (%.0f for the cluster)\n",
-                device_gib, best->name.c_str(), best_tps, best_tps * n);
+                device_gib, best->name.c_str(), best->time.tokens_per_s, best->time.tokens_per_s * n);
   else
     std::printf("nothing fits %.0f GiB per device: more devices, recomputation or fewer sequences\n",
                 device_gib);

@@ -408,4 +408,54 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   return t;
 }
 
+// --- every strategy on a cluster ----------------------------------------------------------
+
+std::vector<StrategyPlan> plan_cluster(const TransformerShape& model, const Cluster& cluster,
+                                       const TimeOptions& base, std::int64_t device_bytes) {
+  const int n = cluster.world();
+  const std::int64_t activations = estimate_activation_bytes(model, base);
+  std::vector<StrategyPlan> rows;
+  auto add = [&](const std::string& name, Strategy s, int group) {
+    StrategyPlan r;
+    r.name = name;
+    r.options = base;
+    r.options.strategy = s;
+    r.options.shard_group_size = group;
+    const bool replicated = s == Strategy::NoShard || s == Strategy::ShardOptimizerState;
+    PlanOptions m;
+    m.strategy = s == Strategy::HybridShard ? Strategy::FullShard : s;
+    m.world_size = n;
+    m.shard_group_size = group;
+    m.param_bytes = base.param_bytes;
+    m.optimizer_state_bytes = base.optimizer_state_bytes;
+    m.prefetch = base.prefetch;
+    m.recompute = base.recompute == Recompute::Full;
+    m.cpu_offload = base.offload;
+    m.offload_bf16_copy = base.offload_bf16_copy;
+    m.step_in_backward = base.step_in_backward && !replicated;
+    m.build_into_shards = !replicated;
+    m.activation_bytes = activations;
+    r.memory = predict(model.model_shape(), m);
+    r.time = predict_time(model, cluster, r.options);
+    r.fits = r.memory.peak <= device_bytes;
+    rows.push_back(std::move(r));
+  };
+  add("full shard", Strategy::FullShard, 0);
+  add("shard-grad-op", Strategy::ShardGradOp, 0);
+  for (int g = cluster.per_node; g < n; g *= 2) {
+    if (n % g == 0) add(fmt::format("hybrid (groups of {})", g), Strategy::HybridShard, g);
+  }
+  add("ZeRO-1", Strategy::ShardOptimizerState, 0);
+  add("DDP", Strategy::NoShard, 0);
+  return rows;
+}
+
+const StrategyPlan* fastest_that_fits(const std::vector<StrategyPlan>& plans) {
+  const StrategyPlan* best = nullptr;
+  for (const auto& p : plans) {
+    if (p.fits && (!best || p.time.tokens_per_s > best->time.tokens_per_s)) best = &p;
+  }
+  return best;
+}
+
 }  // namespace flatshard::plan

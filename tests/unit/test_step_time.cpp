@@ -341,6 +341,34 @@ TEST(StepTime, ActivationEstimatesFollowTheShapesAndTheRecomputation) {
               2);
 }
 
+// plan_cluster gives every strategy (hybrid in groups of a node up to half the world) its
+// step and its memory; fastest_that_fits takes the most tokens/s among those within the
+// device's memory, and none when nothing fits.
+TEST(StepTime, PlanClusterGivesEveryStrategyItsTimeAndMemory) {
+  const auto m = llama3_8b();
+  const Cluster c = h100_cluster(4, 8);
+  TimeOptions base;
+  base.sequences = 2;
+  base.sequence_length = 8192;
+  base.recompute = Recompute::Selective;
+  const auto rows = plan_cluster(m, c, base, std::int64_t{96} << 30);
+  std::vector<std::string> names;
+  for (const auto& r : rows) names.push_back(r.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"full shard", "shard-grad-op", "hybrid (groups of 8)",
+                                             "hybrid (groups of 16)", "ZeRO-1", "DDP"}));
+  const StrategyPlan* best = nullptr;
+  for (const auto& r : rows) {
+    EXPECT_NEAR(r.time.step_s, predict_time(m, c, r.options).step_s, 1e-12) << r.name;
+    EXPECT_EQ(r.fits, r.memory.peak <= (std::int64_t{96} << 30)) << r.name;
+    if (r.fits && (!best || r.time.tokens_per_s > best->time.tokens_per_s)) best = &r;
+  }
+  EXPECT_EQ(rows[2].options.shard_group_size, 8);
+  EXPECT_FALSE(rows.back().fits) << "8B under DDP holds 16 bytes per parameter on every device";
+  ASSERT_NE(best, nullptr);
+  EXPECT_EQ(fastest_that_fits(rows), best);
+  EXPECT_EQ(fastest_that_fits(plan_cluster(m, c, base, std::int64_t{1} << 30)), nullptr);
+}
+
 std::string plan_path() { return FLATSHARD_PLAN_PATH; }
 
 // flatshard-plan --cluster prints each strategy's prediction (the library's, row by row) and
