@@ -182,6 +182,7 @@ struct Lane {
 // What a step's compute waits on, to name what limits it.
 struct Waits {
   double gathers = 0, reductions = 0;
+  double host = 0;  // offloaded, stepping in backward: for the host's step after the last copy
 };
 
 }  // namespace
@@ -246,6 +247,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   // all-reduce of the shard across replicas. Returns when it is done. Each link's queue
   // keeps its collectives in the order issued, so one unit's all-reduce across nodes never
   // holds up the next unit's reduce-scatter (or a gather) on the node's links.
+  double landed = 0;  // offload: when the last gradient shard reached the host
   auto reduce_unit = [&](double issued, double elements) {
     double done =
         lane_of(group_link)
@@ -256,6 +258,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
                       cost(Collective::AllReduce, elements * o.reduce_bytes / group, replicas, replica_link));
     if (o.offload) {
       done = copy(d2h, done, elements / group * 4);
+      landed = std::max(landed, done);
       if (o.step_in_backward) done = host_step(done, elements / group);
     }
     return done;
@@ -305,7 +308,12 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       reduced = std::max(reduced, reduce_unit(now, layer_bytes));
     }
     reduced = std::max(reduced, reduce_unit(now, root_bytes));  // the root's, after the embedding's backward
-    if (reduced > now) waits.reductions += reduced - now;
+    // Waiting for the reductions (and offloaded, their copies to the host), then for what
+    // the host still has to step.
+    const double communicated = o.offload && o.step_in_backward ? std::min(reduced, landed) : reduced;
+    if (communicated > now) waits.reductions += communicated - now;
+    now = std::max(now, communicated);
+    if (reduced > now) waits.host += reduced - now;
     now = std::max(now, reduced);
     // The optimizer steps this rank's shard: fp32 master read and written, the gradient
     // read, the state read and written.
@@ -334,7 +342,6 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     double reduced = 0;
     std::vector<double> buckets;
     const double owned = zero1 ? n : 1;  // a bucket's share this rank steps
-    double landed = 0;                   // offload: the last bucket's copy to the host
     auto flush = [&](double at) {
       if (pending <= 0) return;
       buckets.push_back(pending);
@@ -393,9 +400,10 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   const double model_flops = 3 * m.forward_flops_per_token(o.sequence_length) * tokens;
   t.mfu = c.peak_flops > 0 ? model_flops / t.step_s / c.peak_flops : 0;
   const double latency = intra.latency + inter.latency;
-  // The host's step after backward is time the devices idle; stepping in backward it
-  // overlaps backward, and limits only when it is most of the step.
-  if (o.offload && host.busy > (o.step_in_backward ? 0.5 : 0.2) * t.step_s && host.busy > t.exposed_s)
+  // The host's step after backward is time the devices idle; stepping in backward, only
+  // what is left of it after the last gradient landed.
+  const double host_idle = o.step_in_backward ? waits.host : host.busy;  // the devices' idle time for it
+  if (o.offload && host_idle > 0.2 * t.step_s && host_idle > t.exposed_s)
     t.limit = "host step";
   else if (t.exposed_s < 0.05 * t.step_s)
     t.limit = "compute";

@@ -284,6 +284,7 @@ TEST(StepTime, SteppingInBackwardHidesTheHostStepBehindBackward) {
               compute + static_cast<double>(m.layer_params() + m.root_params()) * 30 / c.host_bandwidth,
               1e-12);
   EXPECT_NEAR(during.optimizer_s, after.optimizer_s, 1e-12);
+  EXPECT_NEAR(during.exposed_s, 0, 1e-12) << "the host's step is not time spent waiting for communication";
 }
 
 // MFU counts the model's FLOPs (three forwards' worth), not the recomputed ones: on one
