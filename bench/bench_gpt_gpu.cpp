@@ -221,9 +221,12 @@ int main(int argc, char** argv) {
 
   const double tokens_per_step = static_cast<double>(a.batch) * a.context * world.world_size();
   const double tokens_per_s = tokens_per_step * a.steps / (ms / 1000.0);
-  // Training FLOPs per token: 6 per parameter (forward 2, backward 4), plus attention's
-  // score and value products (12 * layers * context * dim, causal counted in full).
-  const double flops_per_token = 6.0 * params + 12.0 * a.layers * a.context * a.dim;
+  // Training FLOPs per token: 6 per non-embedding parameter (forward 2, backward 4; the
+  // token and position tables are lookups, the head a matmul), plus attention's score and
+  // value products (12 * layers * context * dim, causal counted in full), as the step-time
+  // model counts them (TransformerShape::forward_flops_per_token).
+  const double matmul_params = static_cast<double>(params) - static_cast<double>(a.vocab + a.context) * a.dim;
+  const double flops_per_token = 6.0 * matmul_params + 12.0 * a.layers * a.context * a.dim;
   const double mfu = tokens_per_s / world.world_size() * flops_per_token / (a.peak_tflops * 1e12);
   const auto mem = flatshard::memory::cuda_allocator_stats(gpu.index());
   const double gib = 1024.0 * 1024.0 * 1024.0;

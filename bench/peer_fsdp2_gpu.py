@@ -139,7 +139,9 @@ def main():
     ms = start.elapsed_time(stop)
 
     tokens_per_s = a.batch * a.context * world * a.steps / (ms / 1000.0)
-    flops_per_token = 6.0 * params + 12.0 * a.layers * a.context * a.dim
+    # As bench_gpt_gpu: 6 FLOPs per non-embedding parameter (the token and position tables
+    # are lookups), attention's score and value products counted in full.
+    flops_per_token = 6.0 * (params - (a.vocab + a.context) * a.dim) + 12.0 * a.layers * a.context * a.dim
     mfu = tokens_per_s / world * flops_per_token / (a.peak_tflops * 1e12)
     stats = torch.cuda.memory_stats()
     gib = 1024.0**3
