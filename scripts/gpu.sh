@@ -10,7 +10,8 @@
 #      --nccl-host-per-rank), with freed buffers poisoned (FLATSHARD_GPU_NCCL_WORLDS=0
 #      skips that pass);
 #   3. benchmarks a 1B-parameter GPT (bf16) under FlatShard's full shard and PyTorch FSDP2
-#      on the same GPU, alternating (FLATSHARD_GPU_RUNS runs each, default 2; the table
+#      on the same GPU, alternating (FLATSHARD_GPU_RUNS runs each, default 5, of 5 warm-up
+#      and 50 timed steps; the NCCL worlds FLATSHARD_GPU_WORLD_RUNS, default 2; the table
 #      gives medians): tokens/s, MFU, peak allocated and reserved memory, allocator
 #      retries, with ratios; then both with every block recomputed (FLATSHARD_GPU_RECOMPUTE=0
 #      skips it) and with CPU offload (FLATSHARD_GPU_OFFLOAD=0 skips it; FlatShard's once
@@ -31,7 +32,13 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$root/out/gpu}"
 mkdir -p "$out"
 python="${FLATSHARD_GPU_PYTHON:-python3}"
-runs="${FLATSHARD_GPU_RUNS:-2}"
+runs="${FLATSHARD_GPU_RUNS:-5}"
+world_runs="${FLATSHARD_GPU_WORLD_RUNS:-2}"
+# World 1: 5 warm-up and 50 timed steps; the NCCL worlds (every step crosses loopback
+# sockets, seconds each): a six-block GPT (0.44B, so that four DDP replicas fit 80 GB),
+# 2 warm-up and 8 timed steps. Arguments given to this script come after, and win.
+w1=(--warmup 5 --steps 50 "$@")
+wn=(--layers 6 --warmup 2 --steps 8 "$@")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
 torch_prefix="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$out/gpu.txt"
@@ -69,10 +76,10 @@ echo "== 1B GPT, bf16, one GPU: FlatShard full shard vs PyTorch FSDP2 (alternati
 csv="$out/gpt_gpu.csv"
 echo "impl,params,tokens_per_s,mfu,peak_gib,reserved_gib,retries,step_ms,comm_wait" > "$csv"
 for ((i = 0; i < runs; ++i)); do
-  "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" "$@" 2>&1 \
+  "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" "${w1[@]}" 2>&1 \
     | tee -a "$out/bench_flatshard.log" || status=1
   (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
-    --csv "$csv" "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
+    --csv "$csv" "${w1[@]}") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
 done
 # At world 1 the honest peer is no wrapper at all: plain PyTorch (fp32 parameters under
 # autocast(bf16), fused AdamW), eager and compiled, and FSDP2 with each block compiled as
@@ -82,7 +89,7 @@ if [[ "${FLATSHARD_GPU_PLAIN:-1}" == 1 ]]; then
     for extra in "--mode plain --compile 0" "--mode plain --compile 1" "--mode fsdp2 --compile 1"; do
       # shellcheck disable=SC2086
       (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
-        --csv "$csv" $extra "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
+        --csv "$csv" $extra "${w1[@]}") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
         | tee -a "$out/bench_fsdp2.log" || status=1
     done
   done
@@ -93,14 +100,14 @@ fi
 # GPU's SMs and memory: these rows compare the engines' communication and overlap, not a
 # cluster's throughput.
 for w in ${FLATSHARD_GPU_WORLDS-2 4}; do
-  for ((i = 0; i < runs; ++i)); do
+  for ((i = 0; i < world_runs; ++i)); do
     for mode in full ddp; do
       peer_mode="$mode"
       [[ "$mode" == full ]] && peer_mode=fsdp2
       "$build/flatshard-run" -n "$w" --nccl-host-per-rank --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" \
-        --mode "$mode" --tag "w$w" "$@" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
+        --mode "$mode" --tag "w$w" "${wn[@]}" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
       (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node "$w" \
-        peer_fsdp2_gpu.py --nccl-host-per-rank --csv "$csv" --mode "$peer_mode" --tag "w$w" "$@") 2>&1 \
+        peer_fsdp2_gpu.py --nccl-host-per-rank --csv "$csv" --mode "$peer_mode" --tag "w$w" "${wn[@]}") 2>&1 \
         | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
     done
   done
@@ -108,10 +115,10 @@ done
 # DDP, both: FlatShard's (bf16 parameters, fp32 all-reduce and masters) against PyTorch
 # DDP with autocast(bf16), gradient_as_bucket_view and fused AdamW (FLATSHARD_GPU_DDP=0 skips).
 if [[ "${FLATSHARD_GPU_DDP:-1}" == 1 ]]; then
-  "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --mode ddp "$@" 2>&1 \
+  "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --mode ddp "${w1[@]}" 2>&1 \
     | tee -a "$out/bench_flatshard.log" || status=1
   (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
-    --csv "$csv" --mode ddp "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
+    --csv "$csv" --mode ddp "${w1[@]}") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
 fi
 # Batch 1: the activations are small beside 16 bytes per parameter of fp32 states, so the
 # peak falls at the end of backward, when every unit's fp32 gradient shard exists (FSDP2's
@@ -120,41 +127,41 @@ fi
 if [[ "${FLATSHARD_GPU_STATES:-1}" == 1 ]]; then
   for in_backward in 0 1; do
     "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --batch 1 --tag b1 \
-      --step-in-backward "$in_backward" "$@" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
+      --step-in-backward "$in_backward" "${w1[@]}" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
   done
   (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
-    --csv "$csv" --batch 1 --tag b1 "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
+    --csv "$csv" --batch 1 --tag b1 "${w1[@]}") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
     | tee -a "$out/bench_fsdp2.log" || status=1
 fi
 # Activation recomputation of every block, both (FSDP2: non-reentrant activation
 # checkpointing of each block).
 if [[ "${FLATSHARD_GPU_RECOMPUTE:-1}" == 1 ]]; then
-  "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --recompute 1 "$@" 2>&1 \
+  "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --recompute 1 "${w1[@]}" 2>&1 \
     | tee -a "$out/bench_flatshard.log" || status=1
   (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
-    --csv "$csv" --recompute 1 "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
+    --csv "$csv" --recompute 1 "${w1[@]}") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
     | tee -a "$out/bench_fsdp2.log" || status=1
 fi
 # CPU offload: the optimizer steps on the host, on every core (flatshard-run and torchrun
 # would otherwise give the one rank a single thread).
 if [[ "${FLATSHARD_GPU_OFFLOAD:-1}" == 1 ]]; then
   export OMP_NUM_THREADS="$(nproc)"
-  "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --offload 1 "$@" 2>&1 \
+  "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --offload 1 "${w1[@]}" 2>&1 \
     | tee -a "$out/bench_flatshard.log" || status=1
   (cd "$root/bench" && "$python" -m torch.distributed.run --standalone --nproc-per-node 1 peer_fsdp2_gpu.py \
-    --csv "$csv" --offload 1 "$@") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
+    --csv "$csv" --offload 1 "${w1[@]}") 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" \
     | tee -a "$out/bench_fsdp2.log" || status=1
   # The same with the fp32 masters sent to the GPU instead of their bf16 copies
   # (FullyShardOptions::offload_bf16_copy): what the copies save.
   if [[ "${FLATSHARD_GPU_OFFLOAD_FP32:-1}" == 1 ]]; then
     "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --offload 1 --bf16-copy 0 \
-      --tag fp32send "$@" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
+      --tag fp32send "${w1[@]}" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
   fi
   # Stepping in backward, offloaded: each unit steps on the host beside the rest of backward
   # (Note [Offloaded steps beside backward]).
   if [[ "${FLATSHARD_GPU_OFFLOAD_STEP:-1}" == 1 ]]; then
     "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --offload 1 \
-      --step-in-backward 1 "$@" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
+      --step-in-backward 1 "${w1[@]}" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
   fi
   # Both once more with the caching allocator's expandable segments, which both libraries'
   # allocators read from the environment: offloaded, FlatShard's fixed-size segments
@@ -162,17 +169,17 @@ if [[ "${FLATSHARD_GPU_OFFLOAD:-1}" == 1 ]]; then
   # and these remove it (FLATSHARD_GPU_EXPANDABLE=0 skips them).
   if [[ "${FLATSHARD_GPU_EXPANDABLE:-1}" == 1 ]]; then
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$build/flatshard-run" -n 1 --deadline-s 900 \
-      "$build/bench_gpt_gpu" --csv "$csv" --offload 1 --tag expseg "$@" 2>&1 | tee -a "$out/bench_flatshard.log" \
+      "$build/bench_gpt_gpu" --csv "$csv" --offload 1 --tag expseg "${w1[@]}" 2>&1 | tee -a "$out/bench_flatshard.log" \
       || status=1
     (cd "$root/bench" && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$python" -m torch.distributed.run \
-      --standalone --nproc-per-node 1 peer_fsdp2_gpu.py --csv "$csv" --offload 1 --tag expseg "$@") 2>&1 \
+      --standalone --nproc-per-node 1 peer_fsdp2_gpu.py --csv "$csv" --offload 1 --tag expseg "${w1[@]}") 2>&1 \
       | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*" | tee -a "$out/bench_fsdp2.log" || status=1
   fi
   # FlatShard's DDP offloaded (ZeRO-Offload's layout without sharding): no PyTorch peer
   # offloads DDP; the table sets it against FlatShard's DDP on the GPU.
   if [[ "${FLATSHARD_GPU_DDP:-1}" == 1 ]]; then
     "$build/flatshard-run" -n 1 --deadline-s 900 "$build/bench_gpt_gpu" --csv "$csv" --mode ddp --offload 1 \
-      "$@" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
+      "${w1[@]}" 2>&1 | tee -a "$out/bench_flatshard.log" || status=1
   fi
 fi
 "$python" - "$csv" <<'PY' | tee "$out/table.md"

@@ -172,7 +172,7 @@ int cluster_main(int argc, char** argv) {
 
   std::string header = fmt::format(
       "{} ({:.2f}B parameters) on {} ({} devices): {} sequences of {} tokens per device, {}, recompute {}; "
-      "{:.0f} TFLOP/s sustained per device, {:.0f} GB/s within a node, {:.0f} GB/s across nodes",
+      "{:.0f} TFLOP/s sustained per device, {:.3g} GB/s within a node, {:.3g} GB/s across nodes",
       model.name, static_cast<double>(model.params()) / 1e9, c.name, n, base.sequences, base.sequence_length,
       base.param_bytes == 2 ? "bf16" : "fp32",
       base.recompute == Recompute::None        ? "none"

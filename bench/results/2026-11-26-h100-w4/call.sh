@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (run twice on a warm machine: the second finds the build and skips what
-# the first finished, by the rows already in $KEEP): build; the stuck-rank test over NCCL
+# One device call (run twice on a warm machine: the second finds the build kept and runs
+# what the environment selects: STUCK, W1_ROUNDS_A, W4, COMPILED, W1_ROUNDS_B, SWEEP): build; the stuck-rank test over NCCL
 # at world 2; at world 1 FlatShard full shard against plain PyTorch (no wrapper, eager)
 # and FSDP2, alternating, 5 warm-up and 50 timed steps; at world 4 over NCCL (each rank
 # its own NCCL host id) full shard against FSDP2 and DDP against PyTorch DDP on a 6-block
