@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -268,9 +269,23 @@ struct Outcome {
   std::string cause;         // "rank 1 exited with code 3"
   Clock::time_point failed_at;
   std::chrono::system_clock::time_point failed_at_wall;  // the same moment, for the next start's ranks
+  bool regrouped = false;  // stopped for a larger world (Note [Growing an elastic job])
 };
 
-Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_start) {
+// An elastic start's ear for a growing job (Note [Growing an elastic job]): `check` asked
+// every 100 ms says whether to stop the ranks and meet again; they are stopped `delay`
+// after it first says so.
+struct Regroup {
+  std::function<bool()> check;
+  std::chrono::milliseconds delay{0};
+  // Node 0 decides: it asks only while every rank of its own runs, and ranks that all
+  // finish before its stop leave a finished job. Another node that heard the word always
+  // meets again (node 0 tells it there if the job finished).
+  bool host = false;
+};
+
+Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_start,
+                 const Regroup& regroup = {}) {
   const int port = o.master_port != 0 ? o.master_port : free_port();  // a fresh one each start
   std::vector<Rank> ranks(o.nproc_per_node);
   for (int i = 0; i < o.nproc_per_node; ++i) {
@@ -294,6 +309,8 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
   int stop_signal = 0;          // what we last sent the survivors
   Clock::time_point stop_sent_at;
   int result_override = -1;  // set by a signal to the launcher or the deadline
+  bool regrouping = false;   // the job grows: every rank stops, not as a failure
+  Clock::time_point regroup_stop_at;
 
   // Each rank leads its own process group: signal the group, so that programs the
   // rank started (a shell's children) stop with it.
@@ -322,6 +339,16 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
         stop_signal = sig;
         stop_sent_at = Clock::now();
       }
+    }
+    const bool all_running = std::none_of(ranks.begin(), ranks.end(), [](const Rank& r) { return r.exited; });
+    if (regroup.check && !regrouping && result_override < 0 &&
+        (!regroup.host || (all_running && first_failure < 0 && stop_signal == 0)) && regroup.check()) {
+      regrouping = true;
+      regroup_stop_at = Clock::now() + regroup.delay;
+      fmt::print(stderr,
+                 "flatshard-run: node {}: a node joins the job: every rank stops, and the nodes meet again\n",
+                 o.node_rank);
+      std::fflush(stderr);
     }
     char buf[65536];
     for (auto& r : ranks) {
@@ -374,6 +401,11 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
 
     const auto now = Clock::now();
     const bool alive = std::any_of(ranks.begin(), ranks.end(), [](const Rank& r) { return !r.exited; });
+    if (alive && regrouping && stop_signal == 0 && now >= regroup_stop_at) {
+      stop_signal = SIGTERM;
+      stop_sent_at = now;
+      signal_all(SIGTERM);
+    }
     if (alive && o.deadline_s > 0 && stop_signal == 0 &&
         now - job_start > std::chrono::duration<double>(o.deadline_s)) {
       fmt::print(stderr, "flatshard-run: the job passed its deadline of {:.1f} s; stopping every rank\n",
@@ -396,6 +428,14 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
     }
   }
   Outcome out;
+  // Once the job grows, a rank that failed failed on the stop or on a peer stopped for it.
+  // On node 0, ranks that all finished before its stop leave a finished job.
+  const bool all_finished =
+      std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) { return r.code == 0; });
+  if (regrouping && result_override < 0 && !(regroup.host && all_finished)) {
+    out.regrouped = true;
+    return out;
+  }
   if (result_override >= 0) {
     out.code = result_override;  // the launcher was signalled, or the deadline passed: no restart
     return out;
@@ -485,7 +525,8 @@ int run_elastic(const LaunchOptions& o) {
   }
   const auto job_start = Clock::now();
   std::vector<int> before;  // the node ids of the previous start
-  for (int restart = 0;; ++restart) {
+  int restart = 0;          // starts after a failure: a regroup is none
+  for (;;) {
     Membership m;
     try {
       m = host ? host->next_round() : node.join();
@@ -522,12 +563,38 @@ int run_elastic(const LaunchOptions& o) {
     start.node_rank = m.node_rank;
     start.nnodes = m.nnodes;
     start.master_port = m.port;
+    // Note [Growing an elastic job]: the host asks its rendezvous, and stops its own ranks
+    // half a second after telling the others; the others listen on their last round's
+    // connection.
+    Regroup regroup;
+    if (host) {
+      regroup.check = [&host, &m] {
+        if (!host->grows(m.node_ids)) return false;
+        host->regroup();
+        return true;
+      };
+      regroup.delay = std::chrono::milliseconds(500);
+      regroup.host = true;
+    } else {
+      regroup.check = [&node] { return node.regroup_requested(); };
+    }
     // The job's restart count is the host's: a node that joins a later round is told it too.
-    const Outcome out = run_once(start, m.round - 1, job_start);
+    Outcome out = run_once(start, m.round - 1, job_start, regroup);
+    // Ranks that failed on a peer stopped for the regroup may end this start before the
+    // word reaches this node: it is given a moment to come.
+    if (!out.regrouped && out.restartable && !host && node.await_regroup(std::chrono::seconds(2)))
+      out.regrouped = true;
+    if (out.regrouped) {
+      // Not a failure: the next start's ranks are told of none.
+      ::unsetenv("FLATSHARD_FAILURE_CAUSE");
+      ::unsetenv("FLATSHARD_FAILED_AT_UNIX_MS");
+      continue;
+    }
     if (!restart_follows(o, out, restart)) {
       if (host) host->finish(out.code);
       return out.code;
     }
+    ++restart;
   }
 }
 

@@ -29,7 +29,7 @@ constexpr std::uint32_t kMagic = 0x46535256;  // "FSRV"
 constexpr auto kHandshake = std::chrono::seconds(5);
 
 // What the host answers a node.
-enum Kind : std::int32_t { kMember = 0, kRefused = 1, kJobOver = 2 };
+enum Kind : std::int32_t { kMember = 0, kRefused = 1, kJobOver = 2, kRegroup = 3 };
 // Why it refused one.
 enum Refusal : std::int32_t { kIdTaken = 1, kIdOutOfRange = 2, kOtherNproc = 3 };
 
@@ -92,6 +92,8 @@ struct RendezvousHost::State {
   int round = 0;
   // Each node's connection of the last round it was in, by id: told when the job ends.
   std::map<int, tcp::Socket> known;
+  // Nodes taken in while a start ran (Note [Growing an elastic job]), for the next round.
+  std::vector<Arrival> early;
   void tell_known(int code) {
     for (auto& node : known) {
       try {
@@ -105,21 +107,22 @@ struct RendezvousHost::State {
 
   // Accepts one node before `until`, checks its proof and its hello; nullopt when none came
   // or it was refused (a refused node is told why and logged).
-  std::optional<Arrival> accept(Clock::time_point until, const std::vector<Arrival>& present) {
+  std::optional<Arrival> accept(Clock::time_point until, const std::vector<Arrival>& present,
+                                Clock::duration handshake = kHandshake) {
     tcp::Socket s;
     try {
       s = listener.accept(until);
     } catch (const tcp::IoError&) {
       return std::nullopt;  // none before `until`
     }
-    if (auto refused = tcp::check_secret(s, options.secret, kPurpose, Clock::now() + kHandshake)) {
+    if (auto refused = tcp::check_secret(s, options.secret, kPurpose, Clock::now() + handshake)) {
       std::fprintf(stderr, "flatshard-run: refused a connection to the launchers' rendezvous from %s: %s\n",
                    tcp::peer_address(s).c_str(), refused->c_str());
       return std::nullopt;
     }
     std::vector<std::int32_t> hello;
     try {
-      hello = recv_ints(s, 3, Clock::now() + kHandshake);
+      hello = recv_ints(s, 3, Clock::now() + handshake);
     } catch (const tcp::IoError& e) {
       std::fprintf(stderr, "flatshard-run: a node left the rendezvous before saying who it is: %s\n",
                    e.detail.c_str());
@@ -169,12 +172,19 @@ Membership RendezvousHost::next_round() {
   const RendezvousOptions& o = st.options;
   ++st.round;
   const auto last_call = after(o.wait_s), give_up = after(o.timeout_s);
-  std::vector<Arrival> present;
+  std::vector<Arrival> present = std::move(st.early);
+  st.early.clear();
+  present.erase(
+      std::remove_if(present.begin(), present.end(), [](const Arrival& a) { return gone(a.socket); }),
+      present.end());
   for (;;) {
     const int count = 1 + static_cast<int>(present.size());
     const auto now = Clock::now();
     if (count >= o.max_nodes || (count >= o.min_nodes && now >= last_call)) break;
-    if (o.stop && o.stop()) throw RendezvousStopped{};
+    if (o.stop && o.stop()) {
+      st.early = std::move(present);  // told by finish(), as the nodes that came earlier
+      throw RendezvousStopped{};
+    }
     if (now >= give_up) {
       // The nodes that came are told the job ends (exit code 1) instead of finding out at
       // their own timeout.
@@ -225,9 +235,44 @@ Membership RendezvousHost::next_round() {
   return m;
 }
 
+bool RendezvousHost::grows(const std::vector<int>& running) {
+  State& st = *state_;
+  // A node relaunched after its launcher died finds its old entry gone, not its id taken.
+  st.early.erase(
+      std::remove_if(st.early.begin(), st.early.end(), [](const Arrival& a) { return gone(a.socket); }),
+      st.early.end());
+  while (st.listener.pending()) {
+    auto arrival = st.accept(Clock::now(), st.early, std::chrono::seconds(1));
+    if (!arrival) break;
+    st.early.push_back(std::move(*arrival));
+  }
+  if (static_cast<int>(running.size()) >= st.options.max_nodes) return false;
+  return std::any_of(st.early.begin(), st.early.end(), [&](const Arrival& a) {
+    return std::find(running.begin(), running.end(), a.id) == running.end();
+  });
+}
+
+void RendezvousHost::regroup() {
+  State& st = *state_;
+  for (auto& node : st.known) {
+    try {
+      send_ints(node.second, {kRegroup, st.round}, Clock::now() + std::chrono::seconds(1));
+    } catch (const tcp::IoError&) {
+      // That node is gone; the next round goes on without it.
+    }
+  }
+}
+
 void RendezvousHost::finish(int code) {
   State& st = *state_;
   st.tell_known(code);
+  for (auto& a : st.early) {  // taken in while the last start ran
+    try {
+      send_ints(a.socket, {kJobOver, code}, Clock::now() + kHandshake);
+    } catch (const tcp::IoError&) {
+    }
+  }
+  st.early.clear();
   for (;;) {  // and those waiting for another round
     tcp::Socket s;
     try {
@@ -254,6 +299,21 @@ RendezvousNode::RendezvousNode(const RendezvousOptions& options)
 
 RendezvousNode::~RendezvousNode() = default;
 
+bool RendezvousNode::regroup_requested() { return await_regroup(std::chrono::milliseconds(0)); }
+
+bool RendezvousNode::await_regroup(std::chrono::milliseconds wait) {
+  tcp::Socket& last = state_->last;
+  if (!last.valid()) return false;
+  pollfd p{last.fd(), POLLIN, 0};
+  if (::poll(&p, 1, static_cast<int>(wait.count())) <= 0) return false;
+  std::uint32_t head[2];
+  const ssize_t n = ::recv(last.fd(), head, sizeof(head), MSG_PEEK | MSG_DONTWAIT);
+  if (n != static_cast<ssize_t>(sizeof(head)) || static_cast<std::int32_t>(ntohl(head[0])) != kRegroup)
+    return false;  // the job's end (read at the next join), or the host gone
+  recv_ints(last, 2, Clock::now() + kHandshake);
+  return true;
+}
+
 Membership RendezvousNode::join() {
   const RendezvousOptions& o = state_->options;
   tcp::Socket& last = state_->last;
@@ -261,15 +321,18 @@ Membership RendezvousNode::join() {
   // the connection says nothing: it does so when the next round forms without this node.
   auto ended = [&]() -> std::optional<int> {
     if (!last.valid()) return std::nullopt;
-    pollfd p{last.fd(), POLLIN, 0};
-    if (::poll(&p, 1, 0) <= 0) return std::nullopt;
-    try {
-      const auto head = recv_ints(last, 2, Clock::now() + kHandshake);
-      if (head[0] == kJobOver) return head[1];
-    } catch (const tcp::IoError&) {
+    for (;;) {
+      pollfd p{last.fd(), POLLIN, 0};
+      if (::poll(&p, 1, 0) <= 0) return std::nullopt;
+      try {
+        const auto head = recv_ints(last, 2, Clock::now() + kHandshake);
+        if (head[0] == kJobOver) return head[1];
+        if (head[0] == kRegroup) continue;  // heard after its start ended: the job's end may follow
+      } catch (const tcp::IoError&) {
+      }
+      last = tcp::Socket();
+      return std::nullopt;
     }
-    last = tcp::Socket();
-    return std::nullopt;
   };
   auto give_up = after(o.timeout_s);
   std::string last_error;
@@ -302,7 +365,9 @@ Membership RendezvousNode::join() {
         throw;
       }
       send_ints(s, {static_cast<std::int32_t>(kMagic), o.node_id, o.nproc}, Clock::now() + kHandshake);
-      if (!wait_readable(s, give_up, o)) break;
+      // The answer comes when the round closes, or, taken in while a start runs (Note
+      // [Growing an elastic job]), when that start ends: as long as the host is there.
+      wait_readable(s, Clock::time_point::max(), o);
       const auto head = recv_ints(s, 2, Clock::now() + kHandshake);
       if (head[0] == kJobOver) {
         Membership m;

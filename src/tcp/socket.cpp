@@ -175,6 +175,11 @@ Listener::~Listener() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+bool Listener::pending() const {
+  pollfd p{fd_, POLLIN, 0};
+  return ::poll(&p, 1, 0) > 0;
+}
+
 Socket Listener::accept(Clock::time_point deadline) {
   for (;;) {
     int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);

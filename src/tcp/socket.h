@@ -65,6 +65,8 @@ class Listener {
   Listener& operator=(const Listener&) = delete;
   int port() const { return port_; }
   Socket accept(Clock::time_point deadline);
+  // Whether a connection waits to be accepted (never blocks).
+  bool pending() const;
 
  private:
   int fd_ = -1;

@@ -223,6 +223,67 @@ TEST(Launcher, AnElasticJobGoesOnAtTheWorldThatRemains) {
   }
 }
 
+// Note [Growing an elastic job]: nodes 0, 1 and 2 start at world 3 of --nnodes 3:4; node 3
+// arrives while their ranks run. The host takes it in and tells nodes 1 and 2 to regroup.
+// The ranks of nodes 0 and 2 fail as on a lost peer as soon as node 1's rank is gone, so
+// node 0's fail before its own stop and node 2's may fail before the word reaches it:
+// neither is a failure. All four meet in round 2 at world 4, with no --max-restarts to spend.
+TEST(Launcher, AnElasticJobGrowsWhenANodeArrives) {
+  const std::string port = std::to_string(free_port());
+  char dir_template[] = "/tmp/flatshard-grow-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string pid_file = std::string(dir_template) + "/rank1";
+  const std::string script =
+      "echo \"env $RANK $WORLD_SIZE $TORCHELASTIC_RESTART_COUNT\"; "
+      "if [ \"$WORLD_SIZE\" = 3 ]; then "
+      "  if [ \"$RANK\" = 1 ]; then echo $$ > " +
+      pid_file +
+      "; exec sleep 60; fi; "
+      "  while [ ! -s " +
+      pid_file +
+      " ]; do sleep 0.05; done; "
+      "  while kill -0 $(cat " +
+      pid_file +
+      ") 2>/dev/null; do sleep 0.02; done; exit 5; "
+      "fi; echo done-$WORLD_SIZE";
+  std::vector<flatshard::testing::RunResult> r(4);
+  std::vector<std::thread> nodes;
+  for (int id = 0; id < 4; ++id) {
+    nodes.emplace_back([&, id] {
+      if (id == 3) std::this_thread::sleep_for(std::chrono::seconds(3));  // while the world-3 start runs
+      RunOptions options;
+      options.env["FLATSHARD_JOB_SECRET"] = "elastic-test";
+      options.deadline = std::chrono::seconds(60);
+      r[id] = run_command(
+          launch({"-n", "1", "--nnodes", "3:4", "--node-rank", std::to_string(id), "--master-port", port,
+                  "--rdzv-wait-s", "1", "--grace-s", "0.5", "--deadline-s", "50"},
+                 script),
+          options);
+    });
+  }
+  for (auto& t : nodes) t.join();
+  std::system(("rm -rf " + std::string(dir_template)).c_str());
+  for (int id = 0; id < 4; ++id) {
+    EXPECT_EQ(r[id].exit_code, 0) << r[id].output;
+    EXPECT_LT(r[id].seconds, 30.0) << "a rank of the world-3 start was not stopped: " << r[id].output;
+    EXPECT_NE(r[id].output.find(fmt::format("[rank {0}] env {0} 4 1", id)), std::string::npos)
+        << r[id].output;
+    EXPECT_NE(r[id].output.find(fmt::format("[rank {}] done-4", id)), std::string::npos) << r[id].output;
+    EXPECT_NE(r[id].output.find("round 2: nodes 0,1,2,3 (of 3..4); this is node " + std::to_string(id) +
+                                " of world 4\n"),
+              std::string::npos)
+        << r[id].output;
+    EXPECT_EQ(r[id].output.find("no restart left"), std::string::npos) << r[id].output;
+  }
+  for (int id = 0; id < 3; ++id)
+    EXPECT_NE(r[id].output.find(fmt::format("[rank {0}] env {0} 3 0", id)), std::string::npos)
+        << r[id].output;
+  EXPECT_NE(r[0].output.find("node 0: a node joins the job"), std::string::npos) << r[0].output;
+  EXPECT_NE(r[1].output.find("node 1: a node joins the job"), std::string::npos) << r[1].output;
+  EXPECT_EQ(r[3].output.find("env 3 3"), std::string::npos)
+      << "node 3 ran in the world-3 start: " << r[3].output;
+}
+
 // Both nodes' ranks fail (as on a lost peer) and both launchers come back: the next start
 // has the same nodes and world, without waiting for --rdzv-wait-s (every node is in).
 TEST(Launcher, AnElasticJobsNodesMeetAgainAfterAFailure) {
