@@ -83,25 +83,26 @@ while [ "$done_kills" -lt "$kills" ] && kill -0 "$job" 2>/dev/null; do
     echo "kill $done_kills: pid $victim at $(date +%T.%N | cut -c1-12)"
   fi
 done
-if [[ "$shrink" == 1 ]]; then
-  # Node 1 is lost for good once the job has saved a checkpoint after the last kill: its
-  # launcher is killed, and its ranks with it.
+# Waits until the job has saved a checkpoint newer than the one it had, then a moment more.
+after_next_checkpoint() {
+  local seen
   seen="$(cat "$out/chaos/latest" 2>/dev/null || true)"
   while kill -0 "$job" 2>/dev/null && [ "$(cat "$out/chaos/latest" 2>/dev/null || true)" == "$seen" ]; do
     sleep 0.1
   done
   sleep "0.$((RANDOM % 10))"
+}
+if [[ "$shrink" == 1 ]]; then
+  # Node 1 is lost for good once the job has saved a checkpoint after the last kill: its
+  # launcher is killed, and its ranks with it.
+  after_next_checkpoint
   kill -9 "$node1" 2>/dev/null && echo "node 1 lost for good at $(date +%T.%N | cut -c1-12)"
   wait "$node1" 2>/dev/null || true
 fi
 node1_status=0
 if [[ "$grow" == 1 ]]; then
   # Node 1 arrives once the job has saved a checkpoint after the last kill.
-  seen="$(cat "$out/chaos/latest" 2>/dev/null || true)"
-  while kill -0 "$job" 2>/dev/null && [ "$(cat "$out/chaos/latest" 2>/dev/null || true)" == "$seen" ]; do
-    sleep 0.1
-  done
-  sleep "0.$((RANDOM % 10))"
+  after_next_checkpoint
   echo "node 1 arrives at $(date +%T.%N | cut -c1-12)"
   (node 1) >"$out/chaos-node1.log" 2>&1 || node1_status=$?  # a subshell: node() ends in exec
 fi
