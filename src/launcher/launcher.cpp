@@ -581,8 +581,9 @@ int run_elastic(const LaunchOptions& o) {
     // The job's restart count is the host's: a node that joins a later round is told it too.
     Outcome out = run_once(start, m.round - 1, job_start, regroup);
     // Ranks that failed on a peer stopped for the regroup may end this start before the
-    // word reaches this node: it is given a moment to come.
-    if (!out.regrouped && out.restartable && !host && node.await_regroup(std::chrono::seconds(2)))
+    // word reaches this node: it is given a moment to come (node 0 sends it to every node at
+    // once, before any rank stops for it), which a failure of its own also waits.
+    if (!out.regrouped && out.restartable && !host && node.await_regroup(std::chrono::milliseconds(300)))
       out.regrouped = true;
     if (out.regrouped) {
       // Not a failure: the next start's ranks are told of none.

@@ -45,7 +45,7 @@ namespace flatshard::launcher {
 // joins the next round, and the host stops its own half a second later, so that the others
 // hear the word before their ranks fail on the lost peer. Once a launcher has the word, a
 // rank that fails is taken to have failed on the regroup; a node whose ranks fail before
-// the word reaches it waits up to 2 s for it before counting a failure; node 0, whose ranks
+// the word reaches it waits 0.3 s for it before counting a failure; node 0, whose ranks
 // may fail on the others' stop before its own, counts none unless they all finished by
 // themselves (the job is then done, and the others, back at the rendezvous, are told so).
 // The next round forms as any other, and the program resumes from its latest checkpoint at
