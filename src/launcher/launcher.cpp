@@ -529,7 +529,7 @@ int run_elastic(const LaunchOptions& o) {
   for (;;) {
     Membership m;
     try {
-      m = host ? host->next_round() : node.join();
+      m = host ? host->next_round(restart) : node.join();
     } catch (const RendezvousStopped&) {
       fmt::print(stderr, "flatshard-run: got signal {} while the nodes met: the job ends\n", stop_signal);
       if (host) host->finish(128 + stop_signal);
@@ -579,7 +579,7 @@ int run_elastic(const LaunchOptions& o) {
       regroup.check = [&node] { return node.regroup_requested(); };
     }
     // The job's restart count is the host's: a node that joins a later round is told it too.
-    Outcome out = run_once(start, m.round - 1, job_start, regroup);
+    Outcome out = run_once(start, m.restarts, job_start, regroup);
     // Ranks that failed on a peer stopped for the regroup may end this start before the
     // word reaches this node: it is given a moment to come (node 0 sends it to every node at
     // once, before any rank stops for it), which a failure of its own also waits.

@@ -167,7 +167,7 @@ RendezvousHost::RendezvousHost(const RendezvousOptions& options) {
 
 RendezvousHost::~RendezvousHost() = default;
 
-Membership RendezvousHost::next_round() {
+Membership RendezvousHost::next_round(int restarts) {
   State& st = *state_;
   const RendezvousOptions& o = st.options;
   ++st.round;
@@ -213,6 +213,7 @@ Membership RendezvousHost::next_round() {
   std::sort(present.begin(), present.end(), [](const Arrival& a, const Arrival& b) { return a.id < b.id; });
   Membership m;
   m.round = st.round;
+  m.restarts = restarts;
   m.node_rank = 0;
   m.nnodes = 1 + static_cast<int>(present.size());
   m.node_ids.push_back(0);
@@ -220,7 +221,8 @@ Membership RendezvousHost::next_round() {
   tcp::Listener free_now(0, !tcp::loopback_address_of(o.host).empty());
   m.port = free_now.port();  // released before the ranks start; rank 0 binds it again
   for (std::size_t k = 0; k < present.size(); ++k) {
-    std::vector<std::int32_t> answer{kMember, m.round, static_cast<std::int32_t>(k + 1), m.nnodes, m.port};
+    std::vector<std::int32_t> answer{kMember,  m.round, static_cast<std::int32_t>(k + 1),
+                                     m.nnodes, m.port,  restarts};
     answer.insert(answer.end(), m.node_ids.begin(), m.node_ids.end());
     try {
       send_ints(present[k].socket, answer, Clock::now() + kHandshake);
@@ -386,10 +388,11 @@ Membership RendezvousNode::join() {
       }
       Membership m;
       m.round = head[1];
-      const auto rest = recv_ints(s, 3, Clock::now() + kHandshake);
+      const auto rest = recv_ints(s, 4, Clock::now() + kHandshake);
       m.node_rank = rest[0];
       m.nnodes = rest[1];
       m.port = rest[2];
+      m.restarts = rest[3];
       const auto ids = recv_ints(s, static_cast<std::size_t>(m.nnodes), Clock::now() + kHandshake);
       m.node_ids.assign(ids.begin(), ids.end());
       last = std::move(s);

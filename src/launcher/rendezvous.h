@@ -49,11 +49,11 @@ namespace flatshard::launcher {
 // may fail on the others' stop before its own, counts none unless they all finished by
 // themselves (the job is then done, and the others, back at the rendezvous, are told so).
 // The next round forms as any other, and the program resumes from its latest checkpoint at
-// the larger world. A regroup is no failure: it spends no --max-restarts
-// (TORCHELASTIC_RESTART_COUNT, the number of starts before this one, counts it; torchrun's
-// counts failures only). A node that comes back after its own ranks failed (its id in the
-// running start) is kept for the next round without a regroup, and waits for its answer as
-// long as the host is there: that start is ending anyway.
+// the larger world. A regroup is no failure: it spends no --max-restarts, and
+// TORCHELASTIC_RESTART_COUNT, the host's count of starts after a failure that each node is
+// told in its round's answer, does not count it (as torchrun's). A node that comes back after its own ranks
+// failed (its id in the running start) is kept for the next round without a regroup, and waits for its answer
+// as long as the host is there: that start is ending anyway.
 
 // Thrown when `RendezvousOptions::stop` says to stop (the launcher got a signal).
 struct RendezvousStopped {};
@@ -77,6 +77,7 @@ struct Membership {
   int node_rank = 0;
   int nnodes = 1;
   int port = 0;               // the ranks' MASTER_PORT in this round
+  int restarts = 0;           // the job's starts after a failure before this round's (the host's count)
   std::vector<int> node_ids;  // the ids of the round's nodes, by node rank
   // Set when the job ended on the host while this node waited: its exit code.
   std::optional<int> job_over;
@@ -93,7 +94,8 @@ class RendezvousHost {
   RendezvousHost& operator=(const RendezvousHost&) = delete;
   // Waits for the round's nodes (Note [Rounds of an elastic job]) and tells each its place.
   // Throws std::runtime_error when fewer than min_nodes arrive before timeout_s.
-  Membership next_round();
+  // `restarts`: the job's starts after a failure so far, told to every node for its ranks.
+  Membership next_round(int restarts);
   // Tells every node that was ever in a round (on its connection of the last round it was
   // in), and any node already waiting for another round, that the job ended with `code`.
   void finish(int code);
