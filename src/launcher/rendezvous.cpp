@@ -84,6 +84,13 @@ struct Arrival {
   tcp::Socket socket;
 };
 
+// Drops the arrivals whose nodes have gone (Note [Rounds of an elastic job]).
+void drop_gone(std::vector<Arrival>& arrivals) {
+  arrivals.erase(
+      std::remove_if(arrivals.begin(), arrivals.end(), [](const Arrival& a) { return gone(a.socket); }),
+      arrivals.end());
+}
+
 }  // namespace
 
 struct RendezvousHost::State {
@@ -174,9 +181,7 @@ Membership RendezvousHost::next_round(int restarts) {
   const auto last_call = after(o.wait_s), give_up = after(o.timeout_s);
   std::vector<Arrival> present = std::move(st.early);
   st.early.clear();
-  present.erase(
-      std::remove_if(present.begin(), present.end(), [](const Arrival& a) { return gone(a.socket); }),
-      present.end());
+  drop_gone(present);
   for (;;) {
     const int count = 1 + static_cast<int>(present.size());
     const auto now = Clock::now();
@@ -206,9 +211,7 @@ Membership RendezvousHost::next_round(int restarts) {
     const auto until =
         std::min(count >= o.min_nodes ? last_call : give_up, now + std::chrono::milliseconds(200));
     if (auto arrival = st.accept(until, present)) present.push_back(std::move(*arrival));
-    present.erase(
-        std::remove_if(present.begin(), present.end(), [](const Arrival& a) { return gone(a.socket); }),
-        present.end());
+    drop_gone(present);
   }
   std::sort(present.begin(), present.end(), [](const Arrival& a, const Arrival& b) { return a.id < b.id; });
   Membership m;
@@ -240,9 +243,7 @@ Membership RendezvousHost::next_round(int restarts) {
 bool RendezvousHost::grows(const std::vector<int>& running) {
   State& st = *state_;
   // A node relaunched after its launcher died finds its old entry gone, not its id taken.
-  st.early.erase(
-      std::remove_if(st.early.begin(), st.early.end(), [](const Arrival& a) { return gone(a.socket); }),
-      st.early.end());
+  drop_gone(st.early);
   while (st.listener.pending()) {
     auto arrival = st.accept(Clock::now(), st.early, std::chrono::seconds(1));
     if (!arrival) break;
