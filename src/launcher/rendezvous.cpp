@@ -40,6 +40,14 @@ void send_ints(tcp::Socket& s, const std::vector<std::int32_t>& values, Clock::t
   s.send_all(wire.data(), wire.size() * sizeof(std::uint32_t), deadline);
 }
 
+// Sends `values` to a node that may be gone already: one that left is not told.
+void tell(tcp::Socket& s, const std::vector<std::int32_t>& values, Clock::duration within = kHandshake) {
+  try {
+    send_ints(s, values, Clock::now() + within);
+  } catch (const tcp::IoError&) {
+  }
+}
+
 std::vector<std::int32_t> recv_ints(tcp::Socket& s, std::size_t count, Clock::time_point deadline) {
   std::vector<std::uint32_t> wire(count);
   s.recv_all(wire.data(), count * sizeof(std::uint32_t), deadline);
@@ -102,12 +110,7 @@ struct RendezvousHost::State {
   // Nodes taken in while a start ran (Note [Growing an elastic job]), for the next round.
   std::vector<Arrival> early;
   void tell_known(int code) {
-    for (auto& node : known) {
-      try {
-        send_ints(node.second, {kJobOver, code}, Clock::now() + std::chrono::seconds(1));
-      } catch (const tcp::IoError&) {
-      }
-    }
+    for (auto& node : known) tell(node.second, {kJobOver, code}, std::chrono::seconds(1));
     known.clear();
   }
   State(const RendezvousOptions& o, int port, bool loopback) : options(o), listener(port, loopback) {}
@@ -151,10 +154,7 @@ struct RendezvousHost::State {
                    refusal == kIdTaken        ? "another node of that --node-rank is in the round"
                    : refusal == kIdOutOfRange ? "its --node-rank is out of range"
                                               : "it runs another number of ranks");
-      try {
-        send_ints(s, {kRefused, refusal, options.max_nodes, options.nproc}, Clock::now() + kHandshake);
-      } catch (const tcp::IoError&) {
-      }
+      tell(s, {kRefused, refusal, options.max_nodes, options.nproc});
       return std::nullopt;
     }
     return Arrival{id, std::move(s)};
@@ -193,12 +193,7 @@ Membership RendezvousHost::next_round(int restarts) {
     if (now >= give_up) {
       // The nodes that came are told the job ends (exit code 1) instead of finding out at
       // their own timeout.
-      for (auto& a : present) {
-        try {
-          send_ints(a.socket, {kJobOver, 1}, Clock::now() + kHandshake);
-        } catch (const tcp::IoError&) {
-        }
-      }
+      for (auto& a : present) tell(a.socket, {kJobOver, 1});
       st.tell_known(1);  // and those left out of this round
       throw std::runtime_error(
           fmt::format("round {} of the launchers' rendezvous: {} of at least {} nodes arrived within "
@@ -257,24 +252,14 @@ bool RendezvousHost::grows(const std::vector<int>& running) {
 
 void RendezvousHost::regroup() {
   State& st = *state_;
-  for (auto& node : st.known) {
-    try {
-      send_ints(node.second, {kRegroup, st.round}, Clock::now() + std::chrono::seconds(1));
-    } catch (const tcp::IoError&) {
-      // That node is gone; the next round goes on without it.
-    }
-  }
+  // A node that is gone is not told; the next round goes on without it.
+  for (auto& node : st.known) tell(node.second, {kRegroup, st.round}, std::chrono::seconds(1));
 }
 
 void RendezvousHost::finish(int code) {
   State& st = *state_;
   st.tell_known(code);
-  for (auto& a : st.early) {  // taken in while the last start ran
-    try {
-      send_ints(a.socket, {kJobOver, code}, Clock::now() + kHandshake);
-    } catch (const tcp::IoError&) {
-    }
-  }
+  for (auto& a : st.early) tell(a.socket, {kJobOver, code});  // taken in while the last start ran
   st.early.clear();
   for (;;) {  // and those waiting for another round
     tcp::Socket s;
