@@ -18,8 +18,12 @@ what="${1:-all}"
 torch_prefix="$("$FLATSHARD_VENV/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 jobs="$(nproc)"
 
+# -O1 with line tables only (-g1), as the sanitizers' documentation suggests: stack traces
+# keep their files and lines, and each translation unit that includes LibTorch compiles in
+# about half the time of -O2 -g under AddressSanitizer.
 configure() {  # dir flags
   cmake -S "$root" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_PREFIX_PATH="$torch_prefix" \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
     -DFLATSHARD_WITH_CUDA=OFF -DFLATSHARD_WITH_MPI=OFF -DFLATSHARD_BUILD_BENCH=OFF -DFLATSHARD_BUILD_EXAMPLES=OFF \
     -DCMAKE_CXX_FLAGS="$2" -DCMAKE_EXE_LINKER_FLAGS="$2" >/dev/null
 }
