@@ -8,6 +8,7 @@
 #
 #   bench/step_time_cpu.sh                     # WORLDS="2 4" MODES="full zero2 zero1 ddp"
 #   MODEL="--layers 8 --dim 512 --heads 8 --vocab 8192 --context 32" BATCH=1 bench/step_time_cpu.sh
+#   REPEAT=3 bench/step_time_cpu.sh            # each measurement three times in turn: the medians
 #   THROTTLE="tcp 1gbit 100mbit" bench/step_time_cpu.sh   # also over TCP on the loopback, unthrottled
 #                                                       # (tcp) and throttled with tc (root)
 # Ranks on one machine copy each other's buffers directly (Note [Direct copies]) unless
@@ -22,6 +23,7 @@ MODES="${MODES:-full zero2 zero1 ddp}"
 MODEL="${MODEL:---layers 8 --dim 512 --heads 8 --vocab 8192 --context 32}"
 BATCH="${BATCH:-4}"
 STEPS="${STEPS:-6}"
+REPEAT="${REPEAT:-1}"                    # each measurement this many times: the medians
 THROTTLE="${THROTTLE:-}"
 RATES="${RATES:-unthrottled $THROTTLE}"  # the rows to run (unthrottled: direct copies)
 MAX_ERROR="${MAX_ERROR:-}"               # set: fail when a cell's step error passes this many percent
@@ -47,16 +49,22 @@ print(float(rows[0]["bytes_per_second"]) / 1e9)')"
 # Compute: N ranks at once, each alone in its world (no communication): bench_modes' DDP at
 # world 1 is the model and its optimizer step. Ranks beyond the cores share them, and ranks on
 # one socket share its memory bandwidth: the throughput a rank sustains depends on how many run.
-alone_ms() {  # ranks -> the mean step of that many lone ranks run side by side
+# The sharded strategies' own work (Note [The sharded path's own work]: copies of the shard
+# into the gather buffers and of the reduced gradients, the units' hooks; on this CPU up to a
+# third of the model's compute) is their lone step less DDP's, run the same way.
+alone_ms() {  # ranks [mode] -> the mean step of that many lone ranks run side by side
   local k
-  for k in $(seq "$1"); do modes_step 1 ddp > "$out/alone.$k" & done
+  for k in $(seq "$1"); do modes_step 1 "${2:-ddp}" > "$out/alone.$k" & done
   wait
   cat "$out"/alone.* | awk '{ s += $1; n++ } END { printf "%.1f", s / n }'
   rm -f "$out"/alone.*
 }
-calibrate() {  # step_ms -> TFLOP/s
+median() {  # column -> the median of that column of stdin's lines
+  awk -v c="$1" 'NF { print $c }' | sort -g | awk '{ v[NR] = $1 } END { printf "%s", NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+calibrate() {  # step_ms [memory GB/s] -> TFLOP/s
   "$build/flatshard-plan" --cluster 1x1 --gpt "$gpt" --seq "$context" --batch "$BATCH" --dtype fp32 --reduce fp32 \
-    --memory-gbs "$mem_gbs" --calibrate-ms "$1" --csv 1 | awk -F, '/CALIBRATED/ { print $2 }'
+    --memory-gbs "${2:-$mem_gbs}" --calibrate-ms "$1" --csv 1 | awk -F, '/CALIBRATED/ { print $2 }'
 }
 one_ms="$(alone_ms 1)"
 tflops="$(calibrate "$one_ms")"
@@ -80,8 +88,22 @@ lat = max(0.0, (small - 65536 * steps / n / bus) / steps)      # seconds per rin
 print(f"{bus / 1e9:.4f} {lat * 1e6:.2f}")' "$1"
 }
 
-echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | link GB/s, µs | lone rank's step ms |"
-echo "|---|---|---|---:|---:|---:|---:|---:|---|---:|"
+# A collective's copies and reductions are CPU work only while bytes move: over a throttled
+# link the communicator waits most of the collective out in poll(). Each world's rings over
+# the unthrottled loopback's TCP (copies at the CPU's own pace) give the bytes per second of
+# that work; a throttled row's collectives take the cores for bus / cpu_bus of their time.
+declare -A cpu_bus
+for rate in $RATES; do
+  if [ "$rate" != unthrottled ] && [ "$rate" != tcp ]; then
+    for n in $WORLDS; do
+      read -r cpu_bus[$n] _ < <(FLATSHARD_DIRECT_COPY=0 link "$n")
+    done
+    break
+  fi
+done
+
+echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | link GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms |"
+echo "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"
 for rate in $RATES; do
   if [ "$rate" != unthrottled ]; then
     export FLATSHARD_DIRECT_COPY=0
@@ -93,24 +115,53 @@ for rate in $RATES; do
   fi
   for n in $WORLDS; do
     read -r bus lat < <(link "$n")
-    ms_n="$(alone_ms "$n")"
-    rank_tflops="$(calibrate "$ms_n")"
-    "$build/flatshard-plan" --cluster "1x$n" --gpt "$gpt" --seq "$context" --batch "$BATCH" --dtype fp32 --reduce fp32 \
-      --tflops "$rank_tflops" --memory-gbs "$mem_gbs" --intra "$bus" --intra-us "$lat" \
-      --csv 1 > "$out/plan.csv"
+    # Ranks beyond the cores share them: each rank's memory bandwidth is its share of a core's.
+    rank_gbs="$(awk -v g="$mem_gbs" -v n="$n" -v c="$(nproc)" 'BEGIN { printf "%.4f", g * (n > c ? c / n : 1) }')"
+    # Note [Collectives on the compute's cores]: each rank runs a compute thread and a
+    # communicator thread; from as many ranks as cores, every core holds compute and a running
+    # collective's copies and reductions take it (share 1); at half as many each thread has a
+    # core of its own (share 0). Throttled, only the part of its time that moves bytes.
+    share="$(awk -v n="$n" -v c="$(nproc)" -v bus="$bus" -v cpu="${cpu_bus[$n]:-0}" 'BEGIN {
+      s = 2 * n / c - 1; if (s < 0) s = 0; if (s > 1) s = 1
+      if (cpu > 0 && bus < cpu) s *= bus / cpu
+      printf "%.4f", s }')"
+    # The lone ranks and every mode, REPEAT times in turn: the medians, so that the machine's
+    # drift over minutes falls on calibration and measurement alike.
+    rm -f "$out"/measured.*
+    for r in $(seq "$REPEAT"); do
+      alone_ms "$n" ddp >> "$out/measured.alone.ddp"
+      echo >> "$out/measured.alone.ddp"
+      for mode in $MODES; do
+        case "$mode" in full | zero2)
+          alone_ms "$n" "$mode" >> "$out/measured.alone.$mode"
+          echo >> "$out/measured.alone.$mode" ;;
+        esac
+        modes_step "$n" "$mode" >> "$out/measured.$mode"
+      done
+    done
+    ms_n="$(median 1 < "$out/measured.alone.ddp")"
+    rank_tflops="$(calibrate "$ms_n" "$rank_gbs")"
     for mode in $MODES; do
       case "$mode" in full) row="full shard" ;; zero2) row="shard-grad-op" ;; zero1) row="ZeRO-1" ;; ddp) row="DDP" ;; esac
-      read -r ms wait < <(modes_step "$n" "$mode")
-      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$rate" "$n" "$mode" "$bus" "$lat" "$ms_n" <<'PY'
+      work=0
+      if [ -f "$out/measured.alone.$mode" ] && [ "$mode" != ddp ]; then
+        work="$(awk -v a="$(median 1 < "$out/measured.alone.$mode")" -v d="$ms_n" 'BEGIN { w = a - d; if (w < 0) w = 0; printf "%.1f", w }')"
+      fi
+      "$build/flatshard-plan" --cluster "1x$n" --gpt "$gpt" --seq "$context" --batch "$BATCH" --dtype fp32 --reduce fp32 \
+        --tflops "$rank_tflops" --memory-gbs "$rank_gbs" --intra "$bus" --intra-us "$lat" \
+        --collective-share "$share" --sharding-work-ms "$work" --csv 1 > "$out/plan.csv"
+      ms="$(median 1 < "$out/measured.$mode")"
+      wait="$(median 2 < "$out/measured.$mode")"
+      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$rate" "$n" "$mode" "$bus" "$lat" "$share" "$ms_n" "$work" <<'PY'
 import sys
-plan, row, ms, wait, rate, n, mode, bus, lat, alone = sys.argv[1:]
+plan, row, ms, wait, rate, n, mode, bus, lat, share, alone, work = sys.argv[1:]
 for line in open(plan):
     f = line.strip().split(",")
     if f[0] == "TIME" and f[1] == row:
         p, exposed = float(f[2]), float(f[4])
         error = 100 * (p / float(ms) - 1)
         print(f"| {rate} | {n} | {mode} | {p:.0f} | {float(ms):.0f} | {error:+.1f}% | "
-              f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {float(bus):.2f}, {float(lat):.0f} | {alone} |")
+              f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {float(bus):.2f}, {float(lat):.0f} | {float(share):.2f} | {alone} | {work} |")
         open(plan + ".errors", "a").write(f"{abs(error):.1f} {rate} {n} {mode}\n")
 PY
     done

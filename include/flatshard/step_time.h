@@ -86,6 +86,12 @@ struct Cluster {
   // step on the host (a host serving 8 devices that step at once gives each an eighth).
   Link pcie;
   double host_bandwidth = 0;
+  // The share of a device's compute that a running collective takes from it, 0 to 1 (Note
+  // [Collectives on the compute's cores] in src/plan/step_time.cpp): about 0 on a GPU,
+  // where NCCL's kernels take a few SMs (the H100 preset leaves it 0); 1 on a CPU host
+  // whose cores the ranks' compute already fills, where the communicator's copies and
+  // reductions run on those cores instead.
+  double collective_compute_share = 0;
   int world() const { return nodes * per_node; }
 };
 
@@ -118,6 +124,13 @@ struct TimeOptions {
   bool offload_bf16_copy = true;  // the masters' bf16 copies cross to the device, not the fp32 masters
   bool step_in_backward =
       false;  // offloaded full shard / shard-grad-op / hybrid: each unit steps as its gradient lands
+  // The sharded strategies' own work on the compute stream per step for a shard of the whole
+  // model (one rank alone: its step less DDP's): the copies of its shard into the gather
+  // buffers and of its reduced gradients into the shard, the units' hooks. Full shard,
+  // shard-grad-op and hybrid spend it divided by the shard group, spread over forward and
+  // backward (Note [The sharded path's own work] in src/plan/step_time.cpp). On a GPU it is
+  // within the calibrated throughput (the H100 preset was calibrated on full shard's step).
+  double sharding_work_s = 0;
 };
 
 // One step, predicted.
@@ -128,9 +141,11 @@ struct StepTime {
   double step_s = 0;                     // the critical path through compute and the links
   double communication_s = 0;            // every collective's time on its link, overlapped or not
   double exposed_s = 0;                  // of the step, the time compute waits for communication
-  double tokens_per_s = 0;               // per device
-  double mfu = 0;                        // model FLOPs (6 per parameter and token + attention) over peak
-  std::string limit;  // "compute", "gathers", "reductions", "latency", "host copies", "host step"
+  double contended_s =
+      0;  // compute's time lost to collectives running beside it (Cluster::collective_compute_share)
+  double tokens_per_s = 0;  // per device
+  double mfu = 0;           // model FLOPs (6 per parameter and token + attention) over peak
+  std::string limit;        // "compute", "gathers", "reductions", "latency", "host copies", "host step"
   double exposed_share() const { return step_s > 0 ? exposed_s / step_s : 0; }
 };
 

@@ -30,6 +30,10 @@ int usage(const char* why) {
       "                      [--inter Gb/s] [--inter-us U] [--memory-gbs GB/s]\n"
       "                      [--offload 0|1] [--bf16-copy 0|1] [--step-in-backward 0|1]\n"
       "                      [--pcie GB/s (each way)] [--host-gbs GB/s (the host's optimizer step)]\n"
+      "                      [--collective-share S (0 to 1: the share of a device's compute a running\n"
+      "                      collective takes; 1 on a CPU host whose cores the ranks fill)]\n"
+      "                      [--sharding-work-ms T (the sharded strategies' own work per step on one\n"
+      "                      rank alone: its step less DDP's)]\n"
       "                      [--calibrate-ms T (the sustained throughput that makes this model's step\n"
       "                      on one device take T ms)] [--csv 1]\n"
       "Predicts each strategy's step (docs/scaling.md): tokens/s per device, MFU, the share of\n"
@@ -51,7 +55,7 @@ int cluster_main(int argc, char** argv) {
   base.sequence_length = 1024;
   double device_gib = 80;
   double tflops = 0, intra = 0, intra_us = -1, inter = 0, inter_us = -1, memory_gbs = 0, calibrate_ms = 0;
-  double pcie = 0, host_gbs = 0;
+  double pcie = 0, host_gbs = 0, collective_share = -1;
   bool csv = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -128,6 +132,14 @@ int cluster_main(int argc, char** argv) {
     } else if (a == "--csv") {
       if (v != "0" && v != "1") return usage("--csv takes 0 or 1");
       csv = v == "1";
+    } else if (a == "--sharding-work-ms") {
+      double ms = 0;
+      if (!parse_double(v, ms) || ms < 0)
+        return usage(fmt::format("--sharding-work-ms takes milliseconds (0 or more), got '{}'", v).c_str());
+      base.sharding_work_s = ms * 1e-3;
+    } else if (a == "--collective-share") {
+      if (!parse_double(v, collective_share) || collective_share < 0 || collective_share > 1)
+        return usage(fmt::format("--collective-share takes a share from 0 to 1, got '{}'", v).c_str());
     } else if (a == "--intra-us" || a == "--inter-us") {
       double us = 0;
       if (!parse_double(v, us) || us < 0)
@@ -147,6 +159,7 @@ int cluster_main(int argc, char** argv) {
   if (memory_gbs > 0) c.memory_bandwidth = memory_gbs * 1e9;
   if (pcie > 0) c.pcie.bus_bandwidth = pcie * 1e9;
   if (host_gbs > 0) c.host_bandwidth = host_gbs * 1e9;
+  if (collective_share >= 0) c.collective_compute_share = collective_share;
   if (calibrate_ms > 0) {
     // The step on one device is compute / flops + the optimizer step: solve for flops.
     Cluster one = c;
@@ -186,6 +199,9 @@ int cluster_main(int argc, char** argv) {
         base.offload_bf16_copy ? "bf16 copies sent" : "fp32 masters sent",
         base.step_in_backward ? ", stepping in backward" : "", c.pcie.bus_bandwidth / 1e9,
         c.host_bandwidth / 1e9);
+  if (c.collective_compute_share > 0)
+    header += fmt::format("; a running collective takes {:.0f}% of a device's compute",
+                          100 * c.collective_compute_share);
   if (!csv) std::printf("%s\n", header.c_str());
   if (!csv)
     std::printf("%-22s %12s %10s %7s %10s %11s %12s %6s\n", "strategy", "tokens/s/dev", "step ms", "MFU",
@@ -194,8 +210,8 @@ int cluster_main(int argc, char** argv) {
     const StepTime& t = r.time;
     const double gib = static_cast<double>(r.memory.peak) / (1 << 30);
     if (csv)
-      std::printf("TIME,%s,%.3f,%.1f,%.4f,%s,%.3f\n", r.name.c_str(), t.step_s * 1e3, t.tokens_per_s,
-                  t.exposed_share(), t.limit.c_str(), gib);
+      std::printf("TIME,%s,%.3f,%.1f,%.4f,%s,%.3f,%.4f\n", r.name.c_str(), t.step_s * 1e3, t.tokens_per_s,
+                  t.exposed_share(), t.limit.c_str(), gib, t.step_s > 0 ? t.contended_s / t.step_s : 0);
     else
       std::printf("%-22s %12.0f %10.1f %6.1f%% %9.1f%% %11s %12.1f %6s\n", r.name.c_str(), t.tokens_per_s,
                   t.step_s * 1e3, 100 * t.mfu, 100 * t.exposed_share(), t.limit.c_str(), gib,

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -170,12 +172,62 @@ struct Lane {
   const Link* link = nullptr;
   double free_at = 0;
   double busy = 0, latency = 0;
+  std::vector<std::pair<double, double>> spans;  // when it ran: [start, end), in order
   double run(double issued, const Cost& c) {
     const double start = std::max(issued, free_at);
     free_at = start + c.seconds;
     busy += c.seconds;
     latency += c.latency;
+    if (c.seconds > 0) spans.emplace_back(start, free_at);
     return free_at;
+  }
+};
+
+// Note [Collectives on the compute's cores]
+// A collective running beside compute takes `share` of the device from it: while any
+// link is busy, compute advances at 1 - share of its rate (at share 1 it waits each
+// collective out, as if the two ran one after another). On a GPU NCCL's kernels take a
+// few SMs and the effect is small; on a CPU host whose cores the ranks' compute fills
+// (ranks x intra-op threads >= cores) the communicator's memcpys and reductions run on those
+// same cores, and every second of them is a second of compute lost. The collectives keep
+// the duration their link gives them (measured with the cores free). Every collective that
+// can overlap a stretch of compute was issued when the stretch began (gathers ahead of a
+// unit, reductions at the end of the one before), so the stretch's end follows from the
+// lanes' spans so far.
+struct ComputeStream {
+  double share = 0;
+  std::vector<const Lane*> lanes;
+  double contended = 0;  // seconds lost to collectives so far
+  // Compute of `seconds` (at the full rate) started at `start`: when it ends.
+  double run(double start, double seconds) {
+    if (share <= 0 || seconds <= 0) return start + seconds;
+    std::vector<std::pair<double, double>> busy;  // the lanes' spans that end after `start`
+    for (const Lane* lane : lanes) {
+      for (const auto& span : lane->spans) {
+        if (span.second > start) busy.push_back(span);
+      }
+    }
+    std::sort(busy.begin(), busy.end());
+    const double rate = 1 - std::min(share, 1.0);
+    double t = start, left = seconds;
+    for (std::size_t i = 0; i < busy.size() && left > 0;) {
+      double from = std::max(busy[i].first, t), to = busy[i].second;
+      for (++i; i < busy.size() && busy[i].first <= to; ++i) to = std::max(to, busy[i].second);  // merge
+      if (to <= t) continue;
+      if (from - t >= left) break;  // done before the next busy stretch
+      left -= from - t;
+      t = from;
+      if (rate > 0 && (to - t) * rate >= left) {
+        t += left / rate;
+        left = 0;
+      } else {
+        left -= (to - t) * rate;
+        t = to;
+      }
+    }
+    const double end = t + left;
+    contended += end - start - seconds;
+    return end;
   }
 };
 
@@ -190,6 +242,9 @@ struct Waits {
 StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOptions& o) {
   const int n = c.world();
   if (n < 1 || c.flops <= 0) throw std::invalid_argument("predict_time: a cluster needs devices and flops");
+  if (o.sharding_work_s < 0 || c.collective_compute_share < 0 || c.collective_compute_share > 1)
+    throw std::invalid_argument(
+        "predict_time: sharding_work_s is 0 or more, collective_compute_share 0 to 1");
   const bool sharded = o.strategy == Strategy::FullShard || o.strategy == Strategy::ShardGradOp ||
                        o.strategy == Strategy::HybridShard;
   int group = n;  // ranks a unit is sharded over
@@ -203,6 +258,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   const Link& group_link = group <= c.per_node ? c.intra : c.inter;
   const Link& replica_link = n <= c.per_node ? c.intra : c.inter;
   Lane intra{&c.intra}, inter{&c.inter};
+  ComputeStream compute{c.collective_compute_share, {&intra, &inter}};
   auto lane_of = [&](const Link& l) -> Lane& { return &l == &c.intra ? intra : inter; };
   // Note [Offload in the step-time model]: offloaded, the device holds no shard. Each
   // gather first copies this rank's shard from the host (its bf16 copy, or the fp32 master),
@@ -228,8 +284,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   const double tokens = static_cast<double>(o.sequences) * static_cast<double>(o.sequence_length);
   const double hd = static_cast<double>(m.head_dim());
   const double attention = 4.0 * m.heads * hd * static_cast<double>(o.sequence_length) * tokens;  // one layer
-  const double layer_fwd = (2.0 * static_cast<double>(m.layer_params()) * tokens + attention) / c.flops;
-  const double head_fwd = 2.0 * static_cast<double>(m.vocab * m.dim) * tokens / c.flops;
+  double layer_fwd = (2.0 * static_cast<double>(m.layer_params()) * tokens + attention) / c.flops;
+  double head_fwd = 2.0 * static_cast<double>(m.vocab * m.dim) * tokens / c.flops;
   double layer_bwd = 2 * layer_fwd;
   if (o.recompute == Recompute::Full) layer_bwd += layer_fwd;
   if (o.recompute == Recompute::Selective)
@@ -265,6 +321,18 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   };
 
   if (sharded) {
+    // Note [The sharded path's own work]
+    // Beside the model's compute, each rank's compute stream copies its shard of each unit into
+    // the unit's gather buffer (twice under full shard), adds each reduced gradient into its
+    // gradient shard and runs the units' hooks. On a GPU that is a few milliseconds at HBM's
+    // bandwidth; on a CPU it can be a third of the compute. TimeOptions::sharding_work_s gives
+    // it for the whole model's shard (one rank alone, its step less DDP's, measured); a rank
+    // of a shard group of g spends 1/g of it, in proportion to each unit's compute.
+    const double work = o.sharding_work_s / group;
+    const double stretch = 1 + work / (t.forward_s + t.backward_s);
+    layer_fwd *= stretch;
+    layer_bwd *= stretch;
+    head_fwd *= stretch;
     // Forward: the root is gathered first and kept; unit k's gather is issued when unit
     // k - prefetch starts (units 0..prefetch at once): `prefetch` units ahead.
     Lane& gl = lane_of(group_link);
@@ -285,10 +353,9 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       issue_until(k + o.prefetch, now);
       if (ready[k] > now) waits.gathers += ready[k] - now;
       start[k] = now = std::max(now, ready[k]);
-      now += layer_fwd;
+      now = compute.run(now, layer_fwd);
     }
-    now += head_fwd;      // the head's forward
-    now += 2 * head_fwd;  // and backward (the root stays gathered)
+    now = compute.run(now, 3 * head_fwd);  // the head's forward and backward (the root stays gathered)
     // Backward: full shard gathers each unit again (shard-grad-op kept them); each unit's
     // reduction is issued when its backward ends, one after another.
     const bool regather = o.strategy != Strategy::ShardGradOp;
@@ -304,7 +371,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         if (ready[k] > now) waits.gathers += ready[k] - now;
         now = std::max(now, ready[k]);
       }
-      now += layer_bwd;
+      now = compute.run(now, layer_bwd);
       reduced = std::max(reduced, reduce_unit(now, layer_bytes));
     }
     reduced = std::max(reduced, reduce_unit(now, root_bytes));  // the root's, after the embedding's backward
@@ -320,7 +387,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     const double shard = static_cast<double>(m.params()) / group;
     if (!o.offload) {
       t.optimizer_s = shard * (12 + 2 * o.optimizer_state_bytes) / c.memory_bandwidth;
-      now += t.optimizer_s;
+      now = compute.run(now, t.optimizer_s);
     } else if (o.step_in_backward) {
       t.optimizer_s = host.busy;  // within the waits above
     } else {
@@ -353,7 +420,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     };
     if (pending >= bucket_elements) flush(now);
     for (int k = m.layers - 1; k >= 0; --k) {
-      now += layer_bwd;
+      now = compute.run(now, layer_bwd);
       pending += layer_bytes;
       if (pending >= bucket_elements) flush(now);
     }
@@ -377,14 +444,14 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       now = std::max(now, back);
     } else if (!zero1) {
       t.optimizer_s = static_cast<double>(m.params()) * per_param / c.memory_bandwidth;
-      now += t.optimizer_s;
+      now = compute.run(now, t.optimizer_s);
     } else {
       // Note [Gathers behind the step]: each bucket's slice is gathered as soon as it is stepped.
       double gathered = now;
       for (double b : buckets) {
         const double step = b / n * per_param / c.memory_bandwidth;
         t.optimizer_s += step;
-        now += step;
+        now = compute.run(now, step);
         gathered = lane.run(std::max(now, gathered), cost(Collective::AllGather, b * o.param_bytes, n, link));
       }
       if (gathered > now) waits.gathers += gathered - now;
@@ -396,6 +463,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   t.communication_s = intra.busy + inter.busy;
   t.copies_s = h2d.busy + d2h.busy;
   t.exposed_s = waits.gathers + waits.reductions;  // the compute stream's waits
+  t.contended_s = compute.contended;
   t.tokens_per_s = tokens / t.step_s;
   const double model_flops = 3 * m.forward_flops_per_token(o.sequence_length) * tokens;
   t.mfu = c.peak_flops > 0 ? model_flops / t.step_s / c.peak_flops : 0;

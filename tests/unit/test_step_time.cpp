@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <memory>
+#include <stdexcept>
 #include <string>
 
 #include <fmt/format.h>
@@ -144,6 +145,68 @@ TEST(StepTime, PrefetchHidesEachGatherBehindThePreviousUnit) {
   EXPECT_NEAR(none - one, (m.layers - 1) * gather, 1e-9 * none);
   o.prefetch = 2;  // the link is the limit already
   EXPECT_NEAR(predict_time(m, c, o).step_s, one, 1e-9 * one);
+}
+
+// Note [Collectives on the compute's cores]: a collective that takes the whole device
+// (share 1) stops compute while it runs, so with one link the step is every second of
+// compute plus every second of the link, in every strategy, however well the schedule
+// overlapped them; half the device gives a step between that and the free overlap.
+TEST(StepTime, CollectivesThatTakeTheComputesCoresAddToTheStep) {
+  const auto m = gpt(6, 256, 4, 1024, 64);
+  Cluster c = h100_cluster(1, 4);
+  c.flops = 1e11;  // each unit's compute longer than its collectives
+  c.memory_bandwidth = 1e11;
+  c.intra = {1e9, 1e-5};
+  TimeOptions o;
+  o.sequences = 2;
+  o.sequence_length = 64;
+  o.bucket_bytes = m.layer_params() * 4;  // DDP and ZeRO-1 reduce one layer at a time, beside backward
+  for (Strategy s :
+       {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    o.strategy = s;
+    c.collective_compute_share = 0;
+    const StepTime free = predict_time(m, c, o);
+    EXPECT_EQ(free.contended_s, 0);
+    const double compute = free.forward_s + free.backward_s + free.optimizer_s;
+    EXPECT_LT(free.step_s, 0.9 * (compute + free.communication_s)) << "nothing overlapped: nothing to lose";
+    c.collective_compute_share = 1;
+    const StepTime whole = predict_time(m, c, o);
+    EXPECT_NEAR(whole.step_s, compute + whole.communication_s, 1e-9 * whole.step_s);
+    EXPECT_NEAR(whole.communication_s, free.communication_s, 1e-12);
+    EXPECT_GT(whole.contended_s, 0);
+    c.collective_compute_share = 0.5;
+    const StepTime half = predict_time(m, c, o);
+    EXPECT_GT(half.step_s, free.step_s);
+    EXPECT_LT(half.step_s, whole.step_s);
+    EXPECT_GT(half.contended_s, 0);
+    EXPECT_LT(half.contended_s, whole.contended_s);
+  }
+}
+
+// Note [The sharded path's own work]: with free links, the sharded strategies' step grows by
+// their own work over the shard group (a hybrid rank's group is its node); DDP's and
+// ZeRO-1's do not.
+TEST(StepTime, TheShardedPathsOwnWorkIsSpreadOverTheShardGroup) {
+  const auto m = gpt(6, 256, 4, 1024, 64);
+  Cluster c = h100_cluster(2, 4);
+  c.flops = 1e11;
+  c.intra = c.inter = {1e30, 0};
+  TimeOptions o;
+  o.sequences = 2;
+  o.sequence_length = 64;
+  for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp, Strategy::HybridShard, Strategy::NoShard,
+                     Strategy::ShardOptimizerState}) {
+    o.strategy = s;
+    o.sharding_work_s = 0;
+    const double before = predict_time(m, c, o).step_s;
+    o.sharding_work_s = 0.4;
+    const double after = predict_time(m, c, o).step_s;
+    const double group = s == Strategy::HybridShard ? 4 : 8;
+    const bool sharded = s != Strategy::NoShard && s != Strategy::ShardOptimizerState;
+    EXPECT_NEAR(after - before, sharded ? 0.4 / group : 0.0, 1e-9) << static_cast<int>(s);
+  }
+  o.sharding_work_s = -1;
+  EXPECT_THROW(predict_time(m, c, o), std::invalid_argument);
 }
 
 // DDP with buckets smaller than the model: one all-reduce per bucket, in backward's order
