@@ -137,10 +137,13 @@ struct TimeOptions {
 struct StepTime {
   double forward_s = 0, backward_s = 0;  // compute only (recomputation in backward)
   double optimizer_s = 0;                // on the device, or on the host when offloaded
-  double copies_s = 0;                   // offload: every copy between host and device, overlapped or not
-  double step_s = 0;                     // the critical path through compute and the links
-  double communication_s = 0;            // every collective's time on its link, overlapped or not
-  double exposed_s = 0;                  // of the step, the time compute waits for communication
+  // The engine's own work on the compute stream: the sharded path's (TimeOptions::
+  // sharding_work_s over the shard group), ZeRO-1's bucket gradients.
+  double engine_s = 0;
+  double copies_s = 0;         // offload: every copy between host and device, overlapped or not
+  double step_s = 0;           // the critical path through compute and the links
+  double communication_s = 0;  // every collective's time on its link, overlapped or not
+  double exposed_s = 0;        // of the step, the time compute waits for communication
   double contended_s =
       0;  // compute's time lost to collectives running beside it (Cluster::collective_compute_share)
   double tokens_per_s = 0;  // per device

@@ -329,6 +329,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // it for the whole model's shard (one rank alone, its step less DDP's, measured); a rank
     // of a shard group of g spends 1/g of it, in proportion to each unit's compute.
     const double work = o.sharding_work_s / group;
+    t.engine_s = work;
     const double stretch = 1 + work / (t.forward_s + t.backward_s);
     layer_fwd *= stretch;
     layer_bwd *= stretch;
@@ -400,7 +401,19 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     const bool zero1 = o.strategy == Strategy::ShardOptimizerState;
     const Link& link = n <= c.per_node ? c.intra : c.inter;
     Lane& lane = lane_of(link);
+    // Note [ZeRO-1's bucket gradients]
+    // DDP's gradients land in the parameters' own flat buffer. ZeRO-1's buckets (over two
+    // ranks or more) hold gradients apart from the master shard: each backward a bucket's
+    // buffer is zero-filled when its first gradient arrives, every gradient is added into
+    // it (read, read, write) rather than kept as it was made, and the buffer is freed once
+    // reduce-scattered: four passes over each parameter in the compute dtype, at the
+    // memory's bandwidth, in backward's order. A few milliseconds per billion parameters
+    // on a GPU; on a CPU about a tenth of the compute.
+    const double grad_passes = zero1 && n > 1 ? 4.0 * o.param_bytes / c.memory_bandwidth : 0;  // s per param
+    t.engine_s = static_cast<double>(m.params()) * grad_passes;
     now = t.forward_s + 2 * head_fwd;
+    now +=
+        (static_cast<double>(m.tied ? 0 : m.vocab * m.dim) + 2.0 * static_cast<double>(m.dim)) * grad_passes;
     const double bucket_elements = static_cast<double>(o.bucket_bytes) / o.reduce_bytes;
     // The head's gradients come first (with the final norm's), the embeddings' last.
     const double head_elements =
@@ -420,11 +433,12 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     };
     if (pending >= bucket_elements) flush(now);
     for (int k = m.layers - 1; k >= 0; --k) {
-      now = compute.run(now, layer_bwd);
+      now = compute.run(now, layer_bwd + layer_bytes * grad_passes);
       pending += layer_bytes;
       if (pending >= bucket_elements) flush(now);
     }
     pending += root_bytes - head_elements;
+    now = compute.run(now, (root_bytes - head_elements) * grad_passes);  // the embeddings'
     flush(now);
     reduced = std::max(reduced, landed);
     if (reduced > now) waits.reductions += reduced - now;

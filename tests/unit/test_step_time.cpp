@@ -167,7 +167,7 @@ TEST(StepTime, CollectivesThatTakeTheComputesCoresAddToTheStep) {
     c.collective_compute_share = 0;
     const StepTime free = predict_time(m, c, o);
     EXPECT_EQ(free.contended_s, 0);
-    const double compute = free.forward_s + free.backward_s + free.optimizer_s;
+    const double compute = free.forward_s + free.backward_s + free.optimizer_s + free.engine_s;
     EXPECT_LT(free.step_s, 0.9 * (compute + free.communication_s)) << "nothing overlapped: nothing to lose";
     c.collective_compute_share = 1;
     const StepTime whole = predict_time(m, c, o);
@@ -204,9 +204,36 @@ TEST(StepTime, TheShardedPathsOwnWorkIsSpreadOverTheShardGroup) {
     const double group = s == Strategy::HybridShard ? 4 : 8;
     const bool sharded = s != Strategy::NoShard && s != Strategy::ShardOptimizerState;
     EXPECT_NEAR(after - before, sharded ? 0.4 / group : 0.0, 1e-9) << static_cast<int>(s);
+    if (sharded) EXPECT_NEAR(predict_time(m, c, o).engine_s, 0.4 / group, 1e-12);
   }
   o.sharding_work_s = -1;
   EXPECT_THROW(predict_time(m, c, o), std::invalid_argument);
+}
+
+// Note [ZeRO-1's bucket gradients]: with free links, ZeRO-1's step over 4 ranks is its
+// compute, four passes over every parameter's gradient in the compute dtype and its share of
+// the optimizer step, at the memory's bandwidth; DDP's is its compute and the whole step.
+TEST(StepTime, ZeroOnesBucketGradientsCostFourPassesAtTheMemorysBandwidth) {
+  const auto m = gpt(6, 256, 4, 1024, 64);
+  Cluster c = h100_cluster(1, 4);
+  c.flops = 1e11;
+  c.memory_bandwidth = 1e9;
+  c.intra = {1e30, 0};
+  TimeOptions o;
+  o.sequences = 2;
+  o.sequence_length = 64;
+  o.param_bytes = 2;
+  const double params = static_cast<double>(m.params());
+  o.strategy = Strategy::NoShard;
+  StepTime t = predict_time(m, c, o);
+  EXPECT_NEAR(t.step_s, t.forward_s + t.backward_s + params * 28 / 1e9, 1e-9);
+  o.strategy = Strategy::ShardOptimizerState;
+  t = predict_time(m, c, o);
+  EXPECT_NEAR(t.engine_s, params * 4 * 2 / 1e9, 1e-12);
+  EXPECT_NEAR(t.step_s, t.forward_s + t.backward_s + t.engine_s + params / 4 * 28 / 1e9, 1e-9);
+  c.per_node = 1;  // one rank: DDP's path
+  t = predict_time(m, c, o);
+  EXPECT_NEAR(t.step_s, t.forward_s + t.backward_s + params * 28 / 1e9, 1e-9);
 }
 
 // DDP with buckets smaller than the model: one all-reduce per bucket, in backward's order
