@@ -51,7 +51,7 @@ print(float(rows[0]["bytes_per_second"]) / 1e9)')"
 # one socket share its memory bandwidth: the throughput a rank sustains depends on how many run.
 # The sharded strategies' own work (Note [The sharded path's own work]: copies of the shard
 # into the gather buffers and of the reduced gradients, the units' hooks; on this CPU a fifth
-# to three quarters of the model's compute) is their lone step less DDP's, run the same way.
+# to two thirds of the model's compute) is their lone step less DDP's, run the same way.
 alone_ms() {  # ranks [mode] -> the mean step of that many lone ranks run side by side
   local k
   for k in $(seq "$1"); do modes_step 1 "${2:-ddp}" > "$out/alone.$k" & done
