@@ -51,7 +51,7 @@ print(float(rows[0]["bytes_per_second"]) / 1e9)')"
 # one socket share its memory bandwidth: the throughput a rank sustains depends on how many run.
 # The sharded strategies' own work (Note [The sharded path's own work]: copies of the shard
 # into the gather buffers and of the reduced gradients, the units' hooks; on this CPU a fifth
-# to two thirds of the model's compute) is their lone step less DDP's, run the same way.
+# to three quarters of the model's compute) is their lone step less DDP's, run the same way.
 alone_ms() {  # ranks [mode] -> the mean step of that many lone ranks run side by side
   local k
   for k in $(seq "$1"); do modes_step 1 "${2:-ddp}" > "$out/alone.$k" & done
@@ -60,7 +60,9 @@ alone_ms() {  # ranks [mode] -> the mean step of that many lone ranks run side b
   rm -f "$out"/alone.*
 }
 median() {  # column -> the median of that column of stdin's lines
-  awk -v c="$1" 'NF { print $c }' | sort -g | awk '{ v[NR] = $1 } END { printf "%s", NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+  awk -v c="$1" 'NF { print $c }' | sort -g | awk '{ v[NR] = $1 }
+    END { if (NR == 0) { print "step_time_cpu.sh: a measurement gave nothing" > "/dev/stderr"; exit 1 }
+          printf "%s", NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
 calibrate() {  # step_ms [memory GB/s] -> TFLOP/s
   "$build/flatshard-plan" --cluster 1x1 --gpt "$gpt" --seq "$context" --batch "$BATCH" --dtype fp32 --reduce fp32 \
@@ -96,7 +98,7 @@ declare -A cpu_bus
 for rate in $RATES; do
   if [ "$rate" != unthrottled ] && [ "$rate" != tcp ]; then
     for n in $WORLDS; do
-      read -r cpu_bus[$n] _ < <(FLATSHARD_DIRECT_COPY=0 link "$n")
+      read -r "cpu_bus[$n]" _ < <(FLATSHARD_DIRECT_COPY=0 link "$n")
     done
     break
   fi
@@ -121,9 +123,9 @@ for rate in $RATES; do
     # communicator thread; from as many ranks as cores, every core holds compute and a running
     # collective's copies and reductions take it (share 1); at half as many each thread has a
     # core of its own (share 0). Throttled, only the part of its time that moves bytes.
-    share="$(awk -v n="$n" -v c="$(nproc)" -v bus="$bus" -v cpu="${cpu_bus[$n]:-0}" 'BEGIN {
+    share="$(awk -v n="$n" -v c="$(nproc)" -v bus="$bus" -v cpu="$([ "$rate" = tcp ] || [ "$rate" = unthrottled ] || echo "${cpu_bus[$n]:-0}")" 'BEGIN {
       s = 2 * n / c - 1; if (s < 0) s = 0; if (s > 1) s = 1
-      if (cpu > 0 && bus < cpu) s *= bus / cpu
+      if (cpu + 0 > 0 && bus < cpu + 0) s *= bus / cpu
       printf "%.4f", s }')"
     # The lone ranks and every mode, REPEAT times in turn: the medians, so that the machine's
     # drift over minutes falls on calibration and measurement alike.

@@ -330,10 +330,12 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // of a shard group of g spends 1/g of it, in proportion to each unit's compute.
     const double work = o.sharding_work_s / group;
     t.engine_s = work;
-    const double stretch = 1 + work / (t.forward_s + t.backward_s);
+    const double model_compute = t.forward_s + t.backward_s;
+    const double stretch = model_compute > 0 ? 1 + work / model_compute : 1;
     layer_fwd *= stretch;
     layer_bwd *= stretch;
     head_fwd *= stretch;
+    if (model_compute <= 0) now = compute.run(now, work);  // no compute to spread it over
     // Forward: the root is gathered first and kept; unit k's gather is issued when unit
     // k - prefetch starts (units 0..prefetch at once): `prefetch` units ahead.
     Lane& gl = lane_of(group_link);
@@ -411,9 +413,10 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // on a GPU; on a CPU about a tenth of the compute.
     const double grad_passes = zero1 && n > 1 ? 4.0 * o.param_bytes / c.memory_bandwidth : 0;  // s per param
     t.engine_s = static_cast<double>(m.params()) * grad_passes;
-    now = t.forward_s + 2 * head_fwd;
-    now +=
-        (static_cast<double>(m.tied ? 0 : m.vocab * m.dim) + 2.0 * static_cast<double>(m.dim)) * grad_passes;
+    now = compute.run(
+        now, t.forward_s + 2 * head_fwd +
+                 (static_cast<double>(m.tied ? 0 : m.vocab * m.dim) + 2.0 * static_cast<double>(m.dim)) *
+                     grad_passes);  // forward, the head's backward and its gradients
     const double bucket_elements = static_cast<double>(o.bucket_bytes) / o.reduce_bytes;
     // The head's gradients come first (with the final norm's), the embeddings' last.
     const double head_elements =

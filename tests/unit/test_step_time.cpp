@@ -150,7 +150,7 @@ TEST(StepTime, PrefetchHidesEachGatherBehindThePreviousUnit) {
 // Note [Collectives on the compute's cores]: a collective that takes the whole device
 // (share 1) stops compute while it runs, so with one link the step is every second of
 // compute plus every second of the link, in every strategy, however well the schedule
-// overlapped them; half the device gives a step between that and the free overlap.
+// overlapped them; a quarter and three quarters of it give steps in between, in order.
 TEST(StepTime, CollectivesThatTakeTheComputesCoresAddToTheStep) {
   const auto m = gpt(6, 256, 4, 1024, 64);
   Cluster c = h100_cluster(1, 4);
@@ -174,12 +174,16 @@ TEST(StepTime, CollectivesThatTakeTheComputesCoresAddToTheStep) {
     EXPECT_NEAR(whole.step_s, compute + whole.communication_s, 1e-9 * whole.step_s);
     EXPECT_NEAR(whole.communication_s, free.communication_s, 1e-12);
     EXPECT_GT(whole.contended_s, 0);
-    c.collective_compute_share = 0.5;
-    const StepTime half = predict_time(m, c, o);
-    EXPECT_GT(half.step_s, free.step_s);
-    EXPECT_LT(half.step_s, whole.step_s);
-    EXPECT_GT(half.contended_s, 0);
-    EXPECT_LT(half.contended_s, whole.contended_s);
+    c.collective_compute_share = 0.25;
+    const StepTime quarter = predict_time(m, c, o);
+    c.collective_compute_share = 0.75;
+    const StepTime most = predict_time(m, c, o);
+    EXPECT_GT(quarter.step_s, free.step_s);
+    EXPECT_LT(quarter.step_s, most.step_s);
+    EXPECT_LT(most.step_s, whole.step_s);
+    EXPECT_GT(quarter.contended_s, 0);
+    EXPECT_LT(quarter.contended_s, most.contended_s);
+    EXPECT_LT(most.contended_s, whole.contended_s);
   }
 }
 
