@@ -123,9 +123,11 @@ for rate in $RATES; do
     # communicator thread; from as many ranks as cores, every core holds compute and a running
     # collective's copies and reductions take it (share 1); at half as many each thread has a
     # core of its own (share 0). Throttled, only the part of its time that moves bytes.
-    share="$(awk -v n="$n" -v c="$(nproc)" -v bus="$bus" -v cpu="$([ "$rate" = tcp ] || [ "$rate" = unthrottled ] || echo "${cpu_bus[$n]:-0}")" 'BEGIN {
+    cpu="${cpu_bus[$n]:-0}"
+    case "$rate" in unthrottled | tcp) cpu=0 ;; esac  # unthrottled, its bytes move at the CPU's pace
+    share="$(awk -v n="$n" -v c="$(nproc)" -v bus="$bus" -v cpu="$cpu" 'BEGIN {
       s = 2 * n / c - 1; if (s < 0) s = 0; if (s > 1) s = 1
-      if (cpu + 0 > 0 && bus < cpu + 0) s *= bus / cpu
+      if (cpu > 0 && bus < cpu) s *= bus / cpu
       printf "%.4f", s }')"
     # The lone ranks and every mode, REPEAT times in turn: the medians, so that the machine's
     # drift over minutes falls on calibration and measurement alike.

@@ -325,7 +325,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // Beside the model's compute, each rank's compute stream copies its shard of each unit into
     // the unit's gather buffer (twice under full shard), adds each reduced gradient into its
     // gradient shard and runs the units' hooks. On a GPU that is a few milliseconds at HBM's
-    // bandwidth; on a CPU a fifth to two thirds of the compute. TimeOptions::sharding_work_s gives
+    // bandwidth; on a CPU a fifth to three quarters of the compute. TimeOptions::sharding_work_s gives
     // it for the whole model's shard (one rank alone, its step less DDP's, measured); a rank
     // of a shard group of g spends 1/g of it, in proportion to each unit's compute.
     const double work = o.sharding_work_s / group;
