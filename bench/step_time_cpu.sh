@@ -104,8 +104,8 @@ for rate in $RATES; do
   fi
 done
 
-echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | link GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms |"
-echo "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"
+echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | predicted contended | link GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms |"
+echo "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
 for rate in $RATES; do
   if [ "$rate" != unthrottled ]; then
     export FLATSHARD_DIRECT_COPY=0
@@ -145,6 +145,16 @@ for rate in $RATES; do
     done
     ms_n="$(median 1 < "$out/measured.alone.ddp")"
     rank_tflops="$(calibrate "$ms_n" "$rank_gbs")"
+    # What communication_wait counts with no bytes to move: ranks doing the same work between
+    # barriers drift apart, and the one ahead waits (bench/bench_desync.cpp). Every tenth of a
+    # lone step (about a unit's compute) and every step; where compute sets the pace (over a
+    # throttled link the waits are the link's).
+    case "$rate" in unthrottled | tcp) fracs="10 1" ;; *) fracs="" ;; esac
+    for frac in $fracs; do
+      iv="$(awk -v t="$ms_n" -v f="$frac" 'BEGIN { printf "%.1f", t / f }')"
+      "$build/flatshard-run" -n "$n" --deadline-s 600 "$build/bench/bench_desync" --interval-ms "$iv" --seconds 4 2>/dev/null |
+        sed -n 's/^\[rank 0\] //p' | awk -F, -v r="$rate" '{ printf "| %s | %d | %.0f | %.0f | %.0f%% |\n", r, $1, $2, $3, 100 * $4 }' >> "$out/desync"
+    done
     for mode in $MODES; do
       case "$mode" in full) row="full shard" ;; zero2) row="shard-grad-op" ;; zero1) row="ZeRO-1" ;; ddp) row="DDP" ;; esac
       work=0
@@ -162,15 +172,24 @@ plan, row, ms, wait, rate, n, mode, bus, lat, share, alone, work = sys.argv[1:]
 for line in open(plan):
     f = line.strip().split(",")
     if f[0] == "TIME" and f[1] == row:
-        p, exposed = float(f[2]), float(f[4])
+        p, exposed, contended = float(f[2]), float(f[4]), float(f[-1])
         error = 100 * (p / float(ms) - 1)
         print(f"| {rate} | {n} | {mode} | {p:.0f} | {float(ms):.0f} | {error:+.1f}% | "
-              f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {float(bus):.2f}, {float(lat):.0f} | {float(share):.2f} | {alone} | {work} |")
+              f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {100 * contended:.0f}% | "
+              f"{float(bus):.2f}, {float(lat):.0f} | {float(share):.2f} | {alone} | {work} |")
         open(plan + ".errors", "a").write(f"{abs(error):.1f} {rate} {n} {mode}\n")
 PY
     done
   done
 done
+if [ -f "$out/desync" ]; then
+  echo
+  echo "With no bytes to move (bench_desync: the same work on every rank between barriers), the share of the time the ranks wait:"
+  echo
+  echo "| loopback | world | work between barriers ms | measured interval ms | wait |"
+  echo "|---|---|---:|---:|---:|"
+  cat "$out/desync"
+fi
 if [ -n "$MAX_ERROR" ]; then
   worst="$(sort -rn "$out/plan.csv.errors" | head -1)"
   echo "largest |error|: $worst"

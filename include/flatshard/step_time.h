@@ -148,7 +148,9 @@ struct StepTime {
       0;  // compute's time lost to collectives running beside it (Cluster::collective_compute_share)
   double tokens_per_s = 0;  // per device
   double mfu = 0;           // model FLOPs (6 per parameter and token + attention) over peak
-  std::string limit;        // "compute", "gathers", "reductions", "latency", "host copies", "host step"
+  // "compute", "contention" (compute slowed by collectives beside it), "gathers",
+  // "reductions", "latency", "host copies", "host step"
+  std::string limit;
   double exposed_share() const { return step_s > 0 ? exposed_s / step_s : 0; }
 };
 

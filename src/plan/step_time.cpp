@@ -172,24 +172,31 @@ struct Lane {
   const Link* link = nullptr;
   double free_at = 0;
   double busy = 0, latency = 0;
-  std::vector<std::pair<double, double>> spans;  // when it ran: [start, end), in order
+  struct Span {
+    double start, end;
+    double moving;  // the share of it spent moving bytes (the rest is the ring steps' latency)
+  };
+  std::vector<Span> spans{};  // when it ran, in order
   double run(double issued, const Cost& c) {
     const double start = std::max(issued, free_at);
     free_at = start + c.seconds;
     busy += c.seconds;
     latency += c.latency;
-    if (c.seconds > 0) spans.emplace_back(start, free_at);
+    if (c.seconds > 0) spans.push_back({start, free_at, 1 - c.latency / c.seconds});
     return free_at;
   }
 };
 
 // Note [Collectives on the compute's cores]
-// A collective running beside compute takes `share` of the device from it: while any
-// link is busy, compute advances at 1 - share of its rate (at share 1 it waits each
-// collective out, as if the two ran one after another). On a GPU NCCL's kernels take a
+// A collective running beside compute takes `share` of the device from it: while a link
+// moves bytes, compute advances at 1 - share of its rate (at share 1 it waits each
+// collective's bytes out, as if the two ran one after another; two links at once take
+// share each, together at most the whole device). On a GPU NCCL's kernels take a
 // few SMs and the effect is small; on a CPU host whose cores the ranks' compute fills
 // (ranks x intra-op threads >= cores) the communicator's memcpys and reductions run on those
-// same cores, and every second of them is a second of compute lost. The collectives keep
+// same cores, and every second of them is a second of compute lost. Only a collective's
+// bytes take the cores: its ring steps' latency is the communicator waiting in poll() for
+// its peer, so a span contends for the part of it that moves bytes. The collectives keep
 // the duration their link gives them (measured with the cores free). Every collective that
 // can overlap a stretch of compute was issued when the stretch began (gathers ahead of a
 // unit, reductions at the end of the one before), so the stretch's end follows from the
@@ -201,22 +208,28 @@ struct ComputeStream {
   // Compute of `seconds` (at the full rate) started at `start`: when it ends.
   double run(double start, double seconds) {
     if (share <= 0 || seconds <= 0) return start + seconds;
-    std::vector<std::pair<double, double>> busy;  // the lanes' spans that end after `start`
+    // The rate changes only where a span that ends after `start` begins or ends: between two
+    // such times compute runs at 1 - share x (the bytes-moving shares of the spans then running).
+    std::vector<Lane::Span> running;  // the spans that end after `start`
+    std::vector<double> times{start};
     for (const Lane* lane : lanes) {
       for (const auto& span : lane->spans) {
-        if (span.second > start) busy.push_back(span);
+        if (span.end <= start) continue;
+        running.push_back(span);
+        times.push_back(span.start);
+        times.push_back(span.end);
       }
     }
-    std::sort(busy.begin(), busy.end());
-    const double rate = 1 - std::min(share, 1.0);
+    std::sort(times.begin(), times.end());
     double t = start, left = seconds;
-    for (std::size_t i = 0; i < busy.size() && left > 0;) {
-      double from = std::max(busy[i].first, t), to = busy[i].second;
-      for (++i; i < busy.size() && busy[i].first <= to; ++i) to = std::max(to, busy[i].second);  // merge
+    for (std::size_t i = 0; i < times.size() && left > 0; ++i) {
+      const double to = times[i];
       if (to <= t) continue;
-      if (from - t >= left) break;  // done before the next busy stretch
-      left -= from - t;
-      t = from;
+      double moving = 0;
+      for (const auto& span : running) {
+        if (span.start <= t && span.end >= to) moving += span.moving;
+      }
+      const double rate = 1 - std::min(share * moving, 1.0);
       if (rate > 0 && (to - t) * rate >= left) {
         t += left / rate;
         left = 0;
@@ -226,7 +239,7 @@ struct ComputeStream {
       }
     }
     const double end = t + left;
-    contended += end - start - seconds;
+    contended += std::max(0.0, end - start - seconds);
     return end;
   }
 };
@@ -490,6 +503,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   const double host_idle = o.step_in_backward ? waits.host : host.busy;  // the devices' idle time for it
   if (o.offload && host_idle > 0.2 * t.step_s && host_idle > t.exposed_s)
     t.limit = "host step";
+  else if (t.contended_s >= 0.05 * t.step_s && t.contended_s > t.exposed_s)
+    t.limit = "contention";  // compute slowed by the collectives beside it, more than it waits for them
   else if (t.exposed_s < 0.05 * t.step_s)
     t.limit = "compute";
   else if (o.offload && t.copies_s > t.communication_s)

@@ -148,15 +148,16 @@ TEST(StepTime, PrefetchHidesEachGatherBehindThePreviousUnit) {
 }
 
 // Note [Collectives on the compute's cores]: a collective that takes the whole device
-// (share 1) stops compute while it runs, so with one link the step is every second of
-// compute plus every second of the link, in every strategy, however well the schedule
-// overlapped them; a quarter and three quarters of it give steps in between, in order.
+// (share 1) stops compute while it moves bytes, so with one link of no latency the step is
+// every second of compute plus every second of the link, in every strategy, however well
+// the schedule overlapped them; a quarter and three quarters of it give steps in between,
+// in order.
 TEST(StepTime, CollectivesThatTakeTheComputesCoresAddToTheStep) {
   const auto m = gpt(6, 256, 4, 1024, 64);
   Cluster c = h100_cluster(1, 4);
   c.flops = 1e11;  // each unit's compute longer than its collectives
   c.memory_bandwidth = 1e11;
-  c.intra = {1e9, 1e-5};
+  c.intra = {1e9, 0};
   TimeOptions o;
   o.sequences = 2;
   o.sequence_length = 64;
@@ -174,6 +175,7 @@ TEST(StepTime, CollectivesThatTakeTheComputesCoresAddToTheStep) {
     EXPECT_NEAR(whole.step_s, compute + whole.communication_s, 1e-9 * whole.step_s);
     EXPECT_NEAR(whole.communication_s, free.communication_s, 1e-12);
     EXPECT_GT(whole.contended_s, 0);
+    EXPECT_EQ(whole.limit, "contention");
     c.collective_compute_share = 0.25;
     const StepTime quarter = predict_time(m, c, o);
     c.collective_compute_share = 0.75;
@@ -184,6 +186,41 @@ TEST(StepTime, CollectivesThatTakeTheComputesCoresAddToTheStep) {
     EXPECT_GT(quarter.contended_s, 0);
     EXPECT_LT(quarter.contended_s, most.contended_s);
     EXPECT_LT(most.contended_s, whole.contended_s);
+  }
+}
+
+// A ring step's latency is the communicator waiting for its peer, not copying: a link that
+// is all latency takes nothing from compute at share 1, and on a link of bytes and latency
+// the share applies to the bytes' part only.
+TEST(StepTime, ALinksLatencyTakesNothingFromCompute) {
+  const auto m = gpt(6, 256, 4, 1024, 64);
+  Cluster c = h100_cluster(1, 4);
+  c.flops = 1e11;
+  c.memory_bandwidth = 1e11;
+  TimeOptions o;
+  o.sequences = 2;
+  o.sequence_length = 64;
+  o.bucket_bytes = m.layer_params() * 4;
+  for (Strategy s :
+       {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    o.strategy = s;
+    c.intra = {1e30, 1e-4};  // every collective 0.3 ms of latency, no bytes' time
+    c.collective_compute_share = 0;
+    const StepTime free = predict_time(m, c, o);
+    c.collective_compute_share = 1;
+    const StepTime waiting = predict_time(m, c, o);
+    EXPECT_GT(free.communication_s, 0);
+    EXPECT_NEAR(waiting.step_s, free.step_s, 1e-12);
+    EXPECT_NEAR(waiting.contended_s, 0, 1e-12);
+    // Bytes and latency: the same step as a latency-free link whose collectives overlap
+    // compute for their bytes' time, and no more than the bytes' seconds lost.
+    c.intra = {1e9, 1e-4};
+    const StepTime both = predict_time(m, c, o);
+    c.intra = {1e9, 0};
+    const StepTime bytes = predict_time(m, c, o);
+    EXPECT_GT(both.contended_s, 0);
+    EXPECT_LE(both.contended_s, bytes.communication_s + 1e-12);
+    EXPECT_LT(both.contended_s, both.communication_s);
   }
 }
 
