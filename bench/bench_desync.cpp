@@ -7,14 +7,18 @@
 //
 //   flatshard-run -n N bench_desync [--interval-ms 10] [--seconds 3]
 //
-// Every rank calibrates its work alone-together (all ranks running at once, as in the
-// job), rank 0's figure is broadcast so that all do exactly the same, then each loop is the
-// work and a barrier. Rank 0 prints one CSV line: world,interval_ms,wall_interval_ms,
-// wait_share (the ranks' mean share of the wall time spent in the barrier's wait).
+// Every rank calibrates its work with all ranks running at once (as in the job), rank 0's
+// figure is broadcast so that all do exactly the same, then each loop is the work and a
+// barrier. A barrier costs its ring steps' latency even between ranks in step: bare
+// barriers, with no work between them, time that floor first. Rank 0 prints one CSV line:
+// world,interval_ms,wall_interval_ms,wait_share,barrier_ms (the ranks' mean share of the
+// wall time spent in the barrier's wait, and a bare barrier's mean time).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -45,9 +49,17 @@ int main(int argc, char** argv) {
   auto comm = flatshard::Communicator::create(world);
   const auto a = at::randn({96, 96});
   auto out = at::empty({96, 96});
-  auto work = [&](std::int64_t n) {
-    for (std::int64_t i = 0; i < n; ++i) at::mm_out(out, a, a);
+  auto work = [&](std::int64_t matmuls) {
+    for (std::int64_t i = 0; i < matmuls; ++i) at::mm_out(out, a, a);
   };
+  // The floor: bare barriers (as many on every rank: a count decided by each rank's clock
+  // would leave one rank in a barrier the others never issue).
+  constexpr int kBare = 200;
+  comm->barrier().wait();
+  const auto bare_start = Clock::now();
+  for (int i = 0; i < kBare; ++i) comm->barrier().wait();
+  auto barrier_ms = at::tensor({seconds_since(bare_start) * 1e3 / kBare}, at::kDouble);
+  comm->all_reduce(barrier_ms, flatshard::ReduceOp::Avg).wait();
   // Matmuls per millisecond with every rank running: rank 0's, for all.
   comm->barrier().wait();
   std::int64_t done = 0;
@@ -56,26 +68,26 @@ int main(int argc, char** argv) {
     work(16);
     done += 16;
   }
-  auto rate = at::tensor({static_cast<double>(done) / 300.0}, at::kDouble);
-  comm->broadcast(rate, 0).wait();
-  const auto per_interval =
-      std::max<std::int64_t>(1, static_cast<std::int64_t>(rate.item<double>() * interval_ms));
+  auto matmuls_per_ms = at::tensor({static_cast<double>(done) / (seconds_since(start) * 1e3)}, at::kDouble);
+  comm->broadcast(matmuls_per_ms, 0).wait();
+  const auto matmuls_per_interval =
+      std::max<std::int64_t>(1, static_cast<std::int64_t>(matmuls_per_ms.item<double>() * interval_ms));
   const int loops = std::max(2, static_cast<int>(seconds * 1e3 / interval_ms));
   comm->barrier().wait();
-  double waited = 0;
+  double waited_s = 0;
   const auto begin = Clock::now();
   for (int i = 0; i < loops; ++i) {
-    work(per_interval);
+    work(matmuls_per_interval);
     const auto w = Clock::now();
     comm->barrier().wait();
-    waited += seconds_since(w);
+    waited_s += seconds_since(w);
   }
-  const double wall = seconds_since(begin);
-  auto share = at::tensor({waited / wall}, at::kDouble);
+  const double wall_s = seconds_since(begin);
+  auto share = at::tensor({waited_s / wall_s}, at::kDouble);
   comm->all_reduce(share, flatshard::ReduceOp::Avg).wait();
   if (world.rank() == 0) {
-    std::printf("%d,%.2f,%.2f,%.4f\n", world.world_size(), interval_ms, wall * 1e3 / loops,
-                share.item<double>());
+    std::printf("%d,%.2f,%.2f,%.4f,%.3f\n", world.world_size(), interval_ms, wall_s * 1e3 / loops,
+                share.item<double>(), barrier_ms.item<double>());
   }
   return 0;
 }

@@ -27,7 +27,8 @@ def predict(n, args, gib):
     for line in out.splitlines():
         f = line.split(",")
         if f[0] == "TIME":
-            rows[f[1]] = {"tps": float(f[3]), "exposed": float(f[4]), "limit": f[5], "gib": float(f[6])}
+            rows[f[1]] = {"tps": float(f[3]), "exposed": float(f[4]), "limit": f[5], "gib": float(f[6]),
+                          "contended": float(f[7])}
     return rows
 
 
@@ -49,7 +50,9 @@ for name, args, gib, what in MODELS:
                 cells.append("")
                 continue
             text = f"{r['tps']:,.0f} ({100 * r['tps'] / base:.0f}%)"
-            if r["limit"] != "compute":
+            if r["limit"] == "contention":
+                text += f" contention, {100 * r['contended']:.0f}% lost"
+            elif r["limit"] != "compute":
                 text += f" {r['limit']}, {100 * r['exposed']:.0f}% exposed"
             if r["gib"] > gib:
                 text = f"— ({r['gib']:.0f} GiB)"

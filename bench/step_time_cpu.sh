@@ -145,16 +145,6 @@ for rate in $RATES; do
     done
     ms_n="$(median 1 < "$out/measured.alone.ddp")"
     rank_tflops="$(calibrate "$ms_n" "$rank_gbs")"
-    # What communication_wait counts with no bytes to move: ranks doing the same work between
-    # barriers drift apart, and the one ahead waits (bench/bench_desync.cpp). Every tenth of a
-    # lone step (about a unit's compute) and every step; where compute sets the pace (over a
-    # throttled link the waits are the link's).
-    case "$rate" in unthrottled | tcp) fracs="10 1" ;; *) fracs="" ;; esac
-    for frac in $fracs; do
-      iv="$(awk -v t="$ms_n" -v f="$frac" 'BEGIN { printf "%.1f", t / f }')"
-      "$build/flatshard-run" -n "$n" --deadline-s 600 "$build/bench/bench_desync" --interval-ms "$iv" --seconds 4 2>/dev/null |
-        sed -n 's/^\[rank 0\] //p' | awk -F, -v r="$rate" '{ printf "| %s | %d | %.0f | %.0f | %.0f%% |\n", r, $1, $2, $3, 100 * $4 }' >> "$out/desync"
-    done
     for mode in $MODES; do
       case "$mode" in full) row="full shard" ;; zero2) row="shard-grad-op" ;; zero1) row="ZeRO-1" ;; ddp) row="DDP" ;; esac
       work=0
@@ -180,14 +170,30 @@ for line in open(plan):
         open(plan + ".errors", "a").write(f"{abs(error):.1f} {rate} {n} {mode}\n")
 PY
     done
+    # What communication_wait counts with no bytes to move: ranks doing the same work between
+    # barriers drift apart, and the one ahead waits (bench/bench_desync.cpp). Every tenth of a
+    # lone step (about a unit's compute) and every step; where compute sets the pace (over a
+    # throttled link the waits are the link's). A failure leaves its row out, not the grid.
+    case "$rate" in unthrottled | tcp) fracs="10 1" ;; *) fracs="" ;; esac
+    for frac in $fracs; do
+      iv="$(awk -v t="$ms_n" -v f="$frac" 'BEGIN { printf "%.1f", t / f }')"
+      if ! "$build/flatshard-run" -n "$n" --deadline-s 600 "$build/bench/bench_desync" --interval-ms "$iv" --seconds 4 \
+          > "$out/desync.run" 2>&1; then
+        echo "step_time_cpu.sh: bench_desync failed at world $n, every $iv ms:" >&2
+        tail -5 "$out/desync.run" >&2
+        continue
+      fi
+      sed -n 's/^\[rank 0\] //p' "$out/desync.run" |
+        awk -F, -v r="$rate" '{ printf "| %s | %d | %.1f | %.1f | %.0f%% | %.2f |\n", r, $1, $2, $3, 100 * $4, $5 }' >> "$out/desync"
+    done
   done
 done
 if [ -f "$out/desync" ]; then
   echo
   echo "With no bytes to move (bench_desync: the same work on every rank between barriers), the share of the time the ranks wait:"
   echo
-  echo "| loopback | world | work between barriers ms | measured interval ms | wait |"
-  echo "|---|---|---:|---:|---:|"
+  echo "| loopback | world | work between barriers ms | measured interval ms | wait | a bare barrier ms |"
+  echo "|---|---|---:|---:|---:|---:|"
   cat "$out/desync"
 fi
 if [ -n "$MAX_ERROR" ]; then

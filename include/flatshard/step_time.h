@@ -86,8 +86,9 @@ struct Cluster {
   // step on the host (a host serving 8 devices that step at once gives each an eighth).
   Link pcie;
   double host_bandwidth = 0;
-  // The share of a device's compute that a running collective takes from it, 0 to 1 (Note
-  // [Collectives on the compute's cores] in src/plan/step_time.cpp): about 0 on a GPU,
+  // The share of a device's compute that a collective takes from it while it moves bytes
+  // (not in its ring steps' latency), 0 to 1 (Note [Collectives on the compute's cores] in
+  // src/plan/compute_stream.h): about 0 on a GPU,
   // where NCCL's kernels take a few SMs (the H100 preset leaves it 0); 1 on a CPU host
   // whose cores the ranks' compute already fills, where the communicator's copies and
   // reductions run on those cores instead.

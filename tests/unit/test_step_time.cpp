@@ -2,6 +2,7 @@
 // compute and communication against hand-computed costs, overlap, and the command line.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <stdexcept>
@@ -10,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "flatshard/step_time.h"
+#include "src/plan/compute_stream.h"
 #include "tests/support/subprocess.h"
 
 namespace {
@@ -204,7 +206,7 @@ TEST(StepTime, ALinksLatencyTakesNothingFromCompute) {
   for (Strategy s :
        {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard, Strategy::ShardOptimizerState}) {
     o.strategy = s;
-    c.intra = {1e30, 1e-4};  // every collective 0.3 ms of latency, no bytes' time
+    c.intra = {1e30, 1e-4};  // every collective 3 (all-reduce 6) ring steps of latency, no bytes' time
     c.collective_compute_share = 0;
     const StepTime free = predict_time(m, c, o);
     c.collective_compute_share = 1;
@@ -212,16 +214,70 @@ TEST(StepTime, ALinksLatencyTakesNothingFromCompute) {
     EXPECT_GT(free.communication_s, 0);
     EXPECT_NEAR(waiting.step_s, free.step_s, 1e-12);
     EXPECT_NEAR(waiting.contended_s, 0, 1e-12);
-    // Bytes and latency: the same step as a latency-free link whose collectives overlap
-    // compute for their bytes' time, and no more than the bytes' seconds lost.
+    // Bytes and latency: compute loses time, but less than the collectives last (the
+    // walk itself is checked exactly in ComputeStreamWalksTheSpansAtTheirShares).
     c.intra = {1e9, 1e-4};
     const StepTime both = predict_time(m, c, o);
     c.intra = {1e9, 0};
     const StepTime bytes = predict_time(m, c, o);
     EXPECT_GT(both.contended_s, 0);
     EXPECT_LE(both.contended_s, bytes.communication_s + 1e-12);
-    EXPECT_LT(both.contended_s, both.communication_s);
   }
+}
+
+// The compute stream by hand: two lanes moving bytes over [1, 3) and [2, 4) at share 0.5
+// slow compute to half where one runs and stop it where both do (their shares add); 3 s
+// of compute from 0 run 1 s at the full rate, 0.5 in [1, 2), none in [2, 3), 0.5 in [3, 4)
+// and the last second after: they end at 5. A span half latency at share 1 halves the rate.
+TEST(StepTime, ComputeStreamWalksTheSpansAtTheirShares) {
+  using namespace flatshard::plan::sim;
+  Lane a, b;
+  a.run(1, Cost{2, 0});
+  b.run(2, Cost{2, 0});
+  ComputeStream both{0.5, {&a, &b}};
+  EXPECT_DOUBLE_EQ(both.run(0, 3), 5);
+  EXPECT_DOUBLE_EQ(both.contended, 2);
+  EXPECT_DOUBLE_EQ(both.run(4, 1), 5);       // after the spans: the full rate
+  EXPECT_DOUBLE_EQ(both.run(1.5, 0.25), 2);  // from inside a span: 0.5 s at half the rate
+  ComputeStream whole{1, {&a, &b}};
+  EXPECT_DOUBLE_EQ(whole.run(0, 2), 5);  // stopped through [1, 4)
+  Lane half;
+  half.run(0, Cost{4, 2});  // 4 s, 2 of them latency: moving bytes half the time
+  ComputeStream latency{1, {&half}};
+  EXPECT_DOUBLE_EQ(latency.run(0, 1), 2);
+  EXPECT_DOUBLE_EQ(latency.run(1, 3), 5.5);  // 1.5 done by 4, the last 1.5 after
+}
+
+// The limit names contention where compute loses at least 5% of the step to collectives
+// beside it and more than it waits for them; the same schedule without the share reads
+// compute; a link too slow to hide reads by its waits, whatever the share.
+TEST(StepTime, TheLimitIsContentionWhereCollectivesSlowComputeMoreThanItWaits) {
+  const auto m = gpt(6, 256, 4, 1024, 64);
+  Cluster c = h100_cluster(1, 4);
+  c.flops = 2e10;  // compute long enough for the collectives to hide behind it
+  c.memory_bandwidth = 1e11;
+  c.intra = {1e9, 0};
+  TimeOptions o;
+  o.sequences = 2;
+  o.sequence_length = 64;
+  o.strategy = Strategy::FullShard;
+  c.collective_compute_share = 0;
+  const StepTime free = predict_time(m, c, o);
+  ASSERT_LT(free.exposed_share(), 0.05);
+  EXPECT_EQ(free.limit, "compute");
+  c.collective_compute_share = 1;
+  const StepTime slowed = predict_time(m, c, o);
+  EXPECT_GT(slowed.contended_s, std::max(0.05 * slowed.step_s, slowed.exposed_s));
+  EXPECT_EQ(slowed.limit, "contention");
+  c.collective_compute_share = 0.01;  // under 5% of the step lost
+  const StepTime barely = predict_time(m, c, o);
+  EXPECT_GT(barely.contended_s, 0);
+  EXPECT_EQ(barely.limit, "compute");
+  c.intra = {1e7, 0};  // gathers a hundred times slower: compute waits far longer than it is slowed
+  c.collective_compute_share = 0.25;
+  const StepTime starved = predict_time(m, c, o);
+  EXPECT_GT(starved.exposed_s, starved.contended_s);
+  EXPECT_EQ(starved.limit, "gathers");
 }
 
 // Note [The sharded path's own work]: with free links, the sharded strategies' step grows by
