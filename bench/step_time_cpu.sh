@@ -4,7 +4,8 @@
 # compute throughput, the optimizer step's memory bandwidth, the loopback rings' bus bandwidth
 # and latency at each world size), then measures each strategy's step with bench_modes and
 # prints predicted against measured, with the error and the exposed-communication share
-# (predicted, and the engine's communication_wait). Markdown.
+# (predicted, and the engine's communication_wait), and where compute sets the pace what the
+# ranks wait with no bytes to move (bench_desync: their drift between syncs). Markdown.
 #
 #   bench/step_time_cpu.sh                     # WORLDS="2 4" MODES="full zero2 zero1 ddp"
 #   MODEL="--layers 8 --dim 512 --heads 8 --vocab 8192 --context 32" BATCH=1 bench/step_time_cpu.sh

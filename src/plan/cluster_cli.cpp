@@ -201,12 +201,14 @@ int cluster_main(int argc, char** argv) {
         base.step_in_backward ? ", stepping in backward" : "", c.pcie.bus_bandwidth / 1e9,
         c.host_bandwidth / 1e9);
   if (c.collective_compute_share > 0)
-    header += fmt::format("; a running collective takes {:.0f}% of a device's compute",
+    header += fmt::format("; a collective takes {:.0f}% of a device's compute while it moves bytes",
                           100 * c.collective_compute_share);
+  // Where collectives take compute, the share of the step it lost to them (contended).
+  const bool contended = c.collective_compute_share > 0;
   if (!csv) std::printf("%s\n", header.c_str());
   if (!csv)
-    std::printf("%-22s %12s %10s %7s %10s %11s %12s %6s\n", "strategy", "tokens/s/dev", "step ms", "MFU",
-                "exposed", "limit", "peak GiB", "fits");
+    std::printf("%-22s %12s %10s %7s %10s%s %11s %12s %6s\n", "strategy", "tokens/s/dev", "step ms", "MFU",
+                "exposed", contended ? "  contended" : "", "limit", "peak GiB", "fits");
   for (const StrategyPlan& r : rows) {
     const StepTime& t = r.time;
     const double gib = static_cast<double>(r.memory.peak) / (1 << 30);
@@ -214,9 +216,10 @@ int cluster_main(int argc, char** argv) {
       std::printf("TIME,%s,%.3f,%.1f,%.4f,%s,%.3f,%.4f\n", r.name.c_str(), t.step_s * 1e3, t.tokens_per_s,
                   t.exposed_share(), t.limit.c_str(), gib, t.step_s > 0 ? t.contended_s / t.step_s : 0);
     else
-      std::printf("%-22s %12.0f %10.1f %6.1f%% %9.1f%% %11s %12.1f %6s\n", r.name.c_str(), t.tokens_per_s,
-                  t.step_s * 1e3, 100 * t.mfu, 100 * t.exposed_share(), t.limit.c_str(), gib,
-                  r.fits ? "yes" : "no");
+      std::printf("%-22s %12.0f %10.1f %6.1f%% %9.1f%%%s %11s %12.1f %6s\n", r.name.c_str(), t.tokens_per_s,
+                  t.step_s * 1e3, 100 * t.mfu, 100 * t.exposed_share(),
+                  contended ? fmt::format(" {:10.1f}%", 100 * t.contended_s / t.step_s).c_str() : "",
+                  t.limit.c_str(), gib, r.fits ? "yes" : "no");
   }
   const StrategyPlan* best = fastest_that_fits(rows);
   if (csv) return 0;

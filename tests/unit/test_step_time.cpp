@@ -592,6 +592,52 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
       << off.output;
   EXPECT_NE(off.output.find("offloaded (bf16 copies sent)"), std::string::npos) << off.output;
   EXPECT_NE(off.output.find("host step"), std::string::npos) << off.output;
+  // With collectives on the compute's cores: the lost share beside the exposed one, and the
+  // limit it sets (the library's figures for the CPU cell of docs/scaling.md's first row).
+  const auto cpu = flatshard::testing::run_command({plan_path(),
+                                                    "--cluster",
+                                                    "1x2",
+                                                    "--gpt",
+                                                    "8,512,8,8192,32",
+                                                    "--seq",
+                                                    "32",
+                                                    "--batch",
+                                                    "4",
+                                                    "--dtype",
+                                                    "fp32",
+                                                    "--reduce",
+                                                    "fp32",
+                                                    "--tflops",
+                                                    "0.0787",
+                                                    "--memory-gbs",
+                                                    "21",
+                                                    "--intra",
+                                                    "1.64",
+                                                    "--intra-us",
+                                                    "125",
+                                                    "--collective-share",
+                                                    "1",
+                                                    "--sharding-work-ms",
+                                                    "107"});
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
+  Cluster cores = h100_cluster(1, 2);
+  cores.flops = 0.0787e12;
+  cores.memory_bandwidth = 21e9;
+  cores.intra = {1.64e9, 125e-6};
+  cores.collective_compute_share = 1;
+  TimeOptions co;
+  co.sequences = 4;
+  co.sequence_length = 32;
+  co.param_bytes = co.reduce_bytes = 4;
+  co.sharding_work_s = 0.107;
+  const StepTime lost = predict_time(gpt(8, 512, 8, 8192, 32), cores, co);
+  ASSERT_EQ(lost.limit, "contention");
+  EXPECT_NE(cpu.output.find(fmt::format("{:9.1f}% {:10.1f}%  contention", 100 * lost.exposed_share(),
+                                        100 * lost.contended_s / lost.step_s)),
+            std::string::npos)
+      << cpu.output;
+  EXPECT_NE(cpu.output.find("  contended"), std::string::npos) << cpu.output;
+  EXPECT_EQ(r.output.find("contended"), std::string::npos) << "no column where collectives take no compute";
   const auto ddp = r.output.find("\nDDP");
   ASSERT_NE(ddp, std::string::npos);
   EXPECT_NE(r.output.substr(ddp, r.output.find('\n', ddp + 1) - ddp).find(" no"), std::string::npos)
