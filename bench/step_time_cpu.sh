@@ -108,10 +108,12 @@ done
 echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | predicted contended | link GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms |"
 echo "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
 for rate in $RATES; do
+  throttled=1  # the link, not the CPU, moves this row's bytes at its pace
+  case "$rate" in unthrottled | tcp) throttled=0 ;; esac
   if [ "$rate" != unthrottled ]; then
     export FLATSHARD_DIRECT_COPY=0
   fi
-  if [ "$rate" != unthrottled ] && [ "$rate" != tcp ]; then
+  if [ "$throttled" = 1 ]; then
     tc qdisc del dev lo root 2>/dev/null || true
     tc qdisc add dev lo root handle 1: htb default 10
     tc class add dev lo parent 1: classid 1:10 htb rate "$rate" ceil "$rate" 2>/dev/null
@@ -125,7 +127,7 @@ for rate in $RATES; do
     # collective's copies and reductions take it (share 1); at half as many each thread has a
     # core of its own (share 0). Throttled, only the part of its time that moves bytes.
     cpu="${cpu_bus[$n]:-0}"
-    case "$rate" in unthrottled | tcp) cpu=0 ;; esac  # unthrottled, its bytes move at the CPU's pace
+    [ "$throttled" = 1 ] || cpu=0  # unthrottled, its bytes move at the CPU's pace
     share="$(awk -v n="$n" -v c="$(nproc)" -v bus="$bus" -v cpu="$cpu" 'BEGIN {
       s = 2 * n / c - 1; if (s < 0) s = 0; if (s > 1) s = 1
       if (cpu > 0 && bus < cpu) s *= bus / cpu
@@ -175,7 +177,8 @@ PY
     # barriers drift apart, and the one ahead waits (bench/bench_desync.cpp). Every tenth of a
     # lone step (about a unit's compute) and every step; where compute sets the pace (over a
     # throttled link the waits are the link's). A failure leaves its row out, not the grid.
-    case "$rate" in unthrottled | tcp) fracs="10 1" ;; *) fracs="" ;; esac
+    fracs="10 1"
+    [ "$throttled" = 0 ] || fracs=""
     for frac in $fracs; do
       iv="$(awk -v t="$ms_n" -v f="$frac" 'BEGIN { printf "%.1f", t / f }')"
       if ! "$build/flatshard-run" -n "$n" --deadline-s 600 "$build/bench/bench_desync" --interval-ms "$iv" --seconds 4 \

@@ -200,11 +200,11 @@ int cluster_main(int argc, char** argv) {
         base.offload_bf16_copy ? "bf16 copies sent" : "fp32 masters sent",
         base.step_in_backward ? ", stepping in backward" : "", c.pcie.bus_bandwidth / 1e9,
         c.host_bandwidth / 1e9);
-  if (c.collective_compute_share > 0)
-    header += fmt::format("; a collective takes {:.0f}% of a device's compute while it moves bytes",
-                          100 * c.collective_compute_share);
   // Where collectives take compute, the share of the step it lost to them (contended).
   const bool contended = c.collective_compute_share > 0;
+  if (contended)
+    header += fmt::format("; a collective takes {:.0f}% of a device's compute while it moves bytes",
+                          100 * c.collective_compute_share);
   if (!csv) std::printf("%s\n", header.c_str());
   if (!csv)
     std::printf("%-22s %12s %10s %7s %10s%s %11s %12s %6s\n", "strategy", "tokens/s/dev", "step ms", "MFU",

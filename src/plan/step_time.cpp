@@ -352,14 +352,12 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // on a GPU; on a CPU about a tenth of the compute.
     const double grad_passes = zero1 && n > 1 ? 4.0 * o.param_bytes / c.memory_bandwidth : 0;  // s per param
     t.engine_s = static_cast<double>(m.params()) * grad_passes;
-    now = compute.run(
-        now, t.forward_s + 2 * head_fwd +
-                 (static_cast<double>(m.tied ? 0 : m.vocab * m.dim) + 2.0 * static_cast<double>(m.dim)) *
-                     grad_passes);  // forward, the head's backward and its gradients
-    const double bucket_elements = static_cast<double>(o.bucket_bytes) / o.reduce_bytes;
     // The head's gradients come first (with the final norm's), the embeddings' last.
     const double head_elements =
         static_cast<double>(m.tied ? 0 : m.vocab * m.dim) + 2.0 * static_cast<double>(m.dim);
+    // Forward, the head's backward and its gradients.
+    now = compute.run(now, t.forward_s + 2 * head_fwd + head_elements * grad_passes);
+    const double bucket_elements = static_cast<double>(o.bucket_bytes) / o.reduce_bytes;
     double pending = head_elements;
     double reduced = 0;
     std::vector<double> buckets;
