@@ -4,8 +4,10 @@
 # compute throughput, the optimizer step's memory bandwidth, the loopback rings' bus bandwidth
 # and latency at each world size), then measures each strategy's step with bench_modes and
 # prints predicted against measured, with the error and the exposed-communication share
-# (predicted, and the engine's communication_wait), and where compute sets the pace what the
-# ranks wait with no bytes to move (bench_desync: their drift between syncs). Markdown.
+# (predicted, and the engine's communication_wait split into the wait for the last rank to
+# reach each collective and the wait for the collective: Note [Waiting for peers]), and where
+# compute sets the pace what the ranks wait with no bytes to move (bench_desync: their drift
+# between syncs). Markdown.
 #
 #   bench/step_time_cpu.sh                     # WORLDS="2 4" MODES="full zero2 zero1 ddp"
 #   MODEL="--layers 8 --dim 512 --heads 8 --vocab 8192 --context 32" BATCH=1 bench/step_time_cpu.sh
@@ -36,9 +38,9 @@ read -r layers dim heads vocab context < <(echo "$MODEL" |
   sed -E 's/.*--layers ([0-9]+).*--dim ([0-9]+).*--heads ([0-9]+).*--vocab ([0-9]+).*--context ([0-9]+).*/\1 \2 \3 \4 \5/')
 gpt="$layers,$dim,$heads,$vocab,$context"
 
-modes_step() {  # world mode -> "step_ms comm_wait_share"
+modes_step() {  # world mode -> "step_ms comm_wait_share peer_wait_share op_wait_share"
   "$build/flatshard-run" -n "$1" --deadline-s 1200 "$build/bench/bench_modes" --mode "$2" $MODEL --batch "$BATCH" \
-      --steps "$STEPS" 2>/dev/null | sed -n 's/^\[rank 0\] //p' | awk -F, 'NF > 10 { print $4, $NF }' | tail -1
+      --steps "$STEPS" 2>/dev/null | sed -n 's/^\[rank 0\] //p' | awk -F, 'NF > 15 { print $4, $15, $16, $15 - $16 }' | tail -1
 }
 
 # The optimizer step's memory bandwidth: FlatShard's AdamW over 64 Mi elements on one thread.
@@ -105,8 +107,8 @@ for rate in $RATES; do
   fi
 done
 
-echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | predicted contended | link GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms |"
-echo "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
+echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for the op | predicted contended | link GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms |"
+echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
 for rate in $RATES; do
   throttled=1  # the link, not the CPU, moves this row's bytes at its pace
   case "$rate" in unthrottled | tcp) throttled=0 ;; esac
@@ -159,16 +161,19 @@ for rate in $RATES; do
         --collective-share "$share" --sharding-work-ms "$work" --csv 1 > "$out/plan.csv"
       ms="$(median 1 < "$out/measured.$mode")"
       wait="$(median 2 < "$out/measured.$mode")"
-      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$rate" "$n" "$mode" "$bus" "$lat" "$share" "$ms_n" "$work" <<'PY'
+      peer="$(median 3 < "$out/measured.$mode")"
+      op="$(median 4 < "$out/measured.$mode")"
+      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$rate" "$n" "$mode" "$bus" "$lat" "$share" "$ms_n" "$work" <<'PY'
 import sys
-plan, row, ms, wait, rate, n, mode, bus, lat, share, alone, work = sys.argv[1:]
+plan, row, ms, wait, peer, op, rate, n, mode, bus, lat, share, alone, work = sys.argv[1:]
 for line in open(plan):
     f = line.strip().split(",")
     if f[0] == "TIME" and f[1] == row:
         p, exposed, contended = float(f[2]), float(f[4]), float(f[-1])
         error = 100 * (p / float(ms) - 1)
         print(f"| {rate} | {n} | {mode} | {p:.0f} | {float(ms):.0f} | {error:+.1f}% | "
-              f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {100 * contended:.0f}% | "
+              f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {100 * float(peer):.0f}% | "
+              f"{100 * float(op):.0f}% | {100 * contended:.0f}% | "
               f"{float(bus):.2f}, {float(lat):.0f} | {float(share):.2f} | {alone} | {work} |")
         open(plan + ".errors", "a").write(f"{abs(error):.1f} {rate} {n} {mode}\n")
 PY

@@ -498,6 +498,12 @@ CommunicationWait Engine::communication_wait() {
   return total;
 }
 
+PeerWait Engine::communication_wait_for_peers() {
+  PeerWait total;
+  for (Communicator* c : communicators()) total += c->waited_for_peers();
+  return total;
+}
+
 std::uint64_t Engine::bytes_sent() const {
   std::uint64_t total = 0;
   for (Communicator* c : communicators()) total += c->bytes_sent();

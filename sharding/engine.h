@@ -80,6 +80,7 @@ class Engine {
   // Note [Communication wait], over every communicator of the engine.
   void time_communication_waits(bool on);
   CommunicationWait communication_wait();
+  PeerWait communication_wait_for_peers();
   void reset_communication_wait();
   const ShardGroup& shard_group() const { return shard_; }
   Strategy strategy() const { return options_.strategy; }

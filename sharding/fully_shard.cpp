@@ -101,6 +101,7 @@ void FullyShardBase::reset_peaks() { engine_->reset_peaks(); }
 
 void FullyShardBase::time_communication_waits(bool on) { engine_->time_communication_waits(on); }
 CommunicationWait FullyShardBase::communication_wait() { return engine_->communication_wait(); }
+PeerWait FullyShardBase::communication_wait_for_peers() { return engine_->communication_wait_for_peers(); }
 void FullyShardBase::reset_communication_wait() { engine_->reset_communication_wait(); }
 std::int64_t FullyShardBase::skipped_steps() const { return engine_->skipped_steps(); }
 int FullyShardBase::num_units() const { return engine_->num_units(); }

@@ -102,6 +102,23 @@ struct CommunicationWait {
   }
 };
 
+// Note [Waiting for peers]: the timed waits of CommunicationWait split at the moment the
+// last rank of the communicator issued the op waited for. Before it this rank waited for
+// a slower peer to reach the op (ranks drifting apart between syncs, a straggler); after
+// it, for the op itself: its bytes, and the ops queued ahead of it.
+struct PeerWait {
+  double ms = 0;       // every timed wait, as CommunicationWait::ms
+  double peer_ms = 0;  // of ms, before the last rank had issued the op
+  std::int64_t waits = 0;
+  double op_ms() const { return ms - peer_ms; }
+  PeerWait& operator+=(const PeerWait& o) {
+    ms += o.ms;
+    peer_ms += o.peer_ms;
+    waits += o.waits;
+    return *this;
+  }
+};
+
 // The handle of one issued collective.
 class Work {
  public:
@@ -183,6 +200,12 @@ class Communicator {
   // waits have passed on the device: read it after the steps being measured.
   CommunicationWait waited();
   void reset_waited();
+  // Note [Waiting for peers]: waited(), split into waiting for the last rank to issue each
+  // op and waiting for the op, over the ops issued since the last reset_waited() while
+  // waits were timed. A collective call: every rank of the communicator calls it at the
+  // same point. CPU communicators whose ranks share one host's clock only; otherwise, or
+  // where the ranks timed different ops, it throws InvalidArgument on every rank.
+  PeerWait waited_for_peers();
 
  private:
   Communicator(int rank, int world_size, CommunicatorOptions options, std::unique_ptr<comm::Backend> backend);

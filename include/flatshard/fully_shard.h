@@ -307,6 +307,10 @@ class FullyShardBase {
   void time_communication_waits(bool on);
   CommunicationWait communication_wait();
   void reset_communication_wait();
+  // Note [Waiting for peers] (docs/fully-shard.md#waiting-for-peers): communication_wait()
+  // split into the wait for the slowest rank to reach each collective and the wait for the
+  // collective itself. A collective call on every rank; CPU ranks on one host only.
+  PeerWait communication_wait_for_peers();
 
   // Steps whose gradients were dropped for NaN/Inf (NonFiniteGrads::Skip).
   std::int64_t skipped_steps() const;

@@ -4,10 +4,16 @@
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <string>
 
 #include <fmt/format.h>
 
@@ -124,19 +130,30 @@ BackendFactory device_backend(c10::DeviceType type) {
 //    are resolved when they have passed, or when the total is read.
 // Waits on other streams (CollectiveOptions::wait_for) order communication only and
 // are not counted; nor is a host synchronize(), which is not compute waiting.
-void WaitClock::wait(const Event& event) {
+void WaitClock::wait(const Event& event, std::uint64_t seq) {
   if (device_.is_cpu()) {
     double ms = 0;
+    std::int64_t start_ns = 0, end_ns = 0;
     if (!event.query()) {
       const auto start = std::chrono::steady_clock::now();
       event.wait();
-      ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      const auto end = std::chrono::steady_clock::now();
+      ms = std::chrono::duration<double, std::milli>(end - start).count();
+      start_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start.time_since_epoch()).count();
+      end_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end.time_since_epoch()).count();
     } else {
       event.wait();  // rethrows the op's error
     }
     std::lock_guard<std::mutex> lock(mutex_);
     total_.ms += ms;
     total_.waits += 1;
+    if (end_ns > start_ns) {
+      if (trace_.stalls.size() < kMaxTraced) {
+        trace_.stalls.push_back({seq, start_ns, end_ns});
+      } else {
+        trace_.broken = "more stalled waits than it keeps";
+      }
+    }
     return;
   }
   const c10::impl::VirtualGuardImpl guard(device_.type());
@@ -175,13 +192,38 @@ void WaitClock::reset() {
   std::lock_guard<std::mutex> lock(mutex_);
   unresolved_.clear();
   total_ = {};
+  trace_ = {};
+}
+
+void WaitClock::issued(std::uint64_t seq) {
+  if (!device_.is_cpu()) return;
+  const std::int64_t now =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (trace_.broken) return;
+  if (trace_.issued.empty()) {
+    trace_.first_seq = seq;
+  } else if (seq != trace_.first_seq + trace_.issued.size()) {
+    trace_.broken = "ops were issued untimed in between (time_waits was turned off and on)";
+    return;
+  } else if (trace_.issued.size() >= kMaxTraced) {
+    trace_.broken = "more ops than it keeps";
+    return;
+  }
+  trace_.issued.push_back(now);
+}
+
+WaitClock::Trace WaitClock::trace() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return trace_;
 }
 
 }  // namespace comm
 
 void Work::wait() const {
   if (clock_) {
-    clock_->wait(event_);
+    clock_->wait(event_, seq_);
   } else {
     event_.wait();
   }
@@ -304,6 +346,97 @@ CommunicationWait Communicator::waited() { return clock_->total(); }
 
 void Communicator::reset_waited() { clock_->reset(); }
 
+// Note [Waiting for peers]
+// A wait on a collective ends when the op has finished, and the op cannot finish before
+// every rank has issued it. While waits are timed on the CPU, the clock keeps when this
+// rank issued each op and when each stalled wait began and ended, on the host's steady
+// clock. waited_for_peers() gathers every rank's issue times; the part of a stall before
+// the last rank issued the op is time this rank spent waiting for a peer to get there,
+// which no link could have saved: on a machine whose ranks drift apart between syncs (or
+// take turns on fewer cores than ranks), much of communication_wait is that. The rest is
+// the op's own time and the time of the ops queued ahead of it on its stream.
+// A stall on an op issued before the window (before the reset) counts as the op's.
+// The issue times are compared on one clock, so the ranks must share a host: the split
+// checks that they run under one kernel (its boot id) and refuses otherwise.
+namespace {
+
+std::int64_t steady_clock_id() {
+  std::string id;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::getline(boot, id);
+  if (id.empty()) {
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    id = host;
+  }
+  return static_cast<std::int64_t>(std::hash<std::string>{}(id));
+}
+
+}  // namespace
+
+PeerWait Communicator::waited_for_peers() {
+  auto invalid = [&](const std::string& what) {
+    return InvalidArgument(fmt::format("flatshard: waited_for_peers on rank {}/{}: {}", rank_, world_size_, what));
+  };
+  if (!options_.device.is_cpu()) {
+    throw invalid(fmt::format("a communicator on {} times its waits on the device's clock, which the ranks do "
+                              "not share; the split is measured on the CPU (read waited())",
+                              options_.device.str()));
+  }
+  const CommunicationWait total = clock_->total();
+  const comm::WaitClock::Trace trace = clock_->trace();
+  PeerWait split{total.ms, 0, total.waits};
+  if (world_size_ == 1) return split;
+
+  struct Untimed {  // the split's own collectives are not timed
+    bool& on;
+    const bool was;
+    explicit Untimed(bool& flag) : on(flag), was(flag) { on = false; }
+    ~Untimed() { on = was; }
+  } untimed(time_waits_);
+
+  constexpr int kHeader = 4;  // first op, ops, clock, whether the trace stopped
+  const std::int64_t n = static_cast<std::int64_t>(trace.issued.size());
+  auto header = at::tensor({static_cast<std::int64_t>(trace.first_seq), n, steady_clock_id(),
+                            static_cast<std::int64_t>(trace.broken != nullptr)},
+                           at::kLong);
+  auto headers = at::empty({kHeader * world_size_}, at::kLong);
+  all_gather(headers, header).wait();
+  const auto h = headers.accessor<std::int64_t, 1>();
+  for (int q = 0; q < world_size_; ++q) {
+    if (h[q * kHeader + 3] != 0) {
+      throw invalid(fmt::format("rank {}'s record of its waits stopped ({}); call reset_waited() at the start "
+                                "of each window you split",
+                                q, q == rank_ ? trace.broken : "its error says why"));
+    }
+    if (h[q * kHeader + 2] != h[rank_ * kHeader + 2]) {
+      throw invalid(fmt::format("rank {} runs under another kernel than this rank: the split compares the "
+                                "ranks' issue times on one steady clock, so it is measured where they share "
+                                "a host (read waited() elsewhere)",
+                                q));
+    }
+    if (h[q * kHeader] != h[rank_ * kHeader] || h[q * kHeader + 1] != h[rank_ * kHeader + 1]) {
+      throw invalid(fmt::format("rank {} timed {} ops from #{} and this rank {} from #{}: call reset_waited() and "
+                                "time_waits() at the same point on every rank",
+                                q, h[q * kHeader + 1], h[q * kHeader], n, trace.first_seq));
+    }
+  }
+  if (n == 0) return split;
+
+  auto mine = at::tensor(trace.issued, at::kLong);
+  auto everyone = at::empty({n * world_size_}, at::kLong);
+  all_gather(everyone, mine).wait();
+  const auto last_issued = everyone.view({world_size_, n}).amax(0);
+  const auto last = last_issued.accessor<std::int64_t, 1>();
+  for (const comm::WaitClock::Stall& stall : trace.stalls) {
+    if (stall.seq < trace.first_seq || stall.seq >= trace.first_seq + static_cast<std::uint64_t>(n)) continue;
+    const std::int64_t reached = last[static_cast<std::int64_t>(stall.seq - trace.first_seq)];
+    const std::int64_t peer = std::clamp(reached - stall.start_ns, std::int64_t{0}, stall.end_ns - stall.start_ns);
+    split.peer_ms += static_cast<double>(peer) / 1e6;
+  }
+  return split;
+}
+
 Stream& Communicator::stream(StreamRole role) { return *streams_[static_cast<int>(role)]; }
 
 Work Communicator::all_gather(const at::Tensor& output, const at::Tensor& input,
@@ -422,6 +555,7 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
   // --- numbering and submission -----------------------------------------------
   next_seq_ += 1;
   c.seq = seq;
+  if (time_waits_) clock_->issued(seq);  // Note [Waiting for peers]
   const StreamRole role = options.stream.value_or(default_role);
   Stream& stream = *streams_[static_cast<int>(role)];
   for (const Event& e : options.wait_for) stream.wait_event(e);

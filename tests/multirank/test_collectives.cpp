@@ -408,4 +408,72 @@ TEST(Collectives, WaitTimeIsTheStallOfTheRankThatWaited) {
   EXPECT_EQ(r.comm->waited().waits, 1);
 }
 
+// Note [Waiting for peers]: a rank that reaches an op before the last rank has issued it
+// waits for that peer; ranks that issue a large op together wait for the op itself. The
+// split is a collective call that refuses, on every rank, windows the ranks timed
+// differently or a record with a gap in it.
+TEST(Collectives, WaitingForALateRankIsToldFromWaitingForTheOp) {
+  FLATSHARD_RUN_RANKS({2, 3});
+  Rank r = join();
+  const auto late_ms = std::chrono::milliseconds(300);
+  const bool late = r.rank() == r.size() - 1;
+  auto small = at::ones({1024});
+
+  r.comm->time_waits(true);
+  for (int step = 0; step < 2; ++step) {
+    if (late) std::this_thread::sleep_for(late_ms);
+    r.comm->all_reduce(small, ReduceOp::Sum).wait();
+  }
+  flatshard::PeerWait w = r.comm->waited_for_peers();
+  const flatshard::CommunicationWait total = r.comm->waited();
+  EXPECT_EQ(w.ms, total.ms);
+  EXPECT_EQ(w.waits, 2);
+  EXPECT_LE(w.peer_ms, w.ms);
+  if (late) {
+    EXPECT_LT(w.ms, 150.0) << "the late rank found the others waiting";
+  } else {
+    EXPECT_GE(w.peer_ms, 0.8 * 2 * late_ms.count()) << "rank " << r.rank() << " waited for the late rank";
+    EXPECT_LT(w.op_ms(), 150.0) << "a 4 KiB all-reduce takes well under a millisecond once every rank is in";
+  }
+
+  // Every rank issues a 128 MiB all-reduce at once: the waits are the op's.
+  r.comm->time_waits(false);
+  r.comm->reset_waited();
+  auto large = at::ones({32 << 20});
+  r.comm->barrier().wait();
+  r.comm->time_waits(true);
+  r.comm->all_reduce(large, ReduceOp::Sum).wait();
+  w = r.comm->waited_for_peers();
+  EXPECT_EQ(large[0].item<float>(), static_cast<float>(r.size()));
+  EXPECT_GT(w.op_ms(), 5.0) << "the ranks moved 128 MiB each";
+  EXPECT_GT(w.op_ms(), 2 * w.peer_ms) << "rank " << r.rank() << " split " << w.peer_ms << " ms of " << w.ms
+                                      << " ms to peers that issued the op together";
+
+  // Windows the ranks timed differently, or a record with a gap: InvalidArgument everywhere,
+  // and the communicator goes on.
+  auto refused = [&](const char* says) {
+    try {
+      r.comm->waited_for_peers();
+      ADD_FAILURE() << "rank " << r.rank() << ": the split was not refused (" << says << ")";
+    } catch (const flatshard::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(r.rank())), std::string::npos) << e.what();
+    }
+  };
+  r.comm->time_waits(false);
+  r.comm->reset_waited();
+  r.comm->time_waits(r.rank() == 0);
+  r.comm->all_reduce(small, ReduceOp::Sum).wait();
+  refused("time_waits() at the same point on every rank");
+  r.comm->time_waits(true);
+  r.comm->reset_waited();
+  r.comm->all_reduce(small, ReduceOp::Sum).wait();
+  r.comm->time_waits(false);
+  r.comm->all_reduce(small, ReduceOp::Sum).wait();
+  r.comm->time_waits(true);
+  r.comm->all_reduce(small, ReduceOp::Sum).wait();
+  refused("stopped");
+  r.comm->barrier().wait();
+}
+
 }  // namespace

@@ -702,6 +702,15 @@ TEST(FullyShard, CommunicationWaitChargesALateRanksDelayToTheOthers) {
     } else {
       EXPECT_GE(w.ms, 0.8 * kSteps * kLateMs) << "rank " << world.rank() << " waited for rank 1";
     }
+    // Note [Waiting for peers]: that wait was for a peer, not for the bytes.
+    const flatshard::PeerWait split = fsdp.communication_wait_for_peers();
+    EXPECT_EQ(split.ms, w.ms);
+    EXPECT_EQ(split.waits, w.waits);
+    if (late) {
+      EXPECT_LT(split.peer_ms, 0.5 * kSteps * kLateMs);
+    } else {
+      EXPECT_GE(split.peer_ms, 0.8 * kSteps * kLateMs) << "rank " << world.rank() << " waited for rank 1";
+    }
     fsdp.reset_communication_wait();
     EXPECT_EQ(fsdp.communication_wait().waits, 0);
     fsdp.time_communication_waits(false);
