@@ -121,7 +121,24 @@ for rate in $RATES; do
     tc class add dev lo parent 1: classid 1:10 htb rate "$rate" ceil "$rate" 2>/dev/null
   fi
   for n in $WORLDS; do
-    read -r bus lat < <(link "$n")
+    # The links, the lone ranks and every mode, REPEAT times in turn: the medians, so that the
+    # machine's drift over minutes (and one slow measurement of a throttled link) falls on
+    # calibration and measurement alike.
+    rm -f "$out"/measured.*
+    for r in $(seq "$REPEAT"); do
+      link "$n" >> "$out/measured.link"
+      alone_ms "$n" ddp >> "$out/measured.alone.ddp"
+      echo >> "$out/measured.alone.ddp"
+      for mode in $MODES; do
+        case "$mode" in full | zero2)
+          alone_ms "$n" "$mode" >> "$out/measured.alone.$mode"
+          echo >> "$out/measured.alone.$mode" ;;
+        esac
+        modes_step "$n" "$mode" >> "$out/measured.$mode"
+      done
+    done
+    bus="$(median 1 < "$out/measured.link")"
+    lat="$(median 2 < "$out/measured.link")"
     # Ranks beyond the cores share them: each rank's memory bandwidth is its share of a core's.
     rank_gbs="$(awk -v g="$mem_gbs" -v n="$n" -v c="$(nproc)" 'BEGIN { printf "%.4f", g * (n > c ? c / n : 1) }')"
     # Note [Collectives on the compute's cores]: each rank runs a compute thread and a
@@ -134,20 +151,6 @@ for rate in $RATES; do
       s = 2 * n / c - 1; if (s < 0) s = 0; if (s > 1) s = 1
       if (cpu > 0 && bus < cpu) s *= bus / cpu
       printf "%.4f", s }')"
-    # The lone ranks and every mode, REPEAT times in turn: the medians, so that the machine's
-    # drift over minutes falls on calibration and measurement alike.
-    rm -f "$out"/measured.*
-    for r in $(seq "$REPEAT"); do
-      alone_ms "$n" ddp >> "$out/measured.alone.ddp"
-      echo >> "$out/measured.alone.ddp"
-      for mode in $MODES; do
-        case "$mode" in full | zero2)
-          alone_ms "$n" "$mode" >> "$out/measured.alone.$mode"
-          echo >> "$out/measured.alone.$mode" ;;
-        esac
-        modes_step "$n" "$mode" >> "$out/measured.$mode"
-      done
-    done
     ms_n="$(median 1 < "$out/measured.alone.ddp")"
     rank_tflops="$(calibrate "$ms_n" "$rank_gbs")"
     for mode in $MODES; do

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <map>
 #include <numeric>
 #include <set>
@@ -499,8 +500,19 @@ CommunicationWait Engine::communication_wait() {
 }
 
 PeerWait Engine::communication_wait_for_peers() {
+  // Each communicator's split is a collective over its own ranks and refuses on all of them
+  // alike: every communicator is asked before an error is rethrown, so that no group is
+  // left waiting in a split that another group's refusal skipped (HybridShard).
   PeerWait total;
-  for (Communicator* c : communicators()) total += c->waited_for_peers();
+  std::exception_ptr refused;
+  for (Communicator* c : communicators()) {
+    try {
+      total += c->waited_for_peers();
+    } catch (const InvalidArgument&) {
+      if (!refused) refused = std::current_exception();
+    }
+  }
+  if (refused) std::rethrow_exception(refused);
   return total;
 }
 

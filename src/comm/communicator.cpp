@@ -197,26 +197,28 @@ void WaitClock::reset() {
 
 void WaitClock::issued(std::uint64_t seq) {
   if (!device_.is_cpu()) return;
-  const std::int64_t now =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-          .count();
+  const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now().time_since_epoch())
+                               .count();
   std::lock_guard<std::mutex> lock(mutex_);
   if (trace_.broken) return;
-  if (trace_.issued.empty()) {
+  if (trace_.issued_ns.empty()) {
     trace_.first_seq = seq;
-  } else if (seq != trace_.first_seq + trace_.issued.size()) {
+  } else if (seq != trace_.first_seq + trace_.issued_ns.size()) {
     trace_.broken = "ops were issued untimed in between (time_waits was turned off and on)";
     return;
-  } else if (trace_.issued.size() >= kMaxTraced) {
+  } else if (trace_.issued_ns.size() >= kMaxTraced) {
     trace_.broken = "more ops than it keeps";
     return;
   }
-  trace_.issued.push_back(now);
+  trace_.issued_ns.push_back(now);
 }
 
 WaitClock::Trace WaitClock::trace() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return trace_;
+  Trace t = trace_;
+  t.total = total_;
+  return t;
 }
 
 }  // namespace comm
@@ -369,69 +371,85 @@ std::int64_t steady_clock_id() {
     ::gethostname(host, sizeof host - 1);
     id = host;
   }
-  return static_cast<std::int64_t>(std::hash<std::string>{}(id));
+  std::uint64_t hash = 14695981039346656037ull;  // FNV-1a: the same in every binary
+  for (unsigned char c : id) hash = (hash ^ c) * 1099511628211ull;
+  return static_cast<std::int64_t>(hash);
 }
 
 }  // namespace
 
 PeerWait Communicator::waited_for_peers() {
   auto invalid = [&](const std::string& what) {
-    return InvalidArgument(fmt::format("flatshard: waited_for_peers on rank {}/{}: {}", rank_, world_size_, what));
+    return InvalidArgument(
+        fmt::format("flatshard: waited_for_peers on rank {}/{}: {}", rank_, world_size_, what));
   };
   if (!options_.device.is_cpu()) {
-    throw invalid(fmt::format("a communicator on {} times its waits on the device's clock, which the ranks do "
-                              "not share; the split is measured on the CPU (read waited())",
-                              options_.device.str()));
+    throw invalid(
+        fmt::format("a communicator on {} times its waits on the device's clock, which the ranks do "
+                    "not share; the split is measured on the CPU (read waited())",
+                    options_.device.str()));
   }
-  const CommunicationWait total = clock_->total();
   const comm::WaitClock::Trace trace = clock_->trace();
-  PeerWait split{total.ms, 0, total.waits};
+  PeerWait split{trace.total.ms, 0, trace.total.waits};
   if (world_size_ == 1) return split;
 
-  struct Untimed {  // the split's own collectives are not timed
+  // The split's own all-gathers: their waits are not timed, but while timing is on they
+  // join the record of issued ops (every rank's at the same place), so that the window
+  // stays whole and the split can be read again.
+  struct Untimed {
     bool& on;
     const bool was;
     explicit Untimed(bool& flag) : on(flag), was(flag) { on = false; }
     ~Untimed() { on = was; }
   } untimed(time_waits_);
+  auto gather = [&](const at::Tensor& output, const at::Tensor& input) {
+    Work work = all_gather(output, input);
+    if (untimed.was) clock_->issued(work.seq());
+    work.wait();
+  };
 
-  constexpr int kHeader = 4;  // first op, ops, clock, whether the trace stopped
-  const std::int64_t n = static_cast<std::int64_t>(trace.issued.size());
+  // Each rank's header: the first op of its window, how many, its clock, whether it stopped.
+  enum : int { kFirst, kOps, kClock, kStopped, kHeader };
+  const std::int64_t n = static_cast<std::int64_t>(trace.issued_ns.size());
   auto header = at::tensor({static_cast<std::int64_t>(trace.first_seq), n, steady_clock_id(),
                             static_cast<std::int64_t>(trace.broken != nullptr)},
                            at::kLong);
   auto headers = at::empty({kHeader * world_size_}, at::kLong);
-  all_gather(headers, header).wait();
-  const auto h = headers.accessor<std::int64_t, 1>();
+  gather(headers, header);
+  const auto h = headers.view({world_size_, kHeader});
+  const auto of = h.accessor<std::int64_t, 2>();
   for (int q = 0; q < world_size_; ++q) {
-    if (h[q * kHeader + 3] != 0) {
-      throw invalid(fmt::format("rank {}'s record of its waits stopped ({}); call reset_waited() at the start "
-                                "of each window you split",
-                                q, q == rank_ ? trace.broken : "its error says why"));
+    if (of[q][kStopped] != 0) {
+      throw invalid(
+          fmt::format("rank {}'s record of its waits stopped ({}); call reset_waited() at the start "
+                      "of each window you split",
+                      q, q == rank_ ? trace.broken : "its error says why"));
     }
-    if (h[q * kHeader + 2] != h[rank_ * kHeader + 2]) {
-      throw invalid(fmt::format("rank {} runs under another kernel than this rank: the split compares the "
-                                "ranks' issue times on one steady clock, so it is measured where they share "
-                                "a host (read waited() elsewhere)",
-                                q));
+    if (of[q][kClock] != of[rank_][kClock]) {
+      throw invalid(
+          fmt::format("rank {} runs under another kernel than this rank: the split compares the "
+                      "ranks' issue times on one steady clock, so it is measured where they share "
+                      "a host (read waited() elsewhere)",
+                      q));
     }
-    if (h[q * kHeader] != h[rank_ * kHeader] || h[q * kHeader + 1] != h[rank_ * kHeader + 1]) {
-      throw invalid(fmt::format("rank {} timed {} ops from #{} and this rank {} from #{}: call reset_waited() and "
-                                "time_waits() at the same point on every rank",
-                                q, h[q * kHeader + 1], h[q * kHeader], n, trace.first_seq));
+    if (of[q][kFirst] != of[rank_][kFirst] || of[q][kOps] != of[rank_][kOps]) {
+      throw invalid(
+          fmt::format("rank {} timed {} ops from #{} and this rank {} from #{}: call reset_waited() and "
+                      "time_waits() at the same point on every rank",
+                      q, of[q][kOps], of[q][kFirst], n, trace.first_seq));
     }
   }
   if (n == 0) return split;
 
-  auto mine = at::tensor(trace.issued, at::kLong);
   auto everyone = at::empty({n * world_size_}, at::kLong);
-  all_gather(everyone, mine).wait();
+  gather(everyone, at::tensor(trace.issued_ns, at::kLong));
   const auto last_issued = everyone.view({world_size_, n}).amax(0);
   const auto last = last_issued.accessor<std::int64_t, 1>();
   for (const comm::WaitClock::Stall& stall : trace.stalls) {
     if (stall.seq < trace.first_seq || stall.seq >= trace.first_seq + static_cast<std::uint64_t>(n)) continue;
     const std::int64_t reached = last[static_cast<std::int64_t>(stall.seq - trace.first_seq)];
-    const std::int64_t peer = std::clamp(reached - stall.start_ns, std::int64_t{0}, stall.end_ns - stall.start_ns);
+    const std::int64_t peer =
+        std::clamp(reached - stall.start_ns, std::int64_t{0}, stall.end_ns - stall.start_ns);
     split.peer_ms += static_cast<double>(peer) / 1e6;
   }
   return split;

@@ -706,6 +706,8 @@ TEST(FullyShard, CommunicationWaitChargesALateRanksDelayToTheOthers) {
     const flatshard::PeerWait split = fsdp.communication_wait_for_peers();
     EXPECT_EQ(split.ms, w.ms);
     EXPECT_EQ(split.waits, w.waits);
+    EXPECT_GE(split.peer_ms, 0.0);
+    EXPECT_EQ(fsdp.communication_wait_for_peers().peer_ms, split.peer_ms) << "read twice, nothing between";
     if (late) {
       EXPECT_LT(split.peer_ms, 0.5 * kSteps * kLateMs);
     } else {
