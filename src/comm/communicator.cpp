@@ -213,11 +213,9 @@ void WaitClock::issued(std::uint64_t seq) {
   trace_.issued_ns.push_back(now);
 }
 
-WaitClock::Trace WaitClock::trace() {
+WaitClock::Snapshot WaitClock::snapshot() {
   std::lock_guard<std::mutex> lock(mutex_);
-  Trace t = trace_;
-  t.total = total_;
-  return t;
+  return {total_, trace_};
 }
 
 }  // namespace comm
@@ -388,8 +386,8 @@ PeerWait Communicator::waited_for_peers() {
                     "not share; the split is measured on the CPU (read waited())",
                     options_.device.str()));
   }
-  const comm::WaitClock::Trace trace = clock_->trace();
-  PeerWait split{trace.total.ms, 0, trace.total.waits};
+  const auto [total, trace] = clock_->snapshot();
+  PeerWait split{total.ms, 0, total.waits};
   if (world_size_ == 1) return split;
 
   // The split's own all-gathers: their waits are not timed, but while timing is on they

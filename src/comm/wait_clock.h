@@ -32,7 +32,6 @@ class WaitClock {
     std::int64_t end_ns;
   };
   struct Trace {
-    CommunicationWait total;              // total() at the same moment
     std::uint64_t first_seq = 0;          // the first op issued since the reset (0: none)
     std::vector<std::int64_t> issued_ns;  // issued_ns[i]: op first_seq + i
     std::vector<Stall> stalls;
@@ -41,8 +40,12 @@ class WaitClock {
   static constexpr std::size_t kMaxTraced = std::size_t{1} << 18;
   // Op `seq` is being issued (in sequence order, from the issuing thread).
   void issued(std::uint64_t seq);
-  // The trace with its total, read together (CPU only: no device waits to resolve).
-  Trace trace();
+  // The trace and total(), read together (CPU only: no device waits to resolve).
+  struct Snapshot {
+    CommunicationWait total;
+    Trace trace;
+  };
+  Snapshot snapshot();
 
  private:
   // A wait on a device stream: timing events recorded on it just before and after.
