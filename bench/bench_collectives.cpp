@@ -4,12 +4,22 @@
 //   Communicator/<op>/<bytes>  the public API: validation, numbering, stream hand-off
 //   Transport/<op>/<bytes>     the TCP ring transport called directly on this thread
 // Bytes/s is the buffer size (the full flat buffer) over the time per op.
+//
+//   flatshard-run -n N bench_collectives [--beside-compute] [benchmark flags]
+//
+// --beside-compute keeps a compute thread busy on every rank (single-threaded matmuls, as
+// a training rank's compute thread) for the whole run: the collectives as they run beside
+// the compute in a step (bench/step_time_cpu.sh measures the link both ways, Note
+// [Collectives beside compute] in src/plan/step_time.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstring>
 #include <string>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -96,10 +106,27 @@ class SilentReporter : public benchmark::BenchmarkReporter {
   void ReportRuns(const std::vector<Run>&) override {}
 };
 
+// Single-threaded matmuls until `stop`: a rank's compute thread.
+void keep_busy(const std::atomic<bool>& stop) {
+  at::set_num_threads(1);
+  const auto a = at::randn({256, 256});
+  auto b = at::randn({256, 256});
+  while (!stop.load(std::memory_order_relaxed)) b = at::tanh(at::mm(a, b));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   at::set_num_threads(1);
+  bool beside_compute = false;
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--beside-compute") == 0)
+      beside_compute = true;
+    else
+      argv[kept++] = argv[i];
+  }
+  argc = kept;
   flatshard::World world = flatshard::init();
   auto comm = flatshard::Communicator::create(world);
   // The transport benchmarks get connections of their own, separate from comm's.
@@ -111,12 +138,17 @@ int main(int argc, char** argv) {
   g_transport = transport.get();
   register_all();
   benchmark::Initialize(&argc, argv);
+  std::atomic<bool> stop{false};
+  std::thread busy;
+  if (beside_compute) busy = std::thread(keep_busy, std::cref(stop));
   if (world.rank() == 0) {
     benchmark::RunSpecifiedBenchmarks();
   } else {
     SilentReporter silent;
     benchmark::RunSpecifiedBenchmarks(&silent);
   }
+  stop = true;
+  if (busy.joinable()) busy.join();
   comm->barrier().wait();
   benchmark::Shutdown();
   return 0;

@@ -2,7 +2,8 @@
 # The step-time model (flatshard-plan --cluster) against the engine on this CPU machine, in one
 # run: calibrates the model's inputs here (one rank's step with no communication for the
 # compute throughput, the optimizer step's memory bandwidth, the loopback rings' bus bandwidth
-# and latency at each world size), then measures each strategy's step with bench_modes and
+# and latency at each world size, with the cores free and beside every rank's busy compute
+# thread), then measures each strategy's step with bench_modes and
 # prints predicted against measured, with the error and the exposed-communication share
 # (predicted, and the engine's communication_wait split into the wait for the last rank to
 # reach each collective and the wait for the collective: Note [Waiting for peers]), and where
@@ -77,8 +78,8 @@ echo "Calibration on $(nproc) cores: one rank's step ${one_ms} ms with no commun
 echo "the optimizer step's memory bandwidth ${mem_gbs} GB/s. Model: $MODEL, $BATCH sequences per rank, fp32."
 echo
 
-link() {  # world -> "bus_GBps latency_us": all-gather and reduce-scatter at 64 KiB and 64 MiB
-  "$build/flatshard-run" -n "$1" "$build/bench/bench_collectives" --benchmark_format=csv \
+link() {  # world [--beside-compute] -> "bus_GBps latency_us": all-gather and reduce-scatter at 64 KiB and 64 MiB
+  "$build/flatshard-run" -n "$1" "$build/bench/bench_collectives" ${2:-} --benchmark_format=csv \
       --benchmark_filter='Communicator/(all_gather|reduce_scatter)/(65536|67108864)/' 2>/dev/null |
     sed -n 's/^\[rank 0\] //p' | python3 -c '
 import csv, sys
@@ -107,8 +108,8 @@ for rate in $RATES; do
   fi
 done
 
-echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for the op | predicted contended | link GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms |"
-echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"
+echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for the op | predicted contended | link GB/s, µs | beside compute GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms |"
+echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"
 for rate in $RATES; do
   throttled=1  # the link, not the CPU, moves this row's bytes at its pace
   case "$rate" in unthrottled | tcp) throttled=0 ;; esac
@@ -127,6 +128,10 @@ for rate in $RATES; do
     rm -f "$out"/measured.*
     for r in $(seq "$REPEAT"); do
       link "$n" >> "$out/measured.link"
+      # Note [Collectives beside compute]: the same link with every rank's compute thread
+      # busy, where the CPU sets the pace (a throttled link's collectives wait out its rate
+      # with the cores idle).
+      [ "$throttled" = 1 ] || link "$n" --beside-compute >> "$out/measured.beside"
       alone_ms "$n" ddp >> "$out/measured.alone.ddp"
       echo >> "$out/measured.alone.ddp"
       for mode in $MODES; do
@@ -139,6 +144,10 @@ for rate in $RATES; do
     done
     bus="$(median 1 < "$out/measured.link")"
     lat="$(median 2 < "$out/measured.link")"
+    beside=()
+    if [ -s "$out/measured.beside" ]; then
+      beside=(--intra-beside "$(median 1 < "$out/measured.beside")" --intra-beside-us "$(median 2 < "$out/measured.beside")")
+    fi
     # Ranks beyond the cores share them: each rank's memory bandwidth is its share of a core's.
     rank_gbs="$(awk -v g="$mem_gbs" -v n="$n" -v c="$(nproc)" 'BEGIN { printf "%.4f", g * (n > c ? c / n : 1) }')"
     # Note [Collectives on the compute's cores]: each rank runs a compute thread and a
@@ -161,14 +170,15 @@ for rate in $RATES; do
       fi
       "$build/flatshard-plan" --cluster "1x$n" --gpt "$gpt" --seq "$context" --batch "$BATCH" --dtype fp32 --reduce fp32 \
         --tflops "$rank_tflops" --memory-gbs "$rank_gbs" --intra "$bus" --intra-us "$lat" \
-        --collective-share "$share" --sharding-work-ms "$work" --csv 1 > "$out/plan.csv"
+        --collective-share "$share" --sharding-work-ms "$work" "${beside[@]}" --csv 1 > "$out/plan.csv"
       ms="$(median 1 < "$out/measured.$mode")"
       wait="$(median 2 < "$out/measured.$mode")"
       peer="$(median 3 < "$out/measured.$mode")"
       op="$(median 4 < "$out/measured.$mode")"
-      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$rate" "$n" "$mode" "$bus" "$lat" "$share" "$ms_n" "$work" <<'PY'
+      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$rate" "$n" "$mode" "$bus" "$lat" "$share" "$ms_n" "$work" "${beside[1]:-}" "${beside[3]:-}" <<'PY'
 import sys
-plan, row, ms, wait, peer, op, rate, n, mode, bus, lat, share, alone, work = sys.argv[1:]
+plan, row, ms, wait, peer, op, rate, n, mode, bus, lat, share, alone, work, bbus, blat = sys.argv[1:]
+beside = f"{float(bbus):.2f}, {float(blat):.0f}" if bbus else "-"
 for line in open(plan):
     f = line.strip().split(",")
     if f[0] == "TIME" and f[1] == row:
@@ -177,7 +187,7 @@ for line in open(plan):
         print(f"| {rate} | {n} | {mode} | {p:.0f} | {float(ms):.0f} | {error:+.1f}% | "
               f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {100 * float(peer):.0f}% | "
               f"{100 * float(op):.0f}% | {100 * contended:.0f}% | "
-              f"{float(bus):.2f}, {float(lat):.0f} | {float(share):.2f} | {alone} | {work} |")
+              f"{float(bus):.2f}, {float(lat):.0f} | {beside} | {float(share):.2f} | {alone} | {work} |")
         open(plan + ".errors", "a").write(f"{abs(error):.1f} {rate} {n} {mode}\n")
 PY
     done

@@ -93,6 +93,13 @@ struct Cluster {
   // whose cores the ranks' compute already fills, where the communicator's copies and
   // reductions run on those cores instead.
   double collective_compute_share = 0;
+  // The intra-node link as it runs beside compute (Note [Collectives beside compute] in
+  // src/plan/step_time.cpp): on a CPU host whose cores the ranks' compute fills, a collective
+  // issued while its rank computes waits for a core at every ring step and shares the cores
+  // it moves bytes on. Measured with every rank's compute thread busy; a bus bandwidth of 0
+  // (the default, and a GPU's case, where NCCL's kernels hold their SMs) leaves `intra` for
+  // every collective.
+  Link intra_beside_compute;
   int world() const { return nodes * per_node; }
 };
 

@@ -28,6 +28,8 @@ int usage(const char* why) {
       "                      [--reduce fp32|bf16] [--prefetch P] [--device-gib G]\n"
       "                      [--tflops T (sustained per device)] [--intra GB/s] [--intra-us U]\n"
       "                      [--inter Gb/s] [--inter-us U] [--memory-gbs GB/s]\n"
+      "                      [--intra-beside GB/s --intra-beside-us U (the intra-node link as it runs\n"
+      "                      beside compute: a CPU host's collectives wait for cores the ranks fill)]\n"
       "                      [--offload 0|1] [--bf16-copy 0|1] [--step-in-backward 0|1]\n"
       "                      [--pcie GB/s (each way)] [--host-gbs GB/s (the host's optimizer step)]\n"
       "                      [--collective-share S (0 to 1: the share of a device's compute a\n"
@@ -56,7 +58,7 @@ int cluster_main(int argc, char** argv) {
   base.sequence_length = 1024;
   double device_gib = 80;
   double tflops = 0, intra = 0, intra_us = -1, inter = 0, inter_us = -1, memory_gbs = 0, calibrate_ms = 0;
-  double pcie = 0, host_gbs = 0, collective_share = -1;
+  double pcie = 0, host_gbs = 0, collective_share = -1, beside = 0, beside_us = -1;
   bool csv = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -114,14 +116,15 @@ int cluster_main(int argc, char** argv) {
       if (int r = need(positive, "a number of GiB")) return r;
       device_gib = x;
     } else if (a == "--tflops" || a == "--intra" || a == "--inter" || a == "--memory-gbs" || a == "--pcie" ||
-               a == "--host-gbs") {
+               a == "--host-gbs" || a == "--intra-beside") {
       if (int r = need(positive, "a positive number")) return r;
       (a == "--tflops"       ? tflops
        : a == "--intra"      ? intra
        : a == "--inter"      ? inter
        : a == "--memory-gbs" ? memory_gbs
        : a == "--pcie"       ? pcie
-                             : host_gbs) = x;
+       : a == "--host-gbs"   ? host_gbs
+                             : beside) = x;
     } else if (a == "--offload" || a == "--bf16-copy" || a == "--step-in-backward") {
       if (v != "0" && v != "1") return usage(fmt::format("{} takes 0 or 1", a).c_str());
       (a == "--offload"     ? base.offload
@@ -141,11 +144,11 @@ int cluster_main(int argc, char** argv) {
     } else if (a == "--collective-share") {
       if (!parse_double(v, collective_share) || collective_share < 0 || collective_share > 1)
         return usage(fmt::format("--collective-share takes a share from 0 to 1, got '{}'", v).c_str());
-    } else if (a == "--intra-us" || a == "--inter-us") {
+    } else if (a == "--intra-us" || a == "--inter-us" || a == "--intra-beside-us") {
       double us = 0;
       if (!parse_double(v, us) || us < 0)
         return usage(fmt::format("{} takes microseconds (0 or more), got '{}'", a, v).c_str());
-      (a == "--intra-us" ? intra_us : inter_us) = us;
+      (a == "--intra-us" ? intra_us : a == "--inter-us" ? inter_us : beside_us) = us;
     } else {
       return usage(("unknown option " + a).c_str());
     }
@@ -161,6 +164,8 @@ int cluster_main(int argc, char** argv) {
   if (pcie > 0) c.pcie.bus_bandwidth = pcie * 1e9;
   if (host_gbs > 0) c.host_bandwidth = host_gbs * 1e9;
   if (collective_share >= 0) c.collective_compute_share = collective_share;
+  if ((beside > 0) != (beside_us >= 0)) return usage("--intra-beside and --intra-beside-us go together");
+  if (beside > 0) c.intra_beside_compute = Link{beside * 1e9, beside_us * 1e-6};
   if (calibrate_ms > 0) {
     // The step on one device is compute / flops + the optimizer step: solve for flops.
     Cluster one = c;
@@ -205,6 +210,9 @@ int cluster_main(int argc, char** argv) {
   if (contended)
     header += fmt::format("; a collective takes {:.0f}% of a device's compute while it moves bytes",
                           100 * c.collective_compute_share);
+  if (c.intra_beside_compute.bus_bandwidth > 0)
+    header += fmt::format("; beside compute the intra-node link gives {:.2f} GB/s, {:.0f} us a step",
+                          c.intra_beside_compute.bus_bandwidth / 1e9, c.intra_beside_compute.latency * 1e6);
   if (!csv) std::printf("%s\n", header.c_str());
   if (!csv)
     std::printf("%-22s %12s %10s %7s %10s%s %11s %12s %6s\n", "strategy", "tokens/s/dev", "step ms", "MFU",

@@ -10,9 +10,13 @@
 namespace flatshard::plan::sim {
 
 // What one collective (or copy) takes on its link: the whole, and of it the ring steps'
-// latency.
+// latency; `cpu`, where given, the part of the rest that is the CPU's work of moving its
+// bytes (a collective beside compute takes longer than that work: Note [Collectives beside
+// compute] in step_time.cpp).
 struct Cost {
   double seconds = 0, latency = 0;
+  double cpu = -1;  // below 0: all of seconds - latency
+  double moving() const { return cpu >= 0 ? std::min(cpu, seconds - latency) : seconds - latency; }
 };
 
 // A link as a queue: collectives run one after another in the order issued.
@@ -22,7 +26,8 @@ struct Lane {
   double busy = 0, latency = 0;
   struct Span {
     double start, end;
-    double moving_share;  // of its time, moving bytes (the rest is the ring steps' latency)
+    double moving_share;  // of its time, the CPU moving bytes (the rest is waiting: the ring steps' latency,
+                          // cores)
   };
   std::vector<Span> spans{};  // when it ran, in order
   double run(double issued, const Cost& c) {
@@ -30,7 +35,7 @@ struct Lane {
     free_at = start + c.seconds;
     busy += c.seconds;
     latency += c.latency;
-    if (c.seconds > 0) spans.push_back({start, free_at, 1 - c.latency / c.seconds});
+    if (c.seconds > 0) spans.push_back({start, free_at, c.moving() / c.seconds});
     return free_at;
   }
 };

@@ -162,12 +162,19 @@ using sim::Lane;
 enum class Collective { AllGather, ReduceScatter, AllReduce };
 
 // A ring collective of `bytes` (the whole, gathered or unreduced size) over `ranks`.
-Cost cost(Collective c, double bytes, int ranks, const Link& link) {
+// `beside`: the link's figures as it runs beside compute (Note [Collectives beside
+// compute]), or nullptr.
+Cost cost(Collective c, double bytes, int ranks, const Link& link, const Link* beside = nullptr) {
   if (ranks <= 1 || bytes <= 0) return {};
   const double steps = c == Collective::AllReduce ? 2.0 * (ranks - 1) : ranks - 1.0;
   const double moved = bytes * steps / ranks;
+  const double cpu = moved / link.bus_bandwidth;  // the work of moving its bytes, the cores free
+  if (beside) {
+    const double waits = steps * beside->latency;
+    return {moved / beside->bus_bandwidth + waits, waits, cpu};
+  }
   const double latency = steps * link.latency;
-  return {moved / link.bus_bandwidth + latency, latency};
+  return {cpu + latency, latency};
 }
 
 // What a step's compute waits on, to name what limits it.
@@ -184,6 +191,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   if (o.sharding_work_s < 0 || c.collective_compute_share < 0 || c.collective_compute_share > 1)
     throw std::invalid_argument(
         "predict_time: sharding_work_s is 0 or more, collective_compute_share 0 to 1");
+  if (c.intra_beside_compute.bus_bandwidth < 0 || c.intra_beside_compute.latency < 0)
+    throw std::invalid_argument("predict_time: intra_beside_compute's bandwidth and latency are 0 or more");
   const bool sharded = o.strategy == Strategy::FullShard || o.strategy == Strategy::ShardGradOp ||
                        o.strategy == Strategy::HybridShard;
   int group = n;  // ranks a unit is sharded over
@@ -199,6 +208,24 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   Lane intra{&c.intra}, inter{&c.inter};
   ComputeStream compute{c.collective_compute_share, {&intra, &inter}};
   auto lane_of = [&](const Link& l) -> Lane& { return &l == &c.intra ? intra : inter; };
+  // Note [Collectives beside compute]
+  // On a CPU host whose cores the ranks' compute fills, a collective issued while its rank
+  // goes on computing runs slower than the same collective with the cores free: at every
+  // ring step its communicator thread waits for a core that a compute thread holds, and it
+  // moves bytes on a share of the cores. Cluster::intra_beside_compute gives the link so
+  // measured (bench_collectives --beside-compute: every rank's compute thread busy), and a
+  // collective takes those figures when its rank has compute left to run beside it: a
+  // gather issued ahead of the unit that needs it, a reduction with backward still to run,
+  // a bucket reduced before the last, ZeRO-1's gathers behind all but the last step. The
+  // gather that compute waits for next, and the reductions of the end of backward, run on
+  // free cores. The compute it takes is still the CPU's work of moving its bytes at the
+  // free link's rate (Note [Collectives on the compute's cores]), spread over its longer
+  // time. On a GPU NCCL's kernels hold their SMs: no preset sets it. On this CPU it is what
+  // the sharded strategies wait for at world 4 beyond their bytes (docs/scaling.md).
+  auto beside = [&](const Link& l, bool overlaps) -> const Link* {
+    return overlaps && &l == &c.intra && c.intra_beside_compute.bus_bandwidth > 0 ? &c.intra_beside_compute
+                                                                                  : nullptr;
+  };
   // Note [Offload in the step-time model]: offloaded, the device holds no shard. Each
   // gather first copies this rank's shard from the host (its bf16 copy, or the fp32 master),
   // each reduced gradient shard is copied to the host (fp32), each direction a queue of its
@@ -243,14 +270,14 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   // keeps its collectives in the order issued, so one unit's all-reduce across nodes never
   // holds up the next unit's reduce-scatter (or a gather) on the node's links.
   double landed = 0;  // offload: when the last gradient shard reached the host
-  auto reduce_unit = [&](double issued, double elements) {
-    double done =
-        lane_of(group_link)
-            .run(issued, cost(Collective::ReduceScatter, elements * o.reduce_bytes, group, group_link));
+  auto reduce_unit = [&](double issued, double elements, bool overlaps) {
+    double done = lane_of(group_link)
+                      .run(issued, cost(Collective::ReduceScatter, elements * o.reduce_bytes, group,
+                                        group_link, beside(group_link, overlaps)));
     if (replicas > 1)
       done = lane_of(replica_link)
-                 .run(done,
-                      cost(Collective::AllReduce, elements * o.reduce_bytes / group, replicas, replica_link));
+                 .run(done, cost(Collective::AllReduce, elements * o.reduce_bytes / group, replicas,
+                                 replica_link, beside(replica_link, overlaps)));
     if (o.offload) {
       done = copy(d2h, done, elements / group * 4);
       landed = std::max(landed, done);
@@ -278,21 +305,24 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // Forward: the root is gathered first and kept; unit k's gather is issued when unit
     // k - prefetch starts (units 0..prefetch at once): `prefetch` units ahead.
     Lane& gl = lane_of(group_link);
-    auto gather = [&](double issued, double elements) {
+    auto gather = [&](double issued, double elements, bool overlaps) {
       if (o.offload) issued = copy(h2d, issued, elements / group * send_bytes);
-      return gl.run(issued, cost(Collective::AllGather, elements * o.param_bytes, group, group_link));
+      return gl.run(issued, cost(Collective::AllGather, elements * o.param_bytes, group, group_link,
+                                 beside(group_link, overlaps)));
     };
-    const double root_ready = gather(0, root_bytes);
+    const double root_ready = gather(0, root_bytes, false);
     std::vector<double> ready(m.layers), start(m.layers);
     int issued = 0;
-    auto issue_until = [&](int last, double at) {
-      for (; issued <= std::min(last, m.layers - 1); ++issued) ready[issued] = gather(at, layer_bytes);
+    // Units up to `last`, issued at `at` while unit `current` is the one compute needs next.
+    auto issue_until = [&](int last, double at, int current) {
+      for (; issued <= std::min(last, m.layers - 1); ++issued)
+        ready[issued] = gather(at, layer_bytes, issued != current);
     };
-    issue_until(o.prefetch, 0);
+    issue_until(o.prefetch, 0, 0);
     if (root_ready > now) waits.gathers += root_ready - now;
     now = std::max(now, root_ready);
     for (int k = 0; k < m.layers; ++k) {
-      issue_until(k + o.prefetch, now);
+      issue_until(k + o.prefetch, now, k);
       if (ready[k] > now) waits.gathers += ready[k] - now;
       start[k] = now = std::max(now, ready[k]);
       now = compute.run(now, layer_fwd);
@@ -303,20 +333,22 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     const bool regather = o.strategy != Strategy::ShardGradOp;
     double reduced = 0;
     int next = m.layers - 1;
-    auto issue_back = [&](int last, double at) {
-      for (; regather && next >= std::max(last, 0); --next) ready[next] = gather(at, layer_bytes);
+    auto issue_back = [&](int last, double at, int current) {
+      for (; regather && next >= std::max(last, 0); --next)
+        ready[next] = gather(at, layer_bytes, next != current);
     };
-    issue_back(m.layers - 1 - o.prefetch, now);
+    issue_back(m.layers - 1 - o.prefetch, now, m.layers - 1);
     for (int k = m.layers - 1; k >= 0; --k) {
-      issue_back(k - o.prefetch, now);
+      issue_back(k - o.prefetch, now, k);
       if (regather) {
         if (ready[k] > now) waits.gathers += ready[k] - now;
         now = std::max(now, ready[k]);
       }
       now = compute.run(now, layer_bwd);
-      reduced = std::max(reduced, reduce_unit(now, layer_bytes));
+      reduced = std::max(reduced, reduce_unit(now, layer_bytes, k > 0));
     }
-    reduced = std::max(reduced, reduce_unit(now, root_bytes));  // the root's, after the embedding's backward
+    reduced =
+        std::max(reduced, reduce_unit(now, root_bytes, false));  // the root's, after the embedding's backward
     // Waiting for the reductions (and offloaded, their copies to the host), then for what
     // the host still has to step.
     const double communicated = o.offload && o.step_in_backward ? std::min(reduced, landed) : reduced;
@@ -362,24 +394,24 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     double reduced = 0;
     std::vector<double> buckets;
     const double owned = zero1 ? n : 1;  // a bucket's share this rank steps
-    auto flush = [&](double at) {
+    auto flush = [&](double at, bool overlaps) {
       if (pending <= 0) return;
       buckets.push_back(pending);
-      reduced = lane.run(
-          std::max(at, reduced),
-          cost(zero1 ? Collective::ReduceScatter : Collective::AllReduce, pending * o.reduce_bytes, n, link));
+      reduced =
+          lane.run(std::max(at, reduced), cost(zero1 ? Collective::ReduceScatter : Collective::AllReduce,
+                                               pending * o.reduce_bytes, n, link, beside(link, overlaps)));
       if (o.offload) landed = copy(d2h, reduced, pending / owned * 4);  // behind its reduction
       pending = 0;
     };
-    if (pending >= bucket_elements) flush(now);
+    if (pending >= bucket_elements) flush(now, true);
     for (int k = m.layers - 1; k >= 0; --k) {
       now = compute.run(now, layer_bwd + layer_bytes * grad_passes);
       pending += layer_bytes;
-      if (pending >= bucket_elements) flush(now);
+      if (pending >= bucket_elements) flush(now, k > 0);
     }
     pending += root_bytes - head_elements;
     now = compute.run(now, (root_bytes - head_elements) * grad_passes);  // the embeddings'
-    flush(now);
+    flush(now, false);
     reduced = std::max(reduced, landed);
     if (reduced > now) waits.reductions += reduced - now;
     now = std::max(now, reduced);
@@ -402,11 +434,13 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     } else {
       // Note [Gathers behind the step]: each bucket's slice is gathered as soon as it is stepped.
       double gathered = now;
-      for (double b : buckets) {
+      for (std::size_t i = 0; i < buckets.size(); ++i) {
+        const double b = buckets[i];
         const double step = b / n * per_param / c.memory_bandwidth;
         t.optimizer_s += step;
         now = compute.run(now, step);
-        gathered = lane.run(std::max(now, gathered), cost(Collective::AllGather, b * o.param_bytes, n, link));
+        gathered = lane.run(std::max(now, gathered), cost(Collective::AllGather, b * o.param_bytes, n, link,
+                                                          beside(link, i + 1 < buckets.size())));
       }
       if (gathered > now) waits.gathers += gathered - now;
       now = std::max(now, gathered);

@@ -7,6 +7,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -223,6 +224,53 @@ TEST(StepTime, ALinksLatencyTakesNothingFromCompute) {
     EXPECT_GT(both.contended_s, 0);
     EXPECT_LE(both.contended_s, bytes.communication_s + 1e-12);
   }
+}
+
+// Note [Collectives beside compute]: the link's figures beside compute apply to the
+// collectives issued while their rank still has compute to run. The free link's own figures
+// change nothing. A slower link beside compute lengthens full shard's step (gathers ahead of
+// their unit, reductions beside backward) and DDP's with a bucket per layer, and leaves DDP
+// with one bucket as it was: its one all-reduce runs after backward, the cores free. The
+// compute a collective takes stays its bytes' work at the free link's rate, however long it
+// runs beside compute.
+TEST(StepTime, ALinkBesideComputeSlowsOnlyTheCollectivesThatOverlapCompute) {
+  const auto m = gpt(6, 256, 4, 1024, 64);
+  Cluster c = h100_cluster(1, 4);
+  c.flops = 1e11;
+  c.memory_bandwidth = 1e11;
+  c.intra = {1e9, 1e-5};
+  c.collective_compute_share = 1;
+  TimeOptions o;
+  o.sequences = 2;
+  o.sequence_length = 64;
+  for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard}) {
+    o.strategy = s;
+    for (std::int64_t bucket : {m.layer_params() * 4, std::int64_t{1} << 30}) {
+      o.bucket_bytes = bucket;
+      c.intra_beside_compute = {};
+      const StepTime free = predict_time(m, c, o);
+      c.intra_beside_compute = c.intra;
+      const StepTime same = predict_time(m, c, o);
+      EXPECT_DOUBLE_EQ(same.step_s, free.step_s);
+      EXPECT_DOUBLE_EQ(same.exposed_s, free.exposed_s);
+      EXPECT_DOUBLE_EQ(same.contended_s, free.contended_s);
+      c.intra_beside_compute = {0.05e9, 1e-3};
+      const StepTime slow = predict_time(m, c, o);
+      if (s == Strategy::NoShard && bucket > m.params() * 4) {
+        EXPECT_DOUBLE_EQ(slow.step_s, free.step_s) << "one bucket, reduced after backward";
+        EXPECT_DOUBLE_EQ(slow.communication_s, free.communication_s);
+        continue;
+      }
+      EXPECT_GT(slow.communication_s, 2 * free.communication_s) << to_string(s) << ", bucket " << bucket;
+      EXPECT_GT(slow.step_s, free.step_s) << to_string(s);
+      EXPECT_GT(slow.exposed_s, free.exposed_s) << to_string(s);
+      // The compute lost is bounded by the bytes' work at the free link's rate.
+      EXPECT_LE(slow.contended_s, free.communication_s + 1e-12) << to_string(s);
+      EXPECT_GT(slow.contended_s, 0) << to_string(s);
+    }
+  }
+  c.intra_beside_compute = {-1, 0};
+  EXPECT_THROW(predict_time(m, c, o), std::invalid_argument);
 }
 
 // The compute stream by hand: two lanes moving bytes over [1, 3) and [2, 4) at share 0.5
@@ -594,31 +642,32 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
   EXPECT_NE(off.output.find("host step"), std::string::npos) << off.output;
   // With collectives on the compute's cores: the lost share beside the exposed one, and the
   // limit it sets (the library's figures for the CPU cell of docs/scaling.md's first row).
-  const auto cpu = flatshard::testing::run_command({plan_path(),
-                                                    "--cluster",
-                                                    "1x2",
-                                                    "--gpt",
-                                                    "8,512,8,8192,32",
-                                                    "--seq",
-                                                    "32",
-                                                    "--batch",
-                                                    "4",
-                                                    "--dtype",
-                                                    "fp32",
-                                                    "--reduce",
-                                                    "fp32",
-                                                    "--tflops",
-                                                    "0.0787",
-                                                    "--memory-gbs",
-                                                    "21",
-                                                    "--intra",
-                                                    "1.64",
-                                                    "--intra-us",
-                                                    "125",
-                                                    "--collective-share",
-                                                    "1",
-                                                    "--sharding-work-ms",
-                                                    "107"});
+  const std::vector<std::string> cpu_args{plan_path(),
+                                          "--cluster",
+                                          "1x2",
+                                          "--gpt",
+                                          "8,512,8,8192,32",
+                                          "--seq",
+                                          "32",
+                                          "--batch",
+                                          "4",
+                                          "--dtype",
+                                          "fp32",
+                                          "--reduce",
+                                          "fp32",
+                                          "--tflops",
+                                          "0.0787",
+                                          "--memory-gbs",
+                                          "21",
+                                          "--intra",
+                                          "1.64",
+                                          "--intra-us",
+                                          "125",
+                                          "--collective-share",
+                                          "1",
+                                          "--sharding-work-ms",
+                                          "107"};
+  const auto cpu = flatshard::testing::run_command(cpu_args);
   ASSERT_EQ(cpu.exit_code, 0) << cpu.output;
   Cluster cores = h100_cluster(1, 2);
   cores.flops = 0.0787e12;
@@ -637,6 +686,21 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
             std::string::npos)
       << cpu.output;
   EXPECT_NE(cpu.output.find("  contended"), std::string::npos) << cpu.output;
+  // With the link beside compute: the library's prediction with it, and its figures named.
+  auto beside_args = cpu_args;
+  for (const char* a : {"--intra-beside", "0.4", "--intra-beside-us", "600"}) beside_args.emplace_back(a);
+  const auto slow = flatshard::testing::run_command(beside_args);
+  ASSERT_EQ(slow.exit_code, 0) << slow.output;
+  cores.intra_beside_compute = {0.4e9, 600e-6};
+  const StepTime beside = predict_time(gpt(8, 512, 8, 8192, 32), cores, co);
+  EXPECT_GT(beside.step_s, lost.step_s);
+  EXPECT_NE(slow.output.find(
+                fmt::format("full shard {:>24.0f} {:10.1f}", beside.tokens_per_s, 1e3 * beside.step_s)),
+            std::string::npos)
+      << slow.output;
+  EXPECT_NE(slow.output.find("beside compute the intra-node link gives 0.40 GB/s, 600 us a step"),
+            std::string::npos)
+      << slow.output;
   EXPECT_EQ(r.output.find("contended"), std::string::npos) << "no column where collectives take no compute";
   const auto ddp = r.output.find("\nDDP");
   ASSERT_NE(ddp, std::string::npos);
@@ -648,7 +712,9 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
                                              {plan_path(), "--cluster", "2x8", "--recompute", "some"},
                                              {plan_path(), "--cluster", "2x8", "--tflops", "-3"},
                                              {plan_path(), "--cluster", "2x8", "--offload", "2"},
-                                             {plan_path(), "--cluster", "2x8", "--host-gbs", "0"}}) {
+                                             {plan_path(), "--cluster", "2x8", "--host-gbs", "0"},
+                                             {plan_path(), "--cluster", "2x8", "--intra-beside", "0.5"},
+                                             {plan_path(), "--cluster", "2x8", "--intra-beside-us", "500"}}) {
     const auto refused = flatshard::testing::run_command(bad);
     EXPECT_EQ(refused.exit_code, 2) << refused.output;
     EXPECT_NE(refused.output.find("usage: flatshard-plan --cluster"), std::string::npos) << refused.output;
