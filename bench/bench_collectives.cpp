@@ -127,6 +127,7 @@ int main(int argc, char** argv) {
       argv[kept++] = argv[i];
   }
   argc = kept;
+  argv[argc] = nullptr;
   flatshard::World world = flatshard::init();
   auto comm = flatshard::Communicator::create(world);
   // The transport benchmarks get connections of their own, separate from comm's.
@@ -141,6 +142,14 @@ int main(int argc, char** argv) {
   std::atomic<bool> stop{false};
   std::thread busy;
   if (beside_compute) busy = std::thread(keep_busy, std::cref(stop));
+  struct Join {  // the compute thread stops however the benchmarks end
+    std::atomic<bool>& stop;
+    std::thread& busy;
+    ~Join() {
+      stop = true;
+      if (busy.joinable()) busy.join();
+    }
+  } join{stop, busy};
   if (world.rank() == 0) {
     benchmark::RunSpecifiedBenchmarks();
   } else {
@@ -148,7 +157,7 @@ int main(int argc, char** argv) {
     benchmark::RunSpecifiedBenchmarks(&silent);
   }
   stop = true;
-  if (busy.joinable()) busy.join();
+  if (busy.joinable()) busy.join();  // before the last barrier: the ranks' cores free again
   comm->barrier().wait();
   benchmark::Shutdown();
   return 0;

@@ -170,7 +170,7 @@ for rate in $RATES; do
       fi
       "$build/flatshard-plan" --cluster "1x$n" --gpt "$gpt" --seq "$context" --batch "$BATCH" --dtype fp32 --reduce fp32 \
         --tflops "$rank_tflops" --memory-gbs "$rank_gbs" --intra "$bus" --intra-us "$lat" \
-        --collective-share "$share" --sharding-work-ms "$work" "${beside[@]}" --csv 1 > "$out/plan.csv"
+        --collective-share "$share" --sharding-work-ms "$work" ${beside[@]+"${beside[@]}"} --csv 1 > "$out/plan.csv"
       ms="$(median 1 < "$out/measured.$mode")"
       wait="$(median 2 < "$out/measured.$mode")"
       peer="$(median 3 < "$out/measured.$mode")"

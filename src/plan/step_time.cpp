@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -169,9 +170,9 @@ Cost cost(Collective c, double bytes, int ranks, const Link& link, const Link* b
   const double steps = c == Collective::AllReduce ? 2.0 * (ranks - 1) : ranks - 1.0;
   const double moved = bytes * steps / ranks;
   const double cpu = moved / link.bus_bandwidth;  // the work of moving its bytes, the cores free
-  if (beside) {
-    const double waits = steps * beside->latency;
-    return {moved / beside->bus_bandwidth + waits, waits, cpu};
+  if (beside) {  // never faster than with the cores free (a faster reading is noise)
+    const double waits = steps * std::max(beside->latency, link.latency);
+    return {moved / std::min(beside->bus_bandwidth, link.bus_bandwidth) + waits, waits, cpu};
   }
   const double latency = steps * link.latency;
   return {cpu + latency, latency};
@@ -214,18 +215,22 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   // ring step its communicator thread waits for a core that a compute thread holds, and it
   // moves bytes on a share of the cores. Cluster::intra_beside_compute gives the link so
   // measured (bench_collectives --beside-compute: every rank's compute thread busy), and a
-  // collective takes those figures when its rank has compute left to run beside it: a
-  // gather issued ahead of the unit that needs it, a reduction with backward still to run,
-  // a bucket reduced before the last, ZeRO-1's gathers behind all but the last step. The
-  // gather that compute waits for next, and the reductions of the end of backward, run on
-  // free cores. The compute it takes is still the CPU's work of moving its bytes at the
-  // free link's rate (Note [Collectives on the compute's cores]), spread over its longer
-  // time. On a GPU NCCL's kernels hold their SMs: no preset sets it. On this CPU it is what
-  // the sharded strategies wait for at world 4 beyond their bytes (docs/scaling.md).
-  auto beside = [&](const Link& l, bool overlaps) -> const Link* {
+  // collective takes those figures when it starts on its link before its rank's compute
+  // runs out (`busy_until`: its issue plus the compute still to run after it, at the full
+  // rate): a gather issued ahead of the unit that needs it, a reduction with backward still
+  // to run, a bucket reduced before the last, ZeRO-1's gathers behind the steps still to
+  // run. The gather that compute waits for next, and what starts once compute is done (the
+  // end of backward, a queue that outlasts it), run on free cores. The compute it takes is
+  // still the CPU's work of moving its bytes at the free link's rate (Note [Collectives on
+  // the compute's cores]), spread over its longer time. Only the intra-node link: across
+  // nodes a collective's pace is the network's. On a GPU NCCL's kernels hold their SMs: no
+  // preset sets it.
+  auto beside = [&](const Link& l, const Lane& lane, double issued, double busy_until) -> const Link* {
+    const bool overlaps = std::max(issued, lane.free_at) < busy_until;
     return overlaps && &l == &c.intra && c.intra_beside_compute.bus_bandwidth > 0 ? &c.intra_beside_compute
                                                                                   : nullptr;
   };
+  constexpr double kComputeGoesOn = std::numeric_limits<double>::infinity();
   // Note [Offload in the step-time model]: offloaded, the device holds no shard. Each
   // gather first copies this rank's shard from the host (its bf16 copy, or the fp32 master),
   // each reduced gradient shard is copied to the host (fp32), each direction a queue of its
@@ -270,14 +275,15 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   // keeps its collectives in the order issued, so one unit's all-reduce across nodes never
   // holds up the next unit's reduce-scatter (or a gather) on the node's links.
   double landed = 0;  // offload: when the last gradient shard reached the host
-  auto reduce_unit = [&](double issued, double elements, bool overlaps) {
-    double done = lane_of(group_link)
-                      .run(issued, cost(Collective::ReduceScatter, elements * o.reduce_bytes, group,
-                                        group_link, beside(group_link, overlaps)));
-    if (replicas > 1)
-      done = lane_of(replica_link)
-                 .run(done, cost(Collective::AllReduce, elements * o.reduce_bytes / group, replicas,
-                                 replica_link, beside(replica_link, overlaps)));
+  auto reduce_unit = [&](double issued, double elements, double busy_until) {
+    Lane& rs = lane_of(group_link);
+    double done = rs.run(issued, cost(Collective::ReduceScatter, elements * o.reduce_bytes, group, group_link,
+                                      beside(group_link, rs, issued, busy_until)));
+    if (replicas > 1) {
+      Lane& ar = lane_of(replica_link);
+      done = ar.run(done, cost(Collective::AllReduce, elements * o.reduce_bytes / group, replicas,
+                               replica_link, beside(replica_link, ar, done, busy_until)));
+    }
     if (o.offload) {
       done = copy(d2h, done, elements / group * 4);
       landed = std::max(landed, done);
@@ -305,10 +311,11 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // Forward: the root is gathered first and kept; unit k's gather is issued when unit
     // k - prefetch starts (units 0..prefetch at once): `prefetch` units ahead.
     Lane& gl = lane_of(group_link);
-    auto gather = [&](double issued, double elements, bool overlaps) {
+    // A gather ahead of the unit compute needs next overlaps compute; that unit's does not.
+    auto gather = [&](double issued, double elements, bool ahead) {
       if (o.offload) issued = copy(h2d, issued, elements / group * send_bytes);
       return gl.run(issued, cost(Collective::AllGather, elements * o.param_bytes, group, group_link,
-                                 beside(group_link, overlaps)));
+                                 beside(group_link, gl, issued, ahead ? kComputeGoesOn : issued)));
     };
     const double root_ready = gather(0, root_bytes, false);
     std::vector<double> ready(m.layers), start(m.layers);
@@ -345,10 +352,10 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         now = std::max(now, ready[k]);
       }
       now = compute.run(now, layer_bwd);
-      reduced = std::max(reduced, reduce_unit(now, layer_bytes, k > 0));
+      reduced = std::max(reduced, reduce_unit(now, layer_bytes, now + k * layer_bwd));
     }
     reduced =
-        std::max(reduced, reduce_unit(now, root_bytes, false));  // the root's, after the embedding's backward
+        std::max(reduced, reduce_unit(now, root_bytes, now));  // the root's, after the embedding's backward
     // Waiting for the reductions (and offloaded, their copies to the host), then for what
     // the host still has to step.
     const double communicated = o.offload && o.step_in_backward ? std::min(reduced, landed) : reduced;
@@ -394,24 +401,28 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     double reduced = 0;
     std::vector<double> buckets;
     const double owned = zero1 ? n : 1;  // a bucket's share this rank steps
-    auto flush = [&](double at, bool overlaps) {
+    // Bucket by bucket; `busy_until`: when backward's compute runs out.
+    auto flush = [&](double at, double busy_until) {
       if (pending <= 0) return;
       buckets.push_back(pending);
+      const double issued = std::max(at, reduced);
       reduced =
-          lane.run(std::max(at, reduced), cost(zero1 ? Collective::ReduceScatter : Collective::AllReduce,
-                                               pending * o.reduce_bytes, n, link, beside(link, overlaps)));
+          lane.run(issued, cost(zero1 ? Collective::ReduceScatter : Collective::AllReduce,
+                                pending * o.reduce_bytes, n, link, beside(link, lane, issued, busy_until)));
       if (o.offload) landed = copy(d2h, reduced, pending / owned * 4);  // behind its reduction
       pending = 0;
     };
-    if (pending >= bucket_elements) flush(now, true);
+    const double layer_back = layer_bwd + layer_bytes * grad_passes;
+    const double embeddings_back = (root_bytes - head_elements) * grad_passes;
+    if (pending >= bucket_elements) flush(now, now + m.layers * layer_back + embeddings_back);
     for (int k = m.layers - 1; k >= 0; --k) {
-      now = compute.run(now, layer_bwd + layer_bytes * grad_passes);
+      now = compute.run(now, layer_back);
       pending += layer_bytes;
-      if (pending >= bucket_elements) flush(now, k > 0);
+      if (pending >= bucket_elements) flush(now, now + k * layer_back + embeddings_back);
     }
     pending += root_bytes - head_elements;
-    now = compute.run(now, (root_bytes - head_elements) * grad_passes);  // the embeddings'
-    flush(now, false);
+    now = compute.run(now, embeddings_back);  // the embeddings'
+    flush(now, now);
     reduced = std::max(reduced, landed);
     if (reduced > now) waits.reductions += reduced - now;
     now = std::max(now, reduced);
@@ -434,13 +445,16 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     } else {
       // Note [Gathers behind the step]: each bucket's slice is gathered as soon as it is stepped.
       double gathered = now;
-      for (std::size_t i = 0; i < buckets.size(); ++i) {
-        const double b = buckets[i];
+      double steps_left = 0;  // the steps' compute still to run after each gather's issue
+      for (double b : buckets) steps_left += b / n * per_param / c.memory_bandwidth;
+      for (double b : buckets) {
         const double step = b / n * per_param / c.memory_bandwidth;
         t.optimizer_s += step;
+        steps_left -= step;
         now = compute.run(now, step);
-        gathered = lane.run(std::max(now, gathered), cost(Collective::AllGather, b * o.param_bytes, n, link,
-                                                          beside(link, i + 1 < buckets.size())));
+        const double issued = std::max(now, gathered);
+        gathered = lane.run(issued, cost(Collective::AllGather, b * o.param_bytes, n, link,
+                                         beside(link, lane, issued, now + steps_left)));
       }
       if (gathered > now) waits.gathers += gathered - now;
       now = std::max(now, gathered);
