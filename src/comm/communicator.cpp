@@ -28,6 +28,14 @@ namespace {
 using comm::Collective;
 using comm::OpKind;
 
+// Microseconds on the host's steady clock, which every rank on one host shares: the debug
+// log's times, comparable across ranks (bench/wait_trace.py).
+std::int64_t steady_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 std::string describe(const at::Tensor& t) {
   return fmt::format("{}[{}] on {}", c10::toString(t.scalar_type()), t.numel(), t.device().str());
 }
@@ -140,6 +148,8 @@ void WaitClock::wait(const Event& event, std::uint64_t seq) {
       ms = std::chrono::duration<double, std::milli>(end - start).count();
       start_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start.time_since_epoch()).count();
       end_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end.time_since_epoch()).count();
+      log::at(log::Level::Debug, "{}: waited for #{} {:.3f} ms, from {} to {} us", name_, seq, ms,
+              start_ns / 1000, end_ns / 1000);
     } else {
       event.wait();  // rethrows the op's error
     }
@@ -325,7 +335,7 @@ Communicator::Communicator(int rank, int world_size, CommunicatorOptions options
       world_size_(world_size),
       options_(std::move(options)),
       backend_(std::move(backend)),
-      clock_(std::make_shared<comm::WaitClock>(options_.device)) {
+      clock_(std::make_shared<comm::WaitClock>(options_.device, options_.name)) {
   for (int i = 0; i < kNumStreamRoles; ++i) {
     streams_[i] = std::make_unique<Stream>(to_string(static_cast<StreamRole>(i)));
   }
@@ -571,6 +581,8 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
   next_seq_ += 1;
   c.seq = seq;
   if (time_waits_) clock_->issued(seq);  // Note [Waiting for peers]
+  if (log::enabled(log::Level::Debug))
+    log::at(log::Level::Debug, "{}: {} #{} issued at {} us", options_.name, name, seq, steady_us());
   const StreamRole role = options.stream.value_or(default_role);
   Stream& stream = *streams_[static_cast<int>(role)];
   for (const Event& e : options.wait_for) stream.wait_event(e);
@@ -581,28 +593,29 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
   const int rank = rank_;
   const int world_size = world_size_;
   comm::Backend* backend = backend_.get();
-  Event done = stream.submit_device(
-      [c = std::move(c), role, timeout, bytes, rank, world_size, backend, name]() mutable {
-        const auto start = std::chrono::steady_clock::now();
-        c.deadline = start + timeout;
-        std::shared_ptr<DeviceEvent> device;
-        try {
-          device = backend->run(c, static_cast<int>(role));
-        } catch (const comm::TransportFailure& f) {
-          backend->abort();  // the other streams' ops fail at once instead of at their deadlines
-          const std::string peer = f.peer >= 0 ? fmt::format(" (peer rank {})", f.peer) : "";
-          CommError error(f.kind, rank, world_size, name, c.seq, f.peer,
-                          fmt::format("flatshard: {} #{} failed on rank {}/{}: {}{}: {}. {}", name, c.seq,
-                                      rank, world_size, to_string(f.kind), peer, f.what(), advice(f.kind)));
-          log::at(log::Level::Error, "{}", error.what());
-          throw error;
-        }
-        const double ms =
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-        log::at(log::Level::Debug, "{} #{} {} B on stream {}: {:.3f} ms{}", name, c.seq, bytes,
-                to_string(role), ms, device ? " to issue" : "");
-        return device;
-      });
+  Event done = stream.submit_device([c = std::move(c), role, timeout, bytes, rank, world_size, backend, name,
+                                     comm_name = options_.name]() mutable {
+    const auto start = std::chrono::steady_clock::now();
+    c.deadline = start + timeout;
+    std::shared_ptr<DeviceEvent> device;
+    try {
+      device = backend->run(c, static_cast<int>(role));
+    } catch (const comm::TransportFailure& f) {
+      backend->abort();  // the other streams' ops fail at once instead of at their deadlines
+      const std::string peer = f.peer >= 0 ? fmt::format(" (peer rank {})", f.peer) : "";
+      CommError error(f.kind, rank, world_size, name, c.seq, f.peer,
+                      fmt::format("flatshard: {} #{} failed on rank {}/{}: {}{}: {}. {}", name, c.seq, rank,
+                                  world_size, to_string(f.kind), peer, f.what(), advice(f.kind)));
+      log::at(log::Level::Error, "{}", error.what());
+      throw error;
+    }
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    log::at(log::Level::Debug, "{}: {} #{} {} B on stream {}: {:.3f} ms{}, from {} us", comm_name, name,
+            c.seq, bytes, to_string(role), ms, device ? " to issue" : "",
+            std::chrono::duration_cast<std::chrono::microseconds>(start.time_since_epoch()).count());
+    return device;
+  });
   return Work(std::move(done), seq, time_waits_ ? clock_ : nullptr);
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include <c10/core/Device.h>
@@ -16,7 +17,8 @@ namespace flatshard::comm {
 
 class WaitClock {
  public:
-  explicit WaitClock(c10::Device device) : device_(device) {}
+  // `name`: the communicator's, for the debug log's lines of stalled waits.
+  WaitClock(c10::Device device, std::string name) : device_(device), name_(std::move(name)) {}
 
   // Waits for `event`, the completion of op `seq`, as Event::wait() does, timing the stall.
   void wait(const Event& event, std::uint64_t seq);
@@ -57,6 +59,7 @@ class WaitClock {
   void resolve(bool block);
 
   const c10::Device device_;
+  const std::string name_;
   std::mutex mutex_;
   CommunicationWait total_;            // guarded by mutex_
   std::deque<DeviceWait> unresolved_;  // guarded by mutex_; in the order recorded
