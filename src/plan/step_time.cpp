@@ -274,7 +274,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   // all-reduce of the shard across replicas. Returns when it is done. Each link's queue
   // keeps its collectives in the order issued, so one unit's all-reduce across nodes never
   // holds up the next unit's reduce-scatter (or a gather) on the node's links.
-  double landed = 0;  // offload: when the last gradient shard reached the host
+  double landed = 0;          // offload: when the last gradient shard reached the host
+  double last_reduction = 0;  // when the last unit's collectives of its reduction completed
   auto reduce_unit = [&](double issued, double elements, double busy_until) {
     Lane& rs = lane_of(group_link);
     double done = rs.run(issued, cost(Collective::ReduceScatter, elements * o.reduce_bytes, group, group_link,
@@ -284,6 +285,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       done = ar.run(done, cost(Collective::AllReduce, elements * o.reduce_bytes / group, replicas,
                                replica_link, beside(replica_link, ar, done, busy_until)));
     }
+    last_reduction = done;
     if (o.offload) {
       done = copy(d2h, done, elements / group * 4);
       landed = std::max(landed, done);
@@ -339,6 +341,13 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // reduction is issued when its backward ends, one after another.
     const bool regather = o.strategy != Strategy::ShardGradOp;
     double reduced = 0;
+    // Note [One reduce-scatter in flight] (sharding/gradients.cpp): before a unit's
+    // gradients are reduced, compute waits for the previous unit's reduction (its
+    // reduce-scatter and, hybrid, its all-reduce across replicas), so at most one is out.
+    auto wait_for_last_reduction = [&] {
+      if (last_reduction > now) waits.reductions += last_reduction - now;
+      now = std::max(now, last_reduction);
+    };
     int next = m.layers - 1;
     auto issue_back = [&](int last, double at, int current) {
       for (; regather && next >= std::max(last, 0); --next)
@@ -352,8 +361,10 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         now = std::max(now, ready[k]);
       }
       now = compute.run(now, layer_bwd);
+      wait_for_last_reduction();
       reduced = std::max(reduced, reduce_unit(now, layer_bytes, now + k * layer_bwd));
     }
+    wait_for_last_reduction();
     reduced =
         std::max(reduced, reduce_unit(now, root_bytes, now));  // the root's, after the embedding's backward
     // Waiting for the reductions (and offloaded, their copies to the host), then for what
@@ -401,11 +412,21 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     double reduced = 0;
     std::vector<double> buckets;
     const double owned = zero1 ? n : 1;  // a bucket's share this rank steps
-    // Bucket by bucket; `busy_until`: when backward's compute runs out.
-    auto flush = [&](double at, double busy_until) {
+    // Note [Queued bucket reductions] (sharding/replicated.cpp): DDP's fp32 gradients live
+    // in one persistent buffer and its buckets queue; otherwise (ZeRO-1, a compute dtype
+    // under fp32 masters, offload) each bucket's buffer is freed when its reduction is
+    // finished, and compute waits for the last bucket's before it issues the next.
+    const bool one_in_flight = zero1 || o.param_bytes < 4 || o.offload;
+    // Bucket by bucket, issued at `now`; `remaining`: backward's compute still to run.
+    auto flush = [&](double remaining) {
       if (pending <= 0) return;
       buckets.push_back(pending);
-      const double issued = std::max(at, reduced);
+      if (one_in_flight && reduced > now) {
+        waits.reductions += reduced - now;
+        now = reduced;
+      }
+      const double issued = std::max(now, reduced);
+      const double busy_until = now + remaining;
       reduced =
           lane.run(issued, cost(zero1 ? Collective::ReduceScatter : Collective::AllReduce,
                                 pending * o.reduce_bytes, n, link, beside(link, lane, issued, busy_until)));
@@ -414,15 +435,15 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     };
     const double layer_back = layer_bwd + layer_bytes * grad_passes;
     const double embeddings_back = (root_bytes - head_elements) * grad_passes;
-    if (pending >= bucket_elements) flush(now, now + m.layers * layer_back + embeddings_back);
+    if (pending >= bucket_elements) flush(m.layers * layer_back + embeddings_back);
     for (int k = m.layers - 1; k >= 0; --k) {
       now = compute.run(now, layer_back);
       pending += layer_bytes;
-      if (pending >= bucket_elements) flush(now, now + k * layer_back + embeddings_back);
+      if (pending >= bucket_elements) flush(k * layer_back + embeddings_back);
     }
     pending += root_bytes - head_elements;
     now = compute.run(now, embeddings_back);  // the embeddings'
-    flush(now, now);
+    flush(0);
     reduced = std::max(reduced, landed);
     if (reduced > now) waits.reductions += reduced - now;
     now = std::max(now, reduced);
