@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Where the ranks' communication wait goes, op by op, from the communicator's debug log.
 
+It reads world-wide communicators: it keys each op on its communicator's name and number,
+and under HybridShard every shard group's communicator has the same name.
+
 With FLATSHARD_LOG_LEVEL=debug every op logs when it was issued and when its stream ran it,
 and while waits are timed (FullyShard::communication_wait, bench_modes) every stalled wait
 logs its span, all on the host's steady clock, which the ranks of one host share. This
@@ -40,6 +43,8 @@ def main():
     p.add_argument("--skip", type=float, default=0.3, help="share of the run to leave out at its start")
     p.add_argument("--check", action="store_true", help="fail unless every stall ended after its op's last issue")
     a = p.parse_args()
+    if not 0 <= a.skip < 1:
+        sys.exit("wait_trace.py: --skip is a share of the run, from 0 up to (not including) 1")
     issued = collections.defaultdict(dict)  # (comm, seq) -> {rank: us}
     op = {}                                 # (comm, seq) -> (name, bytes)
     stalls = []                             # (rank, comm, seq, start_us, end_us)
@@ -79,7 +84,7 @@ def main():
         g["after"].append((end - last_issue) / 1e3)
         g["lead"].append(lead)
         total += (end - start) / 1e3
-    window = (last - cut) / 1e3
+    window = max((last - cut) / 1e3, 1e-3)
     print(f"{ranks} ranks, {window:.0f} ms of issues after the first {100 * a.skip:.0f}%: "
           f"{total:.0f} ms stalled, {100 * total / (ranks * window):.0f}% of the ranks' time")
     print("| communicator | op | bytes | issued | stalls | ms | for peers ms | op after the last issue, median ms "

@@ -593,29 +593,30 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
   const int rank = rank_;
   const int world_size = world_size_;
   comm::Backend* backend = backend_.get();
-  Event done = stream.submit_device([c = std::move(c), role, timeout, bytes, rank, world_size, backend, name,
-                                     comm_name = options_.name]() mutable {
-    const auto start = std::chrono::steady_clock::now();
-    c.deadline = start + timeout;
-    std::shared_ptr<DeviceEvent> device;
-    try {
-      device = backend->run(c, static_cast<int>(role));
-    } catch (const comm::TransportFailure& f) {
-      backend->abort();  // the other streams' ops fail at once instead of at their deadlines
-      const std::string peer = f.peer >= 0 ? fmt::format(" (peer rank {})", f.peer) : "";
-      CommError error(f.kind, rank, world_size, name, c.seq, f.peer,
-                      fmt::format("flatshard: {} #{} failed on rank {}/{}: {}{}: {}. {}", name, c.seq, rank,
-                                  world_size, to_string(f.kind), peer, f.what(), advice(f.kind)));
-      log::at(log::Level::Error, "{}", error.what());
-      throw error;
-    }
-    const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    log::at(log::Level::Debug, "{}: {} #{} {} B on stream {}: {:.3f} ms{}, from {} us", comm_name, name,
-            c.seq, bytes, to_string(role), ms, device ? " to issue" : "",
-            std::chrono::duration_cast<std::chrono::microseconds>(start.time_since_epoch()).count());
-    return device;
-  });
+  Event done = stream.submit_device(
+      [c = std::move(c), role, timeout, bytes, rank, world_size, backend, name,
+       comm_name = log::enabled(log::Level::Debug) ? options_.name : std::string()]() mutable {
+        const auto start = std::chrono::steady_clock::now();
+        c.deadline = start + timeout;
+        std::shared_ptr<DeviceEvent> device;
+        try {
+          device = backend->run(c, static_cast<int>(role));
+        } catch (const comm::TransportFailure& f) {
+          backend->abort();  // the other streams' ops fail at once instead of at their deadlines
+          const std::string peer = f.peer >= 0 ? fmt::format(" (peer rank {})", f.peer) : "";
+          CommError error(f.kind, rank, world_size, name, c.seq, f.peer,
+                          fmt::format("flatshard: {} #{} failed on rank {}/{}: {}{}: {}. {}", name, c.seq,
+                                      rank, world_size, to_string(f.kind), peer, f.what(), advice(f.kind)));
+          log::at(log::Level::Error, "{}", error.what());
+          throw error;
+        }
+        const double ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+        log::at(log::Level::Debug, "{}: {} #{} {} B on stream {}: {:.3f} ms{}, from {} us", comm_name, name,
+                c.seq, bytes, to_string(role), ms, device ? " to issue" : "",
+                std::chrono::duration_cast<std::chrono::microseconds>(start.time_since_epoch()).count());
+        return device;
+      });
   return Work(std::move(done), seq, time_waits_ ? clock_ : nullptr);
 }
 

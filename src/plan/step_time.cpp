@@ -272,8 +272,11 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
 
   // Each unit's gradient reduction: reduce-scatter within the shard group, then (hybrid)
   // all-reduce of the shard across replicas. Returns when it is done. Each link's queue
-  // keeps its collectives in the order issued, so one unit's all-reduce across nodes never
-  // holds up the next unit's reduce-scatter (or a gather) on the node's links.
+  // keeps its collectives in the order issued; a unit's all-reduce across nodes holds up
+  // the next unit's reduce-scatter only through compute's wait for it (Note [One
+  // reduce-scatter in flight], below), never a gather on the node's links. Offloaded, the
+  // copy to the host starts as the reduction ends, where the engine starts it when it
+  // finishes the reduction at the next unit's (not modelled).
   double landed = 0;          // offload: when the last gradient shard reached the host
   double last_reduction = 0;  // when the last unit's collectives of its reduction completed
   auto reduce_unit = [&](double issued, double elements, double busy_until) {
