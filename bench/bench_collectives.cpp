@@ -142,22 +142,22 @@ int main(int argc, char** argv) {
   std::atomic<bool> stop{false};
   std::thread busy;
   if (beside_compute) busy = std::thread(keep_busy, std::cref(stop));
-  struct Join {  // the compute thread stops however the benchmarks end
-    std::atomic<bool>& stop;
-    std::thread& busy;
-    ~Join() {
-      stop = true;
-      if (busy.joinable()) busy.join();
+  {
+    struct Join {  // the compute thread stops however the benchmarks end, before the last barrier
+      std::atomic<bool>& stop;
+      std::thread& busy;
+      ~Join() {
+        stop = true;
+        if (busy.joinable()) busy.join();
+      }
+    } join{stop, busy};
+    if (world.rank() == 0) {
+      benchmark::RunSpecifiedBenchmarks();
+    } else {
+      SilentReporter silent;
+      benchmark::RunSpecifiedBenchmarks(&silent);
     }
-  } join{stop, busy};
-  if (world.rank() == 0) {
-    benchmark::RunSpecifiedBenchmarks();
-  } else {
-    SilentReporter silent;
-    benchmark::RunSpecifiedBenchmarks(&silent);
   }
-  stop = true;
-  if (busy.joinable()) busy.join();  // before the last barrier: the ranks' cores free again
   comm->barrier().wait();
   benchmark::Shutdown();
   return 0;
