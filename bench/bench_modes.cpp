@@ -5,6 +5,14 @@
 //               --context 64 --batch 4 --steps 6] [--hook SPEC] [--staleness S]
 //               [--decentralized K] [--phases 1] [--step-in-backward 1] [--recompute 1]
 //               [--freeze PART: parameters whose name contains PART are frozen, e.g. .attn.]
+//   bench_modes --hook-work 1 --hook SPEC [--layers ... --steps 6]
+//
+// --hook-work 1 times the hook's own work instead of training: the model's parameters as one
+// bucket, reduced by the hook over this world's communicator and finished, `steps` times
+// after one untimed; rank 0 prints hook_work,SPEC,world,params,ms (the median). At world 1
+// the collectives move nothing, so it is the hook's compression and decompression: what
+// flatshard-plan --hook-work-ms takes (Note [Communication algorithms in the step-time
+// model] in src/plan/step_time.cpp).
 //
 // FullyShard with optim::AdamW under the mode's strategy: ddp NoShard, zero1
 // ShardOptimizerState, zero2 ShardGradOp, full FullShard, hybrid HybridShard over shard
@@ -18,6 +26,7 @@
 // second step on).
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -58,11 +67,13 @@ int main(int argc, char** argv) {
   bool in_backward = false;   // --step-in-backward 1: FullyShardBase::step_in_backward (zero2, full)
   bool recompute = false;     // --recompute 1: every block recomputed in backward (recompute.h)
   std::string freeze;         // --freeze PART: fine-tuning (requires_grad off before wrapping)
+  bool hook_work = false;     // --hook-work 1: time the hook alone (above)
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--phases") phases = std::atoi(argv[i + 1]) != 0;
     if (a == "--hook") hook = argv[i + 1];
     if (a == "--freeze") freeze = argv[i + 1];
+    if (a == "--hook-work") hook_work = std::atoi(argv[i + 1]) != 0;
     const int v = std::atoi(argv[i + 1]);
     if (a == "--mode")
       mode = argv[i + 1];
@@ -106,6 +117,39 @@ int main(int argc, char** argv) {
   if (!flatshard::parse_strategy(mode, options.strategy)) {
     std::fprintf(stderr, "bench_modes: --mode is ddp, zero1, zero2, full or hybrid, not %s\n", mode.c_str());
     return 2;
+  }
+  if (hook_work) {
+    auto h = flatshard::hooks::parse(hook);
+    if (!h) {
+      std::fprintf(stderr, "bench_modes: --hook-work 1 needs a --hook\n");
+      return 2;
+    }
+    flatshard::GradBucket bucket;
+    std::int64_t numel = 0;
+    for (const auto& item : model->named_parameters()) {
+      bucket.params.push_back({item.key(), item.value().sizes().vec(), numel});
+      numel += item.value().numel();
+    }
+    const at::Tensor grads = at::randn({numel}, at::TensorOptions().dtype(at::kFloat));
+    flatshard::FullyShardOptions ddp;
+    ddp.strategy = flatshard::Strategy::NoShard;
+    flatshard::FullyShard<GPT> wrapped(model, world, ddp);
+    std::vector<double> ms;
+    for (int step = 0; step <= steps; ++step) {
+      bucket.step = step;
+      bucket.buffer = grads.clone();
+      const auto start = std::chrono::steady_clock::now();
+      flatshard::HookWork work = h->reduce(wrapped.comm(), bucket);
+      for (const auto& w : work.works) w.wait();
+      if (work.finish) work.finish();
+      const double took = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      if (step > 0) ms.push_back(took);
+    }
+    std::sort(ms.begin(), ms.end());
+    if (world.rank() == 0 && !ms.empty())
+      std::printf("hook_work,%s,%d,%lld,%.3f\n", hook.c_str(), world.world_size(),
+                  static_cast<long long>(numel), ms[ms.size() / 2]);
+    return 0;
   }
   options.staleness = staleness;
   options.decentralized_every = decentralized;

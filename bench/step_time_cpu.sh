@@ -15,6 +15,8 @@
 #   REPEAT=3 bench/step_time_cpu.sh            # each measurement three times in turn: the medians
 #   THROTTLE="tcp 1gbit 100mbit" bench/step_time_cpu.sh   # also over TCP on the loopback, unthrottled
 #                                                       # (tcp) and throttled with tc (root)
+#   MODES="ddp ddp+bf16 ddp+power_sgd:4:0 ddp+async:1 ddp+decentralized:1" bench/step_time_cpu.sh
+#                                              # hooks, staleness, decentralized (variant_flags below)
 # Ranks on one machine copy each other's buffers directly (Note [Direct copies]) unless
 # FLATSHARD_DIRECT_COPY=0: the rows other than "unthrottled" set it, so that their bytes cross
 # the loopback interface that tc throttles.
@@ -39,9 +41,22 @@ read -r layers dim heads vocab context < <(echo "$MODEL" |
   sed -E 's/.*--layers ([0-9]+).*--dim ([0-9]+).*--heads ([0-9]+).*--vocab ([0-9]+).*--context ([0-9]+).*/\1 \2 \3 \4 \5/')
 gpt="$layers,$dim,$heads,$vocab,$context"
 
+# A mode may carry a way to communicate less (docs/communication.md): ddp+bf16, ddp+int8,
+# ddp+top_k:0.01, zero1+power_sgd:4:0 (a hook spec), ddp+async:1 (staleness 1),
+# ddp+decentralized:1. variant_flags mode bench|plan -> that program's flags for it.
+variant_flags() {
+  local v="${1#*+}"
+  [ "$v" != "$1" ] || return 0
+  case "$v" in
+    async:*) echo "--staleness ${v#async:}" ;;
+    decentralized:*) echo "--decentralized ${v#decentralized:}" ;;
+    *) echo "--hook $v" ;;
+  esac
+}
 modes_step() {  # world mode -> "step_ms comm_wait_share peer_wait_share op_wait_share"
-  "$build/flatshard-run" -n "$1" --deadline-s 1200 "$build/bench/bench_modes" --mode "$2" $MODEL --batch "$BATCH" \
-      --steps "$STEPS" 2>/dev/null | sed -n 's/^\[rank 0\] //p' | awk -F, 'NF > 15 { print $4, $15, $16, $15 - $16 }' | tail -1
+  "$build/flatshard-run" -n "$1" --deadline-s 1200 "$build/bench/bench_modes" --mode "${2%%+*}" $(variant_flags "$2") \
+      $MODEL --batch "$BATCH" --steps "$STEPS" 2>/dev/null | sed -n 's/^\[rank 0\] //p' |
+    awk -F, 'NF > 15 { print $4, $15, $16, $15 - $16 }' | tail -1
 }
 
 # The optimizer step's memory bandwidth: FlatShard's AdamW over 64 Mi elements on one thread.
@@ -62,6 +77,23 @@ alone_ms() {  # ranks [mode] -> the mean step of that many lone ranks run side b
   wait
   cat "$out"/alone.* | awk '{ s += $1; n++ } END { printf "%.1f", s / n }'
   rm -f "$out"/alone.*
+}
+# A hook's own work (bench_modes --hook-work 1: the model as one bucket, compressed and
+# decompressed at world 1) on N lone ranks side by side, as the compute is measured.
+hook_alone_ms() {  # ranks spec -> the mean of their medians
+  local k
+  for k in $(seq "$1"); do
+    "$build/flatshard-run" -n 1 "$build/bench/bench_modes" --hook-work 1 --hook "$2" $MODEL --steps 5 2>/dev/null |
+      sed -n 's/^\[rank 0\] hook_work,//p' | awk -F, '{ print $4 }' > "$out/hook.$k" &
+  done
+  wait
+  cat "$out"/hook.* | awk '{ s += $1; n++ } END { printf "%.1f", s / n }'
+  rm -f "$out"/hook.*
+}
+hook_of() {  # mode -> its hook spec, or nothing
+  local v="${1#*+}"
+  [ "$v" != "$1" ] || return 0
+  case "$v" in async:* | decentralized:*) ;; *) echo "$v" ;; esac
 }
 median() {  # column -> the median of that column of stdin's lines
   awk -v c="$1" 'NF { print $c }' | sort -g | awk '{ v[NR] = $1 }
@@ -108,8 +140,8 @@ for rate in $RATES; do
   fi
 done
 
-echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for the op | predicted contended | link GB/s, µs | beside compute GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms |"
-echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|"
+echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for the op | predicted contended | link GB/s, µs | beside compute GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms | hook work ms |"
+echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"
 for rate in $RATES; do
   throttled=1  # the link, not the CPU, moves this row's bytes at its pace
   case "$rate" in unthrottled | tcp) throttled=0 ;; esac
@@ -139,6 +171,10 @@ for rate in $RATES; do
           alone_ms "$n" "$mode" >> "$out/measured.alone.$mode"
           echo >> "$out/measured.alone.$mode" ;;
         esac
+        if [ -n "$(hook_of "$mode")" ]; then
+          hook_alone_ms "$n" "$(hook_of "$mode")" >> "$out/measured.hook.$mode"
+          echo >> "$out/measured.hook.$mode"
+        fi
         modes_step "$n" "$mode" >> "$out/measured.$mode"
       done
     done
@@ -163,21 +199,25 @@ for rate in $RATES; do
     ms_n="$(median 1 < "$out/measured.alone.ddp")"
     rank_tflops="$(calibrate "$ms_n" "$rank_gbs")"
     for mode in $MODES; do
-      case "$mode" in full) row="full shard" ;; zero2) row="shard-grad-op" ;; zero1) row="ZeRO-1" ;; ddp) row="DDP" ;; esac
+      case "${mode%%+*}" in full) row="full shard" ;; zero2) row="shard-grad-op" ;; zero1) row="ZeRO-1" ;; ddp) row="DDP" ;; esac
       work=0
       if [ -f "$out/measured.alone.$mode" ] && [ "$mode" != ddp ]; then
         work="$(awk -v a="$(median 1 < "$out/measured.alone.$mode")" -v d="$ms_n" 'BEGIN { w = a - d; if (w < 0) w = 0; printf "%.1f", w }')"
       fi
+      hook_ms=0
+      [ ! -f "$out/measured.hook.$mode" ] || hook_ms="$(median 1 < "$out/measured.hook.$mode")"
       "$build/flatshard-plan" --cluster "1x$n" --gpt "$gpt" --seq "$context" --batch "$BATCH" --dtype fp32 --reduce fp32 \
+        --hook-work-ms "$hook_ms" \
         --tflops "$rank_tflops" --memory-gbs "$rank_gbs" --intra "$bus" --intra-us "$lat" \
-        --collective-share "$share" --sharding-work-ms "$work" ${beside[@]+"${beside[@]}"} --csv 1 > "$out/plan.csv"
+        --collective-share "$share" --sharding-work-ms "$work" ${beside[@]+"${beside[@]}"} $(variant_flags "$mode") \
+        --csv 1 > "$out/plan.csv"
       ms="$(median 1 < "$out/measured.$mode")"
       wait="$(median 2 < "$out/measured.$mode")"
       peer="$(median 3 < "$out/measured.$mode")"
       op="$(median 4 < "$out/measured.$mode")"
-      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$rate" "$n" "$mode" "$bus" "$lat" "$share" "$ms_n" "$work" "${beside[1]:-}" "${beside[3]:-}" <<'PY'
+      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$rate" "$n" "$mode" "$bus" "$lat" "$share" "$ms_n" "$work" "$hook_ms" "${beside[1]:-}" "${beside[3]:-}" <<'PY'
 import sys
-plan, row, ms, wait, peer, op, rate, n, mode, bus, lat, share, alone, work, bbus, blat = sys.argv[1:]
+plan, row, ms, wait, peer, op, rate, n, mode, bus, lat, share, alone, work, hook, bbus, blat = sys.argv[1:]
 beside = f"{float(bbus):.2f}, {float(blat):.0f}" if bbus else "-"
 for line in open(plan):
     f = line.strip().split(",")
@@ -187,7 +227,7 @@ for line in open(plan):
         print(f"| {rate} | {n} | {mode} | {p:.0f} | {float(ms):.0f} | {error:+.1f}% | "
               f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {100 * float(peer):.0f}% | "
               f"{100 * float(op):.0f}% | {100 * contended:.0f}% | "
-              f"{float(bus):.2f}, {float(lat):.0f} | {beside} | {float(share):.2f} | {alone} | {work} |")
+              f"{float(bus):.2f}, {float(lat):.0f} | {beside} | {float(share):.2f} | {alone} | {work} | {hook} |")
         open(plan + ".errors", "a").write(f"{abs(error):.1f} {rate} {n} {mode}\n")
 PY
     done

@@ -113,6 +113,21 @@ Cluster h100_cluster(int nodes, int per_node);
 // block's forward again in backward: FlatShard's recompute.h).
 enum class Recompute { None, Selective, Full };
 
+// A communication hook as the step-time model sees it (comm_hooks.h; Note [Communication
+// algorithms in the step-time model] in src/plan/step_time.cpp): what each bucket sends and
+// the passes over its values that compress and decompress it.
+struct HookModel {
+  enum class Kind { None, AllReduce, LowPrecision, Int8, TopK, RandomK, PowerSGD };
+  Kind kind = Kind::None;
+  double ratio = 0.01;  // TopK, RandomK: the share of the values sent
+  int rank = 4;         // PowerSGD
+  int chunk = 256;      // Int8: values per fp32 scale
+};
+// The spec flatshard::hooks::parse takes: none, all_reduce, bf16, fp16, int8[:CHUNK],
+// top_k:RATIO, random_k:RATIO, power_sgd:RANK[:START_STEP] (the model is the steady state:
+// PowerSGD's START_STEP is read and left out). Throws std::invalid_argument otherwise.
+HookModel parse_hook_model(const std::string& spec);
+
 struct TimeOptions {
   Strategy strategy = Strategy::FullShard;
   int shard_group_size = 0;  // HybridShard: ranks per shard group (0: a node)
@@ -139,6 +154,20 @@ struct TimeOptions {
   // backward (Note [The sharded path's own work] in src/plan/step_time.cpp). On a GPU it is
   // within the calibrated throughput (the H100 preset was calibrated on full shard's step).
   double sharding_work_s = 0;
+  // The replicated strategies' ways to communicate less (docs/communication.md): a hook
+  // reduces each bucket (NoShard, ShardOptimizerState; under HybridShard the all-reduce
+  // across shard groups); `staleness` s averages each bucket while the next s steps compute
+  // (NoShard, ShardOptimizerState); `decentralized_every` k exchanges the parameters with the
+  // two ring neighbours every k-th step in place of any gradient average (NoShard, neither
+  // of the others). A strategy or combination the engine refuses throws std::invalid_argument.
+  HookModel hook{};
+  // The hook's compression and decompression of the whole model on one rank alone (0: the
+  // passes over memory of Note [Communication algorithms in the step-time model]): measured
+  // (bench_modes --hook-work 1), it scales every bucket's work; the finish of int8 and top-k
+  // still grows with the ranks as the passes say.
+  double hook_work_s = 0;
+  int staleness = 0;
+  int decentralized_every = 0;
 };
 
 // One step, predicted.
@@ -146,7 +175,8 @@ struct StepTime {
   double forward_s = 0, backward_s = 0;  // compute only (recomputation in backward)
   double optimizer_s = 0;                // on the device, or on the host when offloaded
   // The engine's own work on the compute stream: the sharded path's (TimeOptions::
-  // sharding_work_s over the shard group), ZeRO-1's bucket gradients.
+  // sharding_work_s over the shard group), ZeRO-1's bucket gradients, a hook's compression
+  // and decompression, staleness's copies, decentralized training's averaging (per step).
   double engine_s = 0;
   double copies_s = 0;         // offload: every copy between host and device, overlapped or not
   double step_s = 0;           // the critical path through compute and the links
@@ -182,7 +212,8 @@ struct StrategyPlan {
 
 // Every strategy on `cluster`, with hybrid sharding in groups of a node, two nodes, ... up
 // to half the world: what flatshard-plan --cluster prints. `base` gives everything but the
-// strategy; activations are estimate_activation_bytes's.
+// strategy (the strategies that refuse its hook, staleness or decentralized training are
+// left out); activations are estimate_activation_bytes's.
 std::vector<StrategyPlan> plan_cluster(const TransformerShape& model, const Cluster& cluster,
                                        const TimeOptions& base, std::int64_t device_bytes);
 

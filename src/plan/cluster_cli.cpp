@@ -37,11 +37,17 @@ int usage(const char* why) {
       "                      ranks fill)]\n"
       "                      [--sharding-work-ms T (the sharded strategies' own work per step on one\n"
       "                      rank alone: its step less DDP's)]\n"
+      "                      [--hook none|all_reduce|bf16|fp16|int8[:CHUNK]|top_k:RATIO|random_k:RATIO|\n"
+      "                      power_sgd:RANK[:START] (DDP and ZeRO-1's buckets; hybrid's all-reduce across\n"
+      "                      groups)] [--hook-work-ms T (the hook's work on the whole model, one rank\n"
+      "                      alone: bench_modes --hook-work 1)] [--staleness S (DDP, ZeRO-1)]\n"
+      "                      [--decentralized K (DDP)]\n"
       "                      [--calibrate-ms T (the sustained throughput that makes this model's step\n"
       "                      on one device take T ms)] [--csv 1]\n"
       "Predicts each strategy's step (docs/scaling.md): tokens/s per device, MFU, the share of\n"
       "the step spent waiting for communication, what limits it, and per-device peak memory;\n"
-      "names the fastest strategy that fits --device-gib (80).\n");
+      "names the fastest strategy that fits --device-gib (80). With --hook, --staleness or\n"
+      "--decentralized only the strategies that take it are listed.\n");
   return why ? 2 : 0;
 }
 
@@ -60,6 +66,7 @@ int cluster_main(int argc, char** argv) {
   double tflops = 0, intra = 0, intra_us = -1, inter = 0, inter_us = -1, memory_gbs = 0, calibrate_ms = 0;
   double pcie = 0, host_gbs = 0, collective_share = -1, beside = 0, beside_us = -1;
   bool csv = false;
+  std::string hook_spec = "none";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "-h" || a == "--help") return usage(nullptr);
@@ -133,6 +140,21 @@ int cluster_main(int argc, char** argv) {
     } else if (a == "--calibrate-ms") {
       if (int r = need(positive, "milliseconds")) return r;
       calibrate_ms = x;
+    } else if (a == "--hook") {
+      try {
+        base.hook = parse_hook_model(v);
+        hook_spec = v;
+      } catch (const std::invalid_argument& e) {
+        return usage(e.what());
+      }
+    } else if (a == "--hook-work-ms") {
+      double ms = 0;
+      if (!parse_double(v, ms) || ms < 0)
+        return usage(fmt::format("--hook-work-ms takes milliseconds (0 or more), got '{}'", v).c_str());
+      base.hook_work_s = ms * 1e-3;
+    } else if (a == "--staleness" || a == "--decentralized") {
+      if (int r = need(positive && x == std::floor(x), "a whole number above 0")) return r;
+      (a == "--staleness" ? base.staleness : base.decentralized_every) = static_cast<int>(x);
     } else if (a == "--csv") {
       if (v != "0" && v != "1") return usage("--csv takes 0 or 1");
       csv = v == "1";
@@ -154,6 +176,10 @@ int cluster_main(int argc, char** argv) {
     }
   }
   if (nodes < 1) return usage("--cluster NODESxDEVICES is required");
+  if (base.decentralized_every > 0 && (base.staleness > 0 || base.hook.kind != HookModel::Kind::None))
+    return usage("--decentralized takes neither --hook nor --staleness: it averages no gradient");
+  if (base.offload && base.hook.kind != HookModel::Kind::None)
+    return usage("--hook with --offload 1 is not modelled");
   Cluster c = h100_cluster(nodes, per_node);
   if (tflops > 0) c.flops = tflops * 1e12;
   if (intra > 0) c.intra.bus_bandwidth = intra * 1e9;
@@ -205,6 +231,11 @@ int cluster_main(int argc, char** argv) {
         base.offload_bf16_copy ? "bf16 copies sent" : "fp32 masters sent",
         base.step_in_backward ? ", stepping in backward" : "", c.pcie.bus_bandwidth / 1e9,
         c.host_bandwidth / 1e9);
+  if (base.hook.kind != HookModel::Kind::None) header += fmt::format("; each bucket reduced by the {} hook", hook_spec);
+  if (base.staleness > 0) header += fmt::format("; gradients applied {} steps late (staleness)", base.staleness);
+  if (base.decentralized_every > 0)
+    header += fmt::format("; no gradient averaged, parameters averaged with the ring neighbours every {} steps",
+                          base.decentralized_every);
   // Where collectives take compute, the share of the step it lost to them (contended).
   const bool contended = c.collective_compute_share > 0;
   if (contended)

@@ -152,6 +152,63 @@ std::int64_t estimate_activation_bytes(const TransformerShape& m, const TimeOpti
   return static_cast<std::int64_t>(layers + 10.0 * static_cast<double>(m.vocab) * tokens);
 }
 
+HookModel parse_hook_model(const std::string& spec) {
+  using K = HookModel::Kind;
+  HookModel h;
+  const auto colon = spec.find(':');
+  const std::string name = spec.substr(0, colon);
+  const std::string rest = colon == std::string::npos ? "" : spec.substr(colon + 1);
+  auto bad = [&] {
+    return std::invalid_argument(fmt::format(
+        "no hook '{}': none, all_reduce, bf16, fp16, int8[:CHUNK], top_k:RATIO, random_k:RATIO, "
+        "power_sgd:RANK[:START_STEP]",
+        spec));
+  };
+  auto number = [&](const std::string& text, double& out) {
+    std::size_t used = 0;
+    try {
+      out = std::stod(text, &used);
+    } catch (const std::exception&) {
+      throw bad();
+    }
+    if (used != text.size() || !(out > 0)) throw bad();
+  };
+  double x = 0;
+  if ((name == "none" || name == "all_reduce" || name == "bf16" || name == "fp16") && !rest.empty()) throw bad();
+  if (name == "none") {
+    h.kind = K::None;
+  } else if (name == "all_reduce") {
+    h.kind = K::AllReduce;
+  } else if (name == "bf16" || name == "fp16") {
+    h.kind = K::LowPrecision;
+  } else if (name == "int8") {
+    h.kind = K::Int8;
+    if (!rest.empty()) {
+      number(rest, x);
+      if (x != std::floor(x)) throw bad();
+      h.chunk = static_cast<int>(x);
+    }
+  } else if (name == "top_k" || name == "random_k") {
+    h.kind = name == "top_k" ? K::TopK : K::RandomK;
+    number(rest, x);
+    if (x > 1) throw bad();
+    h.ratio = x;
+  } else if (name == "power_sgd") {
+    h.kind = K::PowerSGD;
+    const auto second = rest.find(':');
+    number(rest.substr(0, second), x);
+    if (x != std::floor(x)) throw bad();
+    h.rank = static_cast<int>(x);
+    if (second != std::string::npos) {
+      const std::string start = rest.substr(second + 1);
+      if (start.empty() || start.find_first_not_of("0123456789") != std::string::npos) throw bad();
+    }
+  } else {
+    throw bad();
+  }
+  return h;
+}
+
 // --- the simulation ----------------------------------------------------------------------
 
 namespace {
@@ -178,6 +235,166 @@ Cost cost(Collective c, double bytes, int ranks, const Link& link, const Link* b
   return {cpu + latency, latency};
 }
 
+// A parameter as PowerSGD views it: an a x b matrix (b = 1: a vector, averaged whole).
+struct Tensor2 {
+  double a = 0, b = 1;
+};
+
+// One decoder layer's parameters in the order the model registers them (models/gpt.h,
+// models/llama.h): the order of its flat buffer, and of the shards cut from it.
+std::vector<Tensor2> layer_tensors(const TransformerShape& m) {
+  const auto d = static_cast<double>(m.dim);
+  if (!m.llama)  // ln1, qkv (no bias), proj, ln2, fc, out
+    return {{d}, {d}, {3 * d, d}, {d, d}, {d}, {d}, {d}, {4 * d, d}, {4 * d}, {d, 4 * d}, {d}};
+  const auto kv = static_cast<double>((m.kv_heads > 0 ? m.kv_heads : m.heads) * m.head_dim());
+  const auto f = static_cast<double>(m.ffn);  // q, k, v, o, gate, up, down, the two RMSNorms
+  return {{d, d}, {kv, d}, {kv, d}, {d, d}, {f, d}, {f, d}, {d, f}, {d}, {d}};
+}
+
+// A bucket's values as a hook sees them (Note [Communication algorithms in the step-time
+// model]).
+struct Part {
+  double elements = 0;
+  double whole = 0;     // PowerSGD: sent as they are (vectors, matrices too small to gain)
+  double p = 0, q = 0;  // PowerSGD: the values of P (a x r) and Q (b x r) of the compressed matrices
+  void add(const Tensor2& t, int rank) {
+    elements += t.a * t.b;
+    if (t.b > 1 && rank * (t.a + t.b) < t.a * t.b) {
+      p += t.a * rank;
+      q += t.b * rank;
+    } else {
+      whole += t.a * t.b;
+    }
+  }
+  void add(const Part& o) {
+    elements += o.elements;
+    whole += o.whole;
+    p += o.p;
+    q += o.q;
+  }
+};
+
+Part part_of(const std::vector<Tensor2>& tensors, int rank) {
+  Part part;
+  for (const auto& t : tensors) part.add(t, rank);
+  return part;
+}
+
+// Under HybridShard the hook gets each unit's shard (Note [Hooks across shard groups] in
+// sharding/averaging.cpp): a matrix is compressed only where it lies wholly in the shard,
+// and the pieces the shard's edges cut are sent as they are. The ranks of a shard group
+// step together, so the shard that sends the most sets the pace.
+Part worst_shard(const std::vector<Tensor2>& tensors, int group, int rank) {
+  double total = 0;
+  for (const auto& t : tensors) total += t.a * t.b;
+  const double size = total / group;
+  Part worst;
+  auto sent = [](const Part& p) { return p.whole + p.p + p.q; };
+  for (int s = 0; s < group; ++s) {
+    const double lo = s * size, hi = lo + size;
+    Part part;
+    double at = 0;
+    for (const auto& t : tensors) {
+      const double begin = at, end = at + t.a * t.b;
+      at = end;
+      const double inside = std::min(end, hi) - std::max(begin, lo);
+      if (inside <= 0) continue;
+      if (begin >= lo && end <= hi) {
+        part.add(t, rank);
+      } else {
+        part.elements += inside;
+        part.whole += inside;
+      }
+    }
+    if (s == 0 || sent(part) > sent(worst)) worst = part;
+  }
+  return worst;
+}
+
+// Note [Communication algorithms in the step-time model]
+// A hook (comm_hooks.h) reduces each bucket in its place: it compresses on the compute
+// stream when the bucket is ready, runs its collectives on the bucket's link, and writes
+// the average once the engine finishes the bucket (at the next bucket's launch, or at the
+// end of backward). What crosses the wire follows each hook's algorithm exactly (n values
+// in a bucket, N ranks): bf16/fp16 an all-reduce of 2n bytes; int8 an all-gather of each
+// rank's n bytes and a 4-byte scale per chunk; top-k an all-gather of k = ratio n values
+// with their int32 indices; random-k an all-reduce of k values; PowerSGD an all-reduce of
+// P (a x r per matrix) with the values it sends whole, then, once the first is finished,
+// one of Q (b x r). Its work is counted in passes over memory at the device's bandwidth
+// (bytes per value), plus PowerSGD's matmuls at its throughput:
+// - bf16/fp16: 6 to compress (read 4, write 2) and 6 to write the average;
+// - int8: 9 to compress (the chunks' largest magnitudes, then quantize), 9 per rank's
+//   values received (read one byte, add into the fp32 sum) and 4 to write the average;
+// - top-k and random-k: error feedback's add (12); top-k's selection 32 (a radix select's
+//   eight passes over the values: an assumption, checked on the CPU in docs/scaling.md);
+//   the average's zero fill (4) and 16 per value received, scattered;
+// - PowerSGD, per value of its compressed matrices: error feedback's add (12), reading M
+//   for MQ (4) and for MᵀP (4), PQᵀ written (4), the residual M - PQᵀ (12) and the average
+//   (4); 2r FLOPs for each of MQ, MᵀP and PQᵀ, and 2ar² to orthonormalize P.
+// Staleness (Note [Bounded staleness] in sharding/averaging.cpp) copies each bucket (a
+// read and a write in the reduction dtype) and reduces the copy; the engine finishes, in
+// its place, the same bucket's reduction of s steps before. The model runs s + 8 steps on
+// the same links and reports the last: where the links keep up, no step waits; where they
+// do not, the step is the links' time. Decentralized training (Note [Decentralized
+// training] in sharding/replicated.cpp) averages no gradient: every k-th step the fp32
+// parameters go to each ring neighbour (one send at 2 ranks, two from 3), issued as the
+// step starts and waited for at the end of backward, then averaged (three reads and a
+// write, 16 bytes per parameter); the model runs k steps and reports their mean.
+struct Round {
+  Collective op = Collective::AllReduce;
+  double bytes = 0;  // the whole: gathered or unreduced
+};
+struct BucketCost {
+  double compress = 0;  // compute before its first collective is issued
+  Round first;
+  double between = 0;  // PowerSGD: compute once the first is finished, before the second
+  Round second;
+  double finish = 0;  // compute once its collectives are finished
+};
+
+BucketCost bucket_cost(const HookModel& h, const Part& b, int ranks, double reduce_bytes, bool zero1,
+                       const Cluster& c) {
+  using K = HookModel::Kind;
+  const double n = b.elements, bw = c.memory_bandwidth;
+  BucketCost k;
+  switch (h.kind) {
+    case K::None:
+      k.first = {zero1 ? Collective::ReduceScatter : Collective::AllReduce, n * reduce_bytes};
+      break;
+    case K::AllReduce:
+      k.first = {Collective::AllReduce, n * reduce_bytes};
+      break;
+    case K::LowPrecision:
+      k.compress = k.finish = 6 * n / bw;
+      k.first = {Collective::AllReduce, 2 * n};
+      break;
+    case K::Int8:
+      k.compress = 9 * n / bw;
+      k.first = {Collective::AllGather, ranks * n * (1 + 4.0 / h.chunk)};
+      k.finish = (9.0 * ranks + 4) * n / bw;
+      break;
+    case K::TopK:
+    case K::RandomK: {
+      const double values = std::ceil(h.ratio * n);
+      const bool top = h.kind == K::TopK;
+      k.compress = (12 + (top ? 32 : 0)) * n / bw;
+      k.first = top ? Round{Collective::AllGather, ranks * 8 * values} : Round{Collective::AllReduce, 4 * values};
+      k.finish = (4 * n + 16 * values * (top ? ranks : 1)) / bw;
+      break;
+    }
+    case K::PowerSGD: {
+      const double m = n - b.whole, r = h.rank;
+      k.compress = 16 * m / bw + 2 * r * m / c.flops;
+      k.first = {Collective::AllReduce, 4 * (b.p + b.whole)};
+      k.between = 4 * m / bw + (2 * r * m + 2 * r * b.p) / c.flops;
+      k.second = {Collective::AllReduce, 4 * b.q};
+      k.finish = 20 * m / bw + 2 * r * m / c.flops;
+      break;
+    }
+  }
+  return k;
+}
+
 // What a step's compute waits on, to name what limits it.
 struct Waits {
   double gathers = 0, reductions = 0;
@@ -202,6 +419,21 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     throw std::invalid_argument(
         fmt::format("predict_time: a shard group of {} does not divide {} ranks", group, n));
   const int replicas = n / group;
+  const bool replicated = o.strategy == Strategy::NoShard || o.strategy == Strategy::ShardOptimizerState;
+  const bool hooked = o.hook.kind != HookModel::Kind::None;
+  if (o.staleness < 0 || o.decentralized_every < 0 || o.hook_work_s < 0)
+    throw std::invalid_argument("predict_time: staleness, decentralized_every and hook_work_s are 0 or more");
+  if (hooked && !replicated && !(o.strategy == Strategy::HybridShard && replicas > 1))
+    throw std::invalid_argument(
+        "predict_time: a hook reduces the replicated strategies' buckets or hybrid's all-reduce across "
+        "two or more shard groups");
+  if (o.staleness > 0 && !replicated)
+    throw std::invalid_argument("predict_time: staleness is NoShard's and ShardOptimizerState's");
+  if (o.decentralized_every > 0 && (o.strategy != Strategy::NoShard || hooked || o.staleness > 0))
+    throw std::invalid_argument(
+        "predict_time: decentralized training is NoShard's, with neither a hook nor staleness");
+  if (hooked && o.offload)
+    throw std::invalid_argument("predict_time: a hook with offload is not modelled");
   // A group of consecutive ranks stays on a node's links while it fits in one; replica
   // groups (one rank of each shard group) cross nodes when there are several.
   const Link& group_link = group <= c.per_node ? c.intra : c.inter;
@@ -264,11 +496,58 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   const double layer_bytes = static_cast<double>(m.layer_params());
   const double root_bytes = static_cast<double>(m.root_params());
 
+  // The hook's view of the model's gradients (Note [Communication algorithms in the
+  // step-time model]): a layer's, the head's with the final norm's (first in backward), the
+  // embeddings' (last); under HybridShard a unit's shard.
+  const int hook_rank = o.hook.kind == HookModel::Kind::PowerSGD ? o.hook.rank : 1;
+  const auto d = static_cast<double>(m.dim);
+  const Part layer_part = part_of(layer_tensors(m), hook_rank);
+  Part head_part;  // the final norm's vectors, then the head
+  head_part.whole = head_part.elements = m.llama ? d : 2 * d;
+  if (!m.tied) head_part.add(Tensor2{static_cast<double>(m.vocab), d}, hook_rank);
+  std::vector<Tensor2> embeddings{{static_cast<double>(m.vocab), d}};
+  if (!m.llama) embeddings.push_back({static_cast<double>(m.context), d});
+  Part embeddings_part = part_of(embeddings, hook_rank);
+  // The root's own count: what the parts above leave of it is sent as it is.
+  embeddings_part.whole += static_cast<double>(m.root_params()) - head_part.elements - embeddings_part.elements;
+  embeddings_part.elements = static_cast<double>(m.root_params()) - head_part.elements;
+  // Measured hook work (TimeOptions::hook_work_s) scales the passes: the whole model as one
+  // bucket on one rank is what bench_modes --hook-work 1 times.
+  double hook_scale = 1;
+  if (hooked && o.hook_work_s > 0) {
+    Part all = head_part;
+    for (int k = 0; k < m.layers; ++k) all.add(layer_part);
+    all.add(embeddings_part);
+    const BucketCost alone = bucket_cost(o.hook, all, 1, o.reduce_bytes, false, c);
+    const double modelled = alone.compress + alone.between + alone.finish;
+    if (modelled > 0) hook_scale = o.hook_work_s / modelled;
+  }
+  auto hook_cost = [&](const Part& b, int ranks, bool zero1) {
+    // One rank alone reduces nothing: the engine skips its buckets' reductions and the hook.
+    BucketCost k = bucket_cost(ranks > 1 ? o.hook : HookModel{}, b, ranks, o.reduce_bytes, zero1, c);
+    k.compress *= hook_scale;
+    k.between *= hook_scale;
+    k.finish *= hook_scale;
+    return k;
+  };
+  Part layer_shard, root_shard;
+  if (o.strategy == Strategy::HybridShard && hooked) {
+    layer_shard = worst_shard(layer_tensors(m), group, hook_rank);
+    std::vector<Tensor2> root = embeddings;
+    root.push_back({m.llama ? d : 2 * d});
+    if (!m.tied) root.push_back({static_cast<double>(m.vocab), d});
+    root_shard = worst_shard(root, group, hook_rank);
+  }
+
   StepTime t;
   t.forward_s = m.layers * layer_fwd + head_fwd;
   t.backward_s = m.layers * layer_bwd + 2 * head_fwd;
   Waits waits;
   double now = 0;  // the compute stream
+  // What the step reports counts from here: the replicated strategies run several steps
+  // under staleness and decentralized training and report the mean of the last `window`.
+  double window_begin = 0, busy0 = 0, latency0 = 0, copies0 = 0, host0 = 0, contended0 = 0;
+  int window = 1;
 
   // Each unit's gradient reduction: reduce-scatter within the shard group, then (hybrid)
   // all-reduce of the shard across replicas. Returns when it is done. Each link's queue
@@ -279,11 +558,34 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   // finishes the reduction at the next unit's (not modelled).
   double landed = 0;          // offload: when the last gradient shard reached the host
   double last_reduction = 0;  // when the last unit's collectives of its reduction completed
+  // Note [Communication algorithms in the step-time model], under HybridShard: the engine
+  // hands the hook a unit's shard when it finishes the unit's reduce-scatter (at the next
+  // unit's, Note [One reduce-scatter in flight]) and waits there for the hook's rounds across
+  // the groups: compression, rounds and the average follow each other on compute's path.
+  const Part* hook_due = nullptr;
+  auto run_hook = [&] {
+    if (!hook_due) return;
+    const BucketCost k = hook_cost(*hook_due, replicas, false);
+    hook_due = nullptr;
+    Lane& ar = lane_of(replica_link);
+    for (const auto& [work, round] : {std::pair{k.compress, k.first}, std::pair{k.between, k.second}}) {
+      now = compute.run(now, work);
+      t.engine_s += work;
+      if (round.bytes <= 0) continue;
+      const double done = ar.run(now, cost(round.op, round.bytes, replicas, replica_link));
+      if (done > now) waits.reductions += done - now;
+      now = std::max(now, done);
+    }
+    now = compute.run(now, k.finish);
+    t.engine_s += k.finish;
+  };
   auto reduce_unit = [&](double issued, double elements, double busy_until) {
     Lane& rs = lane_of(group_link);
     double done = rs.run(issued, cost(Collective::ReduceScatter, elements * o.reduce_bytes, group, group_link,
                                       beside(group_link, rs, issued, busy_until)));
-    if (replicas > 1) {
+    if (replicas > 1 && hooked) {
+      hook_due = elements == layer_bytes ? &layer_shard : &root_shard;  // run when it is finished
+    } else if (replicas > 1) {
       Lane& ar = lane_of(replica_link);
       done = ar.run(done, cost(Collective::AllReduce, elements * o.reduce_bytes / group, replicas,
                                replica_link, beside(replica_link, ar, done, busy_until)));
@@ -350,6 +652,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     auto wait_for_last_reduction = [&] {
       if (last_reduction > now) waits.reductions += last_reduction - now;
       now = std::max(now, last_reduction);
+      run_hook();
     };
     int next = m.layers - 1;
     auto issue_back = [&](int last, double at, int current) {
@@ -370,6 +673,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     wait_for_last_reduction();
     reduced =
         std::max(reduced, reduce_unit(now, root_bytes, now));  // the root's, after the embedding's backward
+    if (hook_due) wait_for_last_reduction();                    // and its hook
     // Waiting for the reductions (and offloaded, their copies to the host), then for what
     // the host still has to step.
     const double communicated = o.offload && o.step_in_backward ? std::min(reduced, landed) : reduced;
@@ -391,7 +695,9 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     }
   } else {
     // DDP and ZeRO-1: forward needs no communication; backward fills buckets in reverse
-    // order and reduces each when full (all-reduce; ZeRO-1 reduce-scatter).
+    // order and reduces each when full (all-reduce; ZeRO-1 reduce-scatter; or the hook's
+    // rounds). Under staleness the model runs s + 8 steps on the same links, under
+    // decentralized training k (Note [Communication algorithms in the step-time model]).
     const bool zero1 = o.strategy == Strategy::ShardOptimizerState;
     const Link& link = n <= c.per_node ? c.intra : c.inter;
     Lane& lane = lane_of(link);
@@ -404,99 +710,182 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // memory's bandwidth, in backward's order. A few milliseconds per billion parameters
     // on a GPU; on a CPU about a tenth of the compute.
     const double grad_passes = zero1 && n > 1 ? 4.0 * o.param_bytes / c.memory_bandwidth : 0;  // s per param
-    t.engine_s = static_cast<double>(m.params()) * grad_passes;
+    const double params = static_cast<double>(m.params());
     // The head's gradients come first (with the final norm's), the embeddings' last.
-    const double head_elements =
-        static_cast<double>(m.tied ? 0 : m.vocab * m.dim) + 2.0 * static_cast<double>(m.dim);
-    // Forward, the head's backward and its gradients.
-    now = compute.run(now, t.forward_s + 2 * head_fwd + head_elements * grad_passes);
+    const double head_elements = head_part.elements;
     const double bucket_elements = static_cast<double>(o.bucket_bytes) / o.reduce_bytes;
-    double pending = head_elements;
-    double reduced = 0;
-    std::vector<double> buckets;
     const double owned = zero1 ? n : 1;  // a bucket's share this rank steps
     // Note [Queued bucket reductions] (sharding/replicated.cpp): DDP's fp32 gradients live
     // in one persistent buffer and its buckets queue; otherwise (ZeRO-1, a compute dtype
     // under fp32 masters, offload) each bucket's buffer is freed when its reduction is
     // finished, and compute waits for the last bucket's before it issues the next.
     const bool one_in_flight = zero1 || o.param_bytes < 4 || o.offload;
-    // Bucket by bucket, issued at `now`; `remaining`: backward's compute still to run.
-    auto flush = [&](double remaining) {
-      if (pending <= 0) return;
-      buckets.push_back(pending);
-      if (one_in_flight && reduced > now) {
-        waits.reductions += reduced - now;
-        now = reduced;
-      }
-      const double issued = std::max(now, reduced);
-      const double busy_until = now + remaining;
-      reduced =
-          lane.run(issued, cost(zero1 ? Collective::ReduceScatter : Collective::AllReduce,
-                                pending * o.reduce_bytes, n, link, beside(link, lane, issued, busy_until)));
-      if (o.offload) landed = copy(d2h, reduced, pending / owned * 4);  // behind its reduction
-      pending = 0;
+    const bool decentralized = o.decentralized_every > 0;
+    window = decentralized ? o.decentralized_every : 1;
+    const int steps = o.staleness > 0 ? o.staleness + 8 : window;
+    // A bucket's reduction as the engine keeps it until it finishes it.
+    struct Reduction {
+      BucketCost cost;
+      double done = 0, landed = 0;  // its first round; offloaded, its copy to the host
+      bool finished = false;
+      double second_done = -1;  // PowerSGD: its second round, once issued
     };
+    std::vector<std::vector<Reduction>> issued(steps);
     const double layer_back = layer_bwd + layer_bytes * grad_passes;
     const double embeddings_back = (root_bytes - head_elements) * grad_passes;
-    if (pending >= bucket_elements) flush(m.layers * layer_back + embeddings_back);
-    for (int k = m.layers - 1; k >= 0; --k) {
-      now = compute.run(now, layer_back);
-      pending += layer_bytes;
-      if (pending >= bucket_elements) flush(k * layer_back + embeddings_back);
-    }
-    pending += root_bytes - head_elements;
-    now = compute.run(now, embeddings_back);  // the embeddings'
-    flush(0);
-    reduced = std::max(reduced, landed);
-    if (reduced > now) waits.reductions += reduced - now;
-    now = std::max(now, reduced);
-    const double per_param = 12 + 2 * o.optimizer_state_bytes;
-    if (o.offload) {
-      // The host steps bucket by bucket; each stepped bucket goes back to the device (and
-      // under ZeRO-1 is gathered from there).
-      double back = now;
-      for (double b : buckets) {
-        now = host_step(now, b / owned);
-        back = copy(h2d, std::max(now, back), b / owned * send_bytes);
-        if (zero1) back = lane.run(back, cost(Collective::AllGather, b * o.param_bytes, n, link));
+    const double staleness_copy = o.staleness > 0 ? 2.0 * o.reduce_bytes / c.memory_bandwidth : 0;  // s per value
+    double engine = 0;  // the hook's, staleness's and decentralized training's work in the window
+    for (int step = 0; step < steps; ++step) {
+      if (step == steps - window) {  // what the step reports starts here
+        window_begin = now;
+        waits = Waits{};
+        engine = 0;
+        busy0 = intra.busy + inter.busy;
+        latency0 = intra.latency + inter.latency;
+        copies0 = h2d.busy + d2h.busy;
+        host0 = host.busy;
+        contended0 = compute.contended;
       }
-      t.optimizer_s = host.busy;
-      if (back > now) waits.gathers += back - now;
-      now = std::max(now, back);
-    } else if (!zero1) {
-      t.optimizer_s = static_cast<double>(m.params()) * per_param / c.memory_bandwidth;
-      now = compute.run(now, t.optimizer_s);
-    } else {
-      // Note [Gathers behind the step]: each bucket's slice is gathered as soon as it is stepped.
-      double gathered = now;
-      double steps_left = 0;  // the steps' compute still to run after each gather's issue
-      for (double b : buckets) steps_left += b / n * per_param / c.memory_bandwidth;
-      for (double b : buckets) {
-        const double step = b / n * per_param / c.memory_bandwidth;
-        t.optimizer_s += step;
-        steps_left -= step;
-        now = compute.run(now, step);
-        const double issued = std::max(now, gathered);
-        gathered = lane.run(issued, cost(Collective::AllGather, b * o.param_bytes, n, link,
-                                         beside(link, lane, issued, now + steps_left)));
+      const double backward_end = now + t.forward_s + t.backward_s + params * grad_passes;  // at the full rate
+      // Decentralized training: every k-th step (the window's last) the parameters go to the
+      // ring neighbours from the step's start, beside forward and backward.
+      double exchanged = 0;
+      if (decentralized && step == steps - 1 && n > 1) {
+        const double sends = n > 2 ? 2 : 1, bytes = 4 * params;
+        const Link* b = beside(link, lane, now, backward_end);
+        const Link& l = b ? *b : link;
+        const double waits_s = sends * std::max(l.latency, link.latency);
+        exchanged = lane.run(now, Cost{sends * bytes / std::min(l.bus_bandwidth, link.bus_bandwidth) + waits_s,
+                                       waits_s, sends * bytes / link.bus_bandwidth});
       }
-      if (gathered > now) waits.gathers += gathered - now;
-      now = std::max(now, gathered);
+      // Forward, the head's backward and its gradients.
+      now = compute.run(now, t.forward_s + 2 * head_fwd + head_elements * grad_passes);
+      std::vector<Reduction>& mine = issued[step];
+      // The reductions this step finishes: its own, or under staleness those of s steps before.
+      std::vector<Reduction>* due = step >= o.staleness ? &issued[step - o.staleness] : nullptr;
+      auto finish = [&](Reduction& r) {  // wait for its first round, then its second or its average
+        if (r.done > now) waits.reductions += r.done - now;
+        now = std::max(now, r.done);
+        const double work = r.cost.second.bytes > 0 ? r.cost.between : r.cost.finish;
+        now = compute.run(now, work);
+        engine += work;
+        if (r.cost.second.bytes > 0)
+          r.second_done = lane.run(now, cost(r.cost.second.op, r.cost.second.bytes, n, link,
+                                             beside(link, lane, now, backward_end)));
+        r.finished = true;
+      };
+      Part pending = head_part;
+      std::vector<double> buckets;
+      // Bucket by bucket, issued at `now`; `remaining`: backward's compute still to run.
+      auto flush = [&](double remaining) {
+        if (pending.elements <= 0) return;
+        buckets.push_back(pending.elements);
+        if (!decentralized) {
+          // Before launching bucket b the engine finishes the buckets before it: the last one
+          // (one in flight, waiting for it), or those already complete (queued).
+          if (due) {
+            for (std::size_t j = 0; j < std::min(buckets.size() - 1, due->size()); ++j) {
+              Reduction& r = (*due)[j];
+              if (!r.finished && (one_in_flight || r.done <= now)) finish(r);
+            }
+          }
+          Reduction r;
+          r.cost = hook_cost(pending, n, zero1);
+          const double work = pending.elements * staleness_copy + r.cost.compress;
+          now = compute.run(now, work);
+          engine += work;
+          r.done = lane.run(now, cost(r.cost.first.op, r.cost.first.bytes, n, link,
+                                      beside(link, lane, now, now + remaining)));
+          if (o.offload) r.landed = copy(d2h, r.done, pending.elements / owned * 4);  // behind its reduction
+          mine.push_back(r);
+        }
+        pending = Part{};
+      };
+      if (pending.elements >= bucket_elements) flush(m.layers * layer_back + embeddings_back);
+      for (int k = m.layers - 1; k >= 0; --k) {
+        now = compute.run(now, layer_back);
+        pending.add(layer_part);
+        if (pending.elements >= bucket_elements) flush(k * layer_back + embeddings_back);
+      }
+      pending.add(embeddings_part);
+      now = compute.run(now, embeddings_back);  // the embeddings'
+      flush(0);
+      // The end of backward finishes every bucket due, waits for second rounds and, offloaded,
+      // for the averages to land on the host.
+      double landed_all = 0;
+      if (due) {
+        for (Reduction& r : *due) {
+          if (!r.finished) finish(r);
+        }
+        for (Reduction& r : *due) {
+          landed_all = std::max(landed_all, r.landed);
+          if (r.second_done < 0) continue;
+          if (r.second_done > now) waits.reductions += r.second_done - now;
+          now = compute.run(std::max(now, r.second_done), r.cost.finish);
+          engine += r.cost.finish;
+        }
+      }
+      if (landed_all > now) waits.reductions += landed_all - now;
+      now = std::max(now, landed_all);
+      if (exchanged > 0) {
+        if (exchanged > now) waits.reductions += exchanged - now;
+        const double average = 16 * params / c.memory_bandwidth;  // three reads and a write, fp32
+        now = compute.run(std::max(now, exchanged), average);
+        engine += average;
+      }
+      const double per_param = 12 + 2 * o.optimizer_state_bytes;
+      t.optimizer_s = 0;
+      if (o.offload) {
+        // The host steps bucket by bucket; each stepped bucket goes back to the device (and
+        // under ZeRO-1 is gathered from there).
+        double back = now;
+        const double host_before = host.busy;
+        for (double b : buckets) {
+          now = host_step(now, b / owned);
+          back = copy(h2d, std::max(now, back), b / owned * send_bytes);
+          if (zero1) back = lane.run(back, cost(Collective::AllGather, b * o.param_bytes, n, link));
+        }
+        t.optimizer_s = host.busy - host_before;
+        if (back > now) waits.gathers += back - now;
+        now = std::max(now, back);
+      } else if (!zero1) {
+        t.optimizer_s = params * per_param / c.memory_bandwidth;
+        now = compute.run(now, t.optimizer_s);
+      } else {
+        // Note [Gathers behind the step]: each bucket's slice is gathered as soon as it is stepped.
+        double gathered = now;
+        double steps_left = 0;  // the steps' compute still to run after each gather's issue
+        for (double b : buckets) steps_left += b / n * per_param / c.memory_bandwidth;
+        for (double b : buckets) {
+          const double step_s = b / n * per_param / c.memory_bandwidth;
+          t.optimizer_s += step_s;
+          steps_left -= step_s;
+          now = compute.run(now, step_s);
+          const double at = std::max(now, gathered);
+          gathered = lane.run(at, cost(Collective::AllGather, b * o.param_bytes, n, link,
+                                       beside(link, lane, at, now + steps_left)));
+        }
+        if (gathered > now) waits.gathers += gathered - now;
+        now = std::max(now, gathered);
+      }
     }
+    t.engine_s = params * grad_passes + engine / window;
   }
 
-  t.step_s = now;
-  t.communication_s = intra.busy + inter.busy;
-  t.copies_s = h2d.busy + d2h.busy;
-  t.exposed_s = waits.gathers + waits.reductions;  // the compute stream's waits
-  t.contended_s = compute.contended;
+  // The replicated strategies report the mean of their last `window` steps.
+  t.step_s = (now - window_begin) / window;
+  t.communication_s = (intra.busy + inter.busy - busy0) / window;
+  t.copies_s = (h2d.busy + d2h.busy - copies0) / window;
+  t.exposed_s = (waits.gathers + waits.reductions) / window;  // the compute stream's waits
+  waits.host /= window;
+  t.contended_s = (compute.contended - contended0) / window;
   t.tokens_per_s = tokens / t.step_s;
   const double model_flops = 3 * m.forward_flops_per_token(o.sequence_length) * tokens;
   t.mfu = c.peak_flops > 0 ? model_flops / t.step_s / c.peak_flops : 0;
-  const double latency = intra.latency + inter.latency;
+  const double latency = (intra.latency + inter.latency - latency0) / window;
   // The host's step after backward is time the devices idle; stepping in backward, only
   // what is left of it after the last gradient landed.
-  const double host_idle = o.step_in_backward ? waits.host : host.busy;  // the devices' idle time for it
+  const double host_idle = o.step_in_backward ? waits.host : (host.busy - host0) / window;  // the devices' idle time for it
   if (o.offload && host_idle > 0.2 * t.step_s && host_idle > t.exposed_s)
     t.limit = "host step";
   else if (t.contended_s >= 0.05 * t.step_s && t.contended_s > t.exposed_s)
@@ -519,7 +908,16 @@ std::vector<StrategyPlan> plan_cluster(const TransformerShape& model, const Clus
   const int n = cluster.world();
   const std::int64_t activations = estimate_activation_bytes(model, base);
   std::vector<StrategyPlan> rows;
+  // The strategies the engine runs with `base`'s hook, staleness and decentralized training.
+  const bool hooked = base.hook.kind != HookModel::Kind::None;
+  auto runs = [&](Strategy s, int group) {
+    const bool replicated = s == Strategy::NoShard || s == Strategy::ShardOptimizerState;
+    if (hooked && !replicated && !(s == Strategy::HybridShard && group < n)) return false;
+    if (base.staleness > 0 && !replicated) return false;
+    return base.decentralized_every == 0 || s == Strategy::NoShard;
+  };
   auto add = [&](const std::string& name, Strategy s, int group) {
+    if (!runs(s, group)) return;
     StrategyPlan r;
     r.name = name;
     r.options = base;

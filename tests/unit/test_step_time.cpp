@@ -674,6 +674,198 @@ TEST(StepTime, PlanClusterGivesEveryStrategyItsTimeAndMemory) {
   EXPECT_EQ(fastest_that_fits(plan_cluster(m, c, base, std::int64_t{1} << 30)), nullptr);
 }
 
+// Each hook's bytes, from its algorithm (docs/communication.md), on a GPT small enough
+// to count by hand: gpt(2, 64, 4, 512, 16), one bucket, 4 ranks, compute free. PowerSGD at
+// rank 4 compresses every matrix: per layer P holds 4 x (192 + 64 + 256 + 64) values and Q
+// 4 x (64 + 64 + 64 + 256), its 640 vector values go whole; the root's wte (512 x 64), wpe
+// (16 x 64) and head (512 x 64) add 4 x (512 + 16 + 512) to P and 4 x 3 x 64 to Q, ln_f
+// 128 whole.
+TEST(StepTime, HooksSendWhatTheirAlgorithmSends) {
+  const auto m = gpt(2, 64, 4, 512, 16);
+  const Cluster c = only_links(1, 4, true);
+  TimeOptions o;
+  o.strategy = Strategy::NoShard;
+  o.param_bytes = o.reduce_bytes = 4;
+  o.bucket_bytes = std::int64_t{1} << 40;
+  const double n = static_cast<double>(m.params());
+  const auto all_reduce = [](double bytes) { return 2 * bytes * 3 / 4 / 1e9 + 6 * 1e-5; };
+  const auto all_gather = [](double bytes) { return bytes * 3 / 4 / 1e9 + 3 * 1e-5; };
+  const auto step = [&](const std::string& hook) {
+    o.hook = parse_hook_model(hook);
+    return predict_time(m, c, o).communication_s;
+  };
+  EXPECT_NEAR(step("none"), all_reduce(4 * n), 1e-12);
+  EXPECT_NEAR(step("all_reduce"), all_reduce(4 * n), 1e-12);
+  EXPECT_NEAR(step("bf16"), all_reduce(2 * n), 1e-12);
+  EXPECT_NEAR(step("int8:64"), all_gather(4 * n * (1 + 4.0 / 64)), 1e-12);
+  EXPECT_NEAR(step("top_k:0.01"), all_gather(4 * 8 * std::ceil(0.01 * n)), 1e-12);
+  EXPECT_NEAR(step("random_k:0.01"), all_reduce(4 * std::ceil(0.01 * n)), 1e-12);
+  const double p = 2 * 4 * (192 + 64 + 256 + 64) + 4 * (512 + 16 + 512);
+  const double q = 2 * 4 * (64 + 64 + 64 + 256) + 4 * 3 * 64;
+  const double whole = 2 * 640 + 128;
+  EXPECT_NEAR(step("power_sgd:4:10"), all_reduce(4 * (p + whole)) + all_reduce(4 * q), 1e-12);
+  // Under ZeRO-1 a hook's all-reduce replaces the reduce-scatter; the step's gathers stay.
+  o.strategy = Strategy::ShardOptimizerState;
+  EXPECT_NEAR(step("bf16"), all_reduce(2 * n) + all_gather(4 * n), 1e-12);
+  EXPECT_NEAR(step("none"), all_gather(4 * n) + all_gather(4 * n), 1e-12);
+  for (const char* bad : {"bf8", "top_k", "top_k:2", "int8:x", "power_sgd:0", "power_sgd:4:x", "bf16:1"})
+    EXPECT_THROW(parse_hook_model(bad), std::invalid_argument) << bad;
+}
+
+// A hook's compression and decompression are passes over the bucket on compute's path:
+// with the link free, bf16 adds 6 + 6 bytes per value at the memory's bandwidth, top-k
+// error feedback's add (12), its selection (32), the zero fill (4) and 16 per value
+// received from each rank, random-k the same without the selection and with one rank's.
+TEST(StepTime, HookWorkIsPassesOverTheBucketAtTheMemorysBandwidth) {
+  const auto m = gpt(2, 64, 4, 512, 16);
+  Cluster c = only_links(1, 4, false);  // the node's link free
+  c.memory_bandwidth = 1e9;
+  TimeOptions o;
+  o.strategy = Strategy::NoShard;
+  o.param_bytes = o.reduce_bytes = 4;
+  o.bucket_bytes = std::int64_t{1} << 40;
+  const double n = static_cast<double>(m.params());
+  const StepTime plain = predict_time(m, c, o);
+  o.hook = parse_hook_model("bf16");
+  StepTime t = predict_time(m, c, o);
+  EXPECT_NEAR(t.step_s - plain.step_s, 12 * n / 1e9, 1e-12);
+  EXPECT_NEAR(t.engine_s, 12 * n / 1e9, 1e-12);
+  const double k = std::ceil(0.01 * n);
+  o.hook = parse_hook_model("top_k:0.01");
+  EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s, ((12 + 32 + 4) * n + 16 * 4 * k) / 1e9, 1e-12);
+  o.hook = parse_hook_model("random_k:0.01");
+  EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s, ((12 + 4) * n + 16 * k) / 1e9, 1e-12);
+  // Measured (TimeOptions::hook_work_s: the whole model on one rank alone) it replaces the
+  // passes: bf16's work does not grow with the ranks; top-k's finish does (16 per value
+  // received from each of 4 ranks, where one rank alone receives its own).
+  o.hook = parse_hook_model("bf16");
+  o.hook_work_s = 0.25;
+  EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s, 0.25, 1e-12);
+  o.hook = parse_hook_model("top_k:0.01");
+  EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s,
+              0.25 * ((12 + 32 + 4) * n + 16 * 4 * k) / ((12 + 32 + 4) * n + 16 * k), 1e-12);
+  // One rank alone reduces nothing, hook or not.
+  o.hook_work_s = 0;
+  EXPECT_NEAR(predict_time(m, only_links(1, 1, false), o).engine_s, 0, 1e-15);
+}
+
+// Staleness: a bucket reduced while the next steps compute. On a link whose all-reduce
+// takes less than a step's compute, the step is its compute and the copy of each bucket
+// (a read and a write), with nothing exposed; without staleness the whole all-reduce
+// shows. On a link slower than the compute the step is the link's time: nothing waits for
+// its own reduction, but the reductions cannot run faster than the link.
+TEST(StepTime, StalenessHidesTheReductionWhereTheLinkKeepsUpWithCompute) {
+  const auto m = gpt(2, 64, 4, 512, 16);
+  Cluster c = only_links(1, 4, true);
+  const double n = static_cast<double>(m.params());
+  TimeOptions o;
+  o.strategy = Strategy::NoShard;
+  o.param_bytes = o.reduce_bytes = 4;
+  o.bucket_bytes = std::int64_t{1} << 40;
+  o.sequences = 4;
+  o.sequence_length = 16;
+  c.flops = 1e9;
+  c.memory_bandwidth = 1e12;
+  const double link = 2 * 4 * n * 3 / 4 / 1e9 + 6 * 1e-5;
+  const StepTime sync = predict_time(m, c, o);
+  const double compute = sync.forward_s + sync.backward_s + sync.optimizer_s;
+  ASSERT_LT(link, compute) << "the test's link keeps up with compute";
+  EXPECT_NEAR(sync.step_s, compute + link, 1e-9);
+  EXPECT_NEAR(sync.exposed_s, link, 1e-9);
+  for (int s : {1, 3}) {
+    o.staleness = s;
+    const StepTime late = predict_time(m, c, o);
+    EXPECT_NEAR(late.step_s, compute + 8 * n / 1e12, 1e-9) << s;
+    EXPECT_NEAR(late.exposed_s, 0, 1e-12) << s;
+    EXPECT_NEAR(late.communication_s, link, 1e-12) << s;
+  }
+  c.intra.bus_bandwidth = 6 * n / (4 * compute);  // each all-reduce's bytes take four times the compute
+  const double slow = 4 * compute + 6 * 1e-5;
+  o.staleness = 1;
+  const StepTime bound = predict_time(m, c, o);
+  EXPECT_NEAR(bound.step_s, slow, 1e-6 * slow);
+  EXPECT_NEAR(bound.exposed_s, slow - compute - 8 * n / 1e12, 1e-6 * slow);
+}
+
+// Decentralized training: no gradient averaged; every k-th step each rank sends its fp32
+// parameters to its two ring neighbours (one send at 2 ranks) from the step's start, and
+// averages the three copies (16 bytes per parameter) before the optimizer. With compute
+// free the step is those sends; every second step halves it.
+TEST(StepTime, DecentralizedTrainingSendsTheParametersToEachNeighbour) {
+  const auto m = gpt(2, 64, 4, 512, 16);
+  const double bytes = 4.0 * static_cast<double>(m.params());
+  TimeOptions o;
+  o.strategy = Strategy::NoShard;
+  o.param_bytes = 2;
+  o.decentralized_every = 1;
+  for (int n : {2, 4}) {
+    const Cluster c = only_links(1, n, true);
+    const double sends = n == 2 ? 1 : 2;
+    o.decentralized_every = 1;
+    StepTime t = predict_time(m, c, o);
+    EXPECT_NEAR(t.step_s, sends * (bytes / 1e9 + 1e-5), 1e-12) << n;
+    EXPECT_NEAR(t.exposed_share(), 1, 1e-9) << n;
+    o.decentralized_every = 2;
+    t = predict_time(m, c, o);
+    EXPECT_NEAR(t.step_s, sends * (bytes / 1e9 + 1e-5) / 2, 1e-12) << n;
+  }
+  // The refusals of the engine (docs/communication.md, What combines).
+  o.decentralized_every = 1;
+  o.staleness = 1;
+  EXPECT_THROW(predict_time(m, only_links(1, 4, true), o), std::invalid_argument);
+  o.staleness = 0;
+  o.hook = parse_hook_model("bf16");
+  EXPECT_THROW(predict_time(m, only_links(1, 4, true), o), std::invalid_argument);
+  o.decentralized_every = 0;
+  o.strategy = Strategy::ShardOptimizerState;
+  o.decentralized_every = 1;
+  o.hook = {};
+  EXPECT_THROW(predict_time(m, only_links(1, 4, true), o), std::invalid_argument);
+  o.decentralized_every = 0;
+  o.strategy = Strategy::FullShard;
+  o.staleness = 1;
+  EXPECT_THROW(predict_time(m, only_links(1, 4, true), o), std::invalid_argument);
+  o.staleness = 0;
+  o.hook = parse_hook_model("bf16");
+  EXPECT_THROW(predict_time(m, only_links(1, 4, true), o), std::invalid_argument);
+  o.strategy = Strategy::HybridShard;
+  o.shard_group_size = 4;  // one group: nothing across groups for the hook
+  EXPECT_THROW(predict_time(m, only_links(1, 4, true), o), std::invalid_argument);
+}
+
+// Under HybridShard the engine hands each unit's shard to the hook when it finishes the
+// unit's reduce-scatter, and waits there for the hook's rounds across the groups: with
+// the link within groups free, every unit's rounds show in the step, bf16's all-reduce of
+// each shard at 2 bytes a value across 2 replicas. PowerSGD compresses only the matrices
+// wholly inside a shard: halving a GPT layer (ln1, qkv, proj, ln2, fc, out) at 4 ranks
+// per group cuts fc, so the worst shard sends it whole.
+TEST(StepTime, HybridRunsTheHookOnEachUnitsShardAndWaitsForIt) {
+  const auto m = gpt(2, 64, 4, 512, 16);
+  const Cluster c = only_links(2, 2, false);  // across nodes 1 GB/s, 10 us a step
+  TimeOptions o;
+  o.strategy = Strategy::HybridShard;
+  o.param_bytes = o.reduce_bytes = 4;
+  const double layer = static_cast<double>(m.layer_params()), root = static_cast<double>(m.root_params());
+  const auto all_reduce = [](double bytes) { return 2 * bytes / 2 / 1e9 + 2 * 1e-5; };
+  o.hook = parse_hook_model("bf16");
+  StepTime t = predict_time(m, c, o);
+  const double rounds = 2 * all_reduce(2 * layer / 2) + all_reduce(2 * root / 2);
+  EXPECT_NEAR(t.communication_s, rounds, 1e-12);
+  EXPECT_NEAR(t.exposed_s, rounds, 1e-12);
+  EXPECT_NEAR(t.step_s, rounds, 1e-12);
+  // A layer's halves (49,792 values): [ln1 128, qkv 12,288, proj 4,096 + 64, ln2 128, fc
+  // 8,192 of its 16,384 | the rest of fc, its bias 256, out 16,384, its bias 64]. The first
+  // compresses qkv and proj (P 4 x (192 + 64), Q 4 x (64 + 64)) and sends 8,512 whole; the
+  // second compresses out (P 4 x 64, Q 4 x 256) and sends 8,512 whole: the first sends more.
+  // The root's halves: [wte, 576 of wpe | the rest of wpe, ln_f, head], each a 512 x 64
+  // matrix (P 4 x 512, Q 4 x 64) and 576 whole.
+  o.hook = parse_hook_model("power_sgd:4");
+  t = predict_time(m, c, o);
+  const double layers = 2 * (all_reduce(4 * (1024 + 8512)) + all_reduce(4 * 512));
+  EXPECT_NEAR(t.communication_s, layers + all_reduce(4 * (2048 + 576)) + all_reduce(4 * 256), 1e-12);
+  EXPECT_NEAR(t.step_s, t.communication_s, 1e-12);
+}
+
 std::string plan_path() { return FLATSHARD_PLAN_PATH; }
 
 // flatshard-plan --cluster prints each strategy's prediction (the library's, row by row) and
