@@ -136,7 +136,8 @@ int main(int argc, char** argv) {
     flatshard::FullyShard<GPT> wrapped(model, world, ddp);
     std::vector<double> ms;
     for (int step = 0; step <= steps; ++step) {
-      bucket.step = step;
+      // Past any start step (PowerSGD's start_step: until then it averages the plain way).
+      bucket.step = (std::int64_t{1} << 30) + step;
       bucket.buffer = grads.clone();
       const auto start = std::chrono::steady_clock::now();
       flatshard::HookWork work = h->reduce(wrapped.comm(), bucket);

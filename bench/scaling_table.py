@@ -3,12 +3,14 @@
 each strategy from 1 to 1,024 H100s (8 per node beyond 8), its efficiency against one GPU, what
 limits it, and whether it fits the GPU's memory.
 
-    bench/scaling_table.py [BUILD_DIR]          # both models, Markdown
+    bench/scaling_table.py [BUILD_DIR]              # both models, Markdown
+    bench/scaling_table.py BUILD_DIR algorithms   # the 1.04B GPT under each way to communicate less
 """
 import subprocess
 import sys
 
 build = sys.argv[1] if len(sys.argv) > 1 else "build"
+table = sys.argv[2] if len(sys.argv) > 2 else "strategies"
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 MODELS = [
     ("gpt-1b", ["--model", "gpt-1b", "--seq", "1024", "--batch", "16"], 80,
@@ -31,6 +33,32 @@ def predict(n, args, gib):
                           "contended": float(f[7])}
     return rows
 
+
+# The ways to communicate less (docs/communication.md) at 8, 128 and 1,024 GPUs: DDP with
+# each hook, staleness and decentralized training, hybrid groups of 8 with the hooks that
+# pay across groups. The cells are tokens/s per GPU, what limits the step and its exposed
+# share; the first column of each row is the strategy without any.
+ALGORITHMS = [("DDP", ["", "--hook bf16", "--hook int8", "--hook top_k:0.01", "--hook random_k:0.01",
+                       "--hook power_sgd:4", "--staleness 1", "--decentralized 1"]),
+              ("hybrid (groups of 8)", ["", "--hook bf16", "--hook power_sgd:4"]),
+              ("ZeRO-1", ["", "--hook bf16", "--staleness 1"])]
+if table == "algorithms":
+    name, args, gib, what = MODELS[0]
+    print(f"#### {name}: {what}; {gib} GiB per GPU\n")
+    for strategy, variants in ALGORITHMS:
+        heads = [v.replace("--hook ", "").replace("--", "") or "none" for v in variants]
+        print(f"{strategy}: tokens/s per GPU (limit, exposed share)\n")
+        print("| GPUs | " + " | ".join(heads) + " |")
+        print("|---:|" + "---:|" * len(variants))
+        for n in [8, 128, 1024]:
+            cells = []
+            for v in variants:
+                r = predict(n, args + v.split(), gib).get(strategy if n > 8 or not strategy.startswith("hybrid")
+                                                          else "full shard")
+                cells.append("" if r is None else f"{r['tps']:,.0f} ({r['limit']}, {100 * r['exposed']:.0f}%)")
+            print(f"| {n} | " + " | ".join(cells) + " |")
+        print()
+    sys.exit(0)
 
 for name, args, gib, what in MODELS:
     base = predict(1, args, gib)["full shard"]["tps"]

@@ -33,6 +33,7 @@ REPEAT="${REPEAT:-1}"                    # each measurement this many times: the
 THROTTLE="${THROTTLE:-}"
 RATES="${RATES:-unthrottled $THROTTLE}"  # the rows to run (unthrottled: direct copies)
 MAX_ERROR="${MAX_ERROR:-}"               # set: fail when a cell's step error passes this many percent
+direct_copy="${FLATSHARD_DIRECT_COPY:-}"  # the unthrottled row's, as given
 out="$(mktemp -d)"
 cleanup() { rm -rf "$out"; tc qdisc del dev lo root 2>/dev/null || true; }
 trap cleanup EXIT
@@ -43,7 +44,9 @@ gpt="$layers,$dim,$heads,$vocab,$context"
 
 # A mode may carry a way to communicate less (docs/communication.md): ddp+bf16, ddp+int8,
 # ddp+top_k:0.01, zero1+power_sgd:4:0 (a hook spec), ddp+async:1 (staleness 1),
-# ddp+decentralized:1. variant_flags mode bench|plan -> that program's flags for it.
+# ddp+decentralized:1 (hybrid is left out: its default group is the whole machine, one
+# group, where a hook has nothing to average across). variant_flags mode -> the flags that
+# give bench_modes and flatshard-plan that variant.
 variant_flags() {
   local v="${1#*+}"
   [ "$v" != "$1" ] || return 0
@@ -87,13 +90,15 @@ hook_alone_ms() {  # ranks spec -> the mean of their medians
       sed -n 's/^\[rank 0\] hook_work,//p' | awk -F, '{ print $4 }' > "$out/hook.$k" &
   done
   wait
-  cat "$out"/hook.* | awk '{ s += $1; n++ } END { printf "%.1f", s / n }'
+  cat "$out"/hook.* | awk -v spec="$2" '{ s += $1; n++ }
+    END { if (n == 0) { print "step_time_cpu.sh: bench_modes --hook-work gave nothing for " spec > "/dev/stderr"; exit 1 }
+          printf "%.1f", s / n }'
   rm -f "$out"/hook.*
 }
 hook_of() {  # mode -> its hook spec, or nothing
   local v="${1#*+}"
   [ "$v" != "$1" ] || return 0
-  case "$v" in async:* | decentralized:*) ;; *) echo "$v" ;; esac
+  case "$v" in async:* | decentralized:* | none) ;; *) echo "$v" ;; esac
 }
 median() {  # column -> the median of that column of stdin's lines
   awk -v c="$1" 'NF { print $c }' | sort -g | awk '{ v[NR] = $1 }
@@ -145,11 +150,16 @@ echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---
 for rate in $RATES; do
   throttled=1  # the link, not the CPU, moves this row's bytes at its pace
   case "$rate" in unthrottled | tcp) throttled=0 ;; esac
+  # Each row sets its own link, whatever the row before it left.
   if [ "$rate" != unthrottled ]; then
     export FLATSHARD_DIRECT_COPY=0
+  elif [ -n "$direct_copy" ]; then
+    export FLATSHARD_DIRECT_COPY="$direct_copy"
+  else
+    unset FLATSHARD_DIRECT_COPY
   fi
+  tc qdisc del dev lo root 2>/dev/null || true
   if [ "$throttled" = 1 ]; then
-    tc qdisc del dev lo root 2>/dev/null || true
     tc qdisc add dev lo root handle 1: htb default 10
     tc class add dev lo parent 1: classid 1:10 htb rate "$rate" ceil "$rate" 2>/dev/null
   fi

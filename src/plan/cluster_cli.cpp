@@ -180,6 +180,9 @@ int cluster_main(int argc, char** argv) {
     return usage("--decentralized takes neither --hook nor --staleness: it averages no gradient");
   if (base.offload && base.hook.kind != HookModel::Kind::None)
     return usage("--hook with --offload 1 is not modelled");
+  if (base.staleness > 8) return usage("--staleness is at most 8 (FullyShardOptions::kMaxStaleness)");
+  if (base.decentralized_every > 0 && base.offload)
+    return usage("--decentralized and --offload 1 do not combine (the engine refuses them)");
   Cluster c = h100_cluster(nodes, per_node);
   if (tflops > 0) c.flops = tflops * 1e12;
   if (intra > 0) c.intra.bus_bandwidth = intra * 1e9;

@@ -171,7 +171,7 @@ HookModel parse_hook_model(const std::string& spec) {
     } catch (const std::exception&) {
       throw bad();
     }
-    if (used != text.size() || !(out > 0)) throw bad();
+    if (used != text.size() || !(out > 0) || out > 1e9) throw bad();
   };
   double x = 0;
   if ((name == "none" || name == "all_reduce" || name == "bf16" || name == "fp16") && !rest.empty()) throw bad();
@@ -312,50 +312,58 @@ Part worst_shard(const std::vector<Tensor2>& tensors, int group, int rank) {
 }
 
 // Note [Communication algorithms in the step-time model]
-// A hook (comm_hooks.h) reduces each bucket in its place: it compresses on the compute
-// stream when the bucket is ready, runs its collectives on the bucket's link, and writes
-// the average once the engine finishes the bucket (at the next bucket's launch, or at the
-// end of backward). What crosses the wire follows each hook's algorithm exactly (n values
-// in a bucket, N ranks): bf16/fp16 an all-reduce of 2n bytes; int8 an all-gather of each
-// rank's n bytes and a 4-byte scale per chunk; top-k an all-gather of k = ratio n values
-// with their int32 indices; random-k an all-reduce of k values; PowerSGD an all-reduce of
-// P (a x r per matrix) with the values it sends whole, then, once the first is finished,
-// one of Q (b x r). Its work is counted in passes over memory at the device's bandwidth
-// (bytes per value), plus PowerSGD's matmuls at its throughput:
-// - bf16/fp16: 6 to compress (read 4, write 2) and 6 to write the average;
-// - int8: 9 to compress (the chunks' largest magnitudes, then quantize), 9 per rank's
-//   values received (read one byte, add into the fp32 sum) and 4 to write the average;
-// - top-k and random-k: error feedback's add (12); top-k's selection 32 (a radix select's
-//   eight passes over the values: an assumption, checked on the CPU in docs/scaling.md);
-//   the average's zero fill (4) and 16 per value received, scattered;
-// - PowerSGD, per value of its compressed matrices: error feedback's add (12), reading M
-//   for MQ (4) and for MᵀP (4), PQᵀ written (4), the residual M - PQᵀ (12) and the average
-//   (4); 2r FLOPs for each of MQ, MᵀP and PQᵀ, and 2ar² to orthonormalize P.
-// Staleness (Note [Bounded staleness] in sharding/averaging.cpp) copies each bucket (a
-// read and a write in the reduction dtype) and reduces the copy; the engine finishes, in
-// its place, the same bucket's reduction of s steps before. The model runs s + 8 steps on
-// the same links and reports the last: where the links keep up, no step waits; where they
-// do not, the step is the links' time. Decentralized training (Note [Decentralized
-// training] in sharding/replicated.cpp) averages no gradient: every k-th step the fp32
-// parameters go to each ring neighbour (one send at 2 ranks, two from 3), issued as the
-// step starts and waited for at the end of backward, then averaged (three reads and a
-// write, 16 bytes per parameter); the model runs k steps and reports their mean.
+// A hook (comm_hooks.h, src/comm/hooks.cpp) reduces each bucket in the engine's place: it
+// compresses on the compute stream when the bucket is ready, runs its collectives on the
+// bucket's link, and writes the average when the engine finishes the bucket (at the next
+// bucket's launch, waiting for it where one is in flight, or at the end of backward). What
+// crosses the wire follows each hook's code (n values in a bucket, N ranks): bf16/fp16 an
+// all-reduce of 2n bytes; int8 two all-gathers, each rank's n codes and a 4-byte scale per
+// chunk; top-k two all-gathers, each rank's k = ratio n values and their int32 indices;
+// random-k an all-reduce of k values; PowerSGD an all-reduce of P (a x r per compressed
+// matrix) with the values it sends whole, then, inside the bucket's finish (which waits
+// for it), one of Q (b x r). Its work is counted in bytes moved per value at the device's
+// memory bandwidth, as the hooks' code moves them on an fp32 bucket, plus PowerSGD's
+// matmuls at its throughput:
+// - bf16/fp16: divide (8) and cast (6) to compress, the cast back (6) to finish;
+// - int8: one pass quantizes (5: read, codes written; each chunk's maximum in cache), and
+//   the finish reads every rank's codes (N) and writes the average (4);
+// - top-k: error feedback's add (12), the radix select's two passes (8); the finish zero
+//   fills the sum (4), divides it (8) and copies it into the bucket (8), and per value
+//   received from each rank widens its index (12) and adds it (20);
+// - random-k: error feedback's add (12) and, per value sent, 32 (the draw, the select, the
+//   residual's zeros); the finish zero fills the bucket (4) and scatters the k (16 each);
+// - PowerSGD: error feedback's add over the bucket (12); per value of its compressed
+//   matrices M read for MQ (4) and MᵀP (4), PQᵀ written (4) and the residual M - PQᵀ (12);
+//   per value sent whole its copies to and from the wire (16) and its residual zeroed (4);
+//   2r FLOPs for each of MQ, MᵀP and PQᵀ, and 2ar² for P's QR.
+// On a CPU torch's kernels and the hooks' loops run well below the memory's bandwidth:
+// TimeOptions::hook_work_s, measured, scales all of it. Staleness (Note [Bounded
+// staleness] in sharding/averaging.cpp) copies each bucket (a read and a write in the
+// reduction dtype) and reduces the copy; the engine finishes, in its place, the same
+// bucket's reduction of s steps before and copies its average back (this rank's slice
+// under ZeRO-1). The model runs s + 8 steps on the same links and reports the last: where
+// the links keep up, no step waits; where they do not, the step is the links' time.
+// Decentralized training (Note [Decentralized training] in sharding/replicated.cpp)
+// averages no gradient: every k-th step the fp32 parameters go to each ring neighbour
+// (one send at 2 ranks, two from 3), issued as the step starts and waited for at the end
+// of backward, then averaged (two adds and a division: 32 bytes per parameter); the model
+// runs k steps and reports their mean.
 struct Round {
   Collective op = Collective::AllReduce;
   double bytes = 0;  // the whole: gathered or unreduced
 };
 struct BucketCost {
-  double compress = 0;  // compute before its first collective is issued
-  Round first;
-  double between = 0;  // PowerSGD: compute once the first is finished, before the second
-  Round second;
-  double finish = 0;  // compute once its collectives are finished
+  double compress = 0;  // compute before its first collectives are issued
+  Round first, also;    // issued together (int8's codes and scales, top-k's values and indices)
+  double between = 0;   // PowerSGD: compute once the first is finished, before the second
+  Round second;         // PowerSGD's Q, waited for within the finish
+  double finish = 0;    // compute once its collectives are finished
 };
 
 BucketCost bucket_cost(const HookModel& h, const Part& b, int ranks, double reduce_bytes, bool zero1,
                        const Cluster& c) {
   using K = HookModel::Kind;
-  const double n = b.elements, bw = c.memory_bandwidth;
+  const double n = b.elements, bw = c.memory_bandwidth, N = ranks;
   BucketCost k;
   switch (h.kind) {
     case K::None:
@@ -365,30 +373,38 @@ BucketCost bucket_cost(const HookModel& h, const Part& b, int ranks, double redu
       k.first = {Collective::AllReduce, n * reduce_bytes};
       break;
     case K::LowPrecision:
-      k.compress = k.finish = 6 * n / bw;
+      k.compress = 14 * n / bw;
       k.first = {Collective::AllReduce, 2 * n};
+      k.finish = 6 * n / bw;
       break;
     case K::Int8:
-      k.compress = 9 * n / bw;
-      k.first = {Collective::AllGather, ranks * n * (1 + 4.0 / h.chunk)};
-      k.finish = (9.0 * ranks + 4) * n / bw;
+      k.compress = 5 * n / bw;
+      k.first = {Collective::AllGather, N * n};
+      k.also = {Collective::AllGather, N * 4 * std::ceil(n / h.chunk)};
+      k.finish = (N + 4) * n / bw;
       break;
-    case K::TopK:
+    case K::TopK: {
+      const double values = std::ceil(h.ratio * n);
+      k.compress = 20 * n / bw;
+      k.first = {Collective::AllGather, N * 4 * values};
+      k.also = {Collective::AllGather, N * 4 * values};
+      k.finish = (20 * n + 32 * N * values) / bw;
+      break;
+    }
     case K::RandomK: {
       const double values = std::ceil(h.ratio * n);
-      const bool top = h.kind == K::TopK;
-      k.compress = (12 + (top ? 32 : 0)) * n / bw;
-      k.first = top ? Round{Collective::AllGather, ranks * 8 * values} : Round{Collective::AllReduce, 4 * values};
-      k.finish = (4 * n + 16 * values * (top ? ranks : 1)) / bw;
+      k.compress = (12 * n + 32 * values) / bw;
+      k.first = {Collective::AllReduce, 4 * values};
+      k.finish = (4 * n + 16 * values) / bw;
       break;
     }
     case K::PowerSGD: {
-      const double m = n - b.whole, r = h.rank;
-      k.compress = 16 * m / bw + 2 * r * m / c.flops;
-      k.first = {Collective::AllReduce, 4 * (b.p + b.whole)};
+      const double m = n - b.whole, w = b.whole, r = h.rank;
+      k.compress = (12 * n + 4 * m + 8 * w) / bw + 2 * r * m / c.flops;
+      k.first = {Collective::AllReduce, 4 * (b.p + w)};
       k.between = 4 * m / bw + (2 * r * m + 2 * r * b.p) / c.flops;
       k.second = {Collective::AllReduce, 4 * b.q};
-      k.finish = 20 * m / bw + 2 * r * m / c.flops;
+      k.finish = (16 * m + 12 * w) / bw + 2 * r * m / c.flops;
       break;
     }
   }
@@ -429,9 +445,11 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         "two or more shard groups");
   if (o.staleness > 0 && !replicated)
     throw std::invalid_argument("predict_time: staleness is NoShard's and ShardOptimizerState's");
-  if (o.decentralized_every > 0 && (o.strategy != Strategy::NoShard || hooked || o.staleness > 0))
+  if (o.staleness > 8)
+    throw std::invalid_argument("predict_time: staleness is at most 8 (FullyShardOptions::kMaxStaleness)");
+  if (o.decentralized_every > 0 && (o.strategy != Strategy::NoShard || hooked || o.staleness > 0 || o.offload))
     throw std::invalid_argument(
-        "predict_time: decentralized training is NoShard's, with neither a hook nor staleness");
+        "predict_time: decentralized training is NoShard's, with neither a hook, staleness nor offload");
   if (hooked && o.offload)
     throw std::invalid_argument("predict_time: a hook with offload is not modelled");
   // A group of consecutive ranks stays on a node's links while it fits in one; replica
@@ -568,11 +586,14 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     const BucketCost k = hook_cost(*hook_due, replicas, false);
     hook_due = nullptr;
     Lane& ar = lane_of(replica_link);
-    for (const auto& [work, round] : {std::pair{k.compress, k.first}, std::pair{k.between, k.second}}) {
+    for (const auto& [work, rounds] :
+         {std::pair{k.compress, std::pair{k.first, k.also}}, std::pair{k.between, std::pair{k.second, Round{}}}}) {
       now = compute.run(now, work);
       t.engine_s += work;
-      if (round.bytes <= 0) continue;
-      const double done = ar.run(now, cost(round.op, round.bytes, replicas, replica_link));
+      double done = now;
+      for (const Round& round : {rounds.first, rounds.second}) {
+        if (round.bytes > 0) done = ar.run(now, cost(round.op, round.bytes, replicas, replica_link));
+      }
       if (done > now) waits.reductions += done - now;
       now = std::max(now, done);
     }
@@ -727,8 +748,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     struct Reduction {
       BucketCost cost;
       double done = 0, landed = 0;  // its first round; offloaded, its copy to the host
+      double elements = 0;
       bool finished = false;
-      double second_done = -1;  // PowerSGD: its second round, once issued
     };
     std::vector<std::vector<Reduction>> issued(steps);
     const double layer_back = layer_bwd + layer_bytes * grad_passes;
@@ -763,15 +784,24 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       std::vector<Reduction>& mine = issued[step];
       // The reductions this step finishes: its own, or under staleness those of s steps before.
       std::vector<Reduction>* due = step >= o.staleness ? &issued[step - o.staleness] : nullptr;
-      auto finish = [&](Reduction& r) {  // wait for its first round, then its second or its average
-        if (r.done > now) waits.reductions += r.done - now;
-        now = std::max(now, r.done);
-        const double work = r.cost.second.bytes > 0 ? r.cost.between : r.cost.finish;
+      // The engine finishes a bucket: waits for its collectives, runs the hook's finish
+      // (PowerSGD's second round within it, waited for), and under staleness copies the
+      // average back into the bucket (this rank's slice under ZeRO-1).
+      auto finish = [&](Reduction& r) {
+        auto wait_until = [&](double done) {
+          if (done > now) waits.reductions += done - now;
+          now = std::max(now, done);
+        };
+        wait_until(r.done);
+        if (r.cost.second.bytes > 0) {
+          now = compute.run(now, r.cost.between);
+          engine += r.cost.between;
+          wait_until(lane.run(now, cost(r.cost.second.op, r.cost.second.bytes, n, link,
+                                        beside(link, lane, now, backward_end))));
+        }
+        const double work = r.cost.finish + r.elements / owned * staleness_copy;
         now = compute.run(now, work);
         engine += work;
-        if (r.cost.second.bytes > 0)
-          r.second_done = lane.run(now, cost(r.cost.second.op, r.cost.second.bytes, n, link,
-                                             beside(link, lane, now, backward_end)));
         r.finished = true;
       };
       Part pending = head_part;
@@ -794,8 +824,12 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
           const double work = pending.elements * staleness_copy + r.cost.compress;
           now = compute.run(now, work);
           engine += work;
-          r.done = lane.run(now, cost(r.cost.first.op, r.cost.first.bytes, n, link,
-                                      beside(link, lane, now, now + remaining)));
+          r.elements = pending.elements;
+          for (const Round& round : {r.cost.first, r.cost.also}) {
+            if (round.bytes > 0)
+              r.done = lane.run(now, cost(round.op, round.bytes, n, link, beside(link, lane, now, now + remaining)));
+          }
+          r.done = std::max(r.done, now);
           if (o.offload) r.landed = copy(d2h, r.done, pending.elements / owned * 4);  // behind its reduction
           mine.push_back(r);
         }
@@ -816,20 +850,14 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       if (due) {
         for (Reduction& r : *due) {
           if (!r.finished) finish(r);
-        }
-        for (Reduction& r : *due) {
           landed_all = std::max(landed_all, r.landed);
-          if (r.second_done < 0) continue;
-          if (r.second_done > now) waits.reductions += r.second_done - now;
-          now = compute.run(std::max(now, r.second_done), r.cost.finish);
-          engine += r.cost.finish;
         }
       }
       if (landed_all > now) waits.reductions += landed_all - now;
       now = std::max(now, landed_all);
       if (exchanged > 0) {
         if (exchanged > now) waits.reductions += exchanged - now;
-        const double average = 16 * params / c.memory_bandwidth;  // three reads and a write, fp32
+        const double average = 32 * params / c.memory_bandwidth;  // two adds and a division, fp32
         now = compute.run(std::max(now, exchanged), average);
         engine += average;
       }

@@ -674,8 +674,9 @@ TEST(StepTime, PlanClusterGivesEveryStrategyItsTimeAndMemory) {
   EXPECT_EQ(fastest_that_fits(plan_cluster(m, c, base, std::int64_t{1} << 30)), nullptr);
 }
 
-// Each hook's bytes, from its algorithm (docs/communication.md), on a GPT small enough
-// to count by hand: gpt(2, 64, 4, 512, 16), one bucket, 4 ranks, compute free. PowerSGD at
+// Each hook's bytes, from its code (src/comm/hooks.cpp), on a GPT small enough to count by
+// hand: gpt(2, 64, 4, 512, 16), one bucket, 4 ranks, compute free. int8 and top-k run two
+// all-gathers each (codes and scales; values and indices), each paying its latency. PowerSGD at
 // rank 4 compresses every matrix: per layer P holds 4 x (192 + 64 + 256 + 64) values and Q
 // 4 x (64 + 64 + 64 + 256), its 640 vector values go whole; the root's wte (512 x 64), wpe
 // (16 x 64) and head (512 x 64) add 4 x (512 + 16 + 512) to P and 4 x 3 x 64 to Q, ln_f
@@ -697,8 +698,8 @@ TEST(StepTime, HooksSendWhatTheirAlgorithmSends) {
   EXPECT_NEAR(step("none"), all_reduce(4 * n), 1e-12);
   EXPECT_NEAR(step("all_reduce"), all_reduce(4 * n), 1e-12);
   EXPECT_NEAR(step("bf16"), all_reduce(2 * n), 1e-12);
-  EXPECT_NEAR(step("int8:64"), all_gather(4 * n * (1 + 4.0 / 64)), 1e-12);
-  EXPECT_NEAR(step("top_k:0.01"), all_gather(4 * 8 * std::ceil(0.01 * n)), 1e-12);
+  EXPECT_NEAR(step("int8:64"), all_gather(4 * n) + all_gather(4 * 4 * std::ceil(n / 64)), 1e-12);
+  EXPECT_NEAR(step("top_k:0.01"), 2 * all_gather(4 * 4 * std::ceil(0.01 * n)), 1e-12);
   EXPECT_NEAR(step("random_k:0.01"), all_reduce(4 * std::ceil(0.01 * n)), 1e-12);
   const double p = 2 * 4 * (192 + 64 + 256 + 64) + 4 * (512 + 16 + 512);
   const double q = 2 * 4 * (64 + 64 + 64 + 256) + 4 * 3 * 64;
@@ -708,14 +709,17 @@ TEST(StepTime, HooksSendWhatTheirAlgorithmSends) {
   o.strategy = Strategy::ShardOptimizerState;
   EXPECT_NEAR(step("bf16"), all_reduce(2 * n) + all_gather(4 * n), 1e-12);
   EXPECT_NEAR(step("none"), all_gather(4 * n) + all_gather(4 * n), 1e-12);
-  for (const char* bad : {"bf8", "top_k", "top_k:2", "int8:x", "power_sgd:0", "power_sgd:4:x", "bf16:1"})
+  for (const char* bad :
+       {"bf8", "top_k", "top_k:2", "int8:x", "int8:inf", "power_sgd:0", "power_sgd:1e10", "power_sgd:4:x", "bf16:1"})
     EXPECT_THROW(parse_hook_model(bad), std::invalid_argument) << bad;
 }
 
-// A hook's compression and decompression are passes over the bucket on compute's path:
-// with the link free, bf16 adds 6 + 6 bytes per value at the memory's bandwidth, top-k
-// error feedback's add (12), its selection (32), the zero fill (4) and 16 per value
-// received from each rank, random-k the same without the selection and with one rank's.
+// A hook's compression and decompression are passes over the bucket on compute's path, as
+// its code moves the bytes (Note [Communication algorithms in the step-time model]): with
+// the link free, bf16 divides and casts (14 bytes a value) and casts back (6); top-k adds
+// error feedback (12), selects in two passes (8), zero fills, divides and copies the sum
+// (20) and widens and adds each value received from each rank (32); random-k adds error
+// feedback (12), draws and selects (32 a value sent), zero fills (4) and scatters (16).
 TEST(StepTime, HookWorkIsPassesOverTheBucketAtTheMemorysBandwidth) {
   const auto m = gpt(2, 64, 4, 512, 16);
   Cluster c = only_links(1, 4, false);  // the node's link free
@@ -728,32 +732,33 @@ TEST(StepTime, HookWorkIsPassesOverTheBucketAtTheMemorysBandwidth) {
   const StepTime plain = predict_time(m, c, o);
   o.hook = parse_hook_model("bf16");
   StepTime t = predict_time(m, c, o);
-  EXPECT_NEAR(t.step_s - plain.step_s, 12 * n / 1e9, 1e-12);
-  EXPECT_NEAR(t.engine_s, 12 * n / 1e9, 1e-12);
+  EXPECT_NEAR(t.step_s - plain.step_s, 20 * n / 1e9, 1e-12);
+  EXPECT_NEAR(t.engine_s, 20 * n / 1e9, 1e-12);
   const double k = std::ceil(0.01 * n);
   o.hook = parse_hook_model("top_k:0.01");
-  EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s, ((12 + 32 + 4) * n + 16 * 4 * k) / 1e9, 1e-12);
+  EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s, (40 * n + 32 * 4 * k) / 1e9, 1e-12);
   o.hook = parse_hook_model("random_k:0.01");
-  EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s, ((12 + 4) * n + 16 * k) / 1e9, 1e-12);
+  EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s, (16 * n + 48 * k) / 1e9, 1e-12);
   // Measured (TimeOptions::hook_work_s: the whole model on one rank alone) it replaces the
-  // passes: bf16's work does not grow with the ranks; top-k's finish does (16 per value
+  // passes: bf16's work does not grow with the ranks; top-k's finish does (32 per value
   // received from each of 4 ranks, where one rank alone receives its own).
   o.hook = parse_hook_model("bf16");
   o.hook_work_s = 0.25;
   EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s, 0.25, 1e-12);
   o.hook = parse_hook_model("top_k:0.01");
   EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s,
-              0.25 * ((12 + 32 + 4) * n + 16 * 4 * k) / ((12 + 32 + 4) * n + 16 * k), 1e-12);
+              0.25 * (40 * n + 32 * 4 * k) / (40 * n + 32 * k), 1e-12);
   // One rank alone reduces nothing, hook or not.
   o.hook_work_s = 0;
   EXPECT_NEAR(predict_time(m, only_links(1, 1, false), o).engine_s, 0, 1e-15);
 }
 
 // Staleness: a bucket reduced while the next steps compute. On a link whose all-reduce
-// takes less than a step's compute, the step is its compute and the copy of each bucket
-// (a read and a write), with nothing exposed; without staleness the whole all-reduce
-// shows. On a link slower than the compute the step is the link's time: nothing waits for
-// its own reduction, but the reductions cannot run faster than the link.
+// takes less than a step's compute, the step is its compute and the two copies of each
+// bucket (into the copy that is reduced, and the average of s steps before back: a read
+// and a write each), with nothing exposed; without staleness the whole all-reduce shows.
+// On a link slower than the compute the step is the link's time: nothing waits for its own
+// reduction, but the reductions cannot run faster than the link.
 TEST(StepTime, StalenessHidesTheReductionWhereTheLinkKeepsUpWithCompute) {
   const auto m = gpt(2, 64, 4, 512, 16);
   Cluster c = only_links(1, 4, true);
@@ -772,32 +777,50 @@ TEST(StepTime, StalenessHidesTheReductionWhereTheLinkKeepsUpWithCompute) {
   ASSERT_LT(link, compute) << "the test's link keeps up with compute";
   EXPECT_NEAR(sync.step_s, compute + link, 1e-9);
   EXPECT_NEAR(sync.exposed_s, link, 1e-9);
-  for (int s : {1, 3}) {
+  const double copies = 2 * 8 * n / 1e12;
+  for (int s : {1, 3, 8}) {
     o.staleness = s;
     const StepTime late = predict_time(m, c, o);
-    EXPECT_NEAR(late.step_s, compute + 8 * n / 1e12, 1e-9) << s;
+    EXPECT_NEAR(late.step_s, compute + copies, 1e-9) << s;
     EXPECT_NEAR(late.exposed_s, 0, 1e-12) << s;
     EXPECT_NEAR(late.communication_s, link, 1e-12) << s;
   }
+  o.staleness = 9;  // FullyShardOptions::kMaxStaleness is 8
+  EXPECT_THROW(predict_time(m, c, o), std::invalid_argument);
+  // One bucket per layer, each held until the last is finished (bf16 parameters: one in
+  // flight): the buckets finished are those of the step before, long done.
+  o.param_bytes = 2;
+  o.bucket_bytes = m.layer_params() * 4;
+  o.staleness = 0;
+  const StepTime layered = predict_time(m, c, o);
+  EXPECT_GT(layered.exposed_s, 0) << "without staleness the last bucket's all-reduce shows";
+  o.staleness = 1;
+  const StepTime hidden = predict_time(m, c, o);
+  EXPECT_NEAR(hidden.exposed_s, 0, 1e-12);
+  EXPECT_NEAR(hidden.step_s, layered.forward_s + layered.backward_s + layered.optimizer_s + copies, 1e-9);
+  EXPECT_NEAR(hidden.communication_s, layered.communication_s, 1e-12);
+  o.param_bytes = 4;
+  o.bucket_bytes = std::int64_t{1} << 40;
   c.intra.bus_bandwidth = 6 * n / (4 * compute);  // each all-reduce's bytes take four times the compute
   const double slow = 4 * compute + 6 * 1e-5;
   o.staleness = 1;
   const StepTime bound = predict_time(m, c, o);
   EXPECT_NEAR(bound.step_s, slow, 1e-6 * slow);
-  EXPECT_NEAR(bound.exposed_s, slow - compute - 8 * n / 1e12, 1e-6 * slow);
+  EXPECT_NEAR(bound.exposed_s, slow - compute - copies, 1e-6 * slow);
 }
 
 // Decentralized training: no gradient averaged; every k-th step each rank sends its fp32
 // parameters to its two ring neighbours (one send at 2 ranks) from the step's start, and
-// averages the three copies (16 bytes per parameter) before the optimizer. With compute
-// free the step is those sends; every second step halves it.
+// averages the three copies (32 bytes per parameter) before the optimizer. With compute
+// free the step is those sends; every second step halves it. With compute the exchange runs
+// beside forward and backward: the step is the longer of the two, then the average and
+// the optimizer.
 TEST(StepTime, DecentralizedTrainingSendsTheParametersToEachNeighbour) {
   const auto m = gpt(2, 64, 4, 512, 16);
-  const double bytes = 4.0 * static_cast<double>(m.params());
+  const double params = static_cast<double>(m.params()), bytes = 4.0 * params;
   TimeOptions o;
   o.strategy = Strategy::NoShard;
   o.param_bytes = 2;
-  o.decentralized_every = 1;
   for (int n : {2, 4}) {
     const Cluster c = only_links(1, n, true);
     const double sends = n == 2 ? 1 : 2;
@@ -809,17 +832,31 @@ TEST(StepTime, DecentralizedTrainingSendsTheParametersToEachNeighbour) {
     t = predict_time(m, c, o);
     EXPECT_NEAR(t.step_s, sends * (bytes / 1e9 + 1e-5) / 2, 1e-12) << n;
   }
-  // The refusals of the engine (docs/communication.md, What combines).
+  Cluster c = only_links(1, 4, true);
+  c.flops = 1e9;
+  c.memory_bandwidth = 1e11;
+  o.sequences = 4;
+  o.sequence_length = 16;
   o.decentralized_every = 1;
+  for (double bus : {1e9, 1e7}) {  // the exchange shorter than forward and backward, then longer
+    c.intra.bus_bandwidth = bus;
+    const StepTime t = predict_time(m, c, o);
+    const double exchange = 2 * (bytes / bus + 1e-5), compute = t.forward_s + t.backward_s;
+    EXPECT_NEAR(t.step_s, std::max(exchange, compute) + 32 * params / 1e11 + t.optimizer_s, 1e-9) << bus;
+    EXPECT_NEAR(t.exposed_s, std::max(0.0, exchange - compute), 1e-9) << bus;
+    EXPECT_NEAR(t.engine_s, 32 * params / 1e11, 1e-12) << bus;
+  }
+  // The refusals of the engine (docs/communication.md, What combines).
   o.staleness = 1;
   EXPECT_THROW(predict_time(m, only_links(1, 4, true), o), std::invalid_argument);
   o.staleness = 0;
+  o.offload = true;
+  EXPECT_THROW(predict_time(m, only_links(1, 4, true), o), std::invalid_argument);
+  o.offload = false;
   o.hook = parse_hook_model("bf16");
   EXPECT_THROW(predict_time(m, only_links(1, 4, true), o), std::invalid_argument);
-  o.decentralized_every = 0;
-  o.strategy = Strategy::ShardOptimizerState;
-  o.decentralized_every = 1;
   o.hook = {};
+  o.strategy = Strategy::ShardOptimizerState;
   EXPECT_THROW(predict_time(m, only_links(1, 4, true), o), std::invalid_argument);
   o.decentralized_every = 0;
   o.strategy = Strategy::FullShard;
@@ -837,8 +874,8 @@ TEST(StepTime, DecentralizedTrainingSendsTheParametersToEachNeighbour) {
 // unit's reduce-scatter, and waits there for the hook's rounds across the groups: with
 // the link within groups free, every unit's rounds show in the step, bf16's all-reduce of
 // each shard at 2 bytes a value across 2 replicas. PowerSGD compresses only the matrices
-// wholly inside a shard: halving a GPT layer (ln1, qkv, proj, ln2, fc, out) at 4 ranks
-// per group cuts fc, so the worst shard sends it whole.
+// wholly inside a shard: halving a GPT layer (ln1, qkv, proj, ln2, fc, out) between the 2
+// ranks of a group cuts fc, and each half sends its piece of it whole.
 TEST(StepTime, HybridRunsTheHookOnEachUnitsShardAndWaitsForIt) {
   const auto m = gpt(2, 64, 4, 512, 16);
   const Cluster c = only_links(2, 2, false);  // across nodes 1 GB/s, 10 us a step
@@ -962,6 +999,26 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
   EXPECT_NE(slow.output.find("beside compute the intra-node link gives 0.40 GB/s, 600 us a step"),
             std::string::npos)
       << slow.output;
+  // A hook: only the strategies that take it, each the library's prediction with it.
+  const auto hooked = flatshard::testing::run_command({plan_path(), "--cluster", "16x8", "--model", "gpt-1b",
+                                                       "--seq", "1024", "--batch", "16", "--hook", "power_sgd:4"});
+  ASSERT_EQ(hooked.exit_code, 0) << hooked.output;
+  TimeOptions ho;
+  ho.sequences = 16;
+  ho.sequence_length = 1024;
+  ho.strategy = Strategy::NoShard;
+  ho.hook = parse_hook_model("power_sgd:4");
+  const StepTime powered = predict_time(gpt_1b(), h100_cluster(16, 8), ho);
+  EXPECT_NE(hooked.output.find(fmt::format("DDP {:>31.0f}", powered.tokens_per_s)), std::string::npos)
+      << hooked.output;
+  EXPECT_NE(hooked.output.find("each bucket reduced by the power_sgd:4 hook"), std::string::npos) << hooked.output;
+  EXPECT_NE(hooked.output.find("hybrid (groups of 8)"), std::string::npos) << hooked.output;
+  EXPECT_EQ(hooked.output.find("full shard"), std::string::npos) << "full shard takes no hook";
+  const auto late = flatshard::testing::run_command(
+      {plan_path(), "--cluster", "2x8", "--model", "gpt-1b", "--batch", "16", "--staleness", "2"});
+  ASSERT_EQ(late.exit_code, 0) << late.output;
+  EXPECT_NE(late.output.find("ZeRO-1"), std::string::npos) << late.output;
+  EXPECT_EQ(late.output.find("hybrid"), std::string::npos) << "only DDP and ZeRO-1 take staleness";
   EXPECT_EQ(r.output.find("contended"), std::string::npos) << "no column where collectives take no compute";
   const auto ddp = r.output.find("\nDDP");
   ASSERT_NE(ddp, std::string::npos);
@@ -975,7 +1032,12 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
                                              {plan_path(), "--cluster", "2x8", "--offload", "2"},
                                              {plan_path(), "--cluster", "2x8", "--host-gbs", "0"},
                                              {plan_path(), "--cluster", "2x8", "--intra-beside", "0.5"},
-                                             {plan_path(), "--cluster", "2x8", "--intra-beside-us", "500"}}) {
+                                             {plan_path(), "--cluster", "2x8", "--intra-beside-us", "500"},
+                                             {plan_path(), "--cluster", "2x8", "--hook", "bf8"},
+                                             {plan_path(), "--cluster", "2x8", "--staleness", "9"},
+                                             {plan_path(), "--cluster", "2x8", "--decentralized", "1", "--hook", "bf16"},
+                                             {plan_path(), "--cluster", "2x8", "--decentralized", "1", "--offload", "1"},
+                                             {plan_path(), "--cluster", "2x8", "--hook-work-ms", "-1"}}) {
     const auto refused = flatshard::testing::run_command(bad);
     EXPECT_EQ(refused.exit_code, 2) << refused.output;
     EXPECT_NE(refused.output.find("usage: flatshard-plan --cluster"), std::string::npos) << refused.output;
