@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Where the ranks' communication wait goes, op by op, from the communicator's debug log.
 
-It reads world-wide communicators: it keys each op on its communicator's name and number,
-and under HybridShard every shard group's communicator has the same name.
+It keys each op on its communicator's name and number; a communicator's ranks are those that
+issued on it (under HybridShard each shard group's and each replica set's communicator has a
+name of its own: "/shard1of2", "/replica0of2").
 
 With FLATSHARD_LOG_LEVEL=debug every op logs when it was issued and when its stream ran it,
 and while waits are timed (FullyShard::communication_wait, bench_modes) every stalled wait
@@ -63,6 +64,9 @@ def main():
     if not issued or not stalls:
         sys.exit("wait_trace.py: no issued ops or stalled waits in the log (FLATSHARD_LOG_LEVEL=debug, waits timed?)")
     ranks = 1 + max(r for v in issued.values() for r in v)
+    members = collections.defaultdict(set)  # comm -> the ranks that issued on it
+    for (comm, _), v in issued.items():
+        members[comm].update(v)
     first = min(min(v.values()) for v in issued.values())
     last = max(max(v.values()) for v in issued.values())
     cut = first + a.skip * (last - first)
@@ -71,7 +75,7 @@ def main():
     early = []  # stalls that ended before the op's last issue
     for rank, comm, seq, start, end in stalls:
         ranks_issued = issued.get((comm, seq), {})
-        if start < cut or len(ranks_issued) < ranks:
+        if start < cut or len(ranks_issued) < len(members[comm]):
             continue
         last_issue = max(ranks_issued.values())
         if end < last_issue:

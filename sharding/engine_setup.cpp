@@ -372,13 +372,19 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
   if (shard_.size < world_size_ && !replicated_) {
     // Note [Shard groups]: group k is ranks [k G, (k + 1) G); replica set j is the ranks
     // j, G + j, 2 G + j, ... that hold shard j. Made after the check above (a rank with
-    // other groups would wait in rendezvous), by every rank in the same order.
+    // other groups would wait in rendezvous), by every rank in the same order. Each is named
+    // by its index and its kind's count ("/shard1of2": group 1 of 2; "/replica0of4": the
+    // ranks holding shard 0 of 4), so that the ranks' logs tell the groups' ops apart
+    // (bench/wait_trace.py keys each op on its communicator's name), and a name always
+    // means the same ranks of this world: a communicator's rendezvous counts the
+    // communicators of its name made before it, which its ranks must agree on across
+    // wrappers of other group sizes.
     std::vector<int> group, replicas;
     for (int r = 0; r < shard_.size; ++r) group.push_back(shard_.replica * shard_.size + r);
     for (int k = 0; k < shard_.replicas; ++k) replicas.push_back(k * shard_.size + shard_.rank);
     CommunicatorOptions shard_options = comm_options, replica_options = comm_options;
-    shard_options.name += "/shard";
-    replica_options.name += "/replica";
+    shard_options.name += fmt::format("/shard{}of{}", shard_.replica, shard_.replicas);
+    replica_options.name += fmt::format("/replica{}of{}", shard_.rank, shard_.size);
     shard_comm_ = Communicator::create(subworld(world, group, shard_options.name), shard_options);
     replica_comm_ = Communicator::create(subworld(world, replicas, replica_options.name), replica_options);
   }
