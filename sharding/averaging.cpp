@@ -209,11 +209,16 @@ void Engine::check_communication_options() const {
 // over them in place of the engine's all-reduce: each unit's reduce-scattered shard (the
 // group's average) is handed to the hook as a bucket numbered by the unit, over the
 // communicator of this shard's replicas, once its reduce-scatter has completed (the hook
-// reads the values when it is called), and is finished at once. The bucket names the
-// parameters wholly inside this rank's shard, at their offsets in it; the pieces of
-// parameters cut by the shard's edges are plain values to the hook (PowerSGD sends them
-// uncompressed).
-void Engine::average_across_groups(PendingReduce& pending) {
+// reads the values when it is called). The bucket names the parameters wholly inside this
+// rank's shard, at their offsets in it; the pieces of parameters cut by the shard's edges
+// are plain values to the hook (PowerSGD sends them uncompressed). When the next unit's
+// gradients are reduced, the previous unit's reduce-scatter is waited for, its flat
+// gradient freed and its hook started; the hook's rounds then run beside that unit's
+// backward and are finished (waited for, the average written and folded into the shard's
+// gradient) at the unit after it, or at the end of backward: at most one reduce-scatter
+// and one hook in flight (Note [One reduce-scatter in flight]), every rank starting the
+// hooks in the units' order.
+void Engine::start_hook_across_groups(PendingReduce& pending) {
   const FlatParamGroup& g = *units_[pending.unit]->group;
   const std::int64_t begin = static_cast<std::int64_t>(shard_.rank) * g.shard_numel(),
                      end = begin + g.shard_numel();
@@ -226,8 +231,19 @@ void Engine::average_across_groups(PendingReduce& pending) {
       bucket.params.push_back({slot.name, slot.shape, slot.offset - begin});
   }
   HookWork work = comm_hook_->reduce(*replica_comm_, bucket);
-  for (const Work& w : work.works) w.wait();
-  if (work.finish) work.finish();
+  pending.hook_works = std::move(work.works);
+  pending.hook_finish = std::move(work.finish);
+  pending.hook = comm_hook_;
+  pending.hook_across_groups = false;
+}
+
+// At once, where nothing follows to overlap (the end of backward).
+void Engine::average_across_groups(PendingReduce& pending) {
+  start_hook_across_groups(pending);
+  for (const Work& w : pending.hook_works) w.wait();
+  if (pending.hook_finish) pending.hook_finish();
+  pending.hook_works.clear();
+  pending.hook_finish = nullptr;
 }
 
 }  // namespace flatshard::sharding

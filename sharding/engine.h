@@ -130,6 +130,8 @@ class Engine {
   void start_bucket_reduction(PendingReduce& pending, int segment);
   void start_hook(PendingReduce& pending, int segment);
   void average_across_groups(PendingReduce& pending);
+  void start_hook_across_groups(PendingReduce& pending);
+  void finish_reduces_starting_hooks();
   // Note [Bounded staleness], Note [Decentralized training]
   void check_communication_options() const;
   void delay(PendingReduce& pending, int segment);

@@ -36,9 +36,12 @@ using detail::fold_strays;
 // Before a unit's gradients are reduce-scattered, the previous unit's reduction is
 // waited for and folded into its shard gradient, and its flat gradient is freed. So at
 // most one reduction (and the flat gradient it reads) is outstanding, while the
-// reduce-scatter stream still overlaps the backward compute of the next unit.
+// reduce-scatter stream still overlaps the backward compute of the next unit. Under
+// HybridShard with a hook, the previous unit's hook across the groups is started there
+// and stays out beside the next unit's backward, holding only its shard (Note [Hooks across
+// shard groups]).
 void Engine::reduce(int index) {
-  finish_pending_reduce();
+  finish_reduces_starting_hooks();
   FlatParamGroup& g = *units_[index]->group;
   const at::ScalarType reduce_dtype = options_.mixed_precision.reduce.value_or(g.compute_dtype());
   auto pending = std::make_unique<PendingReduce>();
@@ -73,6 +76,42 @@ void Engine::reduce(int index) {
 
 void Engine::finish_pending_reduce() {
   while (!in_flight_.empty()) finish_first_reduce();
+}
+
+// Before a unit's reduce-scatter: what is in flight is finished, but a unit whose hook
+// across the groups has yet to run (Note [Hooks across shard groups]) has its
+// reduce-scatter waited for, its flat gradient freed and its hook started, and stays in
+// flight beside the next unit's backward.
+void Engine::finish_reduces_starting_hooks() {
+  std::deque<std::unique_ptr<PendingReduce>> started;
+  try {
+    while (!in_flight_.empty()) {
+      PendingReduce& first = *in_flight_.front();
+      if (!first.hook_across_groups) {
+        finish_first_reduce();
+        continue;
+      }
+      complete(first);
+      first.work.reset();  // waited for
+      first.input = at::Tensor();
+      if (first.input_is_full_grad) {
+        units_[first.unit]->group->free_full_grad();
+        first.input_is_full_grad = false;
+      }
+      start_hook_across_groups(first);
+      started.push_back(std::move(in_flight_.front()));
+      in_flight_.pop_front();
+    }
+  } catch (...) {
+    // The hooks started stay in flight, in front, so that whoever handles the failure
+    // waits for their collectives before their buffers go.
+    while (!started.empty()) {
+      in_flight_.push_front(std::move(started.back()));
+      started.pop_back();
+    }
+    throw;
+  }
+  in_flight_ = std::move(started);
 }
 
 bool Engine::completed(const PendingReduce& p) {

@@ -576,29 +576,46 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   // finishes the reduction at the next unit's (not modelled).
   double landed = 0;          // offload: when the last gradient shard reached the host
   double last_reduction = 0;  // when the last unit's collectives of its reduction completed
-  // Note [Communication algorithms in the step-time model], under HybridShard: the engine
-  // hands the hook a unit's shard when it finishes the unit's reduce-scatter (at the next
-  // unit's, Note [One reduce-scatter in flight]) and waits there for the hook's rounds across
-  // the groups: compression, rounds and the average follow each other on compute's path.
-  const Part* hook_due = nullptr;
-  auto run_hook = [&] {
-    if (!hook_due) return;
-    const BucketCost k = hook_cost(*hook_due, replicas, false);
-    hook_due = nullptr;
-    Lane& ar = lane_of(replica_link);
-    for (const auto& [work, rounds] :
-         {std::pair{k.compress, std::pair{k.first, k.also}}, std::pair{k.between, std::pair{k.second, Round{}}}}) {
-      now = compute.run(now, work);
-      t.engine_s += work;
-      double done = now;
-      for (const Round& round : {rounds.first, rounds.second}) {
-        if (round.bytes > 0) done = ar.run(now, cost(round.op, round.bytes, replicas, replica_link));
-      }
-      if (done > now) waits.reductions += done - now;
-      now = std::max(now, done);
+  // Note [Communication algorithms in the step-time model], under HybridShard (Note [Hooks
+  // across shard groups] in sharding/averaging.cpp): when the next unit's gradients are
+  // reduced, the engine finishes the hook running (waits for its rounds; PowerSGD's second
+  // within its finish), then waits for the last unit's reduce-scatter and starts its hook,
+  // whose rounds run beside the next unit's backward. At the end of backward the last
+  // unit's (the root's) hook runs at once.
+  const Part* hook_due = nullptr;  // its reduce-scatter in flight, its hook not started
+  BucketCost running{};            // the hook started, and when its first rounds end
+  double running_done = -1;
+  auto wait_until = [&](double done) {
+    if (done > now) waits.reductions += done - now;
+    now = std::max(now, done);
+  };
+  auto finish_running_hook = [&] {
+    if (running_done < 0) return;
+    wait_until(running_done);
+    running_done = -1;
+    if (running.second.bytes > 0) {
+      now = compute.run(now, running.between);
+      t.engine_s += running.between;
+      wait_until(lane_of(replica_link).run(now, cost(running.second.op, running.second.bytes, replicas, replica_link)));
     }
-    now = compute.run(now, k.finish);
-    t.engine_s += k.finish;
+    now = compute.run(now, running.finish);
+    t.engine_s += running.finish;
+  };
+  // Starts the hook of the unit whose reduce-scatter was waited for; `busy_until`: when
+  // backward's compute runs out.
+  auto start_hook = [&](double busy_until) {
+    if (!hook_due) return;
+    running = hook_cost(*hook_due, replicas, false);
+    hook_due = nullptr;
+    now = compute.run(now, running.compress);
+    t.engine_s += running.compress;
+    Lane& ar = lane_of(replica_link);
+    running_done = now;
+    for (const Round& round : {running.first, running.also}) {
+      if (round.bytes > 0)
+        running_done = ar.run(now, cost(round.op, round.bytes, replicas, replica_link,
+                                        beside(replica_link, ar, now, busy_until)));
+    }
   };
   auto reduce_unit = [&](double issued, double elements, double busy_until) {
     Lane& rs = lane_of(group_link);
@@ -670,10 +687,12 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // Note [One reduce-scatter in flight] (sharding/gradients.cpp): before a unit's
     // gradients are reduced, compute waits for the previous unit's reduction (its
     // reduce-scatter and, hybrid, its all-reduce across replicas), so at most one is out.
-    auto wait_for_last_reduction = [&] {
+    // `busy_until`: when backward's compute runs out (a hook started here runs beside it).
+    auto wait_for_last_reduction = [&](double busy_until) {
+      finish_running_hook();
       if (last_reduction > now) waits.reductions += last_reduction - now;
       now = std::max(now, last_reduction);
-      run_hook();
+      start_hook(busy_until);
     };
     int next = m.layers - 1;
     auto issue_back = [&](int last, double at, int current) {
@@ -688,13 +707,16 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         now = std::max(now, ready[k]);
       }
       now = compute.run(now, layer_bwd);
-      wait_for_last_reduction();
+      wait_for_last_reduction(now + k * layer_bwd);
       reduced = std::max(reduced, reduce_unit(now, layer_bytes, now + k * layer_bwd));
     }
-    wait_for_last_reduction();
+    wait_for_last_reduction(now);
     reduced =
         std::max(reduced, reduce_unit(now, root_bytes, now));  // the root's, after the embedding's backward
-    if (hook_due) wait_for_last_reduction();                    // and its hook
+    if (hook_due) {  // the end of backward: the last hook running, then the root's at once
+      wait_for_last_reduction(now);
+      finish_running_hook();
+    }
     // Waiting for the reductions (and offloaded, their copies to the host), then for what
     // the host still has to step.
     const double communicated = o.offload && o.step_in_backward ? std::min(reduced, landed) : reduced;

@@ -6,11 +6,14 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <functional>
+#include <map>
 
 #include <fmt/format.h>
 
+#include "flatshard/sequential_units.h"
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
 
@@ -432,6 +435,71 @@ TEST(CommHooks, HybridShardAveragesAcrossGroupsThroughTheHook) {
     comm->all_reduce(mean, flatshard::ReduceOp::Avg).wait();
     EXPECT_TRUE(at::allclose(mean, w.to(at::kFloat), 1e-6, 1e-6)) << name << " differs between ranks";
   }
+}
+
+// Note [Hooks across shard groups]: a unit's hook runs beside the next unit's backward. A
+// tap after each unit's layer counts the units whose backward has begun (their output's
+// gradient computed); the hook notes the count when each unit's shard is handed to it and
+// again when the engine finishes it. Run at once (waited for where it is handed over), no
+// unit's backward could begin between the two; beside backward, every unit but the last
+// two of a backward (their hooks finished at its end) sees the next one's begin.
+struct TapImpl : torch::nn::Module {
+  explicit TapImpl(std::atomic<int>* begun) : begun(begun) {}
+  at::Tensor forward(at::Tensor x) {
+    if (x.requires_grad()) x.register_hook([b = begun](const at::Tensor&) { ++*b; });
+    return x;
+  }
+  std::atomic<int>* begun;
+};
+TORCH_MODULE(Tap);
+
+class OverlapHook final : public CommHook {
+ public:
+  explicit OverlapHook(std::atomic<int>* begun) : begun_(begun) {}
+  std::string describe() const override { return "overlap"; }
+  flatshard::HookWork reduce(flatshard::Communicator& comm, const GradBucket& bucket) override {
+    const int at_start = begun_->load();
+    flatshard::HookWork work = inner_->reduce(comm, bucket);
+    auto finish = std::move(work.finish);
+    work.finish = [this, finish, at_start] {
+      if (finish) finish();
+      ++finished;
+      if (begun_->load() > at_start) ++overlapped;
+    };
+    return work;
+  }
+  int finished = 0, overlapped = 0;
+
+ private:
+  std::atomic<int>* begun_;
+  std::shared_ptr<CommHook> inner_ = flatshard::hooks::all_reduce();
+};
+
+TEST(CommHooks, HybridShardRunsEachUnitsHookBesideTheNextUnitsBackward) {
+  FLATSHARD_RUN_RANKS({4}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  std::atomic<int> begun{0};
+  torch::manual_seed(0);
+  torch::nn::Sequential seq;
+  constexpr int kUnits = 6;
+  for (int i = 0; i < kUnits; ++i) {
+    seq->push_back(torch::nn::Linear(16, 16));
+    seq->push_back(Tap(&begun));
+  }
+  flatshard::SequentialUnits model(seq);
+  flatshard::FullyShardOptions options;
+  options.strategy = Strategy::HybridShard;
+  options.shard_group_size = 2;
+  flatshard::FullyShard<flatshard::SequentialUnits> fsdp(model, world, options);
+  auto hook = std::make_shared<OverlapHook>(&begun);
+  fsdp.register_comm_hook(hook);
+  constexpr int kSteps = 3;
+  for (int step = 0; step < kSteps; ++step) {
+    fsdp.forward(at::randn({4, 16})).square().sum().backward();
+    fsdp.zero_grad();
+  }
+  EXPECT_EQ(hook->finished, kSteps * kUnits) << "every unit's shard, every step (the root holds none)";
+  EXPECT_EQ(hook->overlapped, kSteps * (kUnits - 2)) << "each unit's hook but the last two ran beside a backward";
 }
 
 TEST(CommHooks, BadSettingsAreRefusedNamingTheRankAndSetting) {

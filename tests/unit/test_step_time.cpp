@@ -871,12 +871,13 @@ TEST(StepTime, DecentralizedTrainingSendsTheParametersToEachNeighbour) {
 }
 
 // Under HybridShard the engine hands each unit's shard to the hook when it finishes the
-// unit's reduce-scatter, and waits there for the hook's rounds across the groups: with
-// the link within groups free, every unit's rounds show in the step, bf16's all-reduce of
+// unit's reduce-scatter, and finishes the hook at the unit after (Note [Hooks across shard
+// groups]): with compute free and the link within groups free, every unit's rounds show in
+// the step, bf16's all-reduce of
 // each shard at 2 bytes a value across 2 replicas. PowerSGD compresses only the matrices
 // wholly inside a shard: halving a GPT layer (ln1, qkv, proj, ln2, fc, out) between the 2
 // ranks of a group cuts fc, and each half sends its piece of it whole.
-TEST(StepTime, HybridRunsTheHookOnEachUnitsShardAndWaitsForIt) {
+TEST(StepTime, HybridRunsEachUnitsHookOnItsShardBesideTheNextUnitsBackward) {
   const auto m = gpt(2, 64, 4, 512, 16);
   const Cluster c = only_links(2, 2, false);  // across nodes 1 GB/s, 10 us a step
   TimeOptions o;
@@ -901,6 +902,21 @@ TEST(StepTime, HybridRunsTheHookOnEachUnitsShardAndWaitsForIt) {
   const double layers = 2 * (all_reduce(4 * (1024 + 8512)) + all_reduce(4 * 512));
   EXPECT_NEAR(t.communication_s, layers + all_reduce(4 * (2048 + 576)) + all_reduce(4 * 256), 1e-12);
   EXPECT_NEAR(t.step_s, t.communication_s, 1e-12);
+  // With compute, a unit's hook runs beside the next unit's backward: on 4 layers, the
+  // hooks of layers 3 and 2 hide behind layers 1 and 0; layer 1's starts when backward's
+  // compute is done, layer 0's with the root's reduction, and the root's runs at once.
+  const auto deep = gpt(4, 64, 4, 512, 16);
+  Cluster busy = c;
+  busy.flops = 1e9;
+  o.sequences = 4;
+  o.sequence_length = 16;
+  o.hook = parse_hook_model("bf16");
+  t = predict_time(deep, busy, o);
+  const double unit = all_reduce(2 * static_cast<double>(deep.layer_params()) / 2);
+  const double root_round = all_reduce(2 * static_cast<double>(deep.root_params()) / 2);
+  ASSERT_LT(unit, t.backward_s / 4) << "a unit's rounds fit in a unit's backward";
+  EXPECT_NEAR(t.communication_s, 4 * unit + root_round, 1e-12);
+  EXPECT_NEAR(t.exposed_s, 2 * unit + root_round, 1e-9);
 }
 
 std::string plan_path() { return FLATSHARD_PLAN_PATH; }
