@@ -230,11 +230,13 @@ void Engine::start_hook_across_groups(PendingReduce& pending) {
     if (slot.offset >= begin && slot.offset + slot.numel <= end)
       bucket.params.push_back({slot.name, slot.shape, slot.offset - begin});
   }
+  // Cleared first: a hook that throws is never started again (a second start would issue
+  // rounds its peers do not match); the failure goes to whoever handles it.
+  pending.hook_across_groups = false;
   HookWork work = comm_hook_->reduce(*replica_comm_, bucket);
   pending.hook_works = std::move(work.works);
   pending.hook_finish = std::move(work.finish);
   pending.hook = comm_hook_;
-  pending.hook_across_groups = false;
 }
 
 // At once, where nothing follows to overlap (the end of backward).
