@@ -143,7 +143,8 @@ int main(int argc, char** argv) {
       flatshard::HookWork work = h->reduce(wrapped.comm(), bucket);
       for (const auto& w : work.works) w.wait();
       if (work.finish) work.finish();
-      const double took = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      const double took =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
       if (step > 0) ms.push_back(took);
     }
     std::sort(ms.begin(), ms.end());

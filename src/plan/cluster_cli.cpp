@@ -234,11 +234,14 @@ int cluster_main(int argc, char** argv) {
         base.offload_bf16_copy ? "bf16 copies sent" : "fp32 masters sent",
         base.step_in_backward ? ", stepping in backward" : "", c.pcie.bus_bandwidth / 1e9,
         c.host_bandwidth / 1e9);
-  if (base.hook.kind != HookModel::Kind::None) header += fmt::format("; each bucket reduced by the {} hook", hook_spec);
-  if (base.staleness > 0) header += fmt::format("; gradients applied {} steps late (staleness)", base.staleness);
+  if (base.hook.kind != HookModel::Kind::None)
+    header += fmt::format("; each bucket reduced by the {} hook", hook_spec);
+  if (base.staleness > 0)
+    header += fmt::format("; gradients applied {} steps late (staleness)", base.staleness);
   if (base.decentralized_every > 0)
-    header += fmt::format("; no gradient averaged, parameters averaged with the ring neighbours every {} steps",
-                          base.decentralized_every);
+    header +=
+        fmt::format("; no gradient averaged, parameters averaged with the ring neighbours every {} steps",
+                    base.decentralized_every);
   // Where collectives take compute, the share of the step it lost to them (contended).
   const bool contended = c.collective_compute_share > 0;
   if (contended)

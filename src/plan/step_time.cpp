@@ -159,10 +159,10 @@ HookModel parse_hook_model(const std::string& spec) {
   const std::string name = spec.substr(0, colon);
   const std::string rest = colon == std::string::npos ? "" : spec.substr(colon + 1);
   auto bad = [&] {
-    return std::invalid_argument(fmt::format(
-        "no hook '{}': none, all_reduce, bf16, fp16, int8[:CHUNK], top_k:RATIO, random_k:RATIO, "
-        "power_sgd:RANK[:START_STEP]",
-        spec));
+    return std::invalid_argument(
+        fmt::format("no hook '{}': none, all_reduce, bf16, fp16, int8[:CHUNK], top_k:RATIO, random_k:RATIO, "
+                    "power_sgd:RANK[:START_STEP]",
+                    spec));
   };
   auto number = [&](const std::string& text, double& out) {
     std::size_t used = 0;
@@ -174,7 +174,8 @@ HookModel parse_hook_model(const std::string& spec) {
     if (used != text.size() || !(out > 0) || out > 1e9) throw bad();
   };
   double x = 0;
-  if ((name == "none" || name == "all_reduce" || name == "bf16" || name == "fp16") && !rest.empty()) throw bad();
+  if ((name == "none" || name == "all_reduce" || name == "bf16" || name == "fp16") && !rest.empty())
+    throw bad();
   if (name == "none") {
     h.kind = K::None;
   } else if (name == "all_reduce") {
@@ -369,9 +370,7 @@ BucketCost bucket_cost(const HookModel& h, const Part& b, int ranks, double redu
     case K::None:
       k.first = {zero1 ? Collective::ReduceScatter : Collective::AllReduce, n * reduce_bytes};
       break;
-    case K::AllReduce:
-      k.first = {Collective::AllReduce, n * reduce_bytes};
-      break;
+    case K::AllReduce: k.first = {Collective::AllReduce, n * reduce_bytes}; break;
     case K::LowPrecision:
       k.compress = 14 * n / bw;
       k.first = {Collective::AllReduce, 2 * n};
@@ -447,11 +446,11 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     throw std::invalid_argument("predict_time: staleness is NoShard's and ShardOptimizerState's");
   if (o.staleness > 8)
     throw std::invalid_argument("predict_time: staleness is at most 8 (FullyShardOptions::kMaxStaleness)");
-  if (o.decentralized_every > 0 && (o.strategy != Strategy::NoShard || hooked || o.staleness > 0 || o.offload))
+  if (o.decentralized_every > 0 &&
+      (o.strategy != Strategy::NoShard || hooked || o.staleness > 0 || o.offload))
     throw std::invalid_argument(
         "predict_time: decentralized training is NoShard's, with neither a hook, staleness nor offload");
-  if (hooked && o.offload)
-    throw std::invalid_argument("predict_time: a hook with offload is not modelled");
+  if (hooked && o.offload) throw std::invalid_argument("predict_time: a hook with offload is not modelled");
   // A group of consecutive ranks stays on a node's links while it fits in one; replica
   // groups (one rank of each shard group) cross nodes when there are several.
   const Link& group_link = group <= c.per_node ? c.intra : c.inter;
@@ -527,7 +526,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   if (!m.llama) embeddings.push_back({static_cast<double>(m.context), d});
   Part embeddings_part = part_of(embeddings, hook_rank);
   // The root's own count: what the parts above leave of it is sent as it is.
-  embeddings_part.whole += static_cast<double>(m.root_params()) - head_part.elements - embeddings_part.elements;
+  embeddings_part.whole +=
+      static_cast<double>(m.root_params()) - head_part.elements - embeddings_part.elements;
   embeddings_part.elements = static_cast<double>(m.root_params()) - head_part.elements;
   // Measured hook work (TimeOptions::hook_work_s) scales the passes: the whole model as one
   // bucket on one rank is what bench_modes --hook-work 1 times.
@@ -596,7 +596,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     if (running.second.bytes > 0) {
       now = compute.run(now, running.between);
       t.engine_s += running.between;
-      wait_until(lane_of(replica_link).run(now, cost(running.second.op, running.second.bytes, replicas, replica_link)));
+      wait_until(lane_of(replica_link)
+                     .run(now, cost(running.second.op, running.second.bytes, replicas, replica_link)));
     }
     now = compute.run(now, running.finish);
     t.engine_s += running.finish;
@@ -776,7 +777,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     std::vector<std::vector<Reduction>> issued(steps);
     const double layer_back = layer_bwd + layer_bytes * grad_passes;
     const double embeddings_back = (root_bytes - head_elements) * grad_passes;
-    const double staleness_copy = o.staleness > 0 ? 2.0 * o.reduce_bytes / c.memory_bandwidth : 0;  // s per value
+    const double staleness_copy =
+        o.staleness > 0 ? 2.0 * o.reduce_bytes / c.memory_bandwidth : 0;  // s per value
     double engine = 0;  // the hook's, staleness's and decentralized training's work in the window
     for (int step = 0; step < steps; ++step) {
       if (step == steps - window) {  // what the step reports starts here
@@ -789,7 +791,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         host0 = host.busy;
         contended0 = compute.contended;
       }
-      const double backward_end = now + t.forward_s + t.backward_s + params * grad_passes;  // at the full rate
+      const double backward_end =
+          now + t.forward_s + t.backward_s + params * grad_passes;  // at the full rate
       // Decentralized training: every k-th step (the window's last) the parameters go to the
       // ring neighbours from the step's start, beside forward and backward.
       double exchanged = 0;
@@ -798,8 +801,9 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         const Link* b = beside(link, lane, now, backward_end);
         const Link& l = b ? *b : link;
         const double waits_s = sends * std::max(l.latency, link.latency);
-        exchanged = lane.run(now, Cost{sends * bytes / std::min(l.bus_bandwidth, link.bus_bandwidth) + waits_s,
-                                       waits_s, sends * bytes / link.bus_bandwidth});
+        exchanged =
+            lane.run(now, Cost{sends * bytes / std::min(l.bus_bandwidth, link.bus_bandwidth) + waits_s,
+                               waits_s, sends * bytes / link.bus_bandwidth});
       }
       // Forward, the head's backward and its gradients.
       now = compute.run(now, t.forward_s + 2 * head_fwd + head_elements * grad_passes);
@@ -849,7 +853,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
           r.elements = pending.elements;
           for (const Round& round : {r.cost.first, r.cost.also}) {
             if (round.bytes > 0)
-              r.done = lane.run(now, cost(round.op, round.bytes, n, link, beside(link, lane, now, now + remaining)));
+              r.done = lane.run(
+                  now, cost(round.op, round.bytes, n, link, beside(link, lane, now, now + remaining)));
           }
           r.done = std::max(r.done, now);
           if (o.offload) r.landed = copy(d2h, r.done, pending.elements / owned * 4);  // behind its reduction
@@ -935,7 +940,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   const double latency = (intra.latency + inter.latency - latency0) / window;
   // The host's step after backward is time the devices idle; stepping in backward, only
   // what is left of it after the last gradient landed.
-  const double host_idle = o.step_in_backward ? waits.host : (host.busy - host0) / window;  // the devices' idle time for it
+  const double host_idle =
+      o.step_in_backward ? waits.host : (host.busy - host0) / window;  // the devices' idle time for it
   if (o.offload && host_idle > 0.2 * t.step_s && host_idle > t.exposed_s)
     t.limit = "host step";
   else if (t.contended_s >= 0.05 * t.step_s && t.contended_s > t.exposed_s)

@@ -499,7 +499,8 @@ TEST(CommHooks, HybridShardRunsEachUnitsHookBesideTheNextUnitsBackward) {
     fsdp.zero_grad();
   }
   EXPECT_EQ(hook->finished, kSteps * kUnits) << "every unit's shard, every step (the root holds none)";
-  EXPECT_EQ(hook->overlapped, kSteps * (kUnits - 2)) << "each unit's hook but the last two ran beside a backward";
+  EXPECT_EQ(hook->overlapped, kSteps * (kUnits - 2))
+      << "each unit's hook but the last two ran beside a backward";
 }
 
 TEST(CommHooks, BadSettingsAreRefusedNamingTheRankAndSetting) {

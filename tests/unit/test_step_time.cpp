@@ -709,8 +709,8 @@ TEST(StepTime, HooksSendWhatTheirAlgorithmSends) {
   o.strategy = Strategy::ShardOptimizerState;
   EXPECT_NEAR(step("bf16"), all_reduce(2 * n) + all_gather(4 * n), 1e-12);
   EXPECT_NEAR(step("none"), all_gather(4 * n) + all_gather(4 * n), 1e-12);
-  for (const char* bad :
-       {"bf8", "top_k", "top_k:2", "int8:x", "int8:inf", "power_sgd:0", "power_sgd:1e10", "power_sgd:4:x", "bf16:1"})
+  for (const char* bad : {"bf8", "top_k", "top_k:2", "int8:x", "int8:inf", "power_sgd:0", "power_sgd:1e10",
+                          "power_sgd:4:x", "bf16:1"})
     EXPECT_THROW(parse_hook_model(bad), std::invalid_argument) << bad;
 }
 
@@ -746,8 +746,8 @@ TEST(StepTime, HookWorkIsPassesOverTheBucketAtTheMemorysBandwidth) {
   o.hook_work_s = 0.25;
   EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s, 0.25, 1e-12);
   o.hook = parse_hook_model("top_k:0.01");
-  EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s,
-              0.25 * (40 * n + 32 * 4 * k) / (40 * n + 32 * k), 1e-12);
+  EXPECT_NEAR(predict_time(m, c, o).step_s - plain.step_s, 0.25 * (40 * n + 32 * 4 * k) / (40 * n + 32 * k),
+              1e-12);
   // One rank alone reduces nothing, hook or not.
   o.hook_work_s = 0;
   EXPECT_NEAR(predict_time(m, only_links(1, 1, false), o).engine_s, 0, 1e-15);
@@ -1016,8 +1016,9 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
             std::string::npos)
       << slow.output;
   // A hook: only the strategies that take it, each the library's prediction with it.
-  const auto hooked = flatshard::testing::run_command({plan_path(), "--cluster", "16x8", "--model", "gpt-1b",
-                                                       "--seq", "1024", "--batch", "16", "--hook", "power_sgd:4"});
+  const auto hooked =
+      flatshard::testing::run_command({plan_path(), "--cluster", "16x8", "--model", "gpt-1b", "--seq", "1024",
+                                       "--batch", "16", "--hook", "power_sgd:4"});
   ASSERT_EQ(hooked.exit_code, 0) << hooked.output;
   TimeOptions ho;
   ho.sequences = 16;
@@ -1027,7 +1028,8 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
   const StepTime powered = predict_time(gpt_1b(), h100_cluster(16, 8), ho);
   EXPECT_NE(hooked.output.find(fmt::format("DDP {:>31.0f}", powered.tokens_per_s)), std::string::npos)
       << hooked.output;
-  EXPECT_NE(hooked.output.find("each bucket reduced by the power_sgd:4 hook"), std::string::npos) << hooked.output;
+  EXPECT_NE(hooked.output.find("each bucket reduced by the power_sgd:4 hook"), std::string::npos)
+      << hooked.output;
   EXPECT_NE(hooked.output.find("hybrid (groups of 8)"), std::string::npos) << hooked.output;
   EXPECT_EQ(hooked.output.find("full shard"), std::string::npos) << "full shard takes no hook";
   const auto late = flatshard::testing::run_command(
@@ -1040,20 +1042,20 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
   ASSERT_NE(ddp, std::string::npos);
   EXPECT_NE(r.output.substr(ddp, r.output.find('\n', ddp + 1) - ddp).find(" no"), std::string::npos)
       << "8B under DDP cannot fit 96 GiB: " << r.output;
-  for (auto bad :
-       std::vector<std::vector<std::string>>{{plan_path(), "--cluster", "2x"},
-                                             {plan_path(), "--cluster", "2x8", "--model", "gpt-9"},
-                                             {plan_path(), "--cluster", "2x8", "--recompute", "some"},
-                                             {plan_path(), "--cluster", "2x8", "--tflops", "-3"},
-                                             {plan_path(), "--cluster", "2x8", "--offload", "2"},
-                                             {plan_path(), "--cluster", "2x8", "--host-gbs", "0"},
-                                             {plan_path(), "--cluster", "2x8", "--intra-beside", "0.5"},
-                                             {plan_path(), "--cluster", "2x8", "--intra-beside-us", "500"},
-                                             {plan_path(), "--cluster", "2x8", "--hook", "bf8"},
-                                             {plan_path(), "--cluster", "2x8", "--staleness", "9"},
-                                             {plan_path(), "--cluster", "2x8", "--decentralized", "1", "--hook", "bf16"},
-                                             {plan_path(), "--cluster", "2x8", "--decentralized", "1", "--offload", "1"},
-                                             {plan_path(), "--cluster", "2x8", "--hook-work-ms", "-1"}}) {
+  for (auto bad : std::vector<std::vector<std::string>>{
+           {plan_path(), "--cluster", "2x"},
+           {plan_path(), "--cluster", "2x8", "--model", "gpt-9"},
+           {plan_path(), "--cluster", "2x8", "--recompute", "some"},
+           {plan_path(), "--cluster", "2x8", "--tflops", "-3"},
+           {plan_path(), "--cluster", "2x8", "--offload", "2"},
+           {plan_path(), "--cluster", "2x8", "--host-gbs", "0"},
+           {plan_path(), "--cluster", "2x8", "--intra-beside", "0.5"},
+           {plan_path(), "--cluster", "2x8", "--intra-beside-us", "500"},
+           {plan_path(), "--cluster", "2x8", "--hook", "bf8"},
+           {plan_path(), "--cluster", "2x8", "--staleness", "9"},
+           {plan_path(), "--cluster", "2x8", "--decentralized", "1", "--hook", "bf16"},
+           {plan_path(), "--cluster", "2x8", "--decentralized", "1", "--offload", "1"},
+           {plan_path(), "--cluster", "2x8", "--hook-work-ms", "-1"}}) {
     const auto refused = flatshard::testing::run_command(bad);
     EXPECT_EQ(refused.exit_code, 2) << refused.output;
     EXPECT_NE(refused.output.find("usage: flatshard-plan --cluster"), std::string::npos) << refused.output;
