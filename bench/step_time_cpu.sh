@@ -74,26 +74,27 @@ print(float(rows[0]["bytes_per_second"]) / 1e9)')"
 # The sharded strategies' own work (Note [The sharded path's own work]: copies of the shard
 # into the gather buffers and of the reduced gradients, the units' hooks; on this CPU a fifth
 # to three quarters of the model's compute) is their lone step less DDP's, run the same way.
-alone_ms() {  # ranks [mode] -> the mean step of that many lone ranks run side by side
-  local k
-  for k in $(seq "$1"); do modes_step 1 "${2:-ddp}" > "$out/alone.$k" & done
+side_by_side() {  # ranks command... -> the mean of the first number each of that many copies prints, run at once
+  local k n="$1"
+  shift
+  for k in $(seq "$n"); do "$@" > "$out/alone.$k" & done
   wait
-  cat "$out"/alone.* | awk '{ s += $1; n++ } END { printf "%.1f", s / n }'
+  cat "$out"/alone.* | awk -v what="$*" '{ s += $1; n++ }
+    END { if (n == 0) { print "step_time_cpu.sh: " what " gave nothing" > "/dev/stderr"; exit 1 }
+          printf "%.1f", s / n }'
   rm -f "$out"/alone.*
+}
+alone_ms() {  # ranks [mode] -> the mean step of that many lone ranks run side by side
+  side_by_side "$1" modes_step 1 "${2:-ddp}"
 }
 # A hook's own work (bench_modes --hook-work 1: the model as one bucket, compressed and
 # decompressed at world 1) on N lone ranks side by side, as the compute is measured.
+hook_work_ms() {  # spec -> the median of its runs
+  "$build/flatshard-run" -n 1 "$build/bench/bench_modes" --hook-work 1 --hook "$1" $MODEL --steps 5 2>/dev/null |
+    sed -n 's/^\[rank 0\] hook_work,//p' | awk -F, '{ print $4 }'
+}
 hook_alone_ms() {  # ranks spec -> the mean of their medians
-  local k
-  for k in $(seq "$1"); do
-    "$build/flatshard-run" -n 1 "$build/bench/bench_modes" --hook-work 1 --hook "$2" $MODEL --steps 5 2>/dev/null |
-      sed -n 's/^\[rank 0\] hook_work,//p' | awk -F, '{ print $4 }' > "$out/hook.$k" &
-  done
-  wait
-  cat "$out"/hook.* | awk -v spec="$2" '{ s += $1; n++ }
-    END { if (n == 0) { print "step_time_cpu.sh: bench_modes --hook-work gave nothing for " spec > "/dev/stderr"; exit 1 }
-          printf "%.1f", s / n }'
-  rm -f "$out"/hook.*
+  side_by_side "$1" hook_work_ms "$2"
 }
 hook_of() {  # mode -> its hook spec, or nothing
   local v="${1#*+}"

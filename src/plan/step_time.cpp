@@ -218,15 +218,19 @@ using sim::ComputeStream;
 using sim::Cost;
 using sim::Lane;
 
-enum class Collective { AllGather, ReduceScatter, AllReduce };
+// NeighborExchange: `bytes` to each ring neighbour (once at 2 ranks), a ring step each.
+enum class Collective { AllGather, ReduceScatter, AllReduce, NeighborExchange };
 
 // A ring collective of `bytes` (the whole, gathered or unreduced size) over `ranks`.
 // `beside`: the link's figures as it runs beside compute (Note [Collectives beside
 // compute]), or nullptr.
 Cost cost(Collective c, double bytes, int ranks, const Link& link, const Link* beside = nullptr) {
   if (ranks <= 1 || bytes <= 0) return {};
-  const double steps = c == Collective::AllReduce ? 2.0 * (ranks - 1) : ranks - 1.0;
-  const double moved = bytes * steps / ranks;
+  const bool exchange = c == Collective::NeighborExchange;
+  const double steps = c == Collective::AllReduce ? 2.0 * (ranks - 1)
+                       : exchange                 ? (ranks > 2 ? 2 : 1)
+                                                  : ranks - 1.0;
+  const double moved = exchange ? bytes * steps : bytes * steps / ranks;
   const double cpu = moved / link.bus_bandwidth;  // the work of moving its bytes, the cores free
   if (beside) {  // never faster than with the cores free (a faster reading is noise)
     const double waits = steps * std::max(beside->latency, link.latency);
@@ -585,19 +589,20 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   const Part* hook_due = nullptr;  // its reduce-scatter in flight, its hook not started
   BucketCost running{};            // the hook started, and when its first rounds end
   double running_done = -1;
-  auto wait_until = [&](double done) {
+  auto wait_for_reduction = [&](double done) {  // compute waits for a reduction to be done
     if (done > now) waits.reductions += done - now;
     now = std::max(now, done);
   };
   auto finish_running_hook = [&] {
     if (running_done < 0) return;
-    wait_until(running_done);
+    wait_for_reduction(running_done);
     running_done = -1;
     if (running.second.bytes > 0) {
       now = compute.run(now, running.between);
       t.engine_s += running.between;
-      wait_until(lane_of(replica_link)
-                     .run(now, cost(running.second.op, running.second.bytes, replicas, replica_link)));
+      wait_for_reduction(
+          lane_of(replica_link)
+              .run(now, cost(running.second.op, running.second.bytes, replicas, replica_link)));
     }
     now = compute.run(now, running.finish);
     t.engine_s += running.finish;
@@ -618,12 +623,13 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
                                         beside(replica_link, ar, now, busy_until)));
     }
   };
-  auto reduce_unit = [&](double issued, double elements, double busy_until) {
+  // `shard`: the unit's shard as a hook across the groups sees it.
+  auto reduce_unit = [&](double issued, double elements, double busy_until, const Part& shard) {
     Lane& rs = lane_of(group_link);
     double done = rs.run(issued, cost(Collective::ReduceScatter, elements * o.reduce_bytes, group, group_link,
                                       beside(group_link, rs, issued, busy_until)));
     if (replicas > 1 && hooked) {
-      hook_due = elements == layer_bytes ? &layer_shard : &root_shard;  // run when it is finished
+      hook_due = &shard;  // run when it is finished
     } else if (replicas > 1) {
       Lane& ar = lane_of(replica_link);
       done = ar.run(done, cost(Collective::AllReduce, elements * o.reduce_bytes / group, replicas,
@@ -691,8 +697,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // `busy_until`: when backward's compute runs out (a hook started here runs beside it).
     auto wait_for_last_reduction = [&](double busy_until) {
       finish_running_hook();
-      if (last_reduction > now) waits.reductions += last_reduction - now;
-      now = std::max(now, last_reduction);
+      wait_for_reduction(last_reduction);
       start_hook(busy_until);
     };
     int next = m.layers - 1;
@@ -709,11 +714,11 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       }
       now = compute.run(now, layer_bwd);
       wait_for_last_reduction(now + k * layer_bwd);
-      reduced = std::max(reduced, reduce_unit(now, layer_bytes, now + k * layer_bwd));
+      reduced = std::max(reduced, reduce_unit(now, layer_bytes, now + k * layer_bwd, layer_shard));
     }
     wait_for_last_reduction(now);
-    reduced =
-        std::max(reduced, reduce_unit(now, root_bytes, now));  // the root's, after the embedding's backward
+    reduced = std::max(reduced, reduce_unit(now, root_bytes, now,
+                                            root_shard));  // the root's, after the embedding's backward
     if (hook_due) {  // the end of backward: the last hook running, then the root's at once
       wait_for_last_reduction(now);
       finish_running_hook();
@@ -796,15 +801,9 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       // Decentralized training: every k-th step (the window's last) the parameters go to the
       // ring neighbours from the step's start, beside forward and backward.
       double exchanged = 0;
-      if (decentralized && step == steps - 1 && n > 1) {
-        const double sends = n > 2 ? 2 : 1, bytes = 4 * params;
-        const Link* b = beside(link, lane, now, backward_end);
-        const Link& l = b ? *b : link;
-        const double waits_s = sends * std::max(l.latency, link.latency);
-        exchanged =
-            lane.run(now, Cost{sends * bytes / std::min(l.bus_bandwidth, link.bus_bandwidth) + waits_s,
-                               waits_s, sends * bytes / link.bus_bandwidth});
-      }
+      if (decentralized && step == steps - 1 && n > 1)
+        exchanged = lane.run(now, cost(Collective::NeighborExchange, 4 * params, n, link,
+                                       beside(link, lane, now, backward_end)));
       // Forward, the head's backward and its gradients.
       now = compute.run(now, t.forward_s + 2 * head_fwd + head_elements * grad_passes);
       std::vector<Reduction>& mine = issued[step];
@@ -814,16 +813,12 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       // (PowerSGD's second round within it, waited for), and under staleness copies the
       // average back into the bucket (this rank's slice under ZeRO-1).
       auto finish = [&](Reduction& r) {
-        auto wait_until = [&](double done) {
-          if (done > now) waits.reductions += done - now;
-          now = std::max(now, done);
-        };
-        wait_until(r.done);
+        wait_for_reduction(r.done);
         if (r.cost.second.bytes > 0) {
           now = compute.run(now, r.cost.between);
           engine += r.cost.between;
-          wait_until(lane.run(now, cost(r.cost.second.op, r.cost.second.bytes, n, link,
-                                        beside(link, lane, now, backward_end))));
+          wait_for_reduction(lane.run(now, cost(r.cost.second.op, r.cost.second.bytes, n, link,
+                                                beside(link, lane, now, backward_end))));
         }
         const double work = r.cost.finish + r.elements / owned * staleness_copy;
         now = compute.run(now, work);
@@ -880,12 +875,11 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
           landed_all = std::max(landed_all, r.landed);
         }
       }
-      if (landed_all > now) waits.reductions += landed_all - now;
-      now = std::max(now, landed_all);
+      wait_for_reduction(landed_all);
       if (exchanged > 0) {
-        if (exchanged > now) waits.reductions += exchanged - now;
+        wait_for_reduction(exchanged);
         const double average = 32 * params / c.memory_bandwidth;  // two adds and a division, fp32
-        now = compute.run(std::max(now, exchanged), average);
+        now = compute.run(now, average);
         engine += average;
       }
       const double per_param = 12 + 2 * o.optimizer_state_bytes;
