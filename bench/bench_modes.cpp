@@ -19,10 +19,11 @@
 // groups of G ranks (--group; default: the ranks of one machine). Rank 0 prints one CSV
 // line: mode,world,params,step_ms,alloc_peak_bytes,rss_growth_bytes,param_shard,
 // grad_shard,optim_state,peak_unsharded_params,peak_unsharded_grads,formula_bytes,
-// bytes_sent_per_step,last_loss,comm_wait_share,peer_wait_share (figures are the largest
-// over ranks but the last two: the ranks' mean share of the step their compute waited for
-// communication, Note [Communication wait], and of that the share spent before the last
-// rank had issued the op, Note [Waiting for peers]; everything is measured from the
+// bytes_sent_per_step,last_loss,comm_wait_share,peer_wait_share,core_wait_share (figures
+// are the largest over ranks but the last three: the ranks' mean share of the step their
+// compute waited for communication, Note [Communication wait], of that the share spent
+// before the last rank had issued the op, Note [Waiting for peers], and the share spent
+// woken with no core to run on, CommunicationWait::core_ms; everything is measured from the
 // second step on).
 #include <ATen/Parallel.h>
 
@@ -205,7 +206,9 @@ int main(int argc, char** argv) {
                  world.rank(), phase_ms[0] / steps, phase_ms[1] / steps, phase_ms[2] / steps);
   }
   const double sent_per_step = static_cast<double>(fsdp.bytes_sent() - sent_before) / steps;
-  const double wait_share = total_ms > 0 ? fsdp.communication_wait().ms / total_ms : 0;
+  const flatshard::CommunicationWait waited = fsdp.communication_wait();
+  const double wait_share = total_ms > 0 ? waited.ms / total_ms : 0;
+  const double core_share = total_ms > 0 ? waited.core_ms / total_ms : 0;
   double peer_share = std::nan("");  // measured where the ranks share a host's clock
   try {
     peer_share = total_ms > 0 ? fsdp.communication_wait_for_peers().peer_ms / total_ms : 0;
@@ -216,18 +219,20 @@ int main(int argc, char** argv) {
   const flatshard::ShardMemory m = fsdp.memory();
   const std::int64_t state = opt.state_bytes(), param_bytes = m.param_shard_bytes,
                      grad_bytes = m.param_shard_bytes;
-  auto figures = at::tensor(
-      {static_cast<double>(flatshard::memory::allocator_stats().peak_bytes), total_ms / steps,
-       static_cast<double>(rss_growth), static_cast<double>(m.peak_unsharded_param_bytes),
-       static_cast<double>(m.peak_unsharded_grad_bytes), sent_per_step, last_loss, wait_share, peer_share},
-      at::kDouble);
-  constexpr int kFigures = 9;
+  auto figures =
+      at::tensor({static_cast<double>(flatshard::memory::allocator_stats().peak_bytes), total_ms / steps,
+                  static_cast<double>(rss_growth), static_cast<double>(m.peak_unsharded_param_bytes),
+                  static_cast<double>(m.peak_unsharded_grad_bytes), sent_per_step, last_loss, wait_share,
+                  peer_share, core_share},
+                 at::kDouble);
+  constexpr int kFigures = 10;
   auto gathered = at::zeros({kFigures * world.world_size()}, at::kDouble);
   comm.all_gather(gathered, figures).wait();
   const auto by_rank = gathered.view({world.world_size(), kFigures});
   const auto worst = by_rank.amax(0);
   const double mean_wait_share = by_rank.select(1, 7).mean().item<double>();
   const double mean_peer_share = by_rank.select(1, 8).mean().item<double>();
+  const double mean_core_share = by_rank.select(1, 9).mean().item<double>();
   if (world.rank() == 0) {
     const double n = world.world_size();
     const double psi = static_cast<double>(params);
@@ -239,14 +244,14 @@ int main(int argc, char** argv) {
     // mode, ranks, parameters, step ms, allocator peak, RSS growth, shard bytes (params,
     // grads, optimizer state), peak gathered params and grads, ZeRO formula, bytes sent
     // per step, last loss (the largest over ranks), the share of the step the ranks' compute
-    // waited for communication, and of it the share before the last rank issued the op
-    // (their means).
-    std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f,%.4f\n",
+    // waited for communication, and of it the share before the last rank issued the op and
+    // the share waiting for a core (their means).
+    std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f,%.4f,%.4f\n",
                 label.c_str(), world.world_size(), static_cast<long long>(params), worst[1].item<double>(),
                 worst[0].item<double>(), worst[2].item<double>(), static_cast<long long>(param_bytes),
                 static_cast<long long>(grad_bytes), static_cast<long long>(state), worst[3].item<double>(),
                 worst[4].item<double>(), formula, worst[5].item<double>(), worst[6].item<double>(),
-                mean_wait_share, mean_peer_share);
+                mean_wait_share, mean_peer_share, mean_core_share);
   }
   return 0;
 }

@@ -17,6 +17,7 @@
 #                                                       # (tcp) and throttled with tc (root)
 #   MODES="ddp ddp+bf16 ddp+power_sgd:4:0 ddp+async:1 ddp+decentralized:1" bench/step_time_cpu.sh
 #                                              # hooks, staleness, decentralized (variant_flags below)
+#   WORLDS=4 MODES="hybrid:2 hybrid:2+bf16" bench/step_time_cpu.sh   # hybrid, shard groups of 2
 # Ranks on one machine copy each other's buffers directly (Note [Direct copies]) unless
 # FLATSHARD_DIRECT_COPY=0: the rows other than "unthrottled" set it, so that their bytes cross
 # the loopback interface that tc throttles.
@@ -42,11 +43,19 @@ read -r layers dim heads vocab context < <(echo "$MODEL" |
   sed -E 's/.*--layers ([0-9]+).*--dim ([0-9]+).*--heads ([0-9]+).*--vocab ([0-9]+).*--context ([0-9]+).*/\1 \2 \3 \4 \5/')
 gpt="$layers,$dim,$heads,$vocab,$context"
 
-# A mode may carry a way to communicate less (docs/communication.md): ddp+bf16, ddp+int8,
-# ddp+top_k:0.01, zero1+power_sgd:4:0 (a hook spec), ddp+async:1 (staleness 1),
-# ddp+decentralized:1 (hybrid is left out: its default group is the whole machine, one
-# group, where a hook has nothing to average across). variant_flags mode -> the flags that
-# give bench_modes and flatshard-plan that variant.
+# A mode is a strategy (full, zero2, zero1, ddp, or hybrid:G, hybrid sharding in shard groups
+# of G ranks) and may carry a way to communicate less (docs/communication.md): ddp+bf16,
+# ddp+int8, ddp+top_k:0.01, zero1+power_sgd:4:0, hybrid:2+bf16 (a hook spec; hybrid's averages
+# across its groups), ddp+async:1 (staleness 1), ddp+decentralized:1. variant_flags mode ->
+# the flags that give bench_modes and flatshard-plan that variant; strategy_flags mode -> the
+# strategy's, for bench_modes.
+strategy_flags() {
+  local s="${1%%+*}"
+  case "$s" in
+    hybrid:*) echo "--mode hybrid --group ${s#hybrid:}" ;;
+    *) echo "--mode $s" ;;
+  esac
+}
 variant_flags() {
   local v="${1#*+}"
   [ "$v" != "$1" ] || return 0
@@ -56,10 +65,28 @@ variant_flags() {
     *) echo "--hook $v" ;;
   esac
 }
-modes_step() {  # world mode -> "step_ms comm_wait_share peer_wait_share op_wait_share"
-  "$build/flatshard-run" -n "$1" --deadline-s 1200 "$build/bench/bench_modes" --mode "${2%%+*}" $(variant_flags "$2") \
+# Whether a mode runs at a world size: hybrid:G needs G to divide the world into two groups
+# or more, and takes a hook but neither staleness nor decentralized training. A mode that
+# does not is left out of that world's rows, with a line on stderr.
+runs_at() {  # world mode
+  local s="${2%%+*}" g
+  case "$s" in hybrid:*) ;; *) return 0 ;; esac
+  g="${s#hybrid:}"
+  if ! [[ "$g" =~ ^[1-9][0-9]*$ ]] || (($1 % g != 0 || g >= $1)); then
+    echo "step_time_cpu.sh: $2 left out at world $1: its groups of $g do not make two groups or more" >&2
+    return 1
+  fi
+  case "${2#*+}" in
+    async:* | decentralized:*)
+      echo "step_time_cpu.sh: $2 left out: hybrid sharding takes a hook, not staleness or decentralized training" >&2
+      return 1
+      ;;
+  esac
+}
+modes_step() {  # world mode -> "step_ms comm_wait_share peer_wait_share op_wait_share core_wait_share"
+  "$build/flatshard-run" -n "$1" --deadline-s 1200 "$build/bench/bench_modes" $(strategy_flags "$2") $(variant_flags "$2") \
       $MODEL --batch "$BATCH" --steps "$STEPS" 2>/dev/null | sed -n 's/^\[rank 0\] //p' |
-    awk -F, 'NF > 15 { print $4, $15, $16, $15 - $16 }' | tail -1
+    awk -F, 'NF > 16 { print $4, $15, $16, $15 - $16 - $17, $17 }' | tail -1
 }
 
 # The optimizer step's memory bandwidth: FlatShard's AdamW over 64 Mi elements on one thread.
@@ -146,8 +173,8 @@ for rate in $RATES; do
   fi
 done
 
-echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for the op | predicted contended | link GB/s, µs | beside compute GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms | hook work ms |"
-echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"
+echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for a core | of it, for the op | predicted contended | link GB/s, µs | beside compute GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms | hook work ms |"
+echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"
 for rate in $RATES; do
   throttled=1  # the link, not the CPU, moves this row's bytes at its pace
   case "$rate" in unthrottled | tcp) throttled=0 ;; esac
@@ -165,6 +192,10 @@ for rate in $RATES; do
     tc class add dev lo parent 1: classid 1:10 htb rate "$rate" ceil "$rate" 2>/dev/null
   fi
   for n in $WORLDS; do
+    modes=""
+    for mode in $MODES; do
+      if runs_at "$n" "$mode"; then modes+=" $mode"; fi
+    done
     # The links, the lone ranks and every mode, REPEAT times in turn: the medians, so that the
     # machine's drift over minutes (and one slow measurement of a throttled link) falls on
     # calibration and measurement alike.
@@ -177,9 +208,10 @@ for rate in $RATES; do
       [ "$throttled" = 1 ] || link "$n" --beside-compute >> "$out/measured.beside"
       alone_ms "$n" ddp >> "$out/measured.alone.ddp"
       echo >> "$out/measured.alone.ddp"
-      for mode in $MODES; do
-        case "$mode" in full | zero2)
-          alone_ms "$n" "$mode" >> "$out/measured.alone.$mode"
+      for mode in $modes; do
+        # A lone hybrid rank is a lone full-shard rank (one group of one).
+        case "$mode" in full | zero2 | hybrid:*)
+          alone_ms "$n" "$(sed 's/^hybrid:[0-9]*/full/' <<< "${mode%%+*}")" >> "$out/measured.alone.$mode"
           echo >> "$out/measured.alone.$mode" ;;
         esac
         if [ -n "$(hook_of "$mode")" ]; then
@@ -209,8 +241,20 @@ for rate in $RATES; do
       printf "%.4f", s }')"
     ms_n="$(median 1 < "$out/measured.alone.ddp")"
     rank_tflops="$(calibrate "$ms_n" "$rank_gbs")"
-    for mode in $MODES; do
-      case "${mode%%+*}" in full) row="full shard" ;; zero2) row="shard-grad-op" ;; zero1) row="ZeRO-1" ;; ddp) row="DDP" ;; esac
+    for mode in $modes; do
+      group=()
+      case "${mode%%+*}" in
+        full) row="full shard" ;;
+        zero2) row="shard-grad-op" ;;
+        zero1) row="ZeRO-1" ;;
+        ddp) row="DDP" ;;
+        hybrid:*)
+          g="${mode%%+*}"
+          g="${g#hybrid:}"
+          row="hybrid (groups of $g)"
+          group=(--group "$g")
+          ;;
+      esac
       work=0
       if [ -f "$out/measured.alone.$mode" ] && [ "$mode" != ddp ]; then
         work="$(awk -v a="$(median 1 < "$out/measured.alone.$mode")" -v d="$ms_n" 'BEGIN { w = a - d; if (w < 0) w = 0; printf "%.1f", w }')"
@@ -221,14 +265,16 @@ for rate in $RATES; do
         --hook-work-ms "$hook_ms" \
         --tflops "$rank_tflops" --memory-gbs "$rank_gbs" --intra "$bus" --intra-us "$lat" \
         --collective-share "$share" --sharding-work-ms "$work" ${beside[@]+"${beside[@]}"} $(variant_flags "$mode") \
+        ${group[@]+"${group[@]}"} \
         --csv 1 > "$out/plan.csv"
       ms="$(median 1 < "$out/measured.$mode")"
       wait="$(median 2 < "$out/measured.$mode")"
       peer="$(median 3 < "$out/measured.$mode")"
       op="$(median 4 < "$out/measured.$mode")"
-      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$rate" "$n" "$mode" "$bus" "$lat" "$share" "$ms_n" "$work" "$hook_ms" "${beside[1]:-}" "${beside[3]:-}" <<'PY'
+      core="$(median 5 < "$out/measured.$mode")"
+      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$core" "$rate" "$n" "$mode" "$bus" "$lat" "$share" "$ms_n" "$work" "$hook_ms" "${beside[1]:-}" "${beside[3]:-}" <<'PY'
 import sys
-plan, row, ms, wait, peer, op, rate, n, mode, bus, lat, share, alone, work, hook, bbus, blat = sys.argv[1:]
+plan, row, ms, wait, peer, op, core, rate, n, mode, bus, lat, share, alone, work, hook, bbus, blat = sys.argv[1:]
 beside = f"{float(bbus):.2f}, {float(blat):.0f}" if bbus else "-"
 for line in open(plan):
     f = line.strip().split(",")
@@ -236,7 +282,7 @@ for line in open(plan):
         p, exposed, contended = float(f[2]), float(f[4]), float(f[-1])
         error = 100 * (p / float(ms) - 1)
         print(f"| {rate} | {n} | {mode} | {p:.0f} | {float(ms):.0f} | {error:+.1f}% | "
-              f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {100 * float(peer):.0f}% | "
+              f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {100 * float(peer):.0f}% | {100 * float(core):.0f}% | "
               f"{100 * float(op):.0f}% | {100 * contended:.0f}% | "
               f"{float(bus):.2f}, {float(lat):.0f} | {beside} | {float(share):.2f} | {alone} | {work} | {hook} |")
         open(plan + ".errors", "a").write(f"{abs(error):.1f} {rate} {n} {mode}\n")
@@ -257,7 +303,7 @@ PY
         continue
       fi
       sed -n 's/^\[rank 0\] //p' "$out/desync.run" |
-        awk -F, -v r="$rate" '{ printf "| %s | %d | %.1f | %.1f | %.0f%% | %.2f |\n", r, $1, $2, $3, 100 * $4, $5 }' >> "$out/desync"
+        awk -F, -v r="$rate" '{ printf "| %s | %d | %.1f | %.1f | %.0f%% | %.0f%% | %.2f |\n", r, $1, $2, $3, 100 * $4, 100 * $6, $5 }' >> "$out/desync"
     done
   done
 done
@@ -265,8 +311,8 @@ if [ -f "$out/desync" ]; then
   echo
   echo "With no bytes to move (bench_desync: the same work on every rank between barriers), the share of the time the ranks wait:"
   echo
-  echo "| loopback | world | work between barriers ms | measured interval ms | wait | a bare barrier ms |"
-  echo "|---|---|---:|---:|---:|---:|"
+  echo "| loopback | world | work between barriers ms | measured interval ms | wait | of it, for a core | a bare barrier ms |"
+  echo "|---|---|---:|---:|---:|---:|---:|"
   cat "$out/desync"
 fi
 if [ -n "$MAX_ERROR" ]; then

@@ -92,12 +92,20 @@ class WaitClock;
 // the time the calling thread blocked; on CUDA the time the caller's current stream sat
 // at the wait, measured by timing events recorded on that stream just before and just
 // after it. Either way, the communication that compute did not hide.
+//
+// On a Linux CPU host, `core_ms` is the part of `ms` the waiting thread spent ready to run
+// with no core to run on (the kernel's run delay, /proc/thread-self/schedstat, read
+// around each wait): once the op completes, a thread whose cores are taken by other ranks
+// waits for one, which is contention for the cores rather than communication. It is near
+// 0 where ranks have cores to spare, and 0 on CUDA. PeerWait::op_ms() includes it.
 struct CommunicationWait {
   double ms = 0;
   std::int64_t waits = 0;  // Work::wait() calls counted
+  double core_ms = 0;      // of ms, waiting for a core (CPU, Linux)
   CommunicationWait& operator+=(const CommunicationWait& o) {
     ms += o.ms;
     waits += o.waits;
+    core_ms += o.core_ms;
     return *this;
   }
 };

@@ -211,7 +211,8 @@ struct StrategyPlan {
 };
 
 // Every strategy on `cluster`, with hybrid sharding in groups of a node, two nodes, ... up
-// to half the world: what flatshard-plan --cluster prints. `base` gives everything but the
+// to half the world, and in groups of base.shard_group_size where that divides the world
+// (flatshard-plan --group): what flatshard-plan --cluster prints. `base` gives everything but the
 // strategy (the strategies that refuse its hook, staleness or decentralized training are
 // left out); activations are estimate_activation_bytes's.
 std::vector<StrategyPlan> plan_cluster(const TransformerShape& model, const Cluster& cluster,

@@ -4,10 +4,12 @@
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -121,6 +123,35 @@ BackendFactory device_backend(c10::DeviceType type) {
   return it == registry().end() ? nullptr : it->second;
 }
 
+namespace {
+
+// The calling thread's run delay so far: the nanoseconds it was ready to run and waited for
+// a core (the second field of /proc/thread-self/schedstat); -1 where the kernel does not
+// say. The file stays open per thread, read from its start each time.
+std::int64_t thread_run_delay_ns() {
+#ifdef __linux__
+  struct File {
+    int fd = ::open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+    ~File() {
+      if (fd >= 0) ::close(fd);
+    }
+  };
+  thread_local File file;
+  if (file.fd < 0) return -1;
+  char text[96];
+  const ssize_t got = ::pread(file.fd, text, sizeof(text) - 1, 0);
+  if (got <= 0) return -1;
+  text[got] = '\0';
+  unsigned long long running = 0, delay = 0;
+  if (std::sscanf(text, "%llu %llu", &running, &delay) != 2) return -1;
+  return static_cast<std::int64_t>(delay);
+#else
+  return -1;
+#endif
+}
+
+}  // namespace
+
 // Note [Communication wait]
 // A collective's Work is waited for where compute needs its result: before a unit's
 // forward needs its gathered weights, before a gradient shard is used, before the step.
@@ -128,7 +159,10 @@ BackendFactory device_backend(c10::DeviceType type) {
 // behind compute, which is what prefetching and bucketing exist to shrink. Each Work
 // issued while its communicator times waits carries the communicator's clock:
 //  - On the CPU the caller's thread is the compute: the clock reads the steady clock
-//    around the blocking wait (a wait on a completed op costs one query and counts 0).
+//    around the blocking wait (a wait on a completed op costs one query and counts 0),
+//    and on Linux the thread's run delay too: the part of the wait it spent woken but
+//    without a core (CommunicationWait::core_ms), which ranks that outnumber the cores
+//    add to every wait and a rank with a device of its own does not.
 //  - On CUDA the host does not block; the caller's current stream does, at the
 //    cudaStreamWaitEvent that Event::wait() inserts. The clock records a timing event
 //    on that stream just before the wait and one just after: nothing else runs on the
@@ -139,13 +173,18 @@ BackendFactory device_backend(c10::DeviceType type) {
 // are not counted; nor is a host synchronize(), which is not compute waiting.
 void WaitClock::wait(const Event& event, std::uint64_t seq) {
   if (device_.is_cpu()) {
-    double ms = 0;
+    double ms = 0, core_ms = 0;
     std::int64_t start_ns = 0, end_ns = 0;
     if (!event.query()) {
+      // The run delay is read inside the timed span, so that what it counts lies in `ms`.
       const auto start = std::chrono::steady_clock::now();
+      const std::int64_t delay_before = thread_run_delay_ns();
       event.wait();
+      const std::int64_t delay_after = thread_run_delay_ns();
       const auto end = std::chrono::steady_clock::now();
       ms = std::chrono::duration<double, std::milli>(end - start).count();
+      if (delay_before >= 0 && delay_after >= delay_before)
+        core_ms = std::min(ms, static_cast<double>(delay_after - delay_before) * 1e-6);
       start_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(start.time_since_epoch()).count();
       end_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(end.time_since_epoch()).count();
       log::at(log::Level::Debug, "{}: waited for #{} {:.3f} ms, from {} to {} us", name_, seq, ms,
@@ -156,6 +195,7 @@ void WaitClock::wait(const Event& event, std::uint64_t seq) {
     std::lock_guard<std::mutex> lock(mutex_);
     total_.ms += ms;
     total_.waits += 1;
+    total_.core_ms += core_ms;
     if (end_ns > start_ns) {
       if (trace_.stalls.size() < kMaxTraced) {
         trace_.stalls.push_back({seq, start_ns, end_ns});

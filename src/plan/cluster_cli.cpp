@@ -26,6 +26,7 @@ int usage(const char* why) {
       "                      --gpt LAYERS,DIM,HEADS,VOCAB,CONTEXT] [--seq S] [--batch B (sequences per\n"
       "                      device)] [--recompute none|selective|full] [--dtype bf16|fp32]\n"
       "                      [--reduce fp32|bf16] [--prefetch P] [--device-gib G]\n"
+      "                      [--group G (also hybrid sharding in groups of G devices)]\n"
       "                      [--tflops T (sustained per device)] [--intra GB/s] [--intra-us U]\n"
       "                      [--inter Gb/s] [--inter-us U] [--memory-gbs GB/s]\n"
       "                      [--intra-beside GB/s --intra-beside-us U (the intra-node link as it runs\n"
@@ -119,6 +120,9 @@ int cluster_main(int argc, char** argv) {
     } else if (a == "--reduce") {
       if (v != "bf16" && v != "fp32") return usage("--reduce is bf16 or fp32");
       base.reduce_bytes = v == "bf16" ? 2 : 4;
+    } else if (a == "--group") {
+      if (int r = need(positive && x == std::floor(x) && x <= 1e6, "a whole number")) return r;
+      base.shard_group_size = static_cast<int>(x);
     } else if (a == "--device-gib") {
       if (int r = need(positive, "a number of GiB")) return r;
       device_gib = x;
@@ -195,6 +199,11 @@ int cluster_main(int argc, char** argv) {
   if (collective_share >= 0) c.collective_compute_share = collective_share;
   if ((beside > 0) != (beside_us >= 0)) return usage("--intra-beside and --intra-beside-us go together");
   if (beside > 0) c.intra_beside_compute = Link{beside * 1e9, beside_us * 1e-6};
+  if (base.shard_group_size > 0 &&
+      (base.shard_group_size >= c.world() || c.world() % base.shard_group_size != 0))
+    return usage(fmt::format("--group {} does not divide {} devices into two groups or more",
+                             base.shard_group_size, c.world())
+                     .c_str());
   if (calibrate_ms > 0) {
     // The step on one device is compute / flops + the optimizer step: solve for flops.
     Cluster one = c;

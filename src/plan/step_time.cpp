@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <set>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -994,9 +995,14 @@ std::vector<StrategyPlan> plan_cluster(const TransformerShape& model, const Clus
   };
   add("full shard", Strategy::FullShard, 0);
   add("shard-grad-op", Strategy::ShardGradOp, 0);
+  // Groups of a node, two nodes, ... and the one `base` names (a part of a node, say).
+  std::set<int> groups;
   for (int g = cluster.per_node; g < n; g *= 2) {
-    if (n % g == 0) add(fmt::format("hybrid (groups of {})", g), Strategy::HybridShard, g);
+    if (n % g == 0) groups.insert(g);
   }
+  if (base.shard_group_size > 0 && base.shard_group_size < n && n % base.shard_group_size == 0)
+    groups.insert(base.shard_group_size);
+  for (int g : groups) add(fmt::format("hybrid (groups of {})", g), Strategy::HybridShard, g);
   add("ZeRO-1", Strategy::ShardOptimizerState, 0);
   add("DDP", Strategy::NoShard, 0);
   return rows;

@@ -4,10 +4,17 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <pthread.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <functional>
 #include <thread>
+#include <vector>
 
 #include "flatshard/flatshard.h"
 #include "tests/support/multirank.h"
@@ -407,6 +414,89 @@ TEST(Collectives, WaitTimeIsTheStallOfTheRankThatWaited) {
   r.comm->time_waits(false);
   timed.wait();
   EXPECT_EQ(r.comm->waited().waits, 1);
+}
+
+// CommunicationWait::core_ms: the part of a wait the thread spent woken with no core to run
+// on. Rank 0 waits 300 ms for a late rank three times: with a core of its own; pinned, at
+// nice 19, to a CPU that four threads spinning at nice 0 take from a third of the way
+// through the wait, so that once the op completes it waits there for a turn; and with the
+// spinners gone. The first and last waits are nearly all blocking; in the second the wait
+// for the CPU is counted, and is part of the wait.
+TEST(Collectives, WaitingForACoreIsToldFromWaitingForTheOp) {
+  FLATSHARD_RUN_RANKS({2});
+  Rank r = join();
+  const auto late_ms = std::chrono::milliseconds(300);
+  auto t = at::ones({1024});
+  r.comm->all_reduce(t, ReduceOp::Sum).wait();
+  r.comm->time_waits(true);
+  if (r.rank() == 1) std::this_thread::sleep_for(late_ms);
+  r.comm->all_reduce(t, ReduceOp::Sum).wait();
+  const flatshard::CommunicationWait free = r.comm->waited();
+  if (r.rank() == 0) {
+    EXPECT_GE(free.ms, 0.8 * late_ms.count());
+    EXPECT_GE(free.core_ms, 0.0);
+    EXPECT_LT(free.core_ms, 0.25 * free.ms) << "a thread with a core waits for the op, not for a core";
+  }
+  r.comm->barrier().wait();
+  r.comm->reset_waited();
+
+  if (r.rank() == 1) {
+    for (int wait = 0; wait < 2; ++wait) {  // the starved wait, then one with a core again
+      std::this_thread::sleep_for(late_ms);
+      r.comm->all_reduce(t, ReduceOp::Sum).wait();
+      r.comm->barrier().wait();
+    }
+    return;
+  }
+  auto work = r.comm->all_reduce(t, ReduceOp::Sum);
+  cpu_set_t mine;
+  ASSERT_EQ(pthread_getaffinity_np(pthread_self(), sizeof(mine), &mine), 0);
+  int cpu = 0;
+  while (!CPU_ISSET(cpu, &mine)) ++cpu;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  std::atomic<bool> spin{true};
+  std::vector<std::thread> spinners;
+  struct Stop {  // the spinners stop however the test ends
+    std::atomic<bool>& spin;
+    std::vector<std::thread>& spinners;
+    ~Stop() {
+      spin = false;
+      for (auto& s : spinners) s.join();
+    }
+  } stop{spin, spinners};
+  for (int i = 0; i < 4; ++i) {
+    spinners.emplace_back([&] {  // from a third of the way through the wait
+      pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+      std::this_thread::sleep_for(late_ms / 3);
+      while (spin.load(std::memory_order_relaxed)) {
+      }
+    });
+  }
+  ASSERT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(one), &one), 0);
+  ASSERT_EQ(setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19), 0);
+  work.wait();
+  const flatshard::CommunicationWait starved = r.comm->waited();
+  spin = false;
+  for (auto& s : spinners) s.join();
+  spinners.clear();
+  EXPECT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(mine), &mine), 0);
+  EXPECT_EQ(starved.waits, 1);
+  EXPECT_GE(starved.ms, 0.8 * late_ms.count());
+  EXPECT_GT(starved.core_ms, 1.0) << "woken on a CPU four threads hold, it waited for a turn";
+  EXPECT_LE(starved.core_ms, starved.ms);
+  EXPECT_GE(starved.ms - starved.core_ms, 0.8 * late_ms.count()) << "the rest is the wait for the late rank";
+  // The spinners gone, a wait counts only its own turn in the queue, not the thread's delay
+  // so far.
+  r.comm->barrier().wait();
+  r.comm->reset_waited();
+  r.comm->all_reduce(t, ReduceOp::Sum).wait();
+  const flatshard::CommunicationWait after = r.comm->waited();
+  r.comm->barrier().wait();
+  EXPECT_EQ(after.waits, 1);
+  EXPECT_GE(after.ms, 0.8 * late_ms.count());
+  EXPECT_LT(after.core_ms, 0.25 * after.ms);
 }
 
 // Note [Waiting for peers]: a rank that reaches an op before the last rank has issued it

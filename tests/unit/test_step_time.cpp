@@ -7,6 +7,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -672,6 +673,21 @@ TEST(StepTime, PlanClusterGivesEveryStrategyItsTimeAndMemory) {
   ASSERT_NE(best, nullptr);
   EXPECT_EQ(fastest_that_fits(rows), best);
   EXPECT_EQ(fastest_that_fits(plan_cluster(m, c, base, std::int64_t{1} << 30)), nullptr);
+  // A group the options name (flatshard-plan --group) is listed too, once, in its order; one
+  // that does not divide the world is not.
+  for (const auto& [group, expected] : std::vector<std::pair<int, std::vector<int>>>{
+           {1, {1, 8, 16}}, {4, {4, 8, 16}}, {8, {8, 16}}, {12, {8, 16}}, {32, {8, 16}}}) {
+    TimeOptions named = base;
+    named.shard_group_size = group;
+    std::vector<int> listed;
+    for (const auto& r : plan_cluster(m, c, named, std::int64_t{96} << 30)) {
+      if (r.options.strategy != Strategy::HybridShard) continue;
+      listed.push_back(r.options.shard_group_size);
+      EXPECT_EQ(r.name, fmt::format("hybrid (groups of {})", r.options.shard_group_size));
+      EXPECT_NEAR(r.time.step_s, predict_time(m, c, r.options).step_s, 1e-12) << r.name;
+    }
+    EXPECT_EQ(listed, expected) << "--group " << group;
+  }
 }
 
 // Each hook's bytes, from its code (src/comm/hooks.cpp), on a GPT small enough to count by
@@ -1032,6 +1048,19 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
       << hooked.output;
   EXPECT_NE(hooked.output.find("hybrid (groups of 8)"), std::string::npos) << hooked.output;
   EXPECT_EQ(hooked.output.find("full shard"), std::string::npos) << "full shard takes no hook";
+  // --group: hybrid sharding in groups within a node too, the library's prediction.
+  const auto grouped = flatshard::testing::run_command(
+      {plan_path(), "--cluster", "1x4", "--model", "gpt-1b", "--batch", "16", "--group", "2"});
+  ASSERT_EQ(grouped.exit_code, 0) << grouped.output;
+  TimeOptions go;
+  go.sequences = 16;
+  go.sequence_length = 1024;
+  go.strategy = Strategy::HybridShard;
+  go.shard_group_size = 2;
+  EXPECT_NE(grouped.output.find(fmt::format("hybrid (groups of 2) {:>14.0f}",
+                                            predict_time(gpt_1b(), h100_cluster(1, 4), go).tokens_per_s)),
+            std::string::npos)
+      << grouped.output;
   const auto late = flatshard::testing::run_command(
       {plan_path(), "--cluster", "2x8", "--model", "gpt-1b", "--batch", "16", "--staleness", "2"});
   ASSERT_EQ(late.exit_code, 0) << late.output;
@@ -1055,7 +1084,10 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
            {plan_path(), "--cluster", "2x8", "--staleness", "9"},
            {plan_path(), "--cluster", "2x8", "--decentralized", "1", "--hook", "bf16"},
            {plan_path(), "--cluster", "2x8", "--decentralized", "1", "--offload", "1"},
-           {plan_path(), "--cluster", "2x8", "--hook-work-ms", "-1"}}) {
+           {plan_path(), "--cluster", "2x8", "--hook-work-ms", "-1"},
+           {plan_path(), "--cluster", "2x8", "--group", "3"},
+           {plan_path(), "--cluster", "2x8", "--group", "16"},
+           {plan_path(), "--cluster", "2x8", "--group", "0"}}) {
     const auto refused = flatshard::testing::run_command(bad);
     EXPECT_EQ(refused.exit_code, 2) << refused.output;
     EXPECT_NE(refused.output.find("usage: flatshard-plan --cluster"), std::string::npos) << refused.output;
