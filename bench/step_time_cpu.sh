@@ -123,6 +123,13 @@ hook_work_ms() {  # spec -> the median of its runs
 hook_alone_ms() {  # ranks spec -> the mean of their medians
   side_by_side "$1" hook_work_ms "$2"
 }
+lone_of() {  # mode -> the strategy whose lone ranks give its sharding work, or nothing
+  # (a lone hybrid rank is a lone full-shard rank: one group of one)
+  case "${1%%+*}" in
+    full | hybrid:*) echo full ;;
+    zero2) echo zero2 ;;
+  esac
+}
 hook_of() {  # mode -> its hook spec, or nothing
   local v="${1#*+}"
   [ "$v" != "$1" ] || return 0
@@ -206,14 +213,13 @@ for rate in $RATES; do
       # busy, where the CPU sets the pace (a throttled link's collectives wait out its rate
       # with the cores idle).
       [ "$throttled" = 1 ] || link "$n" --beside-compute >> "$out/measured.beside"
-      alone_ms "$n" ddp >> "$out/measured.alone.ddp"
-      echo >> "$out/measured.alone.ddp"
+      # The lone ranks: DDP's, and right after it each sharded strategy's that a mode needs,
+      # once for all the modes that share it.
+      for lone in ddp $(for mode in $modes; do lone_of "$mode"; done | sort -u); do
+        alone_ms "$n" "$lone" >> "$out/measured.alone.$lone"
+        echo >> "$out/measured.alone.$lone"
+      done
       for mode in $modes; do
-        # A lone hybrid rank is a lone full-shard rank (one group of one).
-        case "$mode" in full | zero2 | hybrid:*)
-          alone_ms "$n" "$(sed 's/^hybrid:[0-9]*/full/' <<< "${mode%%+*}")" >> "$out/measured.alone.$mode"
-          echo >> "$out/measured.alone.$mode" ;;
-        esac
         if [ -n "$(hook_of "$mode")" ]; then
           hook_alone_ms "$n" "$(hook_of "$mode")" >> "$out/measured.hook.$mode"
           echo >> "$out/measured.hook.$mode"
@@ -256,8 +262,9 @@ for rate in $RATES; do
           ;;
       esac
       work=0
-      if [ -f "$out/measured.alone.$mode" ] && [ "$mode" != ddp ]; then
-        work="$(awk -v a="$(median 1 < "$out/measured.alone.$mode")" -v d="$ms_n" 'BEGIN { w = a - d; if (w < 0) w = 0; printf "%.1f", w }')"
+      lone="$(lone_of "$mode")"
+      if [ -n "$lone" ]; then
+        work="$(awk -v a="$(median 1 < "$out/measured.alone.$lone")" -v d="$ms_n" 'BEGIN { w = a - d; if (w < 0) w = 0; printf "%.1f", w }')"
       fi
       hook_ms=0
       [ ! -f "$out/measured.hook.$mode" ] || hook_ms="$(median 1 < "$out/measured.hook.$mode")"
