@@ -13,8 +13,8 @@
 // barriers, with no work between them, time that floor first. Rank 0 prints one CSV line:
 // world,interval_ms,wall_interval_ms,wait_share,barrier_ms,core_share (the ranks' mean share
 // of the wall time spent in the barrier's wait, a bare barrier's mean time, and the ranks'
-// mean share of the wall time spent in the wait woken with no core to run on: the
-// kernel's run delay, as CommunicationWait::core_ms reads it).
+// mean share of the wall time spent in the wait woken with no core to run on; both from the
+// communicator's wait clock, Note [Communication wait]).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -32,17 +32,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-// This thread's run delay so far in seconds (/proc/thread-self/schedstat's second field), 0
-// where the kernel does not say.
-double run_delay_s() {
-  std::FILE* f = std::fopen("/proc/thread-self/schedstat", "r");
-  if (f == nullptr) return 0;
-  unsigned long long running = 0, delay = 0;
-  const bool read = std::fscanf(f, "%llu %llu", &running, &delay) == 2;
-  std::fclose(f);
-  return read ? static_cast<double>(delay) * 1e-9 : 0;
-}
 
 }  // namespace
 
@@ -87,18 +76,16 @@ int main(int argc, char** argv) {
       std::max<std::int64_t>(1, static_cast<std::int64_t>(matmuls_per_ms.item<double>() * interval_ms));
   const int loops = std::max(2, static_cast<int>(seconds * 1e3 / interval_ms));
   comm->barrier().wait();
-  double waited_s = 0, delayed_s = 0;
+  comm->time_waits(true);
   const auto begin = Clock::now();
   for (int i = 0; i < loops; ++i) {
     work(matmuls_per_interval);
-    const double delay = run_delay_s();
-    const auto w = Clock::now();
     comm->barrier().wait();
-    waited_s += seconds_since(w);
-    delayed_s += run_delay_s() - delay;
   }
   const double wall_s = seconds_since(begin);
-  auto share = at::tensor({waited_s / wall_s, delayed_s / wall_s}, at::kDouble);
+  comm->time_waits(false);
+  const flatshard::CommunicationWait waited = comm->waited();
+  auto share = at::tensor({waited.ms * 1e-3 / wall_s, waited.core_ms * 1e-3 / wall_s}, at::kDouble);
   comm->all_reduce(share, flatshard::ReduceOp::Avg).wait();
   if (world.rank() == 0) {
     std::printf("%d,%.2f,%.2f,%.4f,%.3f,%.4f\n", world.world_size(), interval_ms, wall_s * 1e3 / loops,

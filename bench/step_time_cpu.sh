@@ -49,12 +49,14 @@ gpt="$layers,$dim,$heads,$vocab,$context"
 # across its groups), ddp+async:1 (staleness 1), ddp+decentralized:1. variant_flags mode ->
 # the flags that give bench_modes and flatshard-plan that variant; strategy_flags mode -> the
 # strategy's, for bench_modes.
-strategy_flags() {
+group_of() {  # mode -> G of hybrid:G, or nothing
   local s="${1%%+*}"
-  case "$s" in
-    hybrid:*) echo "--mode hybrid --group ${s#hybrid:}" ;;
-    *) echo "--mode $s" ;;
-  esac
+  case "$s" in hybrid:*) echo "${s#hybrid:}" ;; esac
+}
+strategy_flags() {
+  local g
+  g="$(group_of "$1")"
+  if [ -n "$g" ]; then echo "--mode hybrid --group $g"; else echo "--mode ${1%%+*}"; fi
 }
 variant_flags() {
   local v="${1#*+}"
@@ -69,9 +71,9 @@ variant_flags() {
 # or more, and takes a hook but neither staleness nor decentralized training. A mode that
 # does not is left out of that world's rows, with a line on stderr.
 runs_at() {  # world mode
-  local s="${2%%+*}" g
-  case "$s" in hybrid:*) ;; *) return 0 ;; esac
-  g="${s#hybrid:}"
+  [[ "${2%%+*}" == hybrid:* ]] || return 0
+  local g
+  g="$(group_of "$2")"
   if ! [[ "$g" =~ ^[1-9][0-9]*$ ]] || (($1 % g != 0 || g >= $1)); then
     echo "step_time_cpu.sh: $2 left out at world $1: its groups of $g do not make two groups or more" >&2
     return 1
@@ -255,10 +257,8 @@ for rate in $RATES; do
         zero1) row="ZeRO-1" ;;
         ddp) row="DDP" ;;
         hybrid:*)
-          g="${mode%%+*}"
-          g="${g#hybrid:}"
-          row="hybrid (groups of $g)"
-          group=(--group "$g")
+          row="hybrid (groups of $(group_of "$mode"))"
+          group=(--group "$(group_of "$mode")")
           ;;
       esac
       work=0

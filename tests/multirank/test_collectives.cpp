@@ -461,10 +461,12 @@ TEST(Collectives, WaitingForACoreIsToldFromWaitingForTheOp) {
   struct Stop {  // the spinners stop however the test ends
     std::atomic<bool>& spin;
     std::vector<std::thread>& spinners;
-    ~Stop() {
+    void now() {
       spin = false;
       for (auto& s : spinners) s.join();
+      spinners.clear();
     }
+    ~Stop() { now(); }
   } stop{spin, spinners};
   for (int i = 0; i < 4; ++i) {
     spinners.emplace_back([&] {  // from a third of the way through the wait
@@ -478,9 +480,7 @@ TEST(Collectives, WaitingForACoreIsToldFromWaitingForTheOp) {
   ASSERT_EQ(setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19), 0);
   work.wait();
   const flatshard::CommunicationWait starved = r.comm->waited();
-  spin = false;
-  for (auto& s : spinners) s.join();
-  spinners.clear();
+  stop.now();
   EXPECT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(mine), &mine), 0);
   EXPECT_EQ(starved.waits, 1);
   EXPECT_GE(starved.ms, 0.8 * late_ms.count());
