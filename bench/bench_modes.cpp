@@ -19,12 +19,13 @@
 // groups of G ranks (--group; default: the ranks of one machine). Rank 0 prints one CSV
 // line: mode,world,params,step_ms,alloc_peak_bytes,rss_growth_bytes,param_shard,
 // grad_shard,optim_state,peak_unsharded_params,peak_unsharded_grads,formula_bytes,
-// bytes_sent_per_step,last_loss,comm_wait_share,peer_wait_share,core_wait_share (figures
-// are the largest over ranks but the last three: the ranks' mean share of the step their
-// compute waited for communication, Note [Communication wait], of that the share spent
-// before the last rank had issued the op, Note [Waiting for peers], and the share spent
-// woken with no core to run on, CommunicationWait::core_ms; everything is measured from the
-// second step on).
+// bytes_sent_per_step,last_loss,comm_wait_share,peer_wait_share,core_wait_share,hook_ms
+// (figures are the largest over ranks but the last four: the ranks' mean share of the step
+// their compute waited for communication, Note [Communication wait], of that the share spent
+// before the last rank had issued the op, Note [Waiting for peers], the share spent woken
+// with no core to run on, CommunicationWait::core_ms, and the hook's own time a step in
+// milliseconds, TimedHook below, 0 without one; everything is measured from the second step
+// on).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -32,7 +33,10 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "flatshard/flatshard.h"
 #include "tests/support/models.h"
@@ -51,6 +55,41 @@ std::int64_t rss_bytes(const char* field) {
   }
   return 0;
 }
+
+// A hook timed as the engine calls it in a step: its reduce() (compression, the first
+// rounds issued) and its finish, less the communication waits inside the finish (PowerSGD
+// waits there for its second round). What the model's hook work (--hook-work 1) stands for,
+// measured in place.
+class TimedHook final : public flatshard::CommHook {
+ public:
+  explicit TimedHook(std::shared_ptr<flatshard::CommHook> inner) : inner_(std::move(inner)) {}
+  std::string describe() const override { return inner_->describe(); }
+  flatshard::HookWork reduce(flatshard::Communicator& comm, const flatshard::GradBucket& bucket) override {
+    const auto start = Clock::now();
+    flatshard::HookWork work = inner_->reduce(comm, bucket);
+    ms_ += since(start);
+    if (work.finish) {
+      work.finish = [this, &comm, finish = std::move(work.finish)] {
+        const double waited = comm.waited().ms;
+        const auto begin = Clock::now();
+        finish();
+        ms_ += since(begin) - (comm.waited().ms - waited);
+      };
+    }
+    return work;
+  }
+  std::map<std::string, at::Tensor> state() const override { return inner_->state(); }
+  void load_state(const std::map<std::string, at::Tensor>& state) override { inner_->load_state(state); }
+  double take_ms() { return std::exchange(ms_, 0.0); }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  static double since(Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  }
+  std::shared_ptr<flatshard::CommHook> inner_;
+  double ms_ = 0;  // reduce() and finish run on the engine's thread
+};
 
 }  // namespace
 
@@ -158,7 +197,11 @@ int main(int argc, char** argv) {
   options.decentralized_every = decentralized;
   options.shard_group_size = group;
   flatshard::FullyShard<GPT> fsdp(model, world, options);
-  if (auto h = flatshard::hooks::parse(hook)) fsdp.register_comm_hook(h);
+  std::shared_ptr<TimedHook> timed;
+  if (auto h = flatshard::hooks::parse(hook)) {
+    timed = std::make_shared<TimedHook>(h);
+    fsdp.register_comm_hook(timed);
+  }
   flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{3e-4});
   if (in_backward) fsdp.step_in_backward(&opt);
   const std::string label = mode + (in_backward ? "-stepinbwd" : "");
@@ -177,6 +220,7 @@ int main(int argc, char** argv) {
       comm.barrier().wait();
       sent_before = fsdp.bytes_sent();
       fsdp.time_communication_waits(true);  // Note [Communication wait]
+      if (timed) timed->take_ms();
     }
     using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
@@ -215,6 +259,7 @@ int main(int argc, char** argv) {
   } catch (const flatshard::InvalidArgument& e) {
     if (world.rank() == 0) std::fprintf(stderr, "bench_modes: no peer share: %s\n", e.what());
   }
+  const double hook_ms = timed ? timed->take_ms() / steps : 0;
   const std::int64_t rss_growth = rss_bytes("VmHWM:") - rss_before;
   const flatshard::ShardMemory m = fsdp.memory();
   const std::int64_t state = opt.state_bytes(), param_bytes = m.param_shard_bytes,
@@ -223,9 +268,9 @@ int main(int argc, char** argv) {
       at::tensor({static_cast<double>(flatshard::memory::allocator_stats().peak_bytes), total_ms / steps,
                   static_cast<double>(rss_growth), static_cast<double>(m.peak_unsharded_param_bytes),
                   static_cast<double>(m.peak_unsharded_grad_bytes), sent_per_step, last_loss, wait_share,
-                  peer_share, core_share},
+                  peer_share, core_share, hook_ms},
                  at::kDouble);
-  constexpr int kFigures = 10;
+  constexpr int kFigures = 11;
   auto gathered = at::zeros({kFigures * world.world_size()}, at::kDouble);
   comm.all_gather(gathered, figures).wait();
   const auto by_rank = gathered.view({world.world_size(), kFigures});
@@ -233,6 +278,7 @@ int main(int argc, char** argv) {
   const double mean_wait_share = by_rank.select(1, 7).mean().item<double>();
   const double mean_peer_share = by_rank.select(1, 8).mean().item<double>();
   const double mean_core_share = by_rank.select(1, 9).mean().item<double>();
+  const double mean_hook_ms = by_rank.select(1, 10).mean().item<double>();
   if (world.rank() == 0) {
     const double n = world.world_size();
     const double psi = static_cast<double>(params);
@@ -245,13 +291,13 @@ int main(int argc, char** argv) {
     // grads, optimizer state), peak gathered params and grads, ZeRO formula, bytes sent
     // per step, last loss (the largest over ranks), the share of the step the ranks' compute
     // waited for communication, and of it the share before the last rank issued the op and
-    // the share waiting for a core (their means).
-    std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f,%.4f,%.4f\n",
+    // the share waiting for a core, and the hook's own time a step (their means).
+    std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f,%.4f,%.4f,%.2f\n",
                 label.c_str(), world.world_size(), static_cast<long long>(params), worst[1].item<double>(),
                 worst[0].item<double>(), worst[2].item<double>(), static_cast<long long>(param_bytes),
                 static_cast<long long>(grad_bytes), static_cast<long long>(state), worst[3].item<double>(),
                 worst[4].item<double>(), formula, worst[5].item<double>(), worst[6].item<double>(),
-                mean_wait_share, mean_peer_share, mean_core_share);
+                mean_wait_share, mean_peer_share, mean_core_share, mean_hook_ms);
   }
   return 0;
 }

@@ -85,10 +85,10 @@ runs_at() {  # world mode
       ;;
   esac
 }
-modes_step() {  # world mode -> "step_ms comm_wait_share peer_wait_share op_wait_share core_wait_share"
+modes_step() {  # world mode -> "step_ms comm_wait_share peer_wait_share op_wait_share core_wait_share hook_ms"
   "$build/flatshard-run" -n "$1" --deadline-s 1200 "$build/bench/bench_modes" $(strategy_flags "$2") $(variant_flags "$2") \
       $MODEL --batch "$BATCH" --steps "$STEPS" 2>/dev/null | sed -n 's/^\[rank 0\] //p' |
-    awk -F, 'NF > 16 { print $4, $15, $16, $15 - $16 - $17, $17 }' | tail -1
+    awk -F, 'NF > 17 { print $4, $15, $16, $15 - $16 - $17, $17, $18 }' | tail -1
 }
 
 # The optimizer step's memory bandwidth: FlatShard's AdamW over 64 Mi elements on one thread.
@@ -172,7 +172,7 @@ print(f"{bus / 1e9:.4f} {lat * 1e6:.2f}")' "$1"
 # link the communicator waits most of the collective out in poll(). Each world's rings over
 # the unthrottled loopback's TCP (copies at the CPU's own pace) give the bytes per second of
 # that work; a throttled row's collectives take the cores for bus / cpu_bus of their time.
-declare -A cpu_bus
+declare -A cpu_bus peer_lag
 for rate in $RATES; do
   if [ "$rate" != unthrottled ] && [ "$rate" != tcp ]; then
     for n in $WORLDS; do
@@ -182,8 +182,8 @@ for rate in $RATES; do
   fi
 done
 
-echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for a core | of it, for the op | predicted contended | link GB/s, µs | beside compute GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms | hook work ms |"
-echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"
+echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for a core | of it, for the op | predicted contended | link GB/s, µs | beside compute GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms | hook work ms | hook in the step ms | peer lag ms |"
+echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"
 for rate in $RATES; do
   throttled=1  # the link, not the CPU, moves this row's bytes at its pace
   case "$rate" in unthrottled | tcp) throttled=0 ;; esac
@@ -249,6 +249,37 @@ for rate in $RATES; do
       printf "%.4f", s }')"
     ms_n="$(median 1 < "$out/measured.alone.ddp")"
     rank_tflops="$(calibrate "$ms_n" "$rank_gbs")"
+    # What communication_wait counts with no bytes to move: ranks doing the same work between
+    # barriers drift apart, and the one ahead waits (bench/bench_desync.cpp). Every tenth of a
+    # lone step (about a unit's compute) and every step; where compute sets the pace (over a
+    # throttled link the waits are the link's). A failure leaves its row out, not the grid.
+    # Note [Ranks drifting apart] in src/plan/step_time.cpp: the last rank's lag at a barrier,
+    # its wait less the wait for a core and the bare barrier's own time, fitted as
+    # sigma * sqrt(interval) over both intervals, is the model's --peer-lag-ms after a lone
+    # step's work. Only where every rank has a core of its own: beyond that a rank waiting
+    # for a peer lends it its core, and the lone ranks' step already holds that time. A row
+    # that measures none takes its world's from the row before it.
+    fracs="10 1"
+    [ "$throttled" = 0 ] || fracs=""
+    fit=""
+    for frac in $fracs; do
+      iv="$(awk -v t="$ms_n" -v f="$frac" 'BEGIN { printf "%.1f", t / f }')"
+      if ! "$build/flatshard-run" -n "$n" --deadline-s 600 "$build/bench/bench_desync" --interval-ms "$iv" --seconds 4 \
+          > "$out/desync.run" 2>&1; then
+        echo "step_time_cpu.sh: bench_desync failed at world $n, every $iv ms:" >&2
+        tail -5 "$out/desync.run" >&2
+        continue
+      fi
+      sed -n 's/^\[rank 0\] //p' "$out/desync.run" |
+        awk -F, -v r="$rate" '{ printf "| %s | %d | %.1f | %.1f | %.0f%% | %.0f%% | %.2f |\n", r, $1, $2, $3, 100 * $4, 100 * $6, $5 }' >> "$out/desync"
+      fit+="$(sed -n 's/^\[rank 0\] //p' "$out/desync.run" | awk -F, '{ print $3, ($4 - $6) * $3 - $5 }') "
+    done
+    if [ -n "$fit" ]; then
+      peer_lag[$n]="$(echo "$fit" | awk -v t="$ms_n" -v n="$n" -v c="$(nproc)" '{
+        for (i = 1; i < NF; i += 2) { lag = $(i + 1) < 0 ? 0 : $(i + 1); s += lag * sqrt($i); w += $i }
+        printf "%.3f", (n > c || w == 0) ? 0 : s / w * sqrt(t) }')"
+    fi
+    lag="${peer_lag[$n]:-0}"
     for mode in $modes; do
       group=()
       case "${mode%%+*}" in
@@ -272,6 +303,7 @@ for rate in $RATES; do
         --hook-work-ms "$hook_ms" \
         --tflops "$rank_tflops" --memory-gbs "$rank_gbs" --intra "$bus" --intra-us "$lat" \
         --collective-share "$share" --sharding-work-ms "$work" ${beside[@]+"${beside[@]}"} $(variant_flags "$mode") \
+        --peer-lag-ms "$lag" --peer-lag-interval-ms "$ms_n" \
         ${group[@]+"${group[@]}"} \
         --csv 1 > "$out/plan.csv"
       ms="$(median 1 < "$out/measured.$mode")"
@@ -279,9 +311,10 @@ for rate in $RATES; do
       peer="$(median 3 < "$out/measured.$mode")"
       op="$(median 4 < "$out/measured.$mode")"
       core="$(median 5 < "$out/measured.$mode")"
-      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$core" "$rate" "$n" "$mode" "$bus" "$lat" "$share" "$ms_n" "$work" "$hook_ms" "${beside[1]:-}" "${beside[3]:-}" <<'PY'
+      in_step="$(median 6 < "$out/measured.$mode")"
+      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$core" "$rate" "$n" "$mode" "$bus" "$lat" "$share" "$ms_n" "$work" "$hook_ms" "$in_step" "$lag" "${beside[1]:-}" "${beside[3]:-}" <<'PY'
 import sys
-plan, row, ms, wait, peer, op, core, rate, n, mode, bus, lat, share, alone, work, hook, bbus, blat = sys.argv[1:]
+plan, row, ms, wait, peer, op, core, rate, n, mode, bus, lat, share, alone, work, hook, in_step, lag, bbus, blat = sys.argv[1:]
 beside = f"{float(bbus):.2f}, {float(blat):.0f}" if bbus else "-"
 for line in open(plan):
     f = line.strip().split(",")
@@ -291,26 +324,10 @@ for line in open(plan):
         print(f"| {rate} | {n} | {mode} | {p:.0f} | {float(ms):.0f} | {error:+.1f}% | "
               f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {100 * float(peer):.0f}% | {100 * float(core):.0f}% | "
               f"{100 * float(op):.0f}% | {100 * contended:.0f}% | "
-              f"{float(bus):.2f}, {float(lat):.0f} | {beside} | {float(share):.2f} | {alone} | {work} | {hook} |")
+              f"{float(bus):.2f}, {float(lat):.0f} | {beside} | {float(share):.2f} | {alone} | {work} | {hook} | "
+              f"{float(in_step):.1f} | {float(lag):.2f} |")
         open(plan + ".errors", "a").write(f"{abs(error):.1f} {rate} {n} {mode}\n")
 PY
-    done
-    # What communication_wait counts with no bytes to move: ranks doing the same work between
-    # barriers drift apart, and the one ahead waits (bench/bench_desync.cpp). Every tenth of a
-    # lone step (about a unit's compute) and every step; where compute sets the pace (over a
-    # throttled link the waits are the link's). A failure leaves its row out, not the grid.
-    fracs="10 1"
-    [ "$throttled" = 0 ] || fracs=""
-    for frac in $fracs; do
-      iv="$(awk -v t="$ms_n" -v f="$frac" 'BEGIN { printf "%.1f", t / f }')"
-      if ! "$build/flatshard-run" -n "$n" --deadline-s 600 "$build/bench/bench_desync" --interval-ms "$iv" --seconds 4 \
-          > "$out/desync.run" 2>&1; then
-        echo "step_time_cpu.sh: bench_desync failed at world $n, every $iv ms:" >&2
-        tail -5 "$out/desync.run" >&2
-        continue
-      fi
-      sed -n 's/^\[rank 0\] //p' "$out/desync.run" |
-        awk -F, -v r="$rate" '{ printf "| %s | %d | %.1f | %.1f | %.0f%% | %.0f%% | %.2f |\n", r, $1, $2, $3, 100 * $4, 100 * $6, $5 }' >> "$out/desync"
     done
   done
 done

@@ -41,7 +41,10 @@ int usage(const char* why) {
       "                      [--hook none|all_reduce|bf16|fp16|int8[:CHUNK]|top_k:RATIO|random_k:RATIO|\n"
       "                      power_sgd:RANK[:START] (DDP and ZeRO-1's buckets; hybrid's all-reduce across\n"
       "                      groups)] [--hook-work-ms T (the hook's work on the whole model, one rank\n"
-      "                      alone: bench_modes --hook-work 1)] [--staleness S (DDP, ZeRO-1)]\n"
+      "                      alone: bench_modes --hook-work 1)] [--peer-lag-ms L --peer-lag-interval-ms T\n"
+      "                      (ranks drifting apart: the last rank L ms behind at a round waited for at\n"
+      "                      once, after T ms of work since they met; bench_desync)]\n"
+      "                      [--staleness S (DDP, ZeRO-1)]\n"
       "                      [--decentralized K (DDP)]\n"
       "                      [--calibrate-ms T (the sustained throughput that makes this model's step\n"
       "                      on one device take T ms)] [--csv 1]\n"
@@ -156,6 +159,14 @@ int cluster_main(int argc, char** argv) {
       if (!parse_double(v, ms) || ms < 0)
         return usage(fmt::format("--hook-work-ms takes milliseconds (0 or more), got '{}'", v).c_str());
       base.hook_work_s = ms * 1e-3;
+    } else if (a == "--peer-lag-ms" || a == "--peer-lag-interval-ms") {
+      double ms = 0;
+      const bool interval = a == "--peer-lag-interval-ms";
+      if (!parse_double(v, ms) || ms < 0 || (interval && ms == 0))
+        return usage(
+            fmt::format("{} takes milliseconds ({}), got '{}'", a, interval ? "above 0" : "0 or more", v)
+                .c_str());
+      (interval ? base.peer_lag_interval_s : base.peer_lag_s) = ms * 1e-3;
     } else if (a == "--staleness" || a == "--decentralized") {
       if (int r = need(positive && x == std::floor(x), "a whole number above 0")) return r;
       (a == "--staleness" ? base.staleness : base.decentralized_every) = static_cast<int>(x);

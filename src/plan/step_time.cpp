@@ -456,6 +456,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     throw std::invalid_argument(
         "predict_time: decentralized training is NoShard's, with neither a hook, staleness nor offload");
   if (hooked && o.offload) throw std::invalid_argument("predict_time: a hook with offload is not modelled");
+  if (o.peer_lag_s < 0 || o.peer_lag_interval_s <= 0)
+    throw std::invalid_argument("predict_time: peer_lag_s is 0 or more, peer_lag_interval_s above 0");
   // A group of consecutive ranks stays on a node's links while it fits in one; replica
   // groups (one rank of each shard group) cross nodes when there are several.
   const Link& group_link = group <= c.per_node ? c.intra : c.inter;
@@ -594,6 +596,24 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     if (done > now) waits.reductions += done - now;
     now = std::max(now, done);
   };
+  // Note [Ranks drifting apart]
+  // Ranks doing the same work between two meetings do not finish it together: each one's
+  // pace jitters (the kernel's scheduling, caches, the memory shared with its peers), and a
+  // round every rank must issue starts when the last one issues it. A round issued ahead of
+  // its wait hides the lag behind the rank's own compute; one issued and waited for at once
+  // does not. In the engine that is a hook's second round (PowerSGD's Q, inside the
+  // bucket's finish): under HybridShard once per unit, mid-backward, where bench/wait_trace.py
+  // finds three quarters of that round's stalls before the last rank's issue on this CPU.
+  // Jitter accumulates as independent noise does, so the last rank's lag grows as the
+  // square root of the work since the ranks last met: TimeOptions::peer_lag_s after
+  // peer_lag_interval_s (bench_desync measures it: the same work between barriers).
+  // The ranks meet at such a round and at the step's start.
+  double met = 0;
+  auto at_once = [&](Lane& lane, double issued, Cost cost_of) {  // issued and waited for at once
+    const double lag = o.peer_lag_s * std::sqrt(std::max(0.0, issued - met) / o.peer_lag_interval_s);
+    wait_for_reduction(lane.run(issued + lag, cost_of));
+    met = now;
+  };
   auto finish_running_hook = [&] {
     if (running_done < 0) return;
     wait_for_reduction(running_done);
@@ -601,9 +621,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     if (running.second.bytes > 0) {
       now = compute.run(now, running.between);
       t.engine_s += running.between;
-      wait_for_reduction(
-          lane_of(replica_link)
-              .run(now, cost(running.second.op, running.second.bytes, replicas, replica_link)));
+      at_once(lane_of(replica_link), now,
+              cost(running.second.op, running.second.bytes, replicas, replica_link));
     }
     now = compute.run(now, running.finish);
     t.engine_s += running.finish;
@@ -787,6 +806,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         o.staleness > 0 ? 2.0 * o.reduce_bytes / c.memory_bandwidth : 0;  // s per value
     double engine = 0;  // the hook's, staleness's and decentralized training's work in the window
     for (int step = 0; step < steps; ++step) {
+      met = now;                     // Note [Ranks drifting apart]
       if (step == steps - window) {  // what the step reports starts here
         window_begin = now;
         waits = Waits{};
@@ -818,8 +838,9 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         if (r.cost.second.bytes > 0) {
           now = compute.run(now, r.cost.between);
           engine += r.cost.between;
-          wait_for_reduction(lane.run(now, cost(r.cost.second.op, r.cost.second.bytes, n, link,
-                                                beside(link, lane, now, backward_end))));
+          at_once(
+              lane, now,
+              cost(r.cost.second.op, r.cost.second.bytes, n, link, beside(link, lane, now, backward_end)));
         }
         const double work = r.cost.finish + r.elements / owned * staleness_copy;
         now = compute.run(now, work);

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <stdexcept>
@@ -935,6 +936,68 @@ TEST(StepTime, HybridRunsEachUnitsHookOnItsShardBesideTheNextUnitsBackward) {
   EXPECT_NEAR(t.exposed_s, 2 * unit + root_round, 1e-9);
 }
 
+// Note [Ranks drifting apart]: a round a rank issues and waits for at once (a hook's second
+// round, PowerSGD's Q) starts when the last rank issues it, peer_lag_s * sqrt(T /
+// peer_lag_interval_s) after the mean rank, T the work since the ranks last met; the rounds
+// issued ahead of their waits do not move.
+TEST(StepTime, RanksDriftingApartDelayOnlyTheRoundsWaitedForAtOnce) {
+  const auto m = gpt(4, 64, 4, 512, 16);
+  Cluster c = only_links(1, 2, true);  // 1 GB/s, 10 us a step
+  c.flops = 1e9;
+  TimeOptions o;
+  o.sequences = 4;
+  o.sequence_length = 16;
+  o.param_bytes = o.reduce_bytes = 4;
+  o.bucket_bytes = std::int64_t{1} << 40;  // DDP's gradients in one bucket
+  const auto lagged = [&](TimeOptions with, double lag, double interval) {
+    with.peer_lag_s = lag;
+    with.peer_lag_interval_s = interval;
+    return predict_time(m, c, with);
+  };
+  // No round waited for at once: no strategy without a hook, no one-round hook moves.
+  for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard,
+                     Strategy::ShardOptimizerState, Strategy::HybridShard}) {
+    for (const char* hook : {"none", "bf16"}) {
+      TimeOptions x = o;
+      x.strategy = s;
+      x.shard_group_size = 1;
+      if (std::string(hook) != "none" && s != Strategy::NoShard && s != Strategy::ShardOptimizerState &&
+          s != Strategy::HybridShard)
+        continue;
+      x.hook = parse_hook_model(hook);
+      EXPECT_EQ(lagged(x, 0.01, 0.001).step_s, predict_time(m, c, x).step_s) << static_cast<int>(s) << hook;
+    }
+  }
+  // DDP with PowerSGD: one second round a step, at the end of backward. The step and its
+  // exposed communication grow by the lag, in proportion to peer_lag_s and to the inverse
+  // square root of the interval it is given at.
+  TimeOptions ddp = o;
+  ddp.strategy = Strategy::NoShard;
+  ddp.hook = parse_hook_model("power_sgd:4");
+  const StepTime base = predict_time(m, c, ddp);
+  const double lag = lagged(ddp, 1e-3, 0.01).step_s - base.step_s;
+  EXPECT_GT(lag, 1e-4);
+  EXPECT_NEAR(lagged(ddp, 1e-3, 0.01).exposed_s - base.exposed_s, lag, 1e-12);
+  EXPECT_NEAR(lagged(ddp, 2e-3, 0.01).step_s - base.step_s, 2 * lag, 1e-12);
+  EXPECT_NEAR(lagged(ddp, 1e-3, 0.04).step_s - base.step_s, lag / 2, 1e-12);
+  // The backward's compute before it (forward and backward, the hook's compression and its
+  // first round's wait, at the step's start the ranks last met): T is that time.
+  const double before = base.step_s - base.optimizer_s;
+  EXPECT_GT(lag, 1e-3 * std::sqrt(0.5 * before / 0.01));
+  EXPECT_LT(lag, 1e-3 * std::sqrt(before / 0.01));
+  // Hybrid in groups of 1 with PowerSGD: a second round per unit (four layers and the
+  // root), each after the work since the one before: five lags of shorter spans, more in all
+  // than DDP's one (a lag counted once a step would be less than DDP's).
+  TimeOptions hybrid = o;
+  hybrid.strategy = Strategy::HybridShard;
+  hybrid.shard_group_size = 1;
+  hybrid.hook = parse_hook_model("power_sgd:4");
+  const double lags = lagged(hybrid, 1e-3, 0.01).step_s - predict_time(m, c, hybrid).step_s;
+  EXPECT_GT(lags, 1.3 * lag);
+  EXPECT_THROW(lagged(ddp, -1e-3, 0.01), std::invalid_argument);
+  EXPECT_THROW(lagged(ddp, 1e-3, 0), std::invalid_argument);
+}
+
 std::string plan_path() { return FLATSHARD_PLAN_PATH; }
 
 // flatshard-plan --cluster prints each strategy's prediction (the library's, row by row) and
@@ -1048,6 +1111,17 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
       << hooked.output;
   EXPECT_NE(hooked.output.find("hybrid (groups of 8)"), std::string::npos) << hooked.output;
   EXPECT_EQ(hooked.output.find("full shard"), std::string::npos) << "full shard takes no hook";
+  // --peer-lag-ms and --peer-lag-interval-ms: the ranks' lag at PowerSGD's second round.
+  const auto drifting = flatshard::testing::run_command(
+      {plan_path(), "--cluster", "16x8", "--model", "gpt-1b", "--seq", "1024", "--batch", "16", "--hook",
+       "power_sgd:4", "--peer-lag-ms", "20", "--peer-lag-interval-ms", "50"});
+  ASSERT_EQ(drifting.exit_code, 0) << drifting.output;
+  ho.peer_lag_s = 0.02;
+  ho.peer_lag_interval_s = 0.05;
+  const StepTime lagging = predict_time(gpt_1b(), h100_cluster(16, 8), ho);
+  ASSERT_LT(lagging.tokens_per_s, 0.95 * powered.tokens_per_s);
+  EXPECT_NE(drifting.output.find(fmt::format("DDP {:>31.0f}", lagging.tokens_per_s)), std::string::npos)
+      << drifting.output;
   // --group: hybrid sharding in groups within a node too, the library's prediction.
   const auto grouped = flatshard::testing::run_command(
       {plan_path(), "--cluster", "1x4", "--model", "gpt-1b", "--batch", "16", "--group", "2"});
@@ -1085,6 +1159,8 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
            {plan_path(), "--cluster", "2x8", "--decentralized", "1", "--hook", "bf16"},
            {plan_path(), "--cluster", "2x8", "--decentralized", "1", "--offload", "1"},
            {plan_path(), "--cluster", "2x8", "--hook-work-ms", "-1"},
+           {plan_path(), "--cluster", "2x8", "--peer-lag-ms", "-1"},
+           {plan_path(), "--cluster", "2x8", "--peer-lag-interval-ms", "0"},
            {plan_path(), "--cluster", "2x8", "--group", "3"},
            {plan_path(), "--cluster", "2x8", "--group", "16"},
            {plan_path(), "--cluster", "2x8", "--group", "0"}}) {
