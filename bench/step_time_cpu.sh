@@ -152,20 +152,24 @@ echo "Calibration on $(nproc) cores: one rank's step ${one_ms} ms with no commun
 echo "the optimizer step's memory bandwidth ${mem_gbs} GB/s. Model: $MODEL, $BATCH sequences per rank, fp32."
 echo
 
-link() {  # world [--beside-compute] -> "bus_GBps latency_us": all-gather and reduce-scatter at 64 KiB and 64 MiB
+# The all-reduce apart (Link::all_reduce_bus_bandwidth): the rings run it in place, which
+# skips the copies the other two make, so its bus bandwidth is its own.
+link() {  # world [--beside-compute] -> "bus_GBps latency_us allreduce_bus_GBps": at 64 KiB and 64 MiB
   "$build/flatshard-run" -n "$1" "$build/bench/bench_collectives" ${2:-} --benchmark_format=csv \
-      --benchmark_filter='Communicator/(all_gather|reduce_scatter)/(65536|67108864)/' 2>/dev/null |
+      --benchmark_filter='Communicator/(all_gather|reduce_scatter|all_reduce)/(65536|67108864)/' 2>/dev/null |
     sed -n 's/^\[rank 0\] //p' | python3 -c '
 import csv, sys
 n = int(sys.argv[1]); t = {}
 for row in csv.DictReader(l for l in sys.stdin if l.count(",") > 3):
-    size = int(row["name"].strip("\"").split("/")[2])
-    t.setdefault(size, []).append(size / float(row["bytes_per_second"]))  # seconds per op
-small, large = (sum(t[s]) / len(t[s]) for s in (65536, 67108864))
+    _, op, size = row["name"].strip("\"").split("/")[:3]
+    t.setdefault((op == "all_reduce", int(size)), []).append(int(size) / float(row["bytes_per_second"]))  # s per op
+small, large = (sum(t[False, s]) / len(t[False, s]) for s in (65536, 67108864))
 steps = n - 1
 bus = (67108864 - 65536) * steps / n / (large - small)          # bytes/s
 lat = max(0.0, (small - 65536 * steps / n / bus) / steps)      # seconds per ring step
-print(f"{bus / 1e9:.4f} {lat * 1e6:.2f}")' "$1"
+ar_small, ar_large = (sum(t[True, s]) / len(t[True, s]) for s in (65536, 67108864))
+ar_bus = (67108864 - 65536) * 2 * steps / n / (ar_large - ar_small)
+print(f"{bus / 1e9:.4f} {lat * 1e6:.2f} {ar_bus / 1e9:.4f}")' "$1"
 }
 
 # A collective's copies and reductions are CPU work only while bytes move: over a throttled
@@ -182,7 +186,7 @@ for rate in $RATES; do
   fi
 done
 
-echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for a core | of it, for the op | predicted contended | link GB/s, µs | beside compute GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms | hook work ms | hook in the step ms | peer lag ms |"
+echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for a core | of it, for the op | predicted contended | link GB/s, µs, all-reduce GB/s | beside compute GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms | hook work ms | hook in the step ms | peer lag ms |"
 echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"
 for rate in $RATES; do
   throttled=1  # the link, not the CPU, moves this row's bytes at its pace
@@ -231,6 +235,7 @@ for rate in $RATES; do
     done
     bus="$(median 1 < "$out/measured.link")"
     lat="$(median 2 < "$out/measured.link")"
+    ar_bus="$(median 3 < "$out/measured.link")"
     beside=()
     if [ -s "$out/measured.beside" ]; then
       beside=(--intra-beside "$(median 1 < "$out/measured.beside")" --intra-beside-us "$(median 2 < "$out/measured.beside")")
@@ -301,7 +306,7 @@ for rate in $RATES; do
       [ ! -f "$out/measured.hook.$mode" ] || hook_ms="$(median 1 < "$out/measured.hook.$mode")"
       "$build/flatshard-plan" --cluster "1x$n" --gpt "$gpt" --seq "$context" --batch "$BATCH" --dtype fp32 --reduce fp32 \
         --hook-work-ms "$hook_ms" \
-        --tflops "$rank_tflops" --memory-gbs "$rank_gbs" --intra "$bus" --intra-us "$lat" \
+        --tflops "$rank_tflops" --memory-gbs "$rank_gbs" --intra "$bus" --intra-us "$lat" --intra-allreduce "$ar_bus" \
         --collective-share "$share" --sharding-work-ms "$work" ${beside[@]+"${beside[@]}"} $(variant_flags "$mode") \
         --peer-lag-ms "$lag" --peer-lag-interval-ms "$ms_n" \
         ${group[@]+"${group[@]}"} \
@@ -312,9 +317,9 @@ for rate in $RATES; do
       op="$(median 4 < "$out/measured.$mode")"
       core="$(median 5 < "$out/measured.$mode")"
       in_step="$(median 6 < "$out/measured.$mode")"
-      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$core" "$rate" "$n" "$mode" "$bus" "$lat" "$share" "$ms_n" "$work" "$hook_ms" "$in_step" "$lag" "${beside[1]:-}" "${beside[3]:-}" <<'PY'
+      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$core" "$rate" "$n" "$mode" "$bus" "$lat" "$ar_bus" "$share" "$ms_n" "$work" "$hook_ms" "$in_step" "$lag" "${beside[1]:-}" "${beside[3]:-}" <<'PY'
 import sys
-plan, row, ms, wait, peer, op, core, rate, n, mode, bus, lat, share, alone, work, hook, in_step, lag, bbus, blat = sys.argv[1:]
+plan, row, ms, wait, peer, op, core, rate, n, mode, bus, lat, ar_bus, share, alone, work, hook, in_step, lag, bbus, blat = sys.argv[1:]
 beside = f"{float(bbus):.2f}, {float(blat):.0f}" if bbus else "-"
 for line in open(plan):
     f = line.strip().split(",")
@@ -324,7 +329,7 @@ for line in open(plan):
         print(f"| {rate} | {n} | {mode} | {p:.0f} | {float(ms):.0f} | {error:+.1f}% | "
               f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {100 * float(peer):.0f}% | {100 * float(core):.0f}% | "
               f"{100 * float(op):.0f}% | {100 * contended:.0f}% | "
-              f"{float(bus):.2f}, {float(lat):.0f} | {beside} | {float(share):.2f} | {alone} | {work} | {hook} | "
+              f"{float(bus):.2f}, {float(lat):.0f}, {float(ar_bus):.2f} | {beside} | {float(share):.2f} | {alone} | {work} | {hook} | "
               f"{float(in_step):.1f} | {float(lag):.2f} |")
         open(plan + ".errors", "a").write(f"{abs(error):.1f} {rate} {n} {mode}\n")
 PY

@@ -66,6 +66,11 @@ TransformerShape named_model(const std::string& name);
 struct Link {
   double bus_bandwidth = 0;  // bytes/s, as nccl-tests reports busbw
   double latency = 0;        // seconds per ring step
+  // An all-reduce's bus bandwidth where it is not the others' (0: bus_bandwidth, as NCCL's
+  // ring runs it). The CPU rings' all-reduce runs in place, skipping the copies a
+  // reduce-scatter and an all-gather each make apart, and at world 2 over TCP sends both
+  // halves at once: on this CPU it reads 0.6 to 1.2 times the others' cost.
+  double all_reduce_bus_bandwidth = 0;
 };
 
 // Where the ranks run: nodes of `per_node` devices, the links within and across nodes,

@@ -29,6 +29,8 @@ int usage(const char* why) {
       "                      [--group G (also hybrid sharding in groups of G devices)]\n"
       "                      [--tflops T (sustained per device)] [--intra GB/s] [--intra-us U]\n"
       "                      [--inter Gb/s] [--inter-us U] [--memory-gbs GB/s]\n"
+      "                      [--intra-allreduce GB/s] [--inter-allreduce Gb/s] (an all-reduce's own bus\n"
+      "                      bandwidth, where it is not the other collectives')\n"
       "                      [--intra-beside GB/s --intra-beside-us U (the intra-node link as it runs\n"
       "                      beside compute: a CPU host's collectives wait for cores the ranks fill)]\n"
       "                      [--offload 0|1] [--bf16-copy 0|1] [--step-in-backward 0|1]\n"
@@ -67,7 +69,8 @@ int cluster_main(int argc, char** argv) {
   base.sequences = 4;
   base.sequence_length = 1024;
   double device_gib = 80;
-  double tflops = 0, intra = 0, intra_us = -1, inter = 0, inter_us = -1, memory_gbs = 0, calibrate_ms = 0;
+  double tflops = 0, intra = 0, intra_us = -1, inter = 0, inter_us = -1, intra_ar = 0, inter_ar = 0,
+         memory_gbs = 0, calibrate_ms = 0;
   double pcie = 0, host_gbs = 0, collective_share = -1, beside = 0, beside_us = -1;
   bool csv = false;
   std::string hook_spec = "none";
@@ -130,15 +133,18 @@ int cluster_main(int argc, char** argv) {
       if (int r = need(positive, "a number of GiB")) return r;
       device_gib = x;
     } else if (a == "--tflops" || a == "--intra" || a == "--inter" || a == "--memory-gbs" || a == "--pcie" ||
-               a == "--host-gbs" || a == "--intra-beside") {
+               a == "--host-gbs" || a == "--intra-beside" || a == "--intra-allreduce" ||
+               a == "--inter-allreduce") {
       if (int r = need(positive, "a positive number")) return r;
-      (a == "--tflops"       ? tflops
-       : a == "--intra"      ? intra
-       : a == "--inter"      ? inter
-       : a == "--memory-gbs" ? memory_gbs
-       : a == "--pcie"       ? pcie
-       : a == "--host-gbs"   ? host_gbs
-                             : beside) = x;
+      (a == "--tflops"            ? tflops
+       : a == "--intra"           ? intra
+       : a == "--inter"           ? inter
+       : a == "--intra-allreduce" ? intra_ar
+       : a == "--inter-allreduce" ? inter_ar
+       : a == "--memory-gbs"      ? memory_gbs
+       : a == "--pcie"            ? pcie
+       : a == "--host-gbs"        ? host_gbs
+                                  : beside) = x;
     } else if (a == "--offload" || a == "--bf16-copy" || a == "--step-in-backward") {
       if (v != "0" && v != "1") return usage(fmt::format("{} takes 0 or 1", a).c_str());
       (a == "--offload"     ? base.offload
@@ -203,6 +209,8 @@ int cluster_main(int argc, char** argv) {
   if (intra > 0) c.intra.bus_bandwidth = intra * 1e9;
   if (intra_us >= 0) c.intra.latency = intra_us * 1e-6;
   if (inter > 0) c.inter.bus_bandwidth = inter * 1e9 / 8;  // Gb/s per device
+  if (intra_ar > 0) c.intra.all_reduce_bus_bandwidth = intra_ar * 1e9;
+  if (inter_ar > 0) c.inter.all_reduce_bus_bandwidth = inter_ar * 1e9 / 8;
   if (inter_us >= 0) c.inter.latency = inter_us * 1e-6;
   if (memory_gbs > 0) c.memory_bandwidth = memory_gbs * 1e9;
   if (pcie > 0) c.pcie.bus_bandwidth = pcie * 1e9;

@@ -232,10 +232,15 @@ Cost cost(Collective c, double bytes, int ranks, const Link& link, const Link* b
                        : exchange                 ? (ranks > 2 ? 2 : 1)
                                                   : ranks - 1.0;
   const double moved = exchange ? bytes * steps : bytes * steps / ranks;
-  const double cpu = moved / link.bus_bandwidth;  // the work of moving its bytes, the cores free
+  // An all-reduce at its own bus bandwidth where the link has one (Link::
+  // all_reduce_bus_bandwidth); beside compute, the link's figure there in the same ratio.
+  const double own = c == Collective::AllReduce && link.all_reduce_bus_bandwidth > 0
+                         ? link.all_reduce_bus_bandwidth / link.bus_bandwidth
+                         : 1.0;
+  const double cpu = moved / (link.bus_bandwidth * own);  // the work of moving its bytes, the cores free
   if (beside) {  // never faster than with the cores free (a faster reading is noise)
     const double waits = steps * std::max(beside->latency, link.latency);
-    return {moved / std::min(beside->bus_bandwidth, link.bus_bandwidth) + waits, waits, cpu};
+    return {moved / (std::min(beside->bus_bandwidth, link.bus_bandwidth) * own) + waits, waits, cpu};
   }
   const double latency = steps * link.latency;
   return {cpu + latency, latency};
@@ -429,6 +434,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   if (o.sharding_work_s < 0 || c.collective_compute_share < 0 || c.collective_compute_share > 1)
     throw std::invalid_argument(
         "predict_time: sharding_work_s is 0 or more, collective_compute_share 0 to 1");
+  if (c.intra.all_reduce_bus_bandwidth < 0 || c.inter.all_reduce_bus_bandwidth < 0)
+    throw std::invalid_argument("predict_time: a link's all_reduce_bus_bandwidth is 0 or more");
   if (c.intra_beside_compute.bus_bandwidth < 0 || c.intra_beside_compute.latency < 0)
     throw std::invalid_argument("predict_time: intra_beside_compute's bandwidth and latency are 0 or more");
   const bool sharded = o.strategy == Strategy::FullShard || o.strategy == Strategy::ShardGradOp ||

@@ -108,6 +108,59 @@ TEST(StepTime, WithoutComputeTheStepIsEveryCollectiveAtItsRingCost) {
               ring((root + m.layers * layer) * 4) + ring((root + m.layers * layer) * 2), 1e-9);
 }
 
+// A link's all-reduce at its own bus bandwidth (Link::all_reduce_bus_bandwidth: the CPU
+// rings' in-place all-reduce) prices the all-reduces and nothing else, on the link it is
+// given for; beside compute, in the same ratio to the link's figure there.
+TEST(StepTime, AnAllReducesOwnBandwidthPricesOnlyTheAllReduces) {
+  const auto m = gpt(4, 256, 4, 1024, 64);
+  Cluster c = only_links(1, 4, true);  // 1 GB/s, 10 us a step
+  c.intra.all_reduce_bus_bandwidth = 2.5e9;
+  TimeOptions o;
+  o.param_bytes = o.reduce_bytes = 4;
+  const double params = static_cast<double>(m.params());
+  const auto ring = [&](double bytes, double bus) { return bytes * 3 / 4 / bus + 3 * 1e-5; };
+  o.strategy = Strategy::NoShard;  // one bucket, all-reduced
+  EXPECT_NEAR(predict_time(m, c, o).communication_s, 2 * ring(params * 4, 2.5e9), 1e-12);
+  o.strategy = Strategy::ShardOptimizerState;  // a reduce-scatter and the gathers: no all-reduce
+  EXPECT_NEAR(predict_time(m, c, o).communication_s, 2 * ring(params * 4, 1e9), 1e-12);
+  for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    o.strategy = s;
+    Cluster plain = c;
+    plain.intra.all_reduce_bus_bandwidth = 0;
+    EXPECT_EQ(predict_time(m, c, o).step_s, predict_time(m, plain, o).step_s) << static_cast<int>(s);
+  }
+  // Hybrid over two nodes of two: the reduce-scatter within the node, the all-reduce across
+  // at the links across nodes' own figure (given there, not on the node's links).
+  Cluster two = only_links(2, 2, false);  // across nodes 1 GB/s, 10 us a step
+  two.intra.all_reduce_bus_bandwidth = 1e30;
+  o.strategy = Strategy::HybridShard;
+  const double plain_hybrid = predict_time(m, two, o).communication_s;
+  two.inter.all_reduce_bus_bandwidth = 4e9;
+  const double across = 2 * (params * 4 / 2) / 2;  // a shard's bytes, moved (n-1)/n twice at 2 ranks
+  EXPECT_NEAR(plain_hybrid - predict_time(m, two, o).communication_s, across / 1e9 - across / 4e9, 1e-12);
+  // Beside compute: the link there, in the all-reduce's ratio (2.5 times) to the free link;
+  // so DDP, all-reduces only, steps as on links 2.5 times faster everywhere.
+  Cluster busy = only_links(1, 2, true);
+  busy.flops = 1e9;
+  busy.intra_beside_compute = Link{0.5e9, 1e-5};
+  o.strategy = Strategy::NoShard;
+  o.sequences = 4;
+  o.sequence_length = 64;
+  o.bucket_bytes = 4 * m.layer_params();  // a bucket a layer, reduced beside backward
+  Cluster free = busy;
+  free.intra_beside_compute = Link{};
+  ASSERT_GT(predict_time(m, busy, o).communication_s, predict_time(m, free, o).communication_s)
+      << "the buckets run beside compute";
+  Cluster fast = busy;
+  fast.intra.bus_bandwidth = 2.5e9;
+  fast.intra_beside_compute.bus_bandwidth = 1.25e9;
+  busy.intra.all_reduce_bus_bandwidth = 2.5e9;
+  EXPECT_NEAR(predict_time(m, busy, o).communication_s, predict_time(m, fast, o).communication_s, 1e-12);
+  EXPECT_NEAR(predict_time(m, busy, o).step_s, predict_time(m, fast, o).step_s, 1e-12);
+  c.intra.all_reduce_bus_bandwidth = -1;
+  EXPECT_THROW(predict_time(m, c, o), std::invalid_argument);
+}
+
 // Communication shorter than each unit's compute hides behind it: only the first gather and
 // the last reductions show; a link too slow to hide it makes the gathers the limit.
 TEST(StepTime, CommunicationHidesBehindComputeUntilTheLinkIsTooSlow) {
@@ -1122,6 +1175,22 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
   ASSERT_LT(lagging.tokens_per_s, 0.95 * powered.tokens_per_s);
   EXPECT_NE(drifting.output.find(fmt::format("DDP {:>31.0f}", lagging.tokens_per_s)), std::string::npos)
       << drifting.output;
+  // --intra-allreduce and --inter-allreduce: an all-reduce's own bus bandwidth on each link.
+  const auto in_place = flatshard::testing::run_command(
+      {plan_path(), "--cluster", "16x8", "--model", "gpt-1b", "--seq", "1024", "--batch", "16",
+       "--intra-allreduce", "90", "--inter-allreduce", "100"});
+  ASSERT_EQ(in_place.exit_code, 0) << in_place.output;
+  Cluster own = h100_cluster(16, 8);
+  own.intra.all_reduce_bus_bandwidth = 90e9;
+  own.inter.all_reduce_bus_bandwidth = 100e9 / 8;
+  TimeOptions po;
+  po.sequences = 16;
+  po.sequence_length = 1024;
+  po.strategy = Strategy::NoShard;
+  const StepTime slow_ar = predict_time(gpt_1b(), own, po);
+  ASSERT_LT(slow_ar.tokens_per_s, 0.95 * predict_time(gpt_1b(), h100_cluster(16, 8), po).tokens_per_s);
+  EXPECT_NE(in_place.output.find(fmt::format("DDP {:>31.0f}", slow_ar.tokens_per_s)), std::string::npos)
+      << in_place.output;
   // --group: hybrid sharding in groups within a node too, the library's prediction.
   const auto grouped = flatshard::testing::run_command(
       {plan_path(), "--cluster", "1x4", "--model", "gpt-1b", "--batch", "16", "--group", "2"});
@@ -1160,6 +1229,8 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
            {plan_path(), "--cluster", "2x8", "--decentralized", "1", "--offload", "1"},
            {plan_path(), "--cluster", "2x8", "--hook-work-ms", "-1"},
            {plan_path(), "--cluster", "2x8", "--peer-lag-ms", "-1"},
+           {plan_path(), "--cluster", "2x8", "--intra-allreduce", "0"},
+           {plan_path(), "--cluster", "2x8", "--inter-allreduce", "-5"},
            {plan_path(), "--cluster", "2x8", "--peer-lag-interval-ms", "0"},
            {plan_path(), "--cluster", "2x8", "--group", "3"},
            {plan_path(), "--cluster", "2x8", "--group", "16"},
