@@ -5,12 +5,13 @@
 //   Transport/<op>/<bytes>     the TCP ring transport called directly on this thread
 // Bytes/s is the buffer size (the full flat buffer) over the time per op.
 //
-//   flatshard-run -n N bench_collectives [--beside-compute] [benchmark flags]
+//   flatshard-run -n N bench_collectives [--beside-compute] [--bf16] [benchmark flags]
 //
 // --beside-compute keeps a compute thread busy on every rank (single-threaded matmuls, as
 // a training rank's compute thread) for the whole run: the collectives as they run beside
 // the compute in a step (bench/step_time_cpu.sh measures the link both ways, Note
-// [Collectives beside compute] in src/plan/step_time.cpp).
+// [Collectives beside compute] in src/plan/step_time.cpp). --bf16 moves bf16 values (as a
+// bf16 communication hook's all-reduce does) in the same bytes: twice the values.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
@@ -34,15 +35,17 @@ using flatshard::comm::OpKind;
 flatshard::World* g_world = nullptr;
 flatshard::Communicator* g_comm = nullptr;
 flatshard::comm::Backend* g_transport = nullptr;
+at::ScalarType g_dtype = at::kFloat;
 
 struct Buffers {
   at::Tensor full, slot;
 };
 
 Buffers make_buffers(std::int64_t bytes) {
-  const std::int64_t numel = bytes / 4;
+  const auto options = at::TensorOptions().dtype(g_dtype);
+  const std::int64_t numel = bytes / static_cast<std::int64_t>(c10::elementSize(g_dtype));
   const auto range = flatshard::shard_range(numel, g_world->world_size(), g_world->rank());
-  return {at::ones({numel}), at::ones({range.numel})};
+  return {at::ones({numel}, options), at::ones({range.numel}, options)};
 }
 
 void run_communicator(OpKind op, const Buffers& b) {
@@ -123,6 +126,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--beside-compute") == 0)
       beside_compute = true;
+    else if (std::strcmp(argv[i], "--bf16") == 0)
+      g_dtype = at::kBFloat16;
     else
       argv[kept++] = argv[i];
   }
