@@ -155,8 +155,10 @@ echo
 # The all-reduce apart (Link::all_reduce_bus_bandwidth): the rings run it in place, which
 # skips the copies the other two make, so its bus bandwidth is its own.
 link() {  # world [--beside-compute] -> "bus_GBps latency_us allreduce_bus_GBps": at 64 KiB and 64 MiB
+  local ops='all_gather|reduce_scatter|all_reduce'
+  [ -z "${2:-}" ] || ops='all_gather|reduce_scatter'  # beside compute: the all-reduce is scaled alike
   "$build/flatshard-run" -n "$1" "$build/bench/bench_collectives" ${2:-} --benchmark_format=csv \
-      --benchmark_filter='Communicator/(all_gather|reduce_scatter|all_reduce)/(65536|67108864)/' 2>/dev/null |
+      --benchmark_filter="Communicator/($ops)/(65536|67108864)/" 2>/dev/null |
     sed -n 's/^\[rank 0\] //p' | python3 -c '
 import csv, sys
 n = int(sys.argv[1]); t = {}
@@ -167,8 +169,11 @@ small, large = (sum(t[False, s]) / len(t[False, s]) for s in (65536, 67108864))
 steps = n - 1
 bus = (67108864 - 65536) * steps / n / (large - small)          # bytes/s
 lat = max(0.0, (small - 65536 * steps / n / bus) / steps)      # seconds per ring step
-ar_small, ar_large = (sum(t[True, s]) / len(t[True, s]) for s in (65536, 67108864))
-ar_bus = (67108864 - 65536) * 2 * steps / n / (ar_large - ar_small)
+ar_bus = bus  # as the other two where the all-reduce was not timed, or timed no slower at 64 MiB
+if (True, 65536) in t and (True, 67108864) in t:
+    ar_small, ar_large = (sum(t[True, s]) / len(t[True, s]) for s in (65536, 67108864))
+    if ar_large > ar_small:
+        ar_bus = (67108864 - 65536) * 2 * steps / n / (ar_large - ar_small)
 print(f"{bus / 1e9:.4f} {lat * 1e6:.2f} {ar_bus / 1e9:.4f}")' "$1"
 }
 

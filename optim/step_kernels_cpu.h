@@ -22,6 +22,12 @@ struct ChunkKernels {
                     const AdamHyper& h);
   double (*sum_of_squares)(const float* x, std::int64_t numel);
   void (*to_bf16)(const float* x, std::uint16_t* out, std::int64_t numel);
+  // The CPU rings' sums (src/tcp/ring.cpp): out[i] = a[i] + b[i], divided by `divisor`
+  // when it is not 1; fp32, and bf16 bits as c10::BFloat16 computes them (widened, added,
+  // rounded; divided by the divisor rounded to bf16, rounded again). `out` may be `a` or `b`.
+  void (*add_f32)(float* out, const float* a, const float* b, std::int64_t numel, int divisor);
+  void (*add_bf16)(std::uint16_t* out, const std::uint16_t* a, const std::uint16_t* b, std::int64_t numel,
+                   int divisor);
 };
 
 // Every build this CPU can run, narrowest first.

@@ -83,14 +83,46 @@ void to_bf16(const float* x, std::uint16_t* out, std::int64_t numel) {
 }
 #endif
 
+inline float bf16_float(std::uint16_t h) {
+  const std::uint32_t u = std::uint32_t{h} << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+void add_f32(float* out, const float* a, const float* b, std::int64_t numel, int divisor) {
+  if (divisor == 1) {
+    for (std::int64_t i = 0; i < numel; ++i) out[i] = a[i] + b[i];
+    return;
+  }
+  const auto n = static_cast<float>(divisor);
+  for (std::int64_t i = 0; i < numel; ++i) out[i] = (a[i] + b[i]) / n;
+}
+
+void add_bf16(std::uint16_t* out, const std::uint16_t* a, const std::uint16_t* b, std::int64_t numel,
+              int divisor) {
+  if (divisor == 1) {
+    for (std::int64_t i = 0; i < numel; ++i) out[i] = bf16_bits(bf16_float(a[i]) + bf16_float(b[i]));
+    return;
+  }
+  const float n = bf16_float(bf16_bits(static_cast<float>(divisor)));
+  for (std::int64_t i = 0; i < numel; ++i)
+    out[i] = bf16_bits(bf16_float(bf16_bits(bf16_float(a[i]) + bf16_float(b[i]))) / n);
+}
+
 }  // namespace
 
 #define FLATSHARD_STRINGIFY_(x) #x
 #define FLATSHARD_STRINGIFY(x) FLATSHARD_STRINGIFY_(x)
 
 const ChunkKernels& FLATSHARD_KERNEL_ISA() {
-  static const ChunkKernels table{FLATSHARD_STRINGIFY(FLATSHARD_KERNEL_ISA), &sgd_step, &adam_step,
-                                  &sum_of_squares, &to_bf16};
+  static const ChunkKernels table{FLATSHARD_STRINGIFY(FLATSHARD_KERNEL_ISA),
+                                  &sgd_step,
+                                  &adam_step,
+                                  &sum_of_squares,
+                                  &to_bf16,
+                                  &add_f32,
+                                  &add_bf16};
   return table;
 }
 

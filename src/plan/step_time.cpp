@@ -234,7 +234,7 @@ Cost cost(Collective c, double bytes, int ranks, const Link& link, const Link* b
   const double moved = exchange ? bytes * steps : bytes * steps / ranks;
   // An all-reduce at its own bus bandwidth where the link has one (Link::
   // all_reduce_bus_bandwidth); beside compute, the link's figure there in the same ratio.
-  const double own = c == Collective::AllReduce && link.all_reduce_bus_bandwidth > 0
+  const double own = c == Collective::AllReduce && link.all_reduce_bus_bandwidth > 0 && link.bus_bandwidth > 0
                          ? link.all_reduce_bus_bandwidth / link.bus_bandwidth
                          : 1.0;
   const double cpu = moved / (link.bus_bandwidth * own);  // the work of moving its bytes, the cores free
@@ -612,9 +612,10 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   // bucket's finish): under HybridShard once per unit, mid-backward, where bench/wait_trace.py
   // finds three quarters of that round's stalls before the last rank's issue on this CPU.
   // Jitter accumulates as independent noise does, so the last rank's lag grows as the
-  // square root of the work since the ranks last met: TimeOptions::peer_lag_s after
-  // peer_lag_interval_s (bench_desync measures it: the same work between barriers).
-  // The ranks meet at such a round and at the step's start.
+  // square root of the time since the ranks last met: TimeOptions::peer_lag_s after
+  // peer_lag_interval_s (bench_desync measures it: the same work between barriers). The
+  // ranks are taken to meet at such a round and at the step's start; the other waits,
+  // which the lag is not put on, are not counted as meetings either.
   double met = 0;
   auto at_once = [&](Lane& lane, double issued, Cost cost_of) {  // issued and waited for at once
     const double lag = o.peer_lag_s * std::sqrt(std::max(0.0, issued - met) / o.peer_lag_interval_s);

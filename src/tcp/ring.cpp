@@ -32,6 +32,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "flatshard/shard.h"
+#include "optim/step_kernels_cpu.h"
 #include "src/comm/backend.h"
 #include "src/errors.h"
 #include "src/tcp/ring_links.h"
@@ -68,20 +69,24 @@ char* ptr_of(const at::Tensor& t, const ShardRange& r) {
 
 // dst[i] = a[i] + b[i], divided by `divisor` when it is not 1 (floating types: the sum is
 // rounded to the type first, so the result is that of adding, then dividing in place).
-// Floating types run ATen's vectorized kernels over the pieces: bf16 and fp16 widen to
-// float a vector at a time and round once, where a loop over c10::BFloat16 converts and
-// rounds each value on its own (2-3 times fp32's time a byte: a bf16 hook's all-reduce then
-// took as long as fp32's of the same values). The same roundings, so the same bits.
+// fp32 and bf16 run the step kernels' build for this CPU's vector width (optim/
+// step_kernels_cpu.h): the same roundings as c10's types, so the same bits. A loop over
+// c10::BFloat16 compiles to one conversion and rounding per value, which made bf16's sums
+// 2-3 times fp32's time per byte: a bf16 communication hook's all-reduce took as long as
+// fp32's of the same values. On the stream's own thread, with no thread pool.
 void add(at::ScalarType dtype, void* dst, const void* a, const void* b, std::int64_t numel, int divisor = 1) {
-  if (at::isFloatingType(dtype)) {
-    const auto options = at::TensorOptions().dtype(dtype);
-    at::Tensor out = at::from_blob(dst, {numel}, options);
-    at::add_out(out, at::from_blob(const_cast<void*>(a), {numel}, options),
-                at::from_blob(const_cast<void*>(b), {numel}, options));
-    if (divisor != 1) out.div_(divisor);
+  const auto& kernels = optim::kernels::cpu::chosen();
+  if (dtype == at::kFloat) {
+    kernels.add_f32(static_cast<float*>(dst), static_cast<const float*>(a), static_cast<const float*>(b),
+                    numel, divisor);
     return;
   }
-  AT_DISPATCH_INTEGRAL_TYPES(dtype, "flatshard_ring_add", [&] {
+  if (dtype == at::kBFloat16) {
+    kernels.add_bf16(static_cast<std::uint16_t*>(dst), static_cast<const std::uint16_t*>(a),
+                     static_cast<const std::uint16_t*>(b), numel, divisor);
+    return;
+  }
+  AT_DISPATCH_ALL_TYPES_AND(at::kHalf, dtype, "flatshard_ring_add", [&] {
     auto* d = static_cast<scalar_t*>(dst);
     const auto* x = static_cast<const scalar_t*>(a);
     const auto* y = static_cast<const scalar_t*>(b);

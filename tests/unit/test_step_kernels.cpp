@@ -171,6 +171,53 @@ TEST(CpuStepKernels, Bf16CopiesRoundAsLibTorchDoes) {
   EXPECT_EQ(copy, rounded);
 }
 
+// The rings' sums (src/tcp/ring.cpp): every build gives the bits the scalar arithmetic of
+// c10's types gives, fp32 and bf16, summed and averaged, in place too, at every length.
+TEST(CpuStepKernels, RingSumsAreTheBitsOfTheTypesOwnArithmetic) {
+  std::mt19937 bits(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> a, b;
+  for (int i = 0; i < 4099; ++i) {
+    a.push_back(normal(bits));
+    b.push_back(i % 7 == 0 ? -a.back() : normal(bits));  // exact zeros among the sums
+  }
+  a.insert(a.end(),
+           {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(), 1e38f, 0.0f});
+  b.insert(b.end(), {-std::numeric_limits<float>::infinity(), 1.0f, 1e38f, -0.0f});
+  std::vector<std::uint16_t> ha, hb;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    ha.push_back(c10::BFloat16(a[i]).x);
+    hb.push_back(c10::BFloat16(b[i]).x);
+  }
+  const auto n = static_cast<std::int64_t>(a.size());
+  auto same_float = [](float x, float y) { return std::memcmp(&x, &y, sizeof x) == 0 || (x != x && y != y); };
+  for (int divisor : {1, 3, 257}) {
+    std::vector<float> want(a.size());
+    std::vector<std::uint16_t> want_h(a.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      want[i] = divisor == 1 ? a[i] + b[i] : static_cast<float>(a[i] + b[i]) / static_cast<float>(divisor);
+      const c10::BFloat16 x = c10::BFloat16(ha[i], c10::BFloat16::from_bits()),
+                          y = c10::BFloat16(hb[i], c10::BFloat16::from_bits());
+      want_h[i] =
+          (divisor == 1 ? c10::BFloat16(x + y) : c10::BFloat16(c10::BFloat16(x + y) / c10::BFloat16(divisor)))
+              .x;
+    }
+    for (const ChunkKernels* k : runnable()) {
+      SCOPED_TRACE(std::string(k->isa) + ", divisor " + std::to_string(divisor));
+      for (std::int64_t count : {n, n - 1, std::int64_t{15}}) {
+        std::vector<float> got(a.size() + 1, 7.0f);
+        k->add_f32(got.data(), a.data(), b.data(), count, divisor);
+        for (std::int64_t i = 0; i < count; ++i) ASSERT_TRUE(same_float(got[i], want[i])) << "element " << i;
+        ASSERT_EQ(got[count], 7.0f) << "written past the end";
+        std::vector<std::uint16_t> got_h(hb.begin(), hb.end());  // in place: out is b
+        k->add_bf16(got_h.data(), ha.data(), got_h.data(), count, divisor);
+        for (std::int64_t i = 0; i < count; ++i) ASSERT_EQ(got_h[i], want_h[i]) << "element " << i;
+        for (std::int64_t i = count; i < n; ++i) ASSERT_EQ(got_h[i], hb[i]) << "written past the end";
+      }
+    }
+  }
+}
+
 TEST(CpuStepKernels, TheWidestRunnableBuildIsPickedUnlessOneIsNamed) {
   const auto builds = runnable();
   EXPECT_EQ(&pick(nullptr), builds.back());

@@ -121,6 +121,9 @@ TEST(StepTime, AnAllReducesOwnBandwidthPricesOnlyTheAllReduces) {
   const auto ring = [&](double bytes, double bus) { return bytes * 3 / 4 / bus + 3 * 1e-5; };
   o.strategy = Strategy::NoShard;  // one bucket, all-reduced
   EXPECT_NEAR(predict_time(m, c, o).communication_s, 2 * ring(params * 4, 2.5e9), 1e-12);
+  o.hook = parse_hook_model("bf16");  // a hook's all-reduce too
+  EXPECT_NEAR(predict_time(m, c, o).communication_s, 2 * ring(params * 2, 2.5e9), 1e-12);
+  o.hook = HookModel{};
   o.strategy = Strategy::ShardOptimizerState;  // a reduce-scatter and the gathers: no all-reduce
   EXPECT_NEAR(predict_time(m, c, o).communication_s, 2 * ring(params * 4, 1e9), 1e-12);
   for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp}) {
@@ -1045,8 +1048,13 @@ TEST(StepTime, RanksDriftingApartDelayOnlyTheRoundsWaitedForAtOnce) {
   hybrid.strategy = Strategy::HybridShard;
   hybrid.shard_group_size = 1;
   hybrid.hook = parse_hook_model("power_sgd:4");
-  const double lags = lagged(hybrid, 1e-3, 0.01).step_s - predict_time(m, c, hybrid).step_s;
+  const StepTime drifting = lagged(hybrid, 1e-3, 0.01);
+  const double lags = drifting.step_s - predict_time(m, c, hybrid).step_s;
   EXPECT_GT(lags, 1.3 * lag);
+  // Five spans that add up to at most the step: their lags add up to at most 1e-3 *
+  // sqrt(5 * step / 0.01) (Cauchy-Schwarz). A lag counted from the step's start at every
+  // round, not from the round before, would pass that.
+  EXPECT_LT(lags, 1e-3 * std::sqrt(5 * drifting.step_s / 0.01));
   EXPECT_THROW(lagged(ddp, -1e-3, 0.01), std::invalid_argument);
   EXPECT_THROW(lagged(ddp, 1e-3, 0), std::invalid_argument);
 }
@@ -1191,6 +1199,16 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
   ASSERT_LT(slow_ar.tokens_per_s, 0.95 * predict_time(gpt_1b(), h100_cluster(16, 8), po).tokens_per_s);
   EXPECT_NE(in_place.output.find(fmt::format("DDP {:>31.0f}", slow_ar.tokens_per_s)), std::string::npos)
       << in_place.output;
+  const auto in_node =
+      flatshard::testing::run_command({plan_path(), "--cluster", "1x8", "--model", "gpt-1b", "--seq", "1024",
+                                       "--batch", "16", "--intra-allreduce", "30"});
+  ASSERT_EQ(in_node.exit_code, 0) << in_node.output;
+  Cluster node = h100_cluster(1, 8);
+  node.intra.all_reduce_bus_bandwidth = 30e9;
+  const StepTime node_ar = predict_time(gpt_1b(), node, po);
+  ASSERT_LT(node_ar.tokens_per_s, 0.95 * predict_time(gpt_1b(), h100_cluster(1, 8), po).tokens_per_s);
+  EXPECT_NE(in_node.output.find(fmt::format("DDP {:>31.0f}", node_ar.tokens_per_s)), std::string::npos)
+      << in_node.output;
   // --group: hybrid sharding in groups within a node too, the library's prediction.
   const auto grouped = flatshard::testing::run_command(
       {plan_path(), "--cluster", "1x4", "--model", "gpt-1b", "--batch", "16", "--group", "2"});
