@@ -8,7 +8,8 @@
 # (predicted, and the engine's communication_wait split into the wait for the last rank to
 # reach each collective and the wait for the collective: Note [Waiting for peers]), and where
 # compute sets the pace what the ranks wait with no bytes to move (bench_desync: their drift
-# between syncs). Markdown.
+# between syncs, which gives the model its lag where every rank has a core); a hook's time
+# in the step beside its time alone. Markdown.
 #
 #   bench/step_time_cpu.sh                     # WORLDS="2 4" MODES="full zero2 zero1 ddp"
 #   MODEL="--layers 8 --dim 512 --heads 8 --vocab 8192 --context 32" BATCH=1 bench/step_time_cpu.sh
