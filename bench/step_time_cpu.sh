@@ -281,9 +281,11 @@ for rate in $RATES; do
         tail -5 "$out/desync.run" >&2
         continue
       fi
-      sed -n 's/^\[rank 0\] //p' "$out/desync.run" |
-        awk -F, -v r="$rate" '{ printf "| %s | %d | %.1f | %.1f | %.0f%% | %.0f%% | %.2f |\n", r, $1, $2, $3, 100 * $4, 100 * $6, $5 }' >> "$out/desync"
-      fit+="$(sed -n 's/^\[rank 0\] //p' "$out/desync.run" | awk -F, '{ print $3, ($4 - $6) * $3 - $5 }') "
+      # world,interval_ms,wall_interval_ms,wait_share,barrier_ms,core_share
+      desync="$(sed -n 's/^\[rank 0\] //p' "$out/desync.run")"
+      awk -F, -v r="$rate" '{ printf "| %s | %d | %.1f | %.1f | %.0f%% | %.0f%% | %.2f |\n", r, $1, $2, $3, 100 * $4, 100 * $6, $5 }' \
+        <<< "$desync" >> "$out/desync"
+      fit+="$(awk -F, '{ print $3, ($4 - $6) * $3 - $5 }' <<< "$desync") "
     done
     if [ -n "$fit" ]; then
       peer_lag[$n]="$(echo "$fit" | awk -v t="$ms_n" -v n="$n" -v c="$(nproc)" '{
