@@ -646,17 +646,28 @@ TEST(CudaPlanner, PredictsTheDevicePeakWithAndWithoutOffload) {
 // Hybrid sharding on the GPU, groups of 1 (each rank holds the model; gradient shards
 // all-reduced across the groups) and of 2: at world 2, and at 4 (two groups of 2, the
 // shard group's reduce-scatter then the replica all-reduce, two communicators on one
-// device: Note [One launch order per device]) where NCCL joins ranks on one GPU.
+// device: Note [One launch order per device]) where NCCL joins ranks on one GPU; with a
+// bf16 hook wherever there are two groups or more.
 TEST(CudaHybrid, MatchesSingleProcess) {
   REQUIRE_GPU();
   FLATSHARD_RUN_RANKS(flatshard::testing::nccl_host_per_rank() ? std::vector<int>{2, 4} : std::vector<int>{2},
                       std::chrono::seconds(300));
   auto world = flatshard::init();
-  for (int group : {1, 2}) {
-    SCOPED_TRACE(::testing::Message() << "groups of " << group << ", world " << world.world_size());
+  // Where there are replicas to average over, also with bf16 on the wire through a
+  // communication hook: each unit's hook then runs beside the next unit's backward (Note
+  // [Hooks across shard groups]), its flat gradient shard freed behind the hook's own ops.
+  for (const auto& [group, hook] : std::vector<std::pair<int, std::shared_ptr<flatshard::CommHook>>>{
+           {1, nullptr},
+           {2, nullptr},
+           {1, flatshard::hooks::low_precision()},
+           {2, flatshard::hooks::low_precision()}}) {
+    if (hook && world.world_size() / group < 2) continue;
+    SCOPED_TRACE(::testing::Message()
+                 << "groups of " << group << ", world " << world.world_size() << (hook ? ", bf16 hook" : ""));
     TrainSpec spec;
     spec.strategy = flatshard::Strategy::HybridShard;
     spec.shard_group_size = group;
+    spec.hook = hook;
     spec.optimizer = OptKind::AdamW;
     spec.steps = 4;
     spec.global_batch = 8;
