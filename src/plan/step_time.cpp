@@ -599,6 +599,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   const Part* hook_due = nullptr;  // its reduce-scatter in flight, its hook not started
   BucketCost running{};            // the hook started, and when its first rounds end
   double running_done = -1;
+  bool running_last = false;  // the root's hook at the end of backward: its wait is a meeting
   auto wait_for_reduction = [&](double done) {  // compute waits for a reduction to be done
     if (done > now) waits.reductions += done - now;
     now = std::max(now, done);
@@ -608,24 +609,34 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   // pace jitters (the kernel's scheduling, caches, the memory shared with its peers), and a
   // round every rank must issue starts when the last one issues it. A round issued ahead of
   // its wait hides the lag behind the rank's own compute; one issued and waited for at once
-  // does not. In the engine that is a hook's second round (PowerSGD's Q, inside the
-  // bucket's finish): under HybridShard once per unit, mid-backward, where bench/wait_trace.py
-  // finds three quarters of that round's stalls before the last rank's issue on this CPU.
+  // does not. In the engine there are two such rounds:
+  // - a hook's second round (PowerSGD's Q, inside the bucket's finish): under HybridShard
+  //   once per unit, mid-backward, where bench/wait_trace.py finds three quarters of that
+  //   round's stalls before the last rank's issue on this CPU;
+  // - the last round of backward (the root's reduction; the last bucket's, or its hook's
+  //   first round), which every rank waits for as soon as it has issued it: the step ends
+  //   when the last rank's backward does, plus that round. Under staleness and decentralized
+  //   training the end of backward waits for rounds issued steps before, and nothing is
+  //   added there.
   // Jitter accumulates as independent noise does, so the last rank's lag grows as the
   // square root of the time since the ranks last met: TimeOptions::peer_lag_s after
   // peer_lag_interval_s (bench_desync measures it: the same work between barriers). The
-  // ranks are taken to meet at such a round and at the step's start; the other waits,
-  // which the lag is not put on, are not counted as meetings either.
+  // ranks are taken to meet at the step's start and where a rank has waited for such a
+  // round; the other waits, which the lag is not put on, are not counted as meetings.
   double met = 0;
+  auto lag_at = [&](double issued) {
+    if (n < 2) return 0.0;  // one rank meets no one
+    return o.peer_lag_s * std::sqrt(std::max(0.0, issued - met) / o.peer_lag_interval_s);
+  };
   auto at_once = [&](Lane& lane, double issued, Cost cost_of) {  // issued and waited for at once
-    const double lag = o.peer_lag_s * std::sqrt(std::max(0.0, issued - met) / o.peer_lag_interval_s);
-    wait_for_reduction(lane.run(issued + lag, cost_of));
+    wait_for_reduction(lane.run(issued + lag_at(issued), cost_of));
     met = now;
   };
   auto finish_running_hook = [&] {
     if (running_done < 0) return;
     wait_for_reduction(running_done);
     running_done = -1;
+    if (running_last) met = now;
     if (running.second.bytes > 0) {
       now = compute.run(now, running.between);
       t.engine_s += running.between;
@@ -637,7 +648,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   };
   // Starts the hook of the unit whose reduce-scatter was waited for; `busy_until`: when
   // backward's compute runs out.
-  auto start_hook = [&](double busy_until) {
+  // `last`: the end of backward's, which starts when the last rank issues it.
+  auto start_hook = [&](double busy_until, bool last) {
     if (!hook_due) return;
     running = hook_cost(*hook_due, replicas, false);
     hook_due = nullptr;
@@ -645,10 +657,12 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     t.engine_s += running.compress;
     Lane& ar = lane_of(replica_link);
     running_done = now;
+    running_last = last;
+    const double issued = last ? now + lag_at(now) : now;
     for (const Round& round : {running.first, running.also}) {
       if (round.bytes > 0)
-        running_done = ar.run(now, cost(round.op, round.bytes, replicas, replica_link,
-                                        beside(replica_link, ar, now, busy_until)));
+        running_done = ar.run(issued, cost(round.op, round.bytes, replicas, replica_link,
+                                           beside(replica_link, ar, issued, busy_until)));
     }
   };
   // `shard`: the unit's shard as a hook across the groups sees it.
@@ -723,10 +737,10 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // gradients are reduced, compute waits for the previous unit's reduction (its
     // reduce-scatter and, hybrid, its all-reduce across replicas), so at most one is out.
     // `busy_until`: when backward's compute runs out (a hook started here runs beside it).
-    auto wait_for_last_reduction = [&](double busy_until) {
+    auto wait_for_last_reduction = [&](double busy_until, bool last = false) {
       finish_running_hook();
       wait_for_reduction(last_reduction);
-      start_hook(busy_until);
+      start_hook(busy_until, last);
     };
     int next = m.layers - 1;
     auto issue_back = [&](int last, double at, int current) {
@@ -745,10 +759,13 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       reduced = std::max(reduced, reduce_unit(now, layer_bytes, now + k * layer_bwd, layer_shard));
     }
     wait_for_last_reduction(now);
-    reduced = std::max(reduced, reduce_unit(now, root_bytes, now,
-                                            root_shard));  // the root's, after the embedding's backward
+    // The root's, after the embedding's backward: the last round of backward, which starts
+    // when the last rank issues it (Note [Ranks drifting apart]); under a hook across the
+    // groups, its hook's first round is.
+    const double root_issued = hooked && replicas > 1 ? now : now + lag_at(now);
+    reduced = std::max(reduced, reduce_unit(root_issued, root_bytes, now, root_shard));
     if (hook_due) {  // the end of backward: the last hook running, then the root's at once
-      wait_for_last_reduction(now);
+      wait_for_last_reduction(now, true);
       finish_running_hook();
     }
     // Waiting for the reductions (and offloaded, their copies to the host), then for what
@@ -806,6 +823,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       double done = 0, landed = 0;  // its first round; offloaded, its copy to the host
       double elements = 0;
       bool finished = false;
+      bool last = false;  // the end of backward's, issued when the last rank does: its wait is a meeting
     };
     std::vector<std::vector<Reduction>> issued(steps);
     const double layer_back = layer_bwd + layer_bytes * grad_passes;
@@ -843,6 +861,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       // average back into the bucket (this rank's slice under ZeRO-1).
       auto finish = [&](Reduction& r) {
         wait_for_reduction(r.done);
+        if (r.last) met = now;
         if (r.cost.second.bytes > 0) {
           now = compute.run(now, r.cost.between);
           engine += r.cost.between;
@@ -858,6 +877,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       Part pending = head_part;
       std::vector<double> buckets;
       // Bucket by bucket, issued at `now`; `remaining`: backward's compute still to run.
+      // Backward's last bucket, waited for at once (no staleness), starts when the last rank
+      // issues it (Note [Ranks drifting apart]).
       auto flush = [&](double remaining) {
         if (pending.elements <= 0) return;
         buckets.push_back(pending.elements);
@@ -876,10 +897,12 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
           now = compute.run(now, work);
           engine += work;
           r.elements = pending.elements;
+          r.last = remaining <= 0 && o.staleness == 0;
+          const double at = r.last ? now + lag_at(now) : now;
           for (const Round& round : {r.cost.first, r.cost.also}) {
             if (round.bytes > 0)
-              r.done = lane.run(
-                  now, cost(round.op, round.bytes, n, link, beside(link, lane, now, now + remaining)));
+              r.done =
+                  lane.run(at, cost(round.op, round.bytes, n, link, beside(link, lane, at, now + remaining)));
           }
           r.done = std::max(r.done, now);
           if (o.offload) r.landed = copy(d2h, r.done, pending.elements / owned * 4);  // behind its reduction

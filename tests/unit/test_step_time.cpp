@@ -996,7 +996,7 @@ TEST(StepTime, HybridRunsEachUnitsHookOnItsShardBesideTheNextUnitsBackward) {
 // round, PowerSGD's Q) starts when the last rank issues it, peer_lag_s * sqrt(T /
 // peer_lag_interval_s) after the mean rank, T the work since the ranks last met; the rounds
 // issued ahead of their waits do not move.
-TEST(StepTime, RanksDriftingApartDelayOnlyTheRoundsWaitedForAtOnce) {
+TEST(StepTime, RanksDriftingApartDelayTheRoundsWaitedForAtOnce) {
   const auto m = gpt(4, 64, 4, 512, 16);
   Cluster c = only_links(1, 2, true);  // 1 GB/s, 10 us a step
   c.flops = 1e9;
@@ -1010,7 +1010,10 @@ TEST(StepTime, RanksDriftingApartDelayOnlyTheRoundsWaitedForAtOnce) {
     with.peer_lag_interval_s = interval;
     return predict_time(m, c, with);
   };
-  // No round waited for at once: no strategy without a hook, no one-round hook moves.
+  // Every strategy, with and without a one-round hook: the last round of backward starts
+  // when the last rank issues it, after the step's forward and backward (T, between half the
+  // step before the optimizer's and all of it): the step and its exposed communication grow
+  // by the lag after T, once.
   for (Strategy s : {Strategy::FullShard, Strategy::ShardGradOp, Strategy::NoShard,
                      Strategy::ShardOptimizerState, Strategy::HybridShard}) {
     for (const char* hook : {"none", "bf16"}) {
@@ -1021,12 +1024,37 @@ TEST(StepTime, RanksDriftingApartDelayOnlyTheRoundsWaitedForAtOnce) {
           s != Strategy::HybridShard)
         continue;
       x.hook = parse_hook_model(hook);
-      EXPECT_EQ(lagged(x, 0.01, 0.001).step_s, predict_time(m, c, x).step_s) << static_cast<int>(s) << hook;
+      SCOPED_TRACE(::testing::Message() << static_cast<int>(s) << " " << hook);
+      const StepTime base = predict_time(m, c, x);
+      const StepTime drifting = lagged(x, 1e-3, 0.01);
+      const double grown = drifting.step_s - base.step_s;
+      const double before = base.step_s - base.optimizer_s;
+      EXPECT_GT(grown, 1e-3 * std::sqrt(0.5 * before / 0.01));
+      EXPECT_LT(grown, 1e-3 * std::sqrt(before / 0.01));
+      EXPECT_NEAR(drifting.exposed_s - base.exposed_s, grown, 1e-12);
     }
   }
-  // DDP with PowerSGD: one second round a step, at the end of backward. The step and its
-  // exposed communication grow by the lag, in proportion to peer_lag_s and to the inverse
-  // square root of the interval it is given at.
+  // Under staleness the end of backward waits for rounds issued steps before: no meeting,
+  // nothing added. One rank meets no one.
+  TimeOptions stale = o;
+  stale.strategy = Strategy::NoShard;
+  stale.staleness = 1;
+  EXPECT_EQ(lagged(stale, 1e-3, 0.01).step_s, predict_time(m, c, stale).step_s);
+  {
+    Cluster one = only_links(1, 1, true);
+    one.flops = 1e9;
+    TimeOptions x = o;
+    x.strategy = Strategy::NoShard;
+    x.peer_lag_s = 1e-3;
+    x.peer_lag_interval_s = 0.01;
+    TimeOptions y = x;
+    y.peer_lag_s = 0;
+    EXPECT_EQ(predict_time(m, one, x).step_s, predict_time(m, one, y).step_s);
+  }
+  // DDP with PowerSGD: the last bucket's first round (P) at the end of backward, after the
+  // step's forward and backward, then its second round (Q) after the orthogonalization
+  // since the ranks met at P. The step and its exposed communication grow by the two lags,
+  // in proportion to peer_lag_s and to the inverse square root of the interval it is given at.
   TimeOptions ddp = o;
   ddp.strategy = Strategy::NoShard;
   ddp.hook = parse_hook_model("power_sgd:4");
@@ -1036,14 +1064,21 @@ TEST(StepTime, RanksDriftingApartDelayOnlyTheRoundsWaitedForAtOnce) {
   EXPECT_NEAR(lagged(ddp, 1e-3, 0.01).exposed_s - base.exposed_s, lag, 1e-12);
   EXPECT_NEAR(lagged(ddp, 2e-3, 0.01).step_s - base.step_s, 2 * lag, 1e-12);
   EXPECT_NEAR(lagged(ddp, 1e-3, 0.04).step_s - base.step_s, lag / 2, 1e-12);
-  // The backward's compute before it (forward and backward, the hook's compression and its
-  // first round's wait, at the step's start the ranks last met): T is that time.
+  // Two spans that add up to at most the step before the optimizer's, the first at least
+  // half of it: more than one lag after that half, at most sqrt(2) lags after all of it
+  // (Cauchy-Schwarz).
   const double before = base.step_s - base.optimizer_s;
   EXPECT_GT(lag, 1e-3 * std::sqrt(0.5 * before / 0.01));
-  EXPECT_LT(lag, 1e-3 * std::sqrt(before / 0.01));
+  EXPECT_LT(lag, 1e-3 * std::sqrt(2 * before / 0.01));
+  {  // without the hook only P's lag: the Q round's own is the difference
+    TimeOptions plain = ddp;
+    plain.hook = parse_hook_model("none");
+    const double p_lag = lagged(plain, 1e-3, 0.01).step_s - predict_time(m, c, plain).step_s;
+    EXPECT_GT(lag, p_lag);
+  }
   // Hybrid in groups of 1 with PowerSGD: a second round per unit (four layers and the
-  // root), each after the work since the one before: five lags of shorter spans, more in all
-  // than DDP's one (a lag counted once a step would be less than DDP's).
+  // root), each after the work since the one before, and the root's first round at the end
+  // of backward: six lags of shorter spans, more in all than DDP's two.
   TimeOptions hybrid = o;
   hybrid.strategy = Strategy::HybridShard;
   hybrid.shard_group_size = 1;
@@ -1051,10 +1086,10 @@ TEST(StepTime, RanksDriftingApartDelayOnlyTheRoundsWaitedForAtOnce) {
   const StepTime drifting = lagged(hybrid, 1e-3, 0.01);
   const double lags = drifting.step_s - predict_time(m, c, hybrid).step_s;
   EXPECT_GT(lags, 1.3 * lag);
-  // Five spans that add up to at most the step: their lags add up to at most 1e-3 *
-  // sqrt(5 * step / 0.01) (Cauchy-Schwarz). A lag counted from the step's start at every
-  // round, not from the round before, would pass that.
-  EXPECT_LT(lags, 1e-3 * std::sqrt(5 * drifting.step_s / 0.01));
+  // Six spans that add up to at most the step: their lags add up to at most 1e-3 *
+  // sqrt(6 * step / 0.01) (Cauchy-Schwarz). A lag counted from the step's start at every
+  // round, not from the round before, would exceed it.
+  EXPECT_LT(lags, 1e-3 * std::sqrt(6 * drifting.step_s / 0.01));
   EXPECT_THROW(lagged(ddp, -1e-3, 0.01), std::invalid_argument);
   EXPECT_THROW(lagged(ddp, 1e-3, 0), std::invalid_argument);
 }
