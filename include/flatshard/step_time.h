@@ -143,7 +143,9 @@ struct TimeOptions {
   int prefetch = 1;
   Recompute recompute = Recompute::None;
   int optimizer_state_bytes = 8;
-  // DDP's and ZeRO-1's gradient buckets (FullyShardOptions::bucket_bytes).
+  // DDP's and ZeRO-1's gradient buckets (FullyShardOptions::first_bucket_bytes and
+  // bucket_bytes), in the compute dtype's bytes as the engine counts them.
+  std::int64_t first_bucket_bytes = 1 << 20;
   std::int64_t bucket_bytes = 25 << 20;
   // CPU offload (FullyShardOptions::cpu_offload): the fp32 masters, their gradients and the
   // optimizer state live on the host, which steps them (Note [Offload in the step-time

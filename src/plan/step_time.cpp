@@ -463,6 +463,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     throw std::invalid_argument(
         "predict_time: decentralized training is NoShard's, with neither a hook, staleness nor offload");
   if (hooked && o.offload) throw std::invalid_argument("predict_time: a hook with offload is not modelled");
+  if (o.first_bucket_bytes <= 0 || o.bucket_bytes <= 0)
+    throw std::invalid_argument("predict_time: first_bucket_bytes and bucket_bytes are above 0");
   if (o.peer_lag_s < 0 || o.peer_lag_interval_s <= 0)
     throw std::invalid_argument("predict_time: peer_lag_s is 0 or more, peer_lag_interval_s above 0");
   // A group of consecutive ranks stays on a node's links while it fits in one; replica
@@ -807,7 +809,17 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     const double params = static_cast<double>(m.params());
     // The head's gradients come first (with the final norm's), the embeddings' last.
     const double head_elements = head_part.elements;
-    const double bucket_elements = static_cast<double>(o.bucket_bytes) / o.reduce_bytes;
+    // Note [The first bucket]
+    // The engine fills buckets in the order gradients arrive, in the compute dtype's bytes:
+    // the first up to first_bucket_bytes, the rest up to bucket_bytes, a parameter larger
+    // than the bucket in one of its own (sharding/buckets.cpp). An untied head at least as
+    // large as the first bucket is the first bucket alone, reduced beside the whole
+    // backward: with DDP's 1 MiB and the small GPT's 4 MiB head through 1 Gb/s, 30 ms of
+    // its step. A smaller head shares the first bucket with the norm and the last layer's
+    // first parameters, at most first_bucket_bytes; the model counts those with the bucket
+    // after it.
+    const double bucket_elements = static_cast<double>(o.bucket_bytes) / o.param_bytes;
+    const double first_bucket_elements = static_cast<double>(o.first_bucket_bytes) / o.param_bytes;
     const double owned = zero1 ? n : 1;  // a bucket's share this rank steps
     // Note [Queued bucket reductions] (sharding/replicated.cpp): DDP's fp32 gradients live
     // in one persistent buffer and its buckets queue; otherwise (ZeRO-1, a compute dtype
@@ -910,7 +922,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         }
         pending = Part{};
       };
-      if (pending.elements >= bucket_elements) flush(m.layers * layer_back + embeddings_back);
+      if (pending.elements >= std::min(first_bucket_elements, bucket_elements))
+        flush(m.layers * layer_back + embeddings_back);  // Note [The first bucket]
       for (int k = m.layers - 1; k >= 0; --k) {
         now = compute.run(now, layer_back);
         pending.add(layer_part);

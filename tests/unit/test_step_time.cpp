@@ -117,6 +117,7 @@ TEST(StepTime, AnAllReducesOwnBandwidthPricesOnlyTheAllReduces) {
   c.intra.all_reduce_bus_bandwidth = 2.5e9;
   TimeOptions o;
   o.param_bytes = o.reduce_bytes = 4;
+  o.first_bucket_bytes = o.bucket_bytes;  // the head joins the layers' bucket
   const double params = static_cast<double>(m.params());
   const auto ring = [&](double bytes, double bus) { return bytes * 3 / 4 / bus + 3 * 1e-5; };
   o.strategy = Strategy::NoShard;  // one bucket, all-reduced
@@ -395,6 +396,7 @@ TEST(StepTime, BucketsInFlightOneAtATimeDelayBackwardByTheHeadsReduction) {
   o.param_bytes = 4;
   const StepTime queued = predict_time(m, c, o);
   o.param_bytes = 2;
+  o.bucket_bytes = m.layer_params() * 2;  // the engine counts a bucket in the compute dtype's bytes
   const StepTime one = predict_time(m, c, o);
   EXPECT_NEAR(one.step_s - queued.step_s, r - b, 1e-9);
   EXPECT_NEAR(one.exposed_s - queued.exposed_s, r - b, 1e-9);
@@ -509,10 +511,11 @@ TEST(StepTime, ZeroOnesBucketGradientsCostFourPassesAtTheMemorysBandwidth) {
 }
 
 // DDP with buckets smaller than the model: one all-reduce per bucket, in backward's order
-// (the head's gradients join the last layer's bucket, the embeddings close the last one),
-// each paying its own latency; ZeRO-1 reduce-scatters the same buckets and gathers each
-// behind the step. Five buckets: the step is every byte at the ring's cost plus five
-// collectives' latency (one bucket would pay it once).
+// (the head, over DDP's 1 MiB first bucket, alone first: Note [The first bucket]; then a
+// bucket a layer, the embeddings closing the last), each paying its own latency; ZeRO-1
+// reduce-scatters the same buckets and gathers each behind the step. Six buckets: the
+// step is every byte at the ring's cost plus six collectives' latency (one bucket would
+// pay it once).
 TEST(StepTime, BucketsAreReducedOneByOneEachPayingItsLatency) {
   const auto m = gpt(4, 256, 4, 1024, 64);
   const Cluster c = only_links(1, 4, true);
@@ -522,12 +525,16 @@ TEST(StepTime, BucketsAreReducedOneByOneEachPayingItsLatency) {
   o.bucket_bytes = m.layer_params() * 4;  // one layer per bucket
   const double bytes = static_cast<double>(m.params()) * 4;
   o.strategy = Strategy::NoShard;
-  EXPECT_NEAR(predict_time(m, c, o).step_s, 2 * bytes * 3 / 4 / 1e9 + 5 * 6 * 1e-5, 1e-9);
+  EXPECT_NEAR(predict_time(m, c, o).step_s, 2 * bytes * 3 / 4 / 1e9 + 6 * 6 * 1e-5, 1e-9);
   o.strategy = Strategy::ShardOptimizerState;
-  EXPECT_NEAR(predict_time(m, c, o).step_s, 2 * (bytes * 3 / 4 / 1e9 + 5 * 3 * 1e-5), 1e-9);
-  o.bucket_bytes = std::int64_t{1} << 40;  // one bucket
+  EXPECT_NEAR(predict_time(m, c, o).step_s, 2 * (bytes * 3 / 4 / 1e9 + 6 * 3 * 1e-5), 1e-9);
+  o.bucket_bytes = std::int64_t{1} << 40;  // the head's bucket, then one for the rest
   o.strategy = Strategy::NoShard;
+  EXPECT_NEAR(predict_time(m, c, o).step_s, 2 * bytes * 3 / 4 / 1e9 + 2 * 6 * 1e-5, 1e-9);
+  o.first_bucket_bytes = o.bucket_bytes;  // one bucket
   EXPECT_NEAR(predict_time(m, c, o).step_s, 2 * bytes * 3 / 4 / 1e9 + 6 * 1e-5, 1e-9);
+  o.first_bucket_bytes = 0;
+  EXPECT_THROW(predict_time(m, c, o), std::invalid_argument);
 }
 
 // Hybrid sharding on 2 nodes of 2 devices, in groups of 2: gathers and reduce-scatters run
