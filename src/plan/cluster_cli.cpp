@@ -3,6 +3,7 @@
 #include "src/plan/cluster_cli.h"
 #include "src/plan/cli_numbers.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +27,8 @@ int usage(const char* why) {
       "                      --gpt LAYERS,DIM,HEADS,VOCAB,CONTEXT] [--seq S] [--batch B (sequences per\n"
       "                      device)] [--recompute none|selective|full] [--dtype bf16|fp32]\n"
       "                      [--reduce fp32|bf16] [--prefetch P] [--device-gib G]\n"
+      "                      [--first-bucket-mb M] [--bucket-mb M] (DDP's and ZeRO-1's bucket caps\n"
+      "                      in MiB of the compute dtype, as FullyShardOptions': 1 and 25)\n"
       "                      [--group G (also hybrid sharding in groups of G devices)]\n"
       "                      [--tflops T (sustained per device)] [--intra GB/s] [--intra-us U]\n"
       "                      [--inter Gb/s] [--inter-us U] [--memory-gbs GB/s]\n"
@@ -108,6 +111,10 @@ int cluster_main(int argc, char** argv) {
     } else if (a == "--batch") {
       if (int r = need(positive && x == std::floor(x), "a whole number")) return r;
       base.sequences = static_cast<int>(x);
+    } else if (a == "--first-bucket-mb" || a == "--bucket-mb") {
+      if (int r = need(positive, "MiB above 0")) return r;
+      (a == "--bucket-mb" ? base.bucket_bytes : base.first_bucket_bytes) =
+          std::max<std::int64_t>(1, static_cast<std::int64_t>(std::llround(x * (1 << 20))));
     } else if (a == "--prefetch") {
       if (v != "0" && (!positive || x != std::floor(x))) return usage("--prefetch takes a whole number");
       base.prefetch = v == "0" ? 0 : static_cast<int>(x);

@@ -1225,6 +1225,24 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
   ASSERT_LT(lagging.tokens_per_s, 0.95 * powered.tokens_per_s);
   EXPECT_NE(drifting.output.find(fmt::format("DDP {:>31.0f}", lagging.tokens_per_s)), std::string::npos)
       << drifting.output;
+  // --first-bucket-mb and --bucket-mb: DDP's and ZeRO-1's bucket caps in MiB. The small
+  // GPT's untied 4 MiB head over a slow link: in a first bucket of its own (1 MiB, the
+  // engine's default) it is reduced beside backward; in one bucket with the rest it is not.
+  const std::vector<std::string> slow_link = {
+      plan_path(), "--cluster", "1x2",      "--gpt", "4,256,8,4096,32", "--seq", "32",       "--batch", "4",
+      "--dtype",   "fp32",      "--reduce", "fp32",  "--intra",         "0.06",  "--tflops", "0.05"};
+  const auto ddp_tokens = [](const std::string& output) {
+    const auto at = output.find("\nDDP ");
+    return at == std::string::npos ? -1.0 : std::stod(output.substr(at + 5));
+  };
+  std::vector<std::string> one_bucket = slow_link;
+  for (const char* x : {"--first-bucket-mb", "25", "--bucket-mb", "25"}) one_bucket.push_back(x);
+  const auto split = flatshard::testing::run_command(slow_link);
+  const auto joined = flatshard::testing::run_command(one_bucket);
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  ASSERT_EQ(joined.exit_code, 0) << joined.output;
+  EXPECT_GT(ddp_tokens(split.output), 1.05 * ddp_tokens(joined.output)) << split.output << joined.output;
+  EXPECT_GT(ddp_tokens(joined.output), 0) << joined.output;
   // --intra-allreduce and --inter-allreduce: an all-reduce's own bus bandwidth on each link.
   const auto in_place = flatshard::testing::run_command(
       {plan_path(), "--cluster", "16x8", "--model", "gpt-1b", "--seq", "1024", "--batch", "16",
@@ -1292,6 +1310,8 @@ TEST(StepTime, ClusterCommandPrintsEveryStrategyAndTheFastestThatFits) {
            {plan_path(), "--cluster", "2x8", "--intra-allreduce", "0"},
            {plan_path(), "--cluster", "2x8", "--inter-allreduce", "-5"},
            {plan_path(), "--cluster", "2x8", "--peer-lag-interval-ms", "0"},
+           {plan_path(), "--cluster", "2x8", "--first-bucket-mb", "0"},
+           {plan_path(), "--cluster", "2x8", "--bucket-mb", "-25"},
            {plan_path(), "--cluster", "2x8", "--group", "3"},
            {plan_path(), "--cluster", "2x8", "--group", "16"},
            {plan_path(), "--cluster", "2x8", "--group", "0"}}) {
