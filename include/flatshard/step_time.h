@@ -175,7 +175,8 @@ struct TimeOptions {
   double hook_work_s = 0;
   // Ranks doing the same work between two meetings drift apart (Note [Ranks drifting apart]
   // in src/plan/step_time.cpp): where a rank issues a round and waits for it at once (a
-  // hook's second round, PowerSGD's Q), the last rank reaches it `peer_lag_s` after the
+  // hook's second round, PowerSGD's Q; backward's last round, after which every rank
+  // waits for its reductions), the last rank reaches it `peer_lag_s` after the
   // mean rank when `peer_lag_interval_s` of work lay between the meetings, and
   // sqrt(T / peer_lag_interval_s) times that after T. 0: ranks in lockstep (a GPU's
   // streams; CPU ranks that share cores, where a rank waiting for a peer lends it its core).

@@ -617,14 +617,15 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   //   round's stalls before the last rank's issue on this CPU;
   // - the last round of backward (the root's reduction; the last bucket's, or its hook's
   //   first round), which every rank waits for as soon as it has issued it: the step ends
-  //   when the last rank's backward does, plus that round. Under staleness and decentralized
-  //   training the end of backward waits for rounds issued steps before, and nothing is
-  //   added there.
+  //   when the last rank's backward does, plus that round. Under staleness (rounds issued
+  //   steps before) and decentralized training (an exchange issued at the step's start,
+  //   no buckets) the end of backward waits for nothing issued there, and nothing is added.
   // Jitter accumulates as independent noise does, so the last rank's lag grows as the
   // square root of the time since the ranks last met: TimeOptions::peer_lag_s after
   // peer_lag_interval_s (bench_desync measures it: the same work between barriers). The
-  // ranks are taken to meet at the step's start and where a rank has waited for such a
-  // round; the other waits, which the lag is not put on, are not counted as meetings.
+  // ranks are taken to meet at the step's start (the optimizer's step after the last
+  // meeting is left out of T) and where a rank has waited for such a round; the other
+  // waits, which the lag is not put on, are not counted as meetings.
   double met = 0;
   auto lag_at = [&](double issued) {
     if (n < 2) return 0.0;  // one rank meets no one
@@ -813,11 +814,11 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // The engine fills buckets in the order gradients arrive, in the compute dtype's bytes:
     // the first up to first_bucket_bytes, the rest up to bucket_bytes, a parameter larger
     // than the bucket in one of its own (sharding/buckets.cpp). An untied head at least as
-    // large as the first bucket is the first bucket alone, reduced beside the whole
-    // backward: with DDP's 1 MiB and the small GPT's 4 MiB head through 1 Gb/s, 30 ms of
-    // its step. A smaller head shares the first bucket with the norm and the last layer's
-    // first parameters, at most first_bucket_bytes; the model counts those with the bucket
-    // after it.
+    // large as the first bucket is the first bucket alone (the model puts the final norm's
+    // vectors with it, the engine in the next), reduced beside the whole backward: with DDP's 1 MiB and the
+    // small GPT's 4 MiB head through 1 Gb/s, 30 ms of its step. A smaller head shares the first bucket with
+    // the norm and the last layer's first parameters, at most first_bucket_bytes; the model counts those with
+    // the bucket after it.
     const double bucket_elements = static_cast<double>(o.bucket_bytes) / o.param_bytes;
     const double first_bucket_elements = static_cast<double>(o.first_bucket_bytes) / o.param_bytes;
     const double owned = zero1 ? n : 1;  // a bucket's share this rank steps
@@ -922,7 +923,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         }
         pending = Part{};
       };
-      if (pending.elements >= std::min(first_bucket_elements, bucket_elements))
+      if (pending.elements >= first_bucket_elements)
         flush(m.layers * layer_back + embeddings_back);  // Note [The first bucket]
       for (int k = m.layers - 1; k >= 0; --k) {
         now = compute.run(now, layer_back);

@@ -533,6 +533,15 @@ TEST(StepTime, BucketsAreReducedOneByOneEachPayingItsLatency) {
   EXPECT_NEAR(predict_time(m, c, o).step_s, 2 * bytes * 3 / 4 / 1e9 + 2 * 6 * 1e-5, 1e-9);
   o.first_bucket_bytes = o.bucket_bytes;  // one bucket
   EXPECT_NEAR(predict_time(m, c, o).step_s, 2 * bytes * 3 / 4 / 1e9 + 6 * 1e-5, 1e-9);
+  // Buckets hold the compute dtype's bytes, as the engine counts them: in bf16 (the head,
+  // 0.5 MiB, under the first bucket's 1 MiB) a cap of two layers' fp32 bytes is four
+  // layers' bf16 ones: the head and the layers in one bucket, the embeddings in a second.
+  // Counted in the reduction's fp32 it would be the head with two layers, two layers, then
+  // the embeddings.
+  o.param_bytes = 2;
+  o.first_bucket_bytes = std::int64_t{1} << 20;
+  o.bucket_bytes = 2 * m.layer_params() * 4;
+  EXPECT_NEAR(predict_time(m, c, o).step_s, 2 * bytes * 3 / 4 / 1e9 + 2 * 6 * 1e-5, 1e-9);
   o.first_bucket_bytes = 0;
   EXPECT_THROW(predict_time(m, c, o), std::invalid_argument);
 }
@@ -1000,9 +1009,9 @@ TEST(StepTime, HybridRunsEachUnitsHookOnItsShardBesideTheNextUnitsBackward) {
 }
 
 // Note [Ranks drifting apart]: a round a rank issues and waits for at once (a hook's second
-// round, PowerSGD's Q) starts when the last rank issues it, peer_lag_s * sqrt(T /
-// peer_lag_interval_s) after the mean rank, T the work since the ranks last met; the rounds
-// issued ahead of their waits do not move.
+// round, PowerSGD's Q; backward's last round) starts when the last rank issues it,
+// peer_lag_s * sqrt(T / peer_lag_interval_s) after the mean rank, T the work since the
+// ranks last met; the rounds issued ahead of their waits do not move.
 TEST(StepTime, RanksDriftingApartDelayTheRoundsWaitedForAtOnce) {
   const auto m = gpt(4, 64, 4, 512, 16);
   Cluster c = only_links(1, 2, true);  // 1 GB/s, 10 us a step
@@ -1047,6 +1056,28 @@ TEST(StepTime, RanksDriftingApartDelayTheRoundsWaitedForAtOnce) {
   stale.strategy = Strategy::NoShard;
   stale.staleness = 1;
   EXPECT_EQ(lagged(stale, 1e-3, 0.01).step_s, predict_time(m, c, stale).step_s);
+  TimeOptions exchanging = o;  // decentralized training waits only for its exchange
+  exchanging.strategy = Strategy::NoShard;
+  exchanging.decentralized_every = 2;
+  EXPECT_EQ(lagged(exchanging, 1e-3, 0.01).step_s, predict_time(m, c, exchanging).step_s);
+  // Many buckets, one in flight (bf16 parameters) and a head over the first bucket's 1 MiB,
+  // its own bucket: the waits for the buckets mid-backward are not meetings and get no lag,
+  // so the step grows by the last bucket's lag alone.
+  {
+    const auto wide = gpt(4, 64, 4, 8192, 16);  // the head: 8,192 x 64 in bf16, 1 MiB
+    TimeOptions x = o;
+    x.strategy = Strategy::NoShard;
+    x.param_bytes = 2;
+    x.bucket_bytes = wide.layer_params() * 2;  // a bucket a layer
+    const StepTime base = predict_time(wide, c, x);
+    x.peer_lag_s = 1e-3;
+    x.peer_lag_interval_s = 0.01;
+    const StepTime drifting = predict_time(wide, c, x);
+    const double grown = drifting.step_s - base.step_s;
+    const double before = base.step_s - base.optimizer_s;
+    EXPECT_GT(grown, 1e-3 * std::sqrt(0.5 * before / 0.01));
+    EXPECT_LT(grown, 1e-3 * std::sqrt(before / 0.01));
+  }
   {
     Cluster one = only_links(1, 1, true);
     one.flops = 1e9;
