@@ -815,10 +815,11 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // the first up to first_bucket_bytes, the rest up to bucket_bytes, a parameter larger
     // than the bucket in one of its own (sharding/buckets.cpp). An untied head at least as
     // large as the first bucket is the first bucket alone (the model puts the final norm's
-    // vectors with it, the engine in the next), reduced beside the whole backward: with DDP's 1 MiB and the
-    // small GPT's 4 MiB head through 1 Gb/s, 30 ms of its step. A smaller head shares the first bucket with
-    // the norm and the last layer's first parameters, at most first_bucket_bytes; the model counts those with
-    // the bucket after it.
+    // vectors with it, the engine in the next), reduced beside the whole backward: with
+    // DDP's 1 MiB and the small GPT's 4 MiB head through 1 Gb/s, 30 ms of its step. A
+    // smaller head shares the first bucket with the norm and the last layer's first
+    // parameters, at most first_bucket_bytes; the model counts those with the bucket after
+    // it.
     const double bucket_elements = static_cast<double>(o.bucket_bytes) / o.param_bytes;
     const double first_bucket_elements = static_cast<double>(o.first_bucket_bytes) / o.param_bytes;
     const double owned = zero1 ? n : 1;  // a bucket's share this rank steps
@@ -836,7 +837,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       double done = 0, landed = 0;  // its first round; offloaded, its copy to the host
       double elements = 0;
       bool finished = false;
-      bool last = false;  // the end of backward's, issued when the last rank does: its wait is a meeting
+      bool last = false;  // backward's last, issued when the last rank does: its wait is a meeting
     };
     std::vector<std::vector<Reduction>> issued(steps);
     const double layer_back = layer_bwd + layer_bytes * grad_passes;
