@@ -1026,6 +1026,15 @@ TEST(StepTime, RanksDriftingApartDelayTheRoundsWaitedForAtOnce) {
     with.peer_lag_interval_s = interval;
     return predict_time(m, c, with);
   };
+  // One lag (1 ms after 10 ms of work) after T, the step's forward and backward: between
+  // half the step before the optimizer's and all of it. Returns the step's growth.
+  const auto expect_one_lag = [](const StepTime& base, const StepTime& drifting) {
+    const double grown = drifting.step_s - base.step_s;
+    const double before = base.step_s - base.optimizer_s;
+    EXPECT_GT(grown, 1e-3 * std::sqrt(0.5 * before / 0.01));
+    EXPECT_LT(grown, 1e-3 * std::sqrt(before / 0.01));
+    return grown;
+  };
   // Every strategy, with and without a one-round hook: the last round of backward starts
   // when the last rank issues it, after the step's forward and backward (T, between half the
   // step before the optimizer's and all of it): the step and its exposed communication grow
@@ -1043,10 +1052,7 @@ TEST(StepTime, RanksDriftingApartDelayTheRoundsWaitedForAtOnce) {
       SCOPED_TRACE(::testing::Message() << static_cast<int>(s) << " " << hook);
       const StepTime base = predict_time(m, c, x);
       const StepTime drifting = lagged(x, 1e-3, 0.01);
-      const double grown = drifting.step_s - base.step_s;
-      const double before = base.step_s - base.optimizer_s;
-      EXPECT_GT(grown, 1e-3 * std::sqrt(0.5 * before / 0.01));
-      EXPECT_LT(grown, 1e-3 * std::sqrt(before / 0.01));
+      const double grown = expect_one_lag(base, drifting);
       EXPECT_NEAR(drifting.exposed_s - base.exposed_s, grown, 1e-12);
     }
   }
@@ -1072,11 +1078,7 @@ TEST(StepTime, RanksDriftingApartDelayTheRoundsWaitedForAtOnce) {
     const StepTime base = predict_time(wide, c, x);
     x.peer_lag_s = 1e-3;
     x.peer_lag_interval_s = 0.01;
-    const StepTime drifting = predict_time(wide, c, x);
-    const double grown = drifting.step_s - base.step_s;
-    const double before = base.step_s - base.optimizer_s;
-    EXPECT_GT(grown, 1e-3 * std::sqrt(0.5 * before / 0.01));
-    EXPECT_LT(grown, 1e-3 * std::sqrt(before / 0.01));
+    expect_one_lag(base, predict_time(wide, c, x));
   }
   {
     Cluster one = only_links(1, 1, true);
