@@ -65,8 +65,24 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
   const auto start = std::chrono::steady_clock::now();
   state_->join();
   const int rank = state_->comm->rank();
-  shards::Holding copy =
-      shards::snapshot(shards::hold_for_save(*state_->fsdp, optimizer, options), rank, &state_->copies);
+  State* s = state_.get();
+  s->failed_root = root;
+  shards::Holding copy;
+  try {
+    copy = shards::snapshot(shards::hold_for_save(*state_->fsdp, optimizer, options), rank, &state_->copies);
+  } catch (const std::exception& e) {
+    // The other ranks' writers are already at the save's first agreement: this rank's
+    // writer answers it with the failure, which every rank then throws at its next call.
+    const std::string why = "copying this rank's shard to the host: " + shards::reason_of(e);
+    s->writer = std::thread([s, root, why] {
+      try {
+        shards::agree(*s->comm, root, "creating the checkpoint directory", why);
+      } catch (const std::exception& failed) {
+        s->failure = failed.what();
+      }
+    });
+    return;
+  }
   std::int64_t bytes = 0;
   for (const auto& seg : copy.segments) bytes += static_cast<std::int64_t>(seg.values.nbytes());
   for (const auto& [name, t] : copy.buffers) bytes += static_cast<std::int64_t>(t.nbytes());
@@ -75,12 +91,15 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
   background.scheduler = nullptr;
   background.scaler = nullptr;
   background.sampler = nullptr;
-  State* s = state_.get();
-  s->failed_root = root;
   s->writer = std::thread([s, root, background, held = std::move(copy)] {
     try {
       s->info = shards::save(root, *s->comm, held, background);
-    } catch (const std::exception& e) {  // CheckpointError, or CommError when a rank died
+    } catch (const CommError& e) {  // a rank died, or did not answer within the timeout
+      s->failure =
+          std::string(e.what()) +
+          "; this saver's communicator is closed: build a new AsyncSaver on every rank (or restart the "
+          "job)";
+    } catch (const std::exception& e) {  // CheckpointError
       s->failure = e.what();
     }
   });

@@ -81,11 +81,7 @@ void write_file_atomically(const std::string& path, const std::vector<char>& byt
     ::unlink(temp.c_str());
     fail(path, "renaming the temporary file over", err);
   }
-  const int dir = ::open(parent_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir >= 0) {
-    ::fsync(dir);
-    ::close(dir);
-  }
+  fsync_dir(parent_of(path));
 }
 
 namespace {
@@ -239,12 +235,18 @@ bool exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
+// A rename or a new entry is durable once its directory is flushed. A file system that
+// cannot flush a directory (EINVAL) keeps its entries by other means; any other failure
+// (EIO, a full journal) means the entry may not survive a power loss, and the save fails.
 void fsync_dir(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
+  if (fd < 0) fail(dir, "opening the directory", errno);
+  if (::fsync(fd) != 0 && errno != EINVAL && errno != EROFS) {
+    const int err = errno;
     ::close(fd);
+    fail(dir, "flushing the directory", err);
   }
+  ::close(fd);
 }
 
 void make_dirs(const std::string& dir) {
@@ -254,11 +256,13 @@ void make_dirs(const std::string& dir) {
     pos = dir.find('/', pos + 1);
     sofar = dir.substr(0, pos);
     if (sofar.empty() || exists(sofar)) continue;
-    if (::mkdir(sofar.c_str(), 0755) != 0 && errno != EEXIST) {
+    if (::mkdir(sofar.c_str(), 0755) != 0) {
+      if (errno == EEXIST) continue;
       throw checkpoint::CheckpointError(
           dir,
           fmt::format("flatshard::checkpoint: cannot create directory '{}': {}", sofar, errno_reason(errno)));
     }
+    fsync_dir(parent_of(sofar));  // the new directory survives a power loss with what is saved in it
   }
 }
 

@@ -12,7 +12,9 @@
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <limits>
 #include <optional>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -108,6 +110,29 @@ std::string dtype_name(at::ScalarType dtype) {
 
 // --- File ----------------------------------------------------------------------------------
 
+namespace {
+
+// A header's array of integers (a shape, a tensor's data offsets): each element a JSON
+// integer that fits int64 (the parser would otherwise truncate 2.7 to 2, read true as 1,
+// or convert 1e19 with undefined behaviour).
+std::vector<std::int64_t> integers(const std::string& path, const std::string& name, const json& array,
+                                   const char* what) {
+  if (!array.is_array()) corrupt(path, fmt::format("tensor '{}' has a {} that is not an array", name, what));
+  std::vector<std::int64_t> out;
+  for (const auto& v : array) {
+    const bool fits =
+        v.is_number_integer() &&
+        (!v.is_number_unsigned() ||
+         v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()));
+    if (!fits)
+      corrupt(path, fmt::format("tensor '{}' has a {} holding {}, not an integer", name, what, v.dump()));
+    out.push_back(v.get<std::int64_t>());
+  }
+  return out;
+}
+
+}  // namespace
+
 File::File(const std::string& path) : path_(path) {
   const io::Mapping map = io::map_file(path);
   data_ = map.data;
@@ -127,7 +152,16 @@ File::File(const std::string& path) : path_(path) {
     const std::int64_t data_bytes = static_cast<std::int64_t>(bytes_) - data_begin;
     json header;
     try {
-      header = json::parse(data_ + 8, data_ + data_begin);
+      // A name listed twice would be read from whichever entry the parser kept: refused, as
+      // the reference reader refuses it.
+      std::set<std::string> names;
+      const json::parser_callback_t once = [&](int depth, json::parse_event_t event, json& parsed) {
+        if (depth == 1 && event == json::parse_event_t::key &&
+            !names.insert(parsed.get<std::string>()).second)
+          corrupt(path, fmt::format("its header lists '{}' twice", parsed.get<std::string>()));
+        return true;
+      };
+      header = json::parse(data_ + 8, data_ + data_begin, once);
     } catch (const json::exception& e) {
       corrupt(path, fmt::format("its header is not JSON ({})", e.what()));
     }
@@ -135,6 +169,7 @@ File::File(const std::string& path) : path_(path) {
     std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
     for (const auto& [name, entry] : header.items()) {
       if (name == "__metadata__") {
+        if (!entry.is_object()) corrupt(path, "its __metadata__ is not a JSON object of strings");
         for (const auto& [k, v] : entry.items()) {
           if (!v.is_string()) corrupt(path, fmt::format("metadata '{}' is not a string", k));
           metadata_[k] = v.get<std::string>();
@@ -150,11 +185,11 @@ File::File(const std::string& path) : path_(path) {
           corrupt(path,
                   fmt::format("tensor '{}' has dtype '{}', which FlatShard does not read", name, dtype));
         t.dtype = it->second;
-        t.shape = entry.at("shape").get<std::vector<std::int64_t>>();
+        t.shape = integers(path, name, entry.at("shape"), "shape");
         const auto bytes = bytes_of(t.shape, c10::elementSize(t.dtype));
         if (!bytes) corrupt(path, fmt::format("tensor '{}' has a negative or impossibly large shape", name));
         t.numel = numel_of(t.shape);
-        const auto offsets = entry.at("data_offsets").get<std::vector<std::int64_t>>();
+        const auto offsets = integers(path, name, entry.at("data_offsets"), "data_offsets");
         if (offsets.size() != 2 || offsets[0] < 0 || offsets[1] < offsets[0] || offsets[1] > data_bytes) {
           corrupt(path,
                   fmt::format("tensor '{}' has data_offsets outside the file's {} data bytes (is the file "
@@ -167,16 +202,29 @@ File::File(const std::string& path) : path_(path) {
           corrupt(path, fmt::format("tensor '{}' spans {} bytes, but {} elements of {} take {}", name,
                                     t.nbytes, t.numel, dtype, *bytes));
         }
-        if (t.nbytes > 0) ranges.emplace_back(offsets[0], offsets[1]);
+        ranges.emplace_back(offsets[0], offsets[1]);
         tensors_.emplace(name, std::move(t));
       } catch (const json::exception& e) {
         corrupt(path, fmt::format("tensor '{}' has a malformed entry ({})", name, e.what()));
       }
     }
+    // The tensors' bytes follow one another from the data's start to the file's end, with no
+    // overlap and no gap (the format allows none, and the reference reader checks it): bytes
+    // no tensor accounts for mean offsets that do not say what the writer wrote.
     std::sort(ranges.begin(), ranges.end());
-    for (std::size_t i = 1; i < ranges.size(); ++i) {
-      if (ranges[i].first < ranges[i - 1].second) corrupt(path, "two tensors' data overlap");
+    std::int64_t next = 0;
+    for (const auto& [begin, end] : ranges) {
+      if (begin < next) corrupt(path, "two tensors' data overlap");
+      if (begin > next)
+        corrupt(path,
+                fmt::format("data bytes [{}, {}) belong to no tensor: its offsets are damaged", next, begin));
+      next = end;
     }
+    if (next != data_bytes)
+      corrupt(path,
+              fmt::format("its tensors hold {} of its {} data bytes: the rest belong to no tensor (is the "
+                          "file damaged, or something appended to it?)",
+                          next, data_bytes));
   } catch (...) {
     io::unmap_file({data_, bytes_});
     throw;
@@ -203,7 +251,7 @@ void File::read_into(const std::string& name, std::int64_t begin, const at::Tens
   const auto& t = info(name);
   require(dst.dim() == 1 && dst.is_contiguous(), "File::read_into takes a 1-D contiguous destination");
   const std::int64_t n = dst.numel();
-  if (begin < 0 || begin + n > t.numel) {
+  if (begin < 0 || begin > t.numel - n) {
     throw InvalidArgument(
         fmt::format("elements [{}, {}) of '{}' in '{}': it has {}", begin, begin + n, name, path_, t.numel));
   }

@@ -91,6 +91,9 @@ std::uint32_t crc32_of(const void* data, std::size_t n);
 std::string shard_file_name(int rank, int world_size);
 // Every rank's string, on every rank (a collective).
 std::vector<std::string> exchange_strings(Communicator& comm, const std::string& mine);
+// An exception's reason for an agreement: an Error's message, or the first line of any
+// other (LibTorch's carry a backtrace), without the "flatshard::checkpoint: " prefix.
+std::string reason_of(const std::exception& e);
 // Throws on every rank when any rank's `failure` is not empty.
 void agree(Communicator& comm, const std::string& path, const std::string& what, const std::string& failure);
 

@@ -8,6 +8,8 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <limits>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -29,6 +31,38 @@ std::string trim(std::string s) {
   return s;
 }
 
+// A tensor's pieces (sorted by their first element) must tile it: each holds at least one
+// element, the first begins at 0, each begins where the one before it ended, and the last
+// ends at the shape's element count. Anything else (a piece listed twice, a gap, a count
+// beyond the tensor) is a damaged index that would load some elements twice and leave
+// others as they were.
+void check_pieces(const std::string& meta_path, const std::string& key, const Entry& e) {
+  std::int64_t numel = 1;
+  for (const std::int64_t d : e.shape) {
+    if (d < 0 || (d > 0 && numel > std::numeric_limits<std::int64_t>::max() / d))
+      fail(meta_path, fmt::format("'{}': tensor '{}' has an impossible shape: the file is corrupt; load an "
+                                  "earlier checkpoint",
+                                  meta_path, key));
+    numel *= d;
+  }
+  std::int64_t next = 0;
+  for (const auto& part : e.parts) {
+    if (part.begin != next || part.numel <= 0 || part.numel > numel - next || part.byte_offset < 0) {
+      fail(meta_path,
+           fmt::format("'{}': the pieces of tensor '{}' do not tile its {} elements (a piece of {} "
+                       "at element {} where {} was next): the file is corrupt; load an earlier "
+                       "checkpoint",
+                       meta_path, key, numel, part.numel, part.begin, next));
+    }
+    next += part.numel;
+  }
+  if (next != numel) {
+    fail(meta_path, fmt::format("'{}': the pieces of tensor '{}' hold {} of its {} elements: the file is "
+                                "corrupt; load an earlier checkpoint",
+                                meta_path, key, next, numel));
+  }
+}
+
 Checkpoint open_checkpoint(const std::string& path) {
   std::string dir = path;
   if (!exists(dir + "/metadata.json")) {
@@ -38,7 +72,12 @@ Checkpoint open_checkpoint(const std::string& path) {
                              path));
     }
     const auto bytes = io::read_file(dir + "/latest");
-    dir = path + "/" + trim(std::string(bytes.begin(), bytes.end()));
+    const std::string name = trim(std::string(bytes.begin(), bytes.end()));
+    dir = path + "/" + name;
+    // Note [Saving a step again] (shard_save.cpp): a save killed while it moved the step it
+    // saved again aside leaves the complete older copy here.
+    const std::string aside = path + "/." + name + ".old";
+    if (!exists(dir + "/metadata.json") && exists(aside + "/metadata.json")) dir = aside;
     if (!exists(dir + "/metadata.json")) {
       fail(path,
            fmt::format("'{}/latest' names '{}', which holds no metadata.json: the checkpoint was removed",
@@ -83,6 +122,7 @@ Checkpoint open_checkpoint(const std::string& path) {
       }
       std::sort(e.parts.begin(), e.parts.end(),
                 [](const auto& a, const auto& b) { return a.begin < b.begin; });
+      check_pieces(meta_path, key, e);
       c.tensors.emplace(key, std::move(e));
     }
   } catch (const json::exception& e) {
@@ -208,7 +248,10 @@ void read_holding(const Checkpoint& c, Holding& h) {
   Reader reader(c.dir);
   for_each_piece(h, [&](const Span& span, std::int64_t begin, const at::Tensor& dst) {
     auto it = c.tensors.find(span.key);
-    if (it == c.tensors.end()) return;  // optimizer state never created (its unit never stepped): zeros
+    if (it == c.tensors.end()) {  // optimizer state never created (its unit never stepped): zeros
+      dst.zero_();
+      return;
+    }
     reader.read(span.key, it->second, begin, begin + dst.numel(), dst);
   });
   for (auto& [name, t] : h.buffers) {
@@ -255,19 +298,38 @@ std::int64_t steps_of(const Checkpoint& c, const std::string& param) {
 CheckpointInfo load(const std::string& path, Communicator& comm,
                     const std::function<Holding(const Checkpoint&)>& hold,
                     const std::function<void(const Checkpoint&)>& finish) {
+  // Note [A failed load]: the values are read in place (a model near its memory's limit
+  // has no room for a second copy), so a load that fails on any rank leaves every rank's
+  // parameters and optimizer state partly loaded; the training state (steps, schedules,
+  // the sampler's position) is restored only once every rank has read its values. The
+  // error says so: load another checkpoint, or build the model afresh.
   std::string failure;
   CheckpointInfo info;
+  std::optional<Checkpoint> c;
+  bool reading = false;
   try {
-    const auto c = open_checkpoint(path);
-    auto h = hold(c);
-    check_names_and_shapes(c, h);
-    read_holding(c, h);
-    finish(c);
-    info = CheckpointInfo{c.dir, c.step, c.world_size, c.mode};
-  } catch (const Error& e) {
-    failure = e.what();
+    c = open_checkpoint(path);
+    auto h = hold(*c);
+    check_names_and_shapes(*c, h);
+    reading = true;
+    read_holding(*c, h);
+    info = CheckpointInfo{c->dir, c->step, c->world_size, c->mode};
+  } catch (const std::exception& e) {  // an Error, or the host out of memory: every rank must hear
+    failure = reason_of(e);
+    if (reading)
+      failure +=
+          "; the model's parameters and optimizer state are partly loaded: load another "
+          "checkpoint or build the model afresh";
   }
   agree(comm, path, "loading", failure);
+  try {
+    finish(*c);
+  } catch (const std::exception& e) {
+    failure = reason_of(e) +
+              "; the model's parameters and optimizer state are loaded, its training state "
+              "is not: load another checkpoint or build the model afresh";
+  }
+  agree(comm, path, "restoring the training state", failure);
   return info;
 }
 

@@ -4,11 +4,14 @@
 // format's small helpers and the agreement every collective step ends with.
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <new>
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -105,13 +108,25 @@ std::vector<std::string> exchange_strings(Communicator& comm, const std::string&
   return out;
 }
 
-// Throws on every rank when any rank failed (its message starts with "!").
+std::string reason_of(const std::exception& e) {
+  std::string what = e.what();
+  if (dynamic_cast<const Error*>(&e) == nullptr) {
+    // LibTorch's errors carry a backtrace after their first line; the reason is that line.
+    what = what.substr(0, what.find('\n'));
+    if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) what += " (this rank's host memory is exhausted)";
+  }
+  const std::string prefix = "flatshard::checkpoint: ";
+  if (what.rfind(prefix, 0) == 0) what.erase(0, prefix.size());
+  return what;
+}
+
+// Throws on every rank when any rank failed (its message starts with "!"), naming the
+// first rank that failed, on that rank too.
 void agree(Communicator& comm, const std::string& path, const std::string& what, const std::string& failure) {
   const auto all = exchange_strings(comm, failure.empty() ? std::string() : "!" + failure);
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     if (all[r].empty()) continue;
-    if (r == comm.rank()) fail(path, all[r].substr(1));
-    fail(path, fmt::format("{} failed on rank {}: {}", what, r, all[r].substr(1)));
+    fail(path, fmt::format("{} failed on rank {} of {}: {}", what, r, all.size(), all[r].substr(1)));
   }
 }
 
@@ -241,6 +256,16 @@ json write_shard_file(const std::vector<Piece>& pieces, const std::string& path,
 
 std::string step_dir_name(std::int64_t step) { return fmt::format("step-{:09d}", step); }
 
+// Swaps two directories in one rename (Linux's renameat2 with RENAME_EXCHANGE); false where
+// the kernel or the file system cannot.
+bool swap_dirs(const std::string& a, const std::string& b) {
+  constexpr unsigned kExchange = 1U << 1;  // RENAME_EXCHANGE
+  if (::syscall(SYS_renameat2, AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), kExchange) == 0) return true;
+  const int err = errno;
+  if (err == EINVAL || err == ENOSYS || err == ENOTSUP || err == EPERM) return false;
+  fail(b, fmt::format("cannot swap '{}' with '{}': {}", a, b, errno_reason(err)));
+}
+
 }  // namespace
 
 // Note [Checkpoint directories]
@@ -263,8 +288,8 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
       remove_tree(tmp);
       if (::mkdir(tmp.c_str(), 0755) != 0)
         fail(tmp, fmt::format("cannot create '{}': {}", tmp, errno_reason(errno)));
-    } catch (const CheckpointError& e) {
-      failure = e.what();
+    } catch (const std::exception& e) {
+      failure = reason_of(e);
     }
   }
   agree(comm, root, "creating the checkpoint directory", failure);
@@ -273,8 +298,8 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
   try {
     const std::string file = shard_file_name(rank, n);
     index = write_shard_file(pieces_to_write(h, rank), tmp + "/" + file, file).dump();
-  } catch (const Error& e) {
-    failure = e.what();
+  } catch (const std::exception& e) {  // an Error, or the host out of memory: every rank must hear
+    failure = reason_of(e);
   }
   if (!failure.empty()) index.clear();
   const auto reached = [&](SaveStage stage) {
@@ -285,9 +310,8 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
   for (int r = 0; r < n; ++r) {
     if (!indexes[r].empty() && indexes[r][0] == '!') {
       if (rank == 0) remove_tree(tmp);
-      if (r == rank) fail(root, indexes[r].substr(1));
-      fail(root, fmt::format("saving step {} failed on rank {}: {}; the previous checkpoint is intact",
-                             options.step, r, indexes[r].substr(1)));
+      fail(root, fmt::format("saving step {} failed on rank {} of {}: {}; the previous checkpoint is intact",
+                             options.step, r, n, indexes[r].substr(1)));
     }
   }
 
@@ -324,16 +348,29 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
       io::write_file_atomically(tmp + "/metadata.json", std::vector<char>(text.begin(), text.end()));
       fsync_dir(tmp);
       reached(SaveStage::MetadataWritten);
+      // Note [Saving a step again]: a step directory that exists (a job resumed at its last
+      // save saves that step again) is swapped with the new one in one rename, so that
+      // step-S is complete at every moment; the old copy is then in .step-S.tmp, removed
+      // once `latest` is written. Where the file system cannot swap, the old copy is moved
+      // to .step-S.old first, and a load that finds step-S missing reads .step-S.old.
       std::string old;
-      if (exists(final_dir)) {  // saving the same step again: the older copy goes last
-        old = fmt::format("{}/.{}.old", root, name);
-        remove_tree(old);
-        if (::rename(final_dir.c_str(), old.c_str()) != 0)
-          fail(final_dir,
-               fmt::format("cannot move the older '{}' aside: {}", final_dir, errno_reason(errno)));
+      const bool again = exists(final_dir);
+      if (again && swap_dirs(tmp, final_dir)) {
+        old = tmp;
+      } else {
+        if (again) {
+          old = fmt::format("{}/.{}.old", root, name);
+          remove_tree(old);
+          if (::rename(final_dir.c_str(), old.c_str()) != 0)
+            fail(final_dir,
+                 fmt::format("cannot move the older '{}' aside: {}", final_dir, errno_reason(errno)));
+        }
+        if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+          const int err = errno;
+          if (again) (void)::rename(old.c_str(), final_dir.c_str());  // the older copy back in place
+          fail(final_dir, fmt::format("cannot rename '{}' to '{}': {}", tmp, final_dir, errno_reason(err)));
+        }
       }
-      if (::rename(tmp.c_str(), final_dir.c_str()) != 0)
-        fail(final_dir, fmt::format("cannot rename '{}' to '{}': {}", tmp, final_dir, errno_reason(errno)));
       fsync_dir(root);
       reached(SaveStage::Renamed);
       const std::string latest = name + "\n";
@@ -350,8 +387,8 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
         const int drop = static_cast<int>(steps.size()) - (options.keep_last - 1);
         for (int i = 0; i < drop; ++i) remove_tree(root + "/" + steps[i]);
       }
-    } catch (const Error& e) {
-      failure = e.what();
+    } catch (const std::exception& e) {
+      failure = reason_of(e);
       remove_tree(tmp);
     }
   }

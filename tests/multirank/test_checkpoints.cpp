@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
@@ -373,6 +374,30 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
   expect_load_error("is corrupt", "half a metadata file");
   on_rank0([&] { std::ofstream(meta, std::ios::trunc) << meta_text; });
 
+  // An index that parses but lies: a piece listed twice (its elements would be read twice
+  // and others never), a piece far larger than its tensor (one rank's allocation would
+  // fail alone), training state of the wrong type (read after the values). Each fails
+  // every rank with a CheckpointError naming the rank, within the test's deadline.
+  auto with_meta = [&](const std::function<void(nlohmann::json&)>& edit) {
+    on_rank0([&] {
+      auto j = nlohmann::json::parse(meta_text);
+      edit(j);
+      std::ofstream(meta, std::ios::trunc) << j.dump(1);
+    });
+  };
+  with_meta([](nlohmann::json& j) {
+    auto& pieces = j["tensors"]["wte.weight"]["pieces"];
+    pieces.push_back(pieces[0]);
+  });
+  expect_load_error("do not tile", "a piece listed twice");
+  with_meta([](nlohmann::json& j) {
+    for (auto& [key, t] : j["tensors"].items()) t["pieces"].back()["numel"] = std::int64_t{1} << 61;
+  });
+  expect_load_error("do not tile", "a piece larger than its tensor");
+  with_meta([](nlohmann::json& j) { j["training"] = {{"synced_backwards", nullptr}}; });
+  expect_load_error("restoring the training state failed on rank 0 of 2", "training state of the wrong type");
+  on_rank0([&] { std::ofstream(meta, std::ios::trunc) << meta_text; });
+
   // Another model: a wider one (shapes differ) and a deeper one (an extra block).
   GPTConfig wider = checkpoint_config();
   wider.dim = 48;
@@ -427,6 +452,7 @@ TEST(Checkpoint, FullDiskFailsEveryRankAndKeepsThePrevious) {
     ADD_FAILURE() << "the save succeeded";
   } catch (const ckpt::CheckpointError& e) {
     const std::string what = e.what();
+    EXPECT_NE(what.find("failed on rank 1 of 2"), std::string::npos) << what;  // on rank 1 too
     if (world.rank() == 1) {
       EXPECT_NE(what.find("ulimit -f"), std::string::npos) << what;
     } else {
@@ -441,6 +467,55 @@ TEST(Checkpoint, FullDiskFailsEveryRankAndKeepsThePrevious) {
   Trainer fresh(world, Strategy::FullShard);
   EXPECT_EQ(fresh.load(root).step, 1);
   expect_identical(fresh.params(), before, "the previous checkpoint");
+  t.comm().barrier().wait();
+  if (world.rank() == 0) fs::remove_all(root);
+}
+
+// Note [Saving a step again]: a job resumed at its last save saves that step again. The
+// step's directory is whole at every stage of the second save (swapped with the new one in
+// one rename where the file system can), the second save's values are what loads after
+// it, and nothing is left beside it. A save killed after moving the older copy aside (the
+// way taken where directories cannot be swapped) leaves it as .step-S.old, and a load
+// reads it there.
+TEST(Checkpoint, SavingAStepAgainKeepsItWhole) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const std::string root = fmt::format("/tmp/flatshard-again-{}", env("MASTER_PORT"));
+  const std::string step_dir = root + "/step-000000001";
+  const GPTConfig config{64, 16, 64, 4, 2};  // parameters only: no buffer to fill
+  Trainer t(world, Strategy::FullShard, config);
+  auto save_filled = [&](float value, const std::function<void(ckpt::SaveStage)>& on_stage) {
+    {
+      at::NoGradGuard no_grad;
+      for (auto& shard : t.fully_shard().shards()) shard.fill_(value);
+    }
+    ckpt::SaveOptions o;
+    o.step = 1;
+    o.on_stage = on_stage;
+    ckpt::save_sharded(root, t.fully_shard(), t.shard_optimizer(), o);
+  };
+  auto expect_loads = [&](float value, const std::string& what) {
+    Trainer fresh(world, Strategy::FullShard, config);
+    EXPECT_EQ(fresh.load(root).step, 1) << what;
+    for (const auto& [name, v] : fresh.params())
+      EXPECT_TRUE(at::all(v == value).item<bool>()) << what << ": " << name << " does not hold " << value;
+  };
+  save_filled(1, {});
+  std::vector<std::string> missing;  // stages of the second save at which step-1 was not whole
+  save_filled(2, [&](ckpt::SaveStage stage) {
+    if (world.rank() == 0 && !fs::exists(step_dir + "/metadata.json"))
+      missing.push_back(std::to_string(static_cast<int>(stage)));
+  });
+  EXPECT_TRUE(missing.empty()) << "step-1 had no metadata.json at " << missing.size()
+                               << " stages of its second save";
+  expect_loads(2, "after saving step 1 again");
+  t.comm().barrier().wait();
+  for (const auto& entry : fs::directory_iterator(root))
+    EXPECT_NE(entry.path().filename().string().rfind(".step-", 0), 0u) << entry.path() << " was left behind";
+  t.comm().barrier().wait();
+  if (world.rank() == 0) fs::rename(step_dir, root + "/.step-000000001.old");
+  t.comm().barrier().wait();
+  expect_loads(2, "killed with the older copy moved aside");
   t.comm().barrier().wait();
   if (world.rank() == 0) fs::remove_all(root);
 }

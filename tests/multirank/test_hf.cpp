@@ -167,14 +167,35 @@ TEST(Safetensors, RefusesCorruptFilesNamingThem) {
   std::string dtype = bytes;
   dtype.replace(dtype.find("\"F32\""), 5, "\"X32\"");
   refused(write("dtype.safetensors", dtype), "dtype 'X32'");
-  // A shape whose byte count overflows, with data_offsets that match the wrapped product.
-  {
-    const std::string header = R"({"w":{"dtype":"F32","shape":[4611686018427387905],"data_offsets":[0,4]}})";
-    std::string hostile(8, '\0');
+  // Headers written by hand: the 8-byte length, the JSON, then `data` zero bytes.
+  auto crafted = [&](const std::string& name, const std::string& header, std::size_t data) {
+    std::string file(8, '\0');
     const std::uint64_t n = header.size();
-    std::memcpy(hostile.data(), &n, 8);
-    refused(write("overflow.safetensors", hostile + header + std::string(4, '\0')), "impossibly large shape");
-  }
+    std::memcpy(file.data(), &n, 8);
+    return write(name, file + header + std::string(data, '\0'));
+  };
+  // A shape whose byte count overflows, with data_offsets that match the wrapped product.
+  refused(crafted("overflow.safetensors",
+                  R"({"w":{"dtype":"F32","shape":[4611686018427387905],"data_offsets":[0,4]}})", 4),
+          "impossibly large shape");
+  // A name listed twice: a parser keeps one of the two entries, and which one is no promise.
+  refused(crafted("twice.safetensors",
+                  R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                  R"("w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                  16),
+          "lists 'w' twice");
+  // Bytes no tensor accounts for: before a tensor, and after the last.
+  refused(crafted("gap.safetensors", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16),
+          "data bytes [0, 8) belong to no tensor");
+  refused(crafted("trailing.safetensors", R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 12),
+          "hold 8 of its 12 data bytes");
+  // Numbers that are not integers (2.0 would be read as 2 and 2.7 too), and metadata that
+  // is not an object of strings.
+  refused(crafted("real.safetensors", R"({"w":{"dtype":"F32","shape":[2.7],"data_offsets":[0,8]}})", 8),
+          "not an integer");
+  refused(crafted("metadata.safetensors",
+                  R"({"__metadata__":"x","w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8),
+          "__metadata__ is not a JSON object");
   EXPECT_THROW(st::File((dir / "missing.safetensors").string()), flatshard::checkpoint::CheckpointError);
   // A writer that is dropped before commit leaves nothing behind.
   {
@@ -183,7 +204,7 @@ TEST(Safetensors, RefusesCorruptFilesNamingThem) {
   }
   EXPECT_FALSE(fs::exists(dir / "dropped.safetensors"));
   EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()),
-            7);  // the seven written above
+            12);  // the twelve written above
   fs::remove_all(dir);
 }
 
