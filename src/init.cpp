@@ -1,10 +1,13 @@
 // flatshard::init(): resolve the world, then meet the other ranks through a LibTorch
 // store (TCPStore served by rank 0, or FileStore on a shared file system).
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <optional>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -90,6 +93,20 @@ void wait_for_everyone(c10d::Store& store, const WorldSpec& spec, std::chrono::m
   const std::string key = "flatshard/init/joined";
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   try {
+    // Each rank claims its number first: two processes given one RANK (two nodes given one
+    // --node-rank) would otherwise count as two ranks joined, and the job would wait out a
+    // collective's timeout for the rank nobody is.
+    char host[256] = "";
+    ::gethostname(host, sizeof(host) - 1);
+    const std::string me = fmt::format("{} (pid {})", host, ::getpid());
+    const std::vector<std::uint8_t> mine(me.begin(), me.end());
+    const auto holder = store.compareSet(fmt::format("flatshard/init/rank/{}", spec.rank), {}, mine);
+    if (holder != mine) {
+      throw RendezvousError(fmt::format(
+          "flatshard::init (rank {}/{}): rank {} was already claimed by {}, and this process on {} claims it "
+          "too: give every process its own RANK (under flatshard-run, every node its own --node-rank)",
+          spec.rank, spec.world_size, spec.rank, std::string(holder.begin(), holder.end()), me));
+    }
     std::int64_t joined = store.add(key, 1);
     auto pause = std::chrono::milliseconds(1);
     while (joined < spec.world_size) {

@@ -579,6 +579,17 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
       throw invalid(
           fmt::format("input {} and output {} differ in dtype", describe(c.input), describe(c.output)));
     }
+    const bool reduces = c.kind == OpKind::AllReduce || c.kind == OpKind::ReduceScatter;
+    const at::ScalarType dtype = c.input.scalar_type();
+    const bool summable = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                          dtype == at::kBFloat16 || dtype == at::kByte || dtype == at::kChar ||
+                          dtype == at::kShort || dtype == at::kInt || dtype == at::kLong;
+    if (reduces && !summable && options_.device.is_cpu()) {  // the CPU rings' sums (tcp/ring.cpp)
+      throw invalid(
+          fmt::format("tensor {} cannot be summed: reductions take floating-point or integer "
+                      "tensors (convert bool to uint8, complex to its real view)",
+                      describe(c.input)));
+    }
   }
   const ShardRange mine = shard_range(c.kind == OpKind::AllGather ? c.output.numel()
                                       : c.kind == OpKind::Barrier ? 0
@@ -647,6 +658,19 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
           CommError error(f.kind, rank, world_size, name, c.seq, f.peer,
                           fmt::format("flatshard: {} #{} failed on rank {}/{}: {}{}: {}. {}", name, c.seq,
                                       rank, world_size, to_string(f.kind), peer, f.what(), advice(f.kind)));
+          log::at(log::Level::Error, "{}", error.what());
+          throw error;
+        } catch (const std::exception& e) {
+          // Anything else (the host out of memory for a channel's scratch, a kernel that
+          // refused) after bytes may have moved: the ranks can no longer be trusted to agree,
+          // so the communicator is aborted as for a lost peer, and the error is typed.
+          backend->abort();
+          std::string what = e.what();
+          what = what.substr(0, what.find('\n'));  // LibTorch's errors carry a backtrace
+          CommError error(CommError::Kind::Aborted, rank, world_size, name, c.seq, -1,
+                          fmt::format("flatshard: {} #{} failed on rank {}/{}: {}. This communicator is "
+                                      "aborted; fix the cause and restart the job.",
+                                      name, c.seq, rank, world_size, what));
           log::at(log::Level::Error, "{}", error.what());
           throw error;
         }

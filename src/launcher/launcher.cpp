@@ -296,6 +296,25 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
     }
     ranks[i].index = o.node_rank * o.nproc_per_node + i;
     ranks[i].pid = spawn(o, i, port, restart, out_fd, err_fd);
+    if (ranks[i].pid < 0) {
+      // Out of processes or memory: the ranks already started stop, and are reaped, before
+      // the launcher reports it (a pid of -1 would signal every process it may signal).
+      const int err = errno;
+      for (int k = 0; k < 2; ++k) {
+        ::close(out_fd[k]);
+        ::close(err_fd[k]);
+      }
+      for (int k = 0; k < i; ++k) {
+        ::kill(-ranks[k].pid, SIGKILL);
+        ::waitpid(ranks[k].pid, nullptr, 0);
+        ::close(ranks[k].out_fd);
+        ::close(ranks[k].err_fd);
+      }
+      std::fprintf(stderr,
+                   "flatshard-run: cannot start local rank %d: fork: %s (out of processes or memory)\n", i,
+                   std::strerror(err));
+      return Outcome{1};
+    }
     ::close(out_fd[1]);
     ::close(err_fd[1]);
     ranks[i].out_fd = out_fd[0];

@@ -1,6 +1,8 @@
 #include "src/launcher/rendezvous.h"
 
 #include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -58,6 +60,18 @@ std::vector<std::int32_t> recv_ints(tcp::Socket& s, std::size_t count, Clock::ti
 
 Clock::time_point after(double seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(Seconds(seconds));
+}
+
+// A connection that waits for an answer as long as the other launcher is there (a node
+// through a whole start) probes it: TCP keepalive after 10 s idle, every 5 s, 3 unanswered
+// probes and the connection fails. A machine that lost power or its network then ends the
+// wait within about 25 s, as a closed connection does, instead of never.
+void keep_alive(const tcp::Socket& s) {
+  int on = 1, idle = 10, interval = 5, count = 3;
+  ::setsockopt(s.fd(), SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on));
+  ::setsockopt(s.fd(), IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  ::setsockopt(s.fd(), IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  ::setsockopt(s.fd(), IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
 }
 
 // Waits until `s` has bytes to read (or is closed) or `until` passes, asking `o.stop` every
@@ -125,6 +139,7 @@ struct RendezvousHost::State {
     } catch (const tcp::IoError&) {
       return std::nullopt;  // none before `until`
     }
+    keep_alive(s);  // a node that vanishes while it waits is then seen as gone
     if (auto refused = tcp::check_secret(s, options.secret, kPurpose, Clock::now() + handshake)) {
       std::fprintf(stderr, "flatshard-run: refused a connection to the launchers' rendezvous from %s: %s\n",
                    tcp::peer_address(s).c_str(), refused->c_str());
@@ -334,6 +349,7 @@ Membership RendezvousNode::join() {
     try {
       if (o.stop && o.stop()) throw RendezvousStopped{};
       tcp::Socket s = tcp::Socket::connect(o.host, o.port, 0, std::min(give_up, after(1)));
+      keep_alive(s);
       // The host answers once it opens a round: while a start runs, not before it ends, so
       // a node that arrives then waits as long as the host is there; once it is gone, the
       // timeout counts from then.

@@ -167,6 +167,12 @@ class TcpRingBackend final : public Backend {
       const auto first =
           first_failure(e.peer, fmt::format("{} on rank {} in {} (op {} on its stream): {}", to_string(kind),
                                             rank_, to_string(op.kind), ch.seq, e.detail));
+      if (first && first->second.rfind(to_string(CommError::Kind::Mismatch), 0) == 0) {
+        // Our neighbour closed because the ranks issued different collectives: say that.
+        throw TransportFailure(
+            CommError::Kind::Mismatch, first->first,
+            fmt::format("{}; rank {} then aborted and {}", first->second, e.peer, e.detail));
+      }
       if (first && first->first != e.peer && first->first != rank_) {
         // Our neighbour closed because it had lost another rank: name that one.
         throw TransportFailure(kind, first->first,
@@ -174,6 +180,14 @@ class TcpRingBackend final : public Backend {
                                            first->first, first->second, e.peer, e.detail));
       }
       throw TransportFailure(kind, e.peer, e.detail);
+    } catch (const TransportFailure& f) {
+      // A mismatch is recorded as the first failure too, so that the ranks failing in the
+      // cascade it starts report the mismatch, not a lost peer that is alive.
+      if (f.kind == CommError::Kind::Mismatch && !aborted_.load()) {
+        first_failure(f.peer, fmt::format("{} seen by rank {} in {} (op {} on its stream): {}",
+                                          to_string(f.kind), rank_, to_string(op.kind), ch.seq, f.what()));
+      }
+      throw;
     }
     return nullptr;
   }
@@ -181,8 +195,9 @@ class TcpRingBackend final : public Backend {
   // Note [The first failure]
   // When a rank dies, its neighbours see it; the rest only see their neighbours abort.
   // The first rank to see a failure records "<lost rank>|<what>" in the store before it
-  // aborts, so that ranks failing in the cascade can name the lost rank too. Bounded by
-  // a short wait: the store may live in the process that died.
+  // aborts, so that ranks failing in the cascade can name the lost rank too (or, where the
+  // first failure was a mismatch, report the mismatch). Bounded by a short wait: the store
+  // may live in the process that died, or in rank 0's, which may have exited since.
   std::optional<std::pair<int, std::string>> first_failure(int peer, const std::string& what) {
     if (!store_ || failure_key_.empty()) return std::nullopt;
     struct Shared {
@@ -459,6 +474,12 @@ class TcpRingBackend final : public Backend {
     auto slice = [&](std::size_t k) {
       return std::min(kBroadcastSliceBytes, bytes - std::min(bytes, k * kBroadcastSliceBytes));
     };
+    // A first step of heads alone, every rank to the next: the chain below has the last
+    // rank receive only and the root send only, so ranks that disagree on the root (each
+    // its own, say) would otherwise never compare heads, and small slices would sit in the
+    // kernel's buffers as if delivered. Each rank checks its predecessor's root; round the
+    // ring, every rank's.
+    step(ch, op, nullptr, 0, true, nullptr, 0, true);
     const int position = mod(rank_ - op.root);
     const bool sends = position != world_size_ - 1;
     const bool receives = position != 0;

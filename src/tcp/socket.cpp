@@ -150,7 +150,10 @@ Listener::Listener(bool loopback_only) : Listener(0, loopback_only) {}
 
 Listener::Listener(int port, bool loopback_only) {
   fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  FLATSHARD_ASSERT(fd_ >= 0, "socket() failed");
+  if (fd_ < 0) {  // out of file descriptors (EMFILE), say: an error the caller names, not a crash
+    throw_io(IoError::Kind::Closed, -1,
+             fmt::format("cannot open a socket to listen on: {} (raise `ulimit -n`?)", std::strerror(errno)));
+  }
   int one = 1;
   setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   sockaddr_in addr{};
@@ -161,9 +164,9 @@ Listener::Listener(int port, bool loopback_only) {
     const int error = errno;
     ::close(fd_);
     fd_ = -1;
-    FLATSHARD_ASSERT(port != 0, "binding a free port failed");
     throw_io(IoError::Kind::Closed, -1,
-             fmt::format("cannot listen on port {}: {}", port, std::strerror(error)));
+             port == 0 ? fmt::format("cannot listen on a free port: {}", std::strerror(error))
+                       : fmt::format("cannot listen on port {}: {}", port, std::strerror(error)));
   }
   socklen_t len = sizeof(addr);
   getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);

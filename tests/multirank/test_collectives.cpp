@@ -288,6 +288,11 @@ TEST(Collectives, ContractViolationsThrowAndSendNothing) {
   EXPECT_THROW(r.comm->broadcast(output, 7), flatshard::InvalidArgument);
   EXPECT_THROW(r.comm->all_reduce(at::zeros({4, 4}).t(), ReduceOp::Sum), flatshard::InvalidArgument);
   EXPECT_THROW(r.comm->all_gather(output, at::zeros({6}, at::kDouble)), flatshard::InvalidArgument);
+  // The rings cannot sum booleans or complex numbers: refused before anything moves.
+  EXPECT_THROW(r.comm->all_reduce(at::zeros({4}, at::kBool), ReduceOp::Sum), flatshard::InvalidArgument);
+  EXPECT_THROW(r.comm->reduce_scatter(at::zeros({6}, at::kComplexFloat), at::zeros({12}, at::kComplexFloat),
+                                      ReduceOp::Sum),
+               flatshard::InvalidArgument);
   try {
     r.comm->broadcast(output, -1);
     FAIL() << "no error";
@@ -315,22 +320,28 @@ TEST(Collectives, DifferentCollectivesAcrossRanksAreDetected) {
     EXPECT_EQ(e.op(), "all_reduce");
     EXPECT_EQ(e.seq(), 1u);
     EXPECT_EQ(e.rank(), r.rank());
-    EXPECT_NE(e.kind(), flatshard::CommError::Kind::Timeout) << e.what();
-    if (e.kind() == flatshard::CommError::Kind::Mismatch) {
-      EXPECT_NE(std::string(e.what()).find("issued different collectives"), std::string::npos) << e.what();
-    }
+    // Every rank reports the mismatch, also those that only saw a neighbour abort (Note
+    // [The first failure]): none blames a lost peer that is alive.
+    EXPECT_EQ(e.kind(), flatshard::CommError::Kind::Mismatch) << e.what();
+    EXPECT_NE(std::string(e.what()).find("issued different collectives"), std::string::npos) << e.what();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
   // The communicator is aborted: later ops fail at once.
   EXPECT_THROW(r.comm->barrier().wait(), flatshard::CommError);
+  // Every rank has read the first failure before rank 0, whose process serves the store
+  // that holds it, may exit.
+  flatshard::CommunicatorOptions after;
+  after.name = "after";
+  Communicator::create(r.world, after)->barrier().wait();
 }
 
-// Same kind and size, different element type or reduction, or ops in another order:
-// each names the diverging op on every rank instead of adding garbage.
+// Same kind and size, different element type, reduction or broadcast root, or ops in
+// another order: each names the diverging op on every rank instead of adding garbage (or,
+// for the roots, instead of each rank keeping its own values as if broadcast).
 TEST(Collectives, DifferentSignaturesOrOrderAcrossRanksAreNamed) {
   FLATSHARD_RUN_RANKS({2, 3});
   auto world = flatshard::init();
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < 4; ++variant) {
     Rank r;
     r.world = world;
     flatshard::CommunicatorOptions options;
@@ -344,6 +355,9 @@ TEST(Collectives, DifferentSignaturesOrOrderAcrossRanksAreNamed) {
         r.comm->all_reduce(t, ReduceOp::Sum).wait();
       } else if (variant == 1) {  // Sum vs Avg
         r.comm->all_reduce(at::ones({12}), odd ? ReduceOp::Avg : ReduceOp::Sum).wait();
+      } else if (variant == 3) {  // every rank its own root: each would only send
+        auto t = at::full({12}, static_cast<float>(r.rank()));
+        r.comm->broadcast(t, r.rank()).wait();
       } else {  // on one stream: all_gather then reduce_scatter on rank 1, the reverse elsewhere
         auto full = at::ones({12 * r.size()}), mine = at::ones({12});
         flatshard::CollectiveOptions one_stream;
@@ -365,6 +379,7 @@ TEST(Collectives, DifferentSignaturesOrOrderAcrossRanksAreNamed) {
         EXPECT_NE(what.find("issued different collectives"), std::string::npos) << what;
         if (variant == 0) EXPECT_NE(what.find("Int"), std::string::npos) << what;
         if (variant == 1) EXPECT_NE(what.find("avg"), std::string::npos) << what;
+        if (variant == 3) EXPECT_NE(what.find("root"), std::string::npos) << what;
       }
     }
   }

@@ -321,6 +321,31 @@ TEST(Rendezvous, MissingRankIsReportedByCount) {
   }
 }
 
+// Two processes given one RANK (rank 2 of three takes rank 1's number): the second to
+// claim it is told so at once, naming the first, instead of the job counting three ranks
+// joined and waiting out a collective's timeout for the rank nobody is.
+TEST(Rendezvous, ARankGivenTwiceIsNamed) {
+  if (!flatshard::testing::in_rank_mode()) {
+    LaunchSpec spec;
+    spec.ranks = 3;
+    spec.deadline = std::chrono::seconds(60);
+    const auto r = launch_current_test(spec);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("rank 1 was already claimed by"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("only 2 of 3 ranks joined"), std::string::npos) << r.output;
+    return;
+  }
+  if (std::string(std::getenv("RANK")) == "2") ::setenv("RANK", "1", 1);
+  flatshard::InitOptions options;
+  options.timeout = std::chrono::milliseconds(3000);
+  try {
+    flatshard::init(options);
+    ADD_FAILURE() << "init completed with rank 1 given twice";
+  } catch (const flatshard::RendezvousError& e) {
+    std::printf("init failed: %s\n", e.what());
+  }
+}
+
 // The job's store (Note [The job's store]) keeps TCPStore's meanings: set and get, add
 // as decimal text, compareSet's three cases, check, delete, the key count, and a get or
 // wait that times out instead of hanging.
