@@ -19,13 +19,14 @@
 // groups of G ranks (--group; default: the ranks of one machine). Rank 0 prints one CSV
 // line: mode,world,params,step_ms,alloc_peak_bytes,rss_growth_bytes,param_shard,
 // grad_shard,optim_state,peak_unsharded_params,peak_unsharded_grads,formula_bytes,
-// bytes_sent_per_step,last_loss,comm_wait_share,peer_wait_share,core_wait_share,hook_ms
-// (figures are the largest over ranks but the last four: the ranks' mean share of the step
+// bytes_sent_per_step,last_loss,comm_wait_share,peer_wait_share,core_wait_share,hook_ms,
+// idle_share (figures are the largest over ranks but the last five: the ranks' mean share of the step
 // their compute waited for communication, Note [Communication wait], of that the share spent
 // before the last rank had issued the op, Note [Waiting for peers], the share spent woken
 // with no core to run on, CommunicationWait::core_ms, and the hook's own time a step in
-// milliseconds, TimedHook below, 0 without one; everything is measured from the second step
-// on).
+// milliseconds, TimedHook below, 0 without one, and the share of the timed steps the whole
+// machine's cores sat idle (/proc/stat, read by rank 0: where ranks outnumber the cores,
+// what their meetings leave unused); everything is measured from the second step on).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -37,6 +38,8 @@
 #include <memory>
 #include <string>
 #include <utility>
+
+#include <unistd.h>
 
 #include "flatshard/flatshard.h"
 #include "tests/support/models.h"
@@ -90,6 +93,18 @@ class TimedHook final : public flatshard::CommHook {
   std::shared_ptr<flatshard::CommHook> inner_;
   double ms_ = 0;  // reduce() and finish run on the engine's thread
 };
+
+// The machine's cores' busy and idle jiffies so far (/proc/stat's first line): where ranks
+// outnumber the cores, the share of the timed steps the cores sat idle is what the ranks'
+// meetings cost beyond their compute.
+std::pair<double, double> cpu_jiffies() {
+  std::ifstream stat("/proc/stat");
+  std::string cpu;
+  double v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  stat >> cpu >> v[0] >> v[1] >> v[2] >> v[3] >> v[4] >> v[5] >> v[6] >> v[7];
+  const double idle = v[3] + v[4];
+  return {v[0] + v[1] + v[2] + v[5] + v[6] + v[7], idle};
+}
 
 }  // namespace
 
@@ -211,6 +226,7 @@ int main(int argc, char** argv) {
 
   auto g = at::make_generator<at::CPUGeneratorImpl>(world.rank());
   double total_ms = 0;
+  std::pair<double, double> jiffies0{0, 0};
   double phase_ms[3] = {0, 0, 0};  // forward (with the loss), backward, step and zero_grad
   for (int step = 0; step <= steps; ++step) {
     auto tokens = at::randint(cfg.vocab, {batch, cfg.context + 1}, g);
@@ -221,6 +237,7 @@ int main(int argc, char** argv) {
       sent_before = fsdp.bytes_sent();
       fsdp.time_communication_waits(true);  // Note [Communication wait]
       if (timed) timed->take_ms();
+      jiffies0 = cpu_jiffies();
     }
     using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
@@ -245,6 +262,9 @@ int main(int argc, char** argv) {
       phase_ms[2] += ms(backwarded, end);
     }
   }
+  const std::pair<double, double> jiffies1 = cpu_jiffies();
+  const double busy = jiffies1.first - jiffies0.first, idle = jiffies1.second - jiffies0.second;
+  const double idle_share = busy + idle > 0 ? idle / (busy + idle) : 0;
   if (phases) {
     std::fprintf(stderr, "%s rank %d phases ms: forward %.1f, backward %.1f, step %.1f\n", mode.c_str(),
                  world.rank(), phase_ms[0] / steps, phase_ms[1] / steps, phase_ms[2] / steps);
@@ -291,13 +311,15 @@ int main(int argc, char** argv) {
     // grads, optimizer state), peak gathered params and grads, ZeRO formula, bytes sent
     // per step, last loss (the largest over ranks), the share of the step the ranks' compute
     // waited for communication, and of it the share before the last rank issued the op and
-    // the share waiting for a core, and the hook's own time a step (their means).
-    std::printf("%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f,%.4f,%.4f,%.2f\n",
-                label.c_str(), world.world_size(), static_cast<long long>(params), worst[1].item<double>(),
-                worst[0].item<double>(), worst[2].item<double>(), static_cast<long long>(param_bytes),
-                static_cast<long long>(grad_bytes), static_cast<long long>(state), worst[3].item<double>(),
-                worst[4].item<double>(), formula, worst[5].item<double>(), worst[6].item<double>(),
-                mean_wait_share, mean_peer_share, mean_core_share, mean_hook_ms);
+    // the share waiting for a core, and the hook's own time a step (their means), and the
+    // share of the steps the machine's cores sat idle (rank 0's reading).
+    std::printf(
+        "%s,%d,%lld,%.1f,%.0f,%.0f,%lld,%lld,%lld,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f,%.4f,%.4f,%.2f,%.4f\n",
+        label.c_str(), world.world_size(), static_cast<long long>(params), worst[1].item<double>(),
+        worst[0].item<double>(), worst[2].item<double>(), static_cast<long long>(param_bytes),
+        static_cast<long long>(grad_bytes), static_cast<long long>(state), worst[3].item<double>(),
+        worst[4].item<double>(), formula, worst[5].item<double>(), worst[6].item<double>(), mean_wait_share,
+        mean_peer_share, mean_core_share, mean_hook_ms, idle_share);
   }
   return 0;
 }

@@ -86,10 +86,10 @@ runs_at() {  # world mode
       ;;
   esac
 }
-modes_step() {  # world mode -> "step_ms comm_wait_share peer_wait_share op_wait_share core_wait_share hook_ms"
+modes_step() {  # world mode -> "step_ms comm_wait_share peer_wait_share op_wait_share core_wait_share hook_ms idle_share"
   "$build/flatshard-run" -n "$1" --deadline-s 1200 "$build/bench/bench_modes" $(strategy_flags "$2") $(variant_flags "$2") \
       $MODEL --batch "$BATCH" --steps "$STEPS" 2>/dev/null | sed -n 's/^\[rank 0\] //p' |
-    awk -F, 'NF > 17 { print $4, $15, $16, $15 - $16 - $17, $17, $18 }' | tail -1
+    awk -F, 'NF > 18 { print $4, $15, $16, $15 - $16 - $17, $17, $18, $19 }' | tail -1
 }
 
 # The optimizer step's memory bandwidth: FlatShard's AdamW over 64 Mi elements on one thread.
@@ -192,8 +192,8 @@ for rate in $RATES; do
   fi
 done
 
-echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for a core | of it, for the op | predicted contended | link GB/s, µs, all-reduce GB/s | beside compute GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms | hook work ms | hook in the step ms | peer lag ms |"
-echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"
+echo "| loopback | world | mode | predicted step ms | measured step ms | error | predicted exposed | measured comm wait | of it, for peers | of it, for a core | of it, for the op | predicted contended | link GB/s, µs, all-reduce GB/s | beside compute GB/s, µs | collective share | lone DDP rank's step ms | sharding work ms | hook work ms | hook in the step ms | peer lag ms | cores idle |"
+echo "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"
 for rate in $RATES; do
   throttled=1  # the link, not the CPU, moves this row's bytes at its pace
   case "$rate" in unthrottled | tcp) throttled=0 ;; esac
@@ -325,9 +325,10 @@ for rate in $RATES; do
       op="$(median 4 < "$out/measured.$mode")"
       core="$(median 5 < "$out/measured.$mode")"
       in_step="$(median 6 < "$out/measured.$mode")"
-      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$core" "$rate" "$n" "$mode" "$bus" "$lat" "$ar_bus" "$share" "$ms_n" "$work" "$hook_ms" "$in_step" "$lag" "${beside[1]:-}" "${beside[3]:-}" <<'PY'
+      idle="$(median 7 < "$out/measured.$mode")"
+      python3 - "$out/plan.csv" "$row" "$ms" "$wait" "$peer" "$op" "$core" "$rate" "$n" "$mode" "$bus" "$lat" "$ar_bus" "$share" "$ms_n" "$work" "$hook_ms" "$in_step" "$lag" "$idle" "${beside[1]:-}" "${beside[3]:-}" <<'PY'
 import sys
-plan, row, ms, wait, peer, op, core, rate, n, mode, bus, lat, ar_bus, share, alone, work, hook, in_step, lag, bbus, blat = sys.argv[1:]
+plan, row, ms, wait, peer, op, core, rate, n, mode, bus, lat, ar_bus, share, alone, work, hook, in_step, lag, idle, bbus, blat = sys.argv[1:]
 beside = f"{float(bbus):.2f}, {float(blat):.0f}" if bbus else "-"
 for line in open(plan):
     f = line.strip().split(",")
@@ -338,7 +339,7 @@ for line in open(plan):
               f"{100 * exposed:.0f}% | {100 * float(wait):.0f}% | {100 * float(peer):.0f}% | {100 * float(core):.0f}% | "
               f"{100 * float(op):.0f}% | {100 * contended:.0f}% | "
               f"{float(bus):.2f}, {float(lat):.0f}, {float(ar_bus):.2f} | {beside} | {float(share):.2f} | {alone} | {work} | {hook} | "
-              f"{float(in_step):.1f} | {float(lag):.2f} |")
+              f"{float(in_step):.1f} | {float(lag):.2f} | {100 * float(idle):.0f}% |")
         open(plan + ".errors", "a").write(f"{abs(error):.1f} {rate} {n} {mode}\n")
 PY
     done
