@@ -20,8 +20,8 @@
 // line: mode,world,params,step_ms,alloc_peak_bytes,rss_growth_bytes,param_shard,
 // grad_shard,optim_state,peak_unsharded_params,peak_unsharded_grads,formula_bytes,
 // bytes_sent_per_step,last_loss,comm_wait_share,peer_wait_share,core_wait_share,hook_ms,
-// idle_share (figures are the largest over ranks but the last five: the ranks' mean share of the step
-// their compute waited for communication, Note [Communication wait], of that the share spent
+// idle_share (figures are the largest over ranks but the last five: the ranks' mean share
+// of the step their compute waited for communication, Note [Communication wait], of that the share spent
 // before the last rank had issued the op, Note [Waiting for peers], the share spent woken
 // with no core to run on, CommunicationWait::core_ms, and the hook's own time a step in
 // milliseconds, TimedHook below, 0 without one, and the share of the timed steps the whole
