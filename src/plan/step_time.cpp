@@ -623,9 +623,12 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   // Jitter accumulates as independent noise does, so the last rank's lag grows as the
   // square root of the time since the ranks last met: TimeOptions::peer_lag_s after
   // peer_lag_interval_s (bench_desync measures it: the same work between barriers). The
-  // ranks are taken to meet at the step's start (the optimizer's step after the last
-  // meeting is left out of T) and where a rank has waited for such a round; the other
-  // waits, which the lag is not put on, are not counted as meetings.
+  // ranks meet where a rank has waited for such a round; under the sharded strategies
+  // also at the step's start (the root's gather, waited for at once), and under ZeRO-1 at
+  // its end (the gathers behind the optimizer's step). DDP's ranks meet at neither: from
+  // backward's last round to the next lies the optimizer's step, forward and backward, so
+  // DDP's step is taken after one step more, its lag counted from the step before. The
+  // other waits, which the lag is not put on, are not counted as meetings.
   double met = 0;
   auto lag_at = [&](double issued) {
     if (n < 2) return 0.0;  // one rank meets no one
@@ -830,7 +833,9 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     const bool one_in_flight = zero1 || o.param_bytes < 4 || o.offload;
     const bool decentralized = o.decentralized_every > 0;
     window = decentralized ? o.decentralized_every : 1;
-    const int steps = o.staleness > 0 ? o.staleness + 8 : window;
+    // Note [Ranks drifting apart]: DDP's lag spans the optimizer's step of the step before.
+    const bool lag_spans_steps = !zero1 && o.staleness == 0 && !decentralized && n > 1 && o.peer_lag_s > 0;
+    const int steps = o.staleness > 0 ? o.staleness + 8 : window + (lag_spans_steps ? 1 : 0);
     // A bucket's reduction as the engine keeps it until it finishes it.
     struct Reduction {
       BucketCost cost;
@@ -846,8 +851,8 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
         o.staleness > 0 ? 2.0 * o.reduce_bytes / c.memory_bandwidth : 0;  // s per value
     double engine = 0;  // the hook's, staleness's and decentralized training's work in the window
     for (int step = 0; step < steps; ++step) {
-      met = now;                     // Note [Ranks drifting apart]
-      if (step == steps - window) {  // what the step reports starts here
+      if (!lag_spans_steps || step == 0) met = now;  // Note [Ranks drifting apart]
+      if (step == steps - window) {                  // what the step reports starts here
         window_begin = now;
         waits = Waits{};
         engine = 0;
