@@ -39,7 +39,12 @@ c10::intrusive_ptr<c10d::Store> make_agent_store(const WorldSpec& spec, std::chr
   opts.numWorkers = spec.world_size;
   opts.waitWorkers = false;  // the join count below waits, with a message that names who is missing
   opts.timeout = timeout;
-  return c10::make_intrusive<c10d::TCPStore>(spec.master_addr, opts);
+  // The agent's store outlives the workers: a restart (torchrun --max-restarts) meets in a
+  // store that still holds the last attempt's keys (the join count, the ranks' claims). Each
+  // attempt keeps to its own keys, as PyTorch's workers do.
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  return c10::make_intrusive<c10d::PrefixStore>(fmt::format("/worker/attempt_{}", attempt ? attempt : "0"),
+                                                c10::make_intrusive<c10d::TCPStore>(spec.master_addr, opts));
 }
 
 // The job's own store (Note [The job's store]), served by rank 0 on the master port: on

@@ -41,6 +41,8 @@ class DeviceEvent {
 
 class Event {
  public:
+  // An event no stream recorded: already complete, as a CUDA event never recorded is (a
+  // wait on it returns at once). Streams hand out the events of their work.
   Event();
   // True once the work it was recorded after has finished (successfully or not), on
   // the device too.

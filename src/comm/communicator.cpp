@@ -660,6 +660,8 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
                                       rank, world_size, to_string(f.kind), peer, f.what(), advice(f.kind)));
           log::at(log::Level::Error, "{}", error.what());
           throw error;
+        } catch (const InvalidArgument&) {
+          throw;  // refused before anything moved (MPI's counts and types): the communicator still works
         } catch (const std::exception& e) {
           // Anything else (the host out of memory for a channel's scratch, a kernel that
           // refused) after bytes may have moved: the ranks can no longer be trusted to agree,

@@ -26,7 +26,7 @@ struct Event::State {
   }
 };
 
-Event::Event() : state_(std::make_shared<State>()) {}
+Event::Event() : state_(std::make_shared<State>()) { state_->done = true; }
 
 bool Event::query() const {
   std::shared_ptr<DeviceEvent> device;
@@ -82,7 +82,8 @@ Event Stream::submit(std::function<void()> fn) {
 
 Event Stream::submit_device(std::function<std::shared_ptr<DeviceEvent>()> fn) {
   Event event;
-  auto state = event.state_;
+  auto state = std::make_shared<Event::State>();  // pending until `fn` has run
+  event.state_ = state;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.push_back([fn = std::move(fn), state] {

@@ -115,6 +115,7 @@ void flush_partial(int rank, std::string& partial, FILE* to) {
 
 pid_t spawn(const LaunchOptions& o, int local, int port, int restart, int out_fd[2], int err_fd[2]) {
   const pid_t pid = ::fork();
+  if (pid > 0) ::setpgid(pid, pid);  // the child does too: its group exists before either goes on
   if (pid != 0) return pid;
   // Child: its own process group (the launcher forwards signals), killed if the
   // launcher dies.

@@ -149,6 +149,23 @@ TEST(Launchers, TorchrunStartsFlatShardRanks) {
   EXPECT_NE(r.output.find("[  PASSED  ] 1 test"), std::string::npos) << r.output;
 }
 
+// torchrun's agent keeps its store across restarts (--max-restarts): the second attempt's
+// ranks meet in a store that still holds the first's keys (its join count, its ranks'
+// claims), so each attempt keeps to keys of its own, as PyTorch's workers do. Rank 1 fails
+// the first attempt after meeting; the second meets again and passes.
+TEST(Launchers, TorchrunRestartsMeetAgain) {
+  if (flatshard::testing::in_rank_mode()) {
+    auto world = flatshard::init();
+    expect_ranks_sum(world);
+    if (std::string(std::getenv("TORCHELASTIC_RESTART_COUNT")) == "0" && world.rank() == 1) std::_Exit(3);
+    return;
+  }
+  const auto r = run_current_test_under(
+      {FLATSHARD_TORCHRUN, "--no-python", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[  PASSED  ] 1 test"), std::string::npos) << r.output;
+}
+
 // Open MPI's mpirun (Debian's openmpi-bin, which scripts/setup.sh installs) starts FlatShard
 // ranks: init() reads OMPI_COMM_WORLD_*, and on one machine needs nothing more.
 TEST(Launchers, MpirunStartsFlatShardRanks) {

@@ -61,6 +61,21 @@ TEST(Stream, WaitEventOrdersWorkAcrossStreams) {
   EXPECT_EQ(seen, 42);
 }
 
+// An event no stream recorded is complete, as a CUDA event never recorded is: a stream
+// told to wait for it (CollectiveOptions::wait_for = {Event()}) goes on at once instead of
+// waiting forever.
+TEST(Stream, AnEventNoStreamRecordedIsComplete) {
+  const Event none;
+  EXPECT_TRUE(none.query());
+  EXPECT_NO_THROW(none.synchronize());
+  Stream s("test");
+  s.wait_event(none);
+  auto after = s.submit([] {});
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  while (!after.query() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(after.query()) << "the stream still waits for an event nothing will complete";
+}
+
 TEST(Stream, TwoStreamsRunConcurrently) {
   Stream a("a"), b("b");
   std::atomic<bool> b_ran{false}, a_saw_b{false};
