@@ -72,7 +72,8 @@ class File {
 };
 
 // A model directory as Hugging Face writes it: model.safetensors, or the files that
-// model.safetensors.index.json names. Files open when first read.
+// model.safetensors.index.json names. Every file is opened (mapped and its header checked)
+// when the Directory is made: a missing or damaged file fails then, before any is read.
 class Directory {
  public:
   explicit Directory(std::string dir);

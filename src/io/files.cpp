@@ -213,7 +213,17 @@ void SequentialFile::finish() {
 
 std::vector<char> read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, "opening", errno != 0 ? errno : ENOENT);
+  if (!in) {
+    // A read's failure gets a reader's advice (the writers' above speaks of saving).
+    const int err = errno != 0 ? errno : ENOENT;
+    const char* why = err == ENOENT || err == ENOTDIR
+                          ? "the file is missing: check the path, or copy the whole "
+                            "directory again"
+                      : err == EACCES || err == EPERM ? "no permission to read it"
+                                                      : "check the file system";
+    throw checkpoint::CheckpointError(path, fmt::format("flatshard::checkpoint: reading '{}' failed: {} ({})",
+                                                        path, std::strerror(err), why));
+  }
   return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
@@ -239,12 +249,18 @@ bool exists(const std::string& path) {
 // cannot flush a directory (EINVAL) keeps its entries by other means; any other failure
 // (EIO, a full journal) means the entry may not survive a power loss, and the save fails.
 void fsync_dir(const std::string& dir) {
+  auto refuse = [&](const char* step, int err) {
+    throw checkpoint::CheckpointError(
+        dir, fmt::format("flatshard::checkpoint: {} '{}' failed: {}: what was last renamed or made in it may "
+                         "not survive a power loss; check the disk",
+                         step, dir, std::strerror(err)));
+  };
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) fail(dir, "opening the directory", errno);
+  if (fd < 0) refuse("opening the directory", errno);
   if (::fsync(fd) != 0 && errno != EINVAL && errno != EROFS) {
     const int err = errno;
     ::close(fd);
-    fail(dir, "flushing the directory", err);
+    refuse("flushing the directory", err);
   }
   ::close(fd);
 }
@@ -294,7 +310,11 @@ std::vector<std::string> list_dir(const std::string& dir) {
 
 Mapping map_file(const std::string& path) {
   auto refuse = [&](const char* what, int err) {
-    throw checkpoint::CheckpointError(path, fmt::format("cannot {} '{}': {}", what, path, errno_reason(err)));
+    const char* why = err == ENOENT ? " (the file is missing: download or copy the whole directory again)"
+                      : err == EACCES || err == EPERM ? " (no permission to read it)"
+                                                      : "";
+    throw checkpoint::CheckpointError(
+        path, fmt::format("cannot {} '{}': {}{}", what, path, std::strerror(err), why));
   };
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) refuse("open", errno);

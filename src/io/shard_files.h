@@ -84,6 +84,9 @@ struct Checkpoint {
 
 // --- shared by saving and loading (shard_save.cpp) -----------------------------------------
 
+// metadata.json's CRC-32 in decimal, beside it (written first; absent in older checkpoints).
+inline constexpr const char* kMetadataChecksum = "metadata.crc32";
+
 [[noreturn]] void fail(const std::string& path, const std::string& what);
 std::string dtype_name(at::ScalarType t);
 std::optional<at::ScalarType> dtype_of(const std::string& name);

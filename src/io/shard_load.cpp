@@ -32,10 +32,10 @@ std::string trim(std::string s) {
 }
 
 // A tensor's pieces (sorted by their first element) must tile it: each holds at least one
-// element, the first begins at 0, each begins where the one before it ended, and the last
-// ends at the shape's element count. Anything else (a piece listed twice, a gap, a count
-// beyond the tensor) is a damaged index that would load some elements twice and leave
-// others as they were.
+// element (an empty buffer's one piece holds none), the first begins at 0, each begins where the one before
+// it ended, and the last ends at the shape's element count. Anything else (a piece listed twice, a gap, a
+// count beyond the tensor) is a damaged index that would load some elements twice and leave others as they
+// were.
 void check_pieces(const std::string& meta_path, const std::string& key, const Entry& e) {
   std::int64_t numel = 1;
   for (const std::int64_t d : e.shape) {
@@ -47,6 +47,7 @@ void check_pieces(const std::string& meta_path, const std::string& key, const En
   }
   std::int64_t next = 0;
   for (const auto& part : e.parts) {
+    if (part.numel == 0 && part.begin == next && part.byte_offset >= 0) continue;  // an empty tensor's piece
     if (part.begin != next || part.numel <= 0 || part.numel > numel - next || part.byte_offset < 0) {
       fail(meta_path,
            fmt::format("'{}': the pieces of tensor '{}' do not tile its {} elements (a piece of {} "
@@ -86,6 +87,18 @@ Checkpoint open_checkpoint(const std::string& path) {
   }
   const std::string meta_path = dir + "/metadata.json";
   const auto bytes = io::read_file(meta_path);
+  // Its CRC-32, where the checkpoint has one (those saved before it did not): a flipped bit
+  // that still parses (a step count, a learning rate) must not load.
+  const std::string crc_path = dir + "/" + kMetadataChecksum;
+  if (exists(crc_path)) {
+    const auto want = io::read_file(crc_path);
+    if (trim(std::string(want.begin(), want.end())) != std::to_string(crc32_of(bytes.data(), bytes.size()))) {
+      fail(meta_path,
+           fmt::format("'{}' does not match its checksum ({}): the file is corrupt; load an earlier "
+                       "checkpoint",
+                       meta_path, crc_path));
+    }
+  }
   Checkpoint c;
   c.dir = dir;
   try {
@@ -316,12 +329,23 @@ CheckpointInfo load(const std::string& path, Communicator& comm,
     info = CheckpointInfo{c->dir, c->step, c->world_size, c->mode};
   } catch (const std::exception& e) {  // an Error, or the host out of memory: every rank must hear
     failure = reason_of(e);
-    if (reading)
-      failure +=
-          "; the model's parameters and optimizer state are partly loaded: load another "
-          "checkpoint or build the model afresh";
+    if (failure.empty()) failure = "an error with no message";
   }
-  agree(comm, path, "loading", failure);
+  {
+    // Every rank's failure, and whether it had begun reading its values: a rank that failed
+    // early must still say that its peers' values were partly loaded.
+    const auto all = exchange_strings(comm, (reading ? "r" : "-") + failure);
+    bool any_read = false;
+    for (const auto& a : all) any_read = any_read || a[0] == 'r';
+    for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+      if (all[r].size() <= 1) continue;
+      fail(path,
+           fmt::format("loading failed on rank {} of {}: {}{}", r, all.size(), all[r].substr(1),
+                       any_read ? "; the model's parameters and optimizer state are partly loaded: load "
+                                  "another checkpoint or build the model afresh"
+                                : ""));
+    }
+  }
   try {
     finish(*c);
   } catch (const std::exception& e) {

@@ -345,6 +345,9 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
       }
       meta["tensors"] = std::move(tensors);
       const auto text = meta.dump(1);
+      // Its CRC-32 first: metadata.json's presence is what marks the directory complete.
+      const std::string crc = fmt::format("{}\n", crc32_of(text.data(), text.size()));
+      io::write_file_atomically(tmp + "/" + kMetadataChecksum, std::vector<char>(crc.begin(), crc.end()));
       io::write_file_atomically(tmp + "/metadata.json", std::vector<char>(text.begin(), text.end()));
       fsync_dir(tmp);
       reached(SaveStage::MetadataWritten);

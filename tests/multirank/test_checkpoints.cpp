@@ -374,10 +374,24 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
   expect_load_error("is corrupt", "half a metadata file");
   on_rank0([&] { std::ofstream(meta, std::ios::trunc) << meta_text; });
 
-  // An index that parses but lies: a piece listed twice (its elements would be read twice
-  // and others never), a piece far larger than its tensor (one rank's allocation would
-  // fail alone), training state of the wrong type (read after the values). Each fails
-  // every rank with a CheckpointError naming the rank, within the test's deadline.
+  // A change that still parses (the step, from 1 to 7) does not match the file's checksum.
+  on_rank0([&] {
+    auto j = nlohmann::json::parse(meta_text);
+    j["step"] = 7;
+    std::ofstream(meta, std::ios::trunc) << j.dump(1);
+  });
+  expect_load_error("does not match its checksum", "metadata.json changed");
+  // An index that parses but lies, in a checkpoint without the checksum (as those saved
+  // before it): a piece listed twice (its elements would be read twice and others never),
+  // a piece far larger than its tensor (one rank's allocation would fail alone), training
+  // state of the wrong type (read after the values). Each fails every rank with a
+  // CheckpointError naming the rank, within the test's deadline.
+  std::string crc_text;
+  on_rank0([&] {
+    std::ifstream in(info.path + "/metadata.crc32");
+    crc_text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    fs::remove(info.path + "/metadata.crc32");
+  });
   auto with_meta = [&](const std::function<void(nlohmann::json&)>& edit) {
     on_rank0([&] {
       auto j = nlohmann::json::parse(meta_text);
@@ -396,7 +410,10 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
   expect_load_error("do not tile", "a piece larger than its tensor");
   with_meta([](nlohmann::json& j) { j["training"] = {{"synced_backwards", nullptr}}; });
   expect_load_error("restoring the training state failed on rank 0 of 2", "training state of the wrong type");
-  on_rank0([&] { std::ofstream(meta, std::ios::trunc) << meta_text; });
+  on_rank0([&] {
+    std::ofstream(meta, std::ios::trunc) << meta_text;
+    std::ofstream(info.path + "/metadata.crc32", std::ios::trunc) << crc_text;
+  });
 
   // Another model: a wider one (shapes differ) and a deeper one (an extra block).
   GPTConfig wider = checkpoint_config();
@@ -517,6 +534,26 @@ TEST(Checkpoint, SavingAStepAgainKeepsItWhole) {
   t.comm().barrier().wait();
   expect_loads(2, "killed with the older copy moved aside");
   t.comm().barrier().wait();
+  if (world.rank() == 0) fs::remove_all(root);
+}
+
+// A buffer with no elements is saved as one empty piece, which the index check takes as
+// tiling its nothing; its neighbours load as before.
+TEST(Checkpoint, AnEmptyBufferSavesAndLoads) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const std::string root = fmt::format("/tmp/flatshard-empty-{}", env("MASTER_PORT"));
+  auto with_empty = [](int seed) {
+    auto model = seeded_gpt(checkpoint_config(), seed);
+    model->register_buffer("nothing", at::zeros({0}));
+    return model;
+  };
+  flatshard::testing::Wrapped<GPT> saved(with_empty(kSeed), world, Strategy::FullShard, test_options());
+  saved.save(root, 1);
+  flatshard::testing::Wrapped<GPT> loaded(with_empty(kOtherSeed), world, Strategy::FullShard, test_options());
+  EXPECT_EQ(loaded.load(root).step, 1);
+  expect_identical(loaded.params(), saved.params(), "a model with an empty buffer");
+  saved.comm().barrier().wait();
   if (world.rank() == 0) fs::remove_all(root);
 }
 
