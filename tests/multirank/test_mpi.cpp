@@ -172,6 +172,10 @@ TEST(Mpi, CollectivesMatchTheRings) {
       }
     }
   }
+  // A type MPI cannot move is refused on every rank before anything moves: an
+  // InvalidArgument, and the communicator still works.
+  at::Tensor flags = at::zeros({2 * n}, at::kBool);
+  EXPECT_THROW(mpi->all_gather(flags, at::ones({2}, at::kBool)).wait(), flatshard::InvalidArgument);
   mpi->barrier().wait();
   EXPECT_TRUE(mpi_in_use());
 }
