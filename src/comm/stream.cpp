@@ -82,8 +82,8 @@ Event Stream::submit(std::function<void()> fn) {
 
 Event Stream::submit_device(std::function<std::shared_ptr<DeviceEvent>()> fn) {
   Event event;
-  auto state = std::make_shared<Event::State>();  // pending until `fn` has run
-  event.state_ = state;
+  auto state = event.state_;
+  state->done = false;  // pending until `fn` has run (no thread has seen it yet)
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.push_back([fn = std::move(fn), state] {
