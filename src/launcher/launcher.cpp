@@ -72,18 +72,14 @@ std::string random_hex(std::size_t bytes) {
   return hex;
 }
 
+// A port free on every interface of both families (Note [Either family]), released for
+// rank 0 to bind.
 int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    throw std::runtime_error(fmt::format("cannot find a free port: {}", std::strerror(errno)));
+  try {
+    return tcp::Listener(0, "").port();
+  } catch (const tcp::IoError& e) {
+    throw std::runtime_error(fmt::format("cannot find a free port: {}", e.detail));
   }
-  ::close(fd);
-  return ntohs(addr.sin_port);
 }
 
 // A child process and the pipes its output comes through.

@@ -127,7 +127,8 @@ struct RendezvousHost::State {
     for (auto& node : known) tell(node.second, {kJobOver, code}, std::chrono::seconds(1));
     known.clear();
   }
-  State(const RendezvousOptions& o, int port, bool loopback) : options(o), listener(port, loopback) {}
+  State(const RendezvousOptions& o, int port, const std::string& loopback)
+      : options(o), listener(port, loopback) {}
 
   // Accepts one node before `until`, checks its proof and its hello; nullopt when none came
   // or it was refused (a refused node is told why and logged).
@@ -177,7 +178,7 @@ struct RendezvousHost::State {
 };
 
 RendezvousHost::RendezvousHost(const RendezvousOptions& options) {
-  const bool loopback = !tcp::loopback_address_of(options.host).empty();
+  const std::string loopback = tcp::loopback_address_of(options.host);
   try {
     state_ = std::make_unique<State>(options, options.port, loopback);
   } catch (const tcp::IoError& e) {
@@ -231,7 +232,7 @@ Membership RendezvousHost::next_round(int restarts) {
   m.nnodes = 1 + static_cast<int>(present.size());
   m.node_ids.push_back(0);
   for (const auto& a : present) m.node_ids.push_back(a.id);
-  tcp::Listener free_now(0, !tcp::loopback_address_of(o.host).empty());
+  tcp::Listener free_now(0, tcp::loopback_address_of(o.host));
   m.port = free_now.port();  // released before the ranks start; rank 0 binds it again
   for (std::size_t k = 0; k < present.size(); ++k) {
     std::vector<std::int32_t> answer{kMember,  m.round, static_cast<std::int32_t>(k + 1),

@@ -155,7 +155,7 @@ std::vector<Channel> connect_ring(const World& world, const CommunicatorOptions&
                     "out: set FLATSHARD_JOB_SECRET to the same random string on every rank",
                     host));
   }
-  tcp::Listener listener(tcp::is_loopback(host));
+  tcp::Listener listener(tcp::is_loopback(host) ? host : std::string());
   try {
     world.store->set(prefix + std::to_string(rank), to_bytes(fmt::format("{}:{}", host, listener.port())));
     const std::string key = prefix + std::to_string((rank + 1) % world_size);

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 
 #include <fmt/format.h>
@@ -130,47 +131,128 @@ void Socket::recv_all(void* data, std::size_t bytes, Clock::time_point deadline)
 
 bool is_loopback(const std::string& host) {
   in_addr a{};
-  return ::inet_pton(AF_INET, host.c_str(), &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
+  if (::inet_pton(AF_INET, host.c_str(), &a) == 1) return (ntohl(a.s_addr) >> 24) == 127;
+  in6_addr b{};
+  if (::inet_pton(AF_INET6, host.c_str(), &b) != 1) return false;
+  if (IN6_IS_ADDR_LOOPBACK(&b)) return true;
+  return IN6_IS_ADDR_V4MAPPED(&b) && b.s6_addr[12] == 127;
 }
+
+namespace {
+
+// `host`'s first address of the family it prefers (IPv4 when it has any: Note [Either
+// family]), or nullptr; `owner` frees the list.
+const addrinfo* preferred_address(const std::string& host, int port, int socktype,
+                                  std::unique_ptr<addrinfo, void (*)(addrinfo*)>& owner) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = socktype;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || found == nullptr)
+    return nullptr;
+  owner.reset(found);
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next)
+    if (a->ai_family == AF_INET) return a;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next)
+    if (a->ai_family == AF_INET6) return a;
+  return nullptr;
+}
+
+// The address in `addr` as text ("" for another family).
+std::string address_text(const sockaddr* addr) {
+  char text[INET6_ADDRSTRLEN] = "";
+  if (addr->sa_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(addr)->sin_addr, text, sizeof(text));
+  } else if (addr->sa_family == AF_INET6) {
+    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr, text, sizeof(text));
+  }
+  return text;
+}
+
+}  // namespace
+
+// Note [Either family]
+// ~~~~~~~~~~~~~~~~~~~~
+// A job's addresses may be IPv4 or IPv6: MASTER_ADDR=::1, a cluster whose host names resolve
+// to IPv6 only. Listening "on every interface" is one IPv6 socket with IPV6_V6ONLY off, which
+// takes IPv4 connections as mapped addresses too (an IPv4 socket where the kernel has no
+// IPv6), so a rank reaches it whichever family its peer's name resolves to. A listener kept
+// to loopback binds the loopback address it was given, of its own family. Where a name has
+// both, its IPv4 addresses decide (getaddrinfo's own order puts ::1 before 127.0.0.1 for
+// "localhost", and a container may list ::1 in /etc/hosts without an IPv6 loopback): the
+// choices the engine made before it spoke IPv6 stay as they were.
 
 std::string loopback_address_of(const std::string& host) {
   if (is_loopback(host)) return host;
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) return "";
-  char text[INET_ADDRSTRLEN] = "";
-  ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(found->ai_addr)->sin_addr, text, sizeof(text));
-  freeaddrinfo(found);
-  return is_loopback(text) ? std::string(text) : std::string();
+  std::unique_ptr<addrinfo, void (*)(addrinfo*)> owner(nullptr, freeaddrinfo);
+  const addrinfo* a = preferred_address(host, 0, SOCK_STREAM, owner);
+  if (a == nullptr) return "";
+  const std::string text = address_text(a->ai_addr);
+  return is_loopback(text) ? text : std::string();
 }
 
-Listener::Listener(bool loopback_only) : Listener(0, loopback_only) {}
-
-Listener::Listener(int port, bool loopback_only) {
-  fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd_ < 0) {  // out of file descriptors (EMFILE), say: an error the caller names, not a crash
+int listen_socket(int port, const std::string& address, int backlog, int* bound_port) {
+  sockaddr_storage addr{};
+  socklen_t length = 0;
+  const auto fill6 = [&](const in6_addr& host) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&addr);
+    a->sin6_family = AF_INET6;
+    a->sin6_addr = host;
+    a->sin6_port = htons(static_cast<std::uint16_t>(port));
+    length = sizeof(sockaddr_in6);
+  };
+  const auto fill4 = [&](std::uint32_t host_order) {
+    auto* a = reinterpret_cast<sockaddr_in*>(&addr);
+    a->sin_family = AF_INET;
+    a->sin_addr.s_addr = htonl(host_order);
+    a->sin_port = htons(static_cast<std::uint16_t>(port));
+    length = sizeof(sockaddr_in);
+  };
+  const auto where = [&] { return port == 0 ? std::string("a free port") : fmt::format("port {}", port); };
+  in_addr v4{};
+  in6_addr v6{};
+  if (address.empty()) {
+    fill6(in6addr_any);
+  } else if (::inet_pton(AF_INET, address.c_str(), &v4) == 1) {
+    fill4(ntohl(v4.s_addr));
+  } else if (::inet_pton(AF_INET6, address.c_str(), &v6) == 1) {
+    fill6(v6);
+  } else {
+    throw_io(IoError::Kind::Closed, -1,
+             fmt::format("cannot listen on {}: '{}' is not an address", where(), address));
+  }
+  int fd = ::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 && address.empty() && (errno == EAFNOSUPPORT || errno == EPROTONOSUPPORT)) {
+    fill4(INADDR_ANY);  // a kernel without IPv6
+    fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  }
+  if (fd < 0) {  // out of file descriptors (EMFILE), say: an error the caller names, not a crash
     throw_io(IoError::Kind::Closed, -1,
              fmt::format("cannot open a socket to listen on: {} (raise `ulimit -n`?)", std::strerror(errno)));
   }
-  int one = 1;
-  setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(loopback_only ? INADDR_LOOPBACK : INADDR_ANY);
-  addr.sin_port = htons(static_cast<std::uint16_t>(port));
-  if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd_, 128) != 0) {
+  int one = 1, zero = 0;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (addr.ss_family == AF_INET6 && address.empty())
+    setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), length) != 0 || ::listen(fd, backlog) != 0) {
     const int error = errno;
-    ::close(fd_);
-    fd_ = -1;
+    ::close(fd);
     throw_io(IoError::Kind::Closed, -1,
-             port == 0 ? fmt::format("cannot listen on a free port: {}", std::strerror(error))
-                       : fmt::format("cannot listen on port {}: {}", port, std::strerror(error)));
+             fmt::format("cannot listen on {}: {}", where(), std::strerror(error)));
   }
   socklen_t len = sizeof(addr);
-  getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-  port_ = ntohs(addr.sin_port);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  if (bound_port != nullptr) {
+    *bound_port = addr.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
+                                             : ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  }
+  return fd;
+}
+
+Listener::Listener(const std::string& address) : Listener(0, address) {}
+
+Listener::Listener(int port, const std::string& address) {
+  fd_ = listen_socket(port, address, 128, &port_);
   set_nonblocking(fd_);
 }
 
@@ -202,23 +284,20 @@ Socket Listener::accept(Clock::time_point deadline) {
 }
 
 std::string local_address_toward(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return "127.0.0.1";
+  std::unique_ptr<addrinfo, void (*)(addrinfo*)> owner(nullptr, freeaddrinfo);
+  const addrinfo* a = preferred_address(host, port, SOCK_DGRAM, owner);
+  if (a == nullptr) return "127.0.0.1";
   std::string result = "127.0.0.1";
-  int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
-    sockaddr_in local{};
+  int fd = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0 && ::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+    sockaddr_storage local{};
     socklen_t len = sizeof(local);
     if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
-      char text[INET_ADDRSTRLEN];
-      if (inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text)) != nullptr) result = text;
+      const std::string text = address_text(reinterpret_cast<const sockaddr*>(&local));
+      if (!text.empty()) result = text;
     }
   }
   if (fd >= 0) ::close(fd);
-  freeaddrinfo(found);
   return result;
 }
 

@@ -54,12 +54,12 @@ class Socket {
 
 class Listener {
  public:
-  // Binds a free port on every interface, or on the loopback interface only (a job on one
-  // machine: nothing from outside it can connect).
-  explicit Listener(bool loopback_only = false);
-  // Binds `port` (on every interface, or on the loopback interface only); throws IoError
-  // (Closed) naming the port when it cannot (taken, or not ours to bind).
-  Listener(int port, bool loopback_only);
+  // Binds a free port on every interface, IPv4 and IPv6, or on `address` only when it is
+  // given: a loopback address (a job on one machine: nothing from outside it can connect).
+  explicit Listener(const std::string& address = "");
+  // Binds `port` the same way; throws IoError (Closed) naming the port when it cannot
+  // (taken, or not ours to bind).
+  Listener(int port, const std::string& address);
   ~Listener();
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;
@@ -73,14 +73,23 @@ class Listener {
   int port_ = 0;
 };
 
-// Whether `host` is an IPv4 loopback address (127.0.0.0/8), written as such.
+// A listening socket's descriptor, on `port` (0: a free one, whose number `bound_port`
+// gets) at `address` (an IPv4 or IPv6 address), or, when it is "", on every interface: one
+// IPv6 socket that takes IPv4 connections too, or an IPv4 one on a host without IPv6.
+// Throws IoError (Closed) naming the port.
+int listen_socket(int port, const std::string& address, int backlog, int* bound_port);
+
+// Whether `host` is a loopback address, written as such: 127.0.0.0/8, ::1, or IPv4's
+// loopback mapped into IPv6 (::ffff:127.0.0.1).
 bool is_loopback(const std::string& host);
 
-// `host`'s first IPv4 address when it is a loopback one ("localhost" -> "127.0.0.1"),
-// else "" (another machine's, or unresolvable).
+// `host`'s address when it is a loopback one ("localhost" -> "127.0.0.1", "::1" -> "::1"),
+// else "" (another machine's, or unresolvable). A name with IPv4 addresses is judged by the
+// first of them, one with IPv6 addresses only by its first.
 std::string loopback_address_of(const std::string& host);
 
-// The local address this host uses to reach `host` (no packet is sent).
+// The local address this host uses to reach `host` (no packet is sent): in `host`'s first
+// IPv4 address's family when it has one, else in IPv6's.
 std::string local_address_toward(const std::string& host, int port);
 
 // A message in two parts: a fixed-size head, then a body.

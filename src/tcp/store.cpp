@@ -98,22 +98,10 @@ Bytes bytes(const std::string& s) { return {s.begin(), s.end()}; }
 // Rank 0's half: the keys and a thread per proven connection (Note [The job's store]).
 class Server {
  public:
-  // Listens on `loopback` (an address of 127.0.0.0/8), or on every interface when it is "".
+  // Listens on `loopback` (a loopback address, IPv4 or IPv6), or on every interface of
+  // both families when it is "" (Note [Either family]).
   Server(int port, const std::string& loopback, std::string secret) : secret_(std::move(secret)) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd_ < 0) throw IoError{IoError::Kind::Closed, -1, fmt::format("socket(): {}", std::strerror(errno))};
-    int one = 1;
-    ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_ANY);
-    if (!loopback.empty()) ::inet_pton(AF_INET, loopback.c_str(), &addr.sin_addr);
-    addr.sin_port = htons(static_cast<std::uint16_t>(port));
-    if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd_, 1024) != 0) {
-      const std::string why = std::strerror(errno);
-      ::close(fd_);
-      throw IoError{IoError::Kind::Closed, -1, fmt::format("cannot listen on port {}: {}", port, why)};
-    }
+    fd_ = listen_socket(port, loopback, 1024, nullptr);
     if (::pipe2(wake_, O_CLOEXEC) != 0) {
       ::close(fd_);
       throw IoError{IoError::Kind::Closed, -1, "pipe2() failed"};

@@ -181,6 +181,26 @@ TEST(Launchers, MpirunStartsFlatShardRanks) {
   EXPECT_NE(r.output.find("[  PASSED  ] 1 test"), std::string::npos) << r.output;
 }
 
+// The local addresses of the sockets listening on `port` (from /proc/net/tcp and tcp6, as
+// the kernel writes them: "0100007F" is 127.0.0.1, "00000000" every IPv4 interface).
+std::vector<std::string> listening_addresses(int port) {
+  std::vector<std::string> out;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      const auto colon = local.rfind(':');
+      if (state != "0A" || colon == std::string::npos) continue;  // 0A: LISTEN
+      if (std::stoi(local.substr(colon + 1), nullptr, 16) == port) out.push_back(local.substr(0, colon));
+    }
+  }
+  return out;
+}
+
 // Two "nodes" on one machine: two flatshard-run processes, --nnodes 2 and a node rank
 // each, two ranks per node, meet at one master port and make one world of four, proving
 // the job secret both nodes were given (a launcher of several nodes makes none itself).
@@ -218,24 +238,44 @@ TEST(Launchers, TwoNodesOfFlatshardRunMakeOneWorld) {
   }
 }
 
-// The local addresses of the sockets listening on `port` (from /proc/net/tcp and tcp6, as
-// the kernel writes them: "0100007F" is 127.0.0.1, "00000000" every IPv4 interface).
-std::vector<std::string> listening_addresses(int port) {
-  std::vector<std::string> out;
-  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream in(table);
-    std::string line;
-    std::getline(in, line);  // header
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string slot, local, remote, state;
-      fields >> slot >> local >> remote >> state;
-      const auto colon = local.rfind(':');
-      if (state != "0A" || colon == std::string::npos) continue;  // 0A: LISTEN
-      if (std::stoi(local.substr(colon + 1), nullptr, 16) == port) out.push_back(local.substr(0, colon));
+// The same two nodes meeting at an IPv6 master (Note [Either family] in src/tcp/socket.cpp):
+// the launchers' rendezvous, the store and the ring all listen on ::1 alone, a loopback
+// address of IPv6's family, and every rank reaches them.
+TEST(Launchers, TwoNodesMeetAtAnIPv6Master) {
+  if (flatshard::testing::in_rank_mode()) {
+    auto world = flatshard::init();
+    EXPECT_EQ(world.world_size(), 2);
+    EXPECT_EQ(world.spec.master_addr, "::1");
+    if (world.rank() == 0) {
+      // /proc/net/tcp6 writes ::1 as four 32-bit words in the host's order.
+      EXPECT_EQ(listening_addresses(world.spec.master_port),
+                std::vector<std::string>{"00000000000000000000000001000000"});
     }
+    expect_ranks_sum(world);
+    return;
   }
-  return out;
+  int port = 0;
+  {
+    HeldPort free_now(false);
+    port = free_now.port;
+  }
+  flatshard::testing::RunResult results[2];
+  std::thread nodes[2];
+  for (int node = 0; node < 2; ++node) {
+    nodes[node] = std::thread([&, node] {
+      results[node] = run_current_test_under({flatshard::testing::launcher_path(), "-n", "1", "--nnodes", "2",
+                                              "--node-rank", std::to_string(node), "--master-addr", "::1",
+                                              "--master-port", std::to_string(port), "--deadline-s", "60"},
+                                             {{"FLATSHARD_JOB_SECRET", "two-nodes-over-ipv6"}});
+    });
+  }
+  for (auto& t : nodes) t.join();
+  for (int node = 0; node < 2; ++node) {
+    EXPECT_EQ(results[node].exit_code, 0) << "node " << node << "\n" << results[node].output;
+    EXPECT_NE(results[node].output.find("[rank " + std::to_string(node) + "] [  PASSED  ] 1 test"),
+              std::string::npos)
+        << results[node].output;
+  }
 }
 
 // A job on one machine (master 127.0.0.1, as flatshard-run sets it) serves its store on the
@@ -283,9 +323,25 @@ TEST(Rendezvous, RingListenersOfAOneMachineJobListenOnLoopbackOnly) {
   EXPECT_TRUE(flatshard::tcp::is_loopback("127.3.2.1"));
   EXPECT_FALSE(flatshard::tcp::is_loopback("10.0.0.1"));
   EXPECT_FALSE(flatshard::tcp::is_loopback("localhost"));  // a name, not an address: left as is
-  const flatshard::tcp::Listener loopback(/*loopback_only=*/true), any(/*loopback_only=*/false);
+  EXPECT_TRUE(flatshard::tcp::is_loopback("::1"));
+  EXPECT_TRUE(flatshard::tcp::is_loopback("::ffff:127.0.0.1"));
+  EXPECT_FALSE(flatshard::tcp::is_loopback("::ffff:10.0.0.1"));
+  EXPECT_FALSE(flatshard::tcp::is_loopback("fd00::2"));
+  EXPECT_EQ(flatshard::tcp::loopback_address_of("::1"), "::1");
+  EXPECT_EQ(flatshard::tcp::loopback_address_of("localhost"), "127.0.0.1");  // IPv4's first
+  EXPECT_EQ(flatshard::tcp::loopback_address_of("10.0.0.1"), "");
+  EXPECT_EQ(flatshard::tcp::local_address_toward("::1", 80), "::1");
+  const flatshard::tcp::Listener loopback("127.0.0.1"), loopback6("::1"), any("");
   EXPECT_EQ(listening_addresses(loopback.port()), std::vector<std::string>{"0100007F"});
-  EXPECT_EQ(listening_addresses(any.port()), std::vector<std::string>{"00000000"});
+  EXPECT_EQ(listening_addresses(loopback6.port()),
+            std::vector<std::string>{"00000000000000000000000001000000"});
+  // Every interface: one IPv6 socket that takes IPv4 as well.
+  EXPECT_EQ(listening_addresses(any.port()), std::vector<std::string>{"00000000000000000000000000000000"});
+  for (const std::string host : {"127.0.0.1", "::1"}) {
+    auto s = flatshard::tcp::Socket::connect(host, any.port(), 0,
+                                             std::chrono::steady_clock::now() + std::chrono::seconds(5));
+    EXPECT_TRUE(s.valid()) << host;
+  }
 }
 
 TEST(Rendezvous, PortInUseIsATypedErrorOnRankZero) {
