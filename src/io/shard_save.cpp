@@ -21,6 +21,7 @@
 
 #include "src/io/files.h"
 #include "src/io/shard_files.h"
+#include "src/logging.h"
 
 namespace flatshard::checkpoint::shards {
 
@@ -274,6 +275,15 @@ bool swap_dirs(const std::string& a, const std::string& b) {
 // is replaced atomically by a file naming it, and only then are older checkpoints
 // beyond keep_last removed. A process killed at any point leaves root/latest naming a
 // complete checkpoint (the new one or the previous one).
+// Note [Keeping checkpoints after a rewind]
+// keep_last keeps the newest checkpoints by step. A job that went back to an earlier step
+// (loaded step-100 by its path after a loss spike, with step-110 to step-150 under the
+// root) saves steps below ones already there. Pruning by step then would keep the run it
+// left and delete the one it is on, its own saves first. So while any checkpoint of a later
+// step than the one saved exists, nothing is pruned (a warning names them); each save of
+// the new run replaces the old one of its step, and once its step is the highest again,
+// keep_last prunes as before. A checkpoint of the run left behind whose step the new run
+// never saves (it saves at other intervals) is pruned then by its step like any other.
 CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& h,
                     const SaveOptions& options) {
   const int rank = comm.rank(), n = comm.world_size();
@@ -387,8 +397,19 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
           if (entry.rfind(".step-", 0) == 0) remove_tree(root + "/" + entry);  // left by a killed save
         }
         std::sort(steps.begin(), steps.end());
-        const int drop = static_cast<int>(steps.size()) - (options.keep_last - 1);
-        for (int i = 0; i < drop; ++i) remove_tree(root + "/" + steps[i]);
+        const auto later = std::upper_bound(steps.begin(), steps.end(), name);
+        if (later != steps.end()) {
+          // Note [Keeping checkpoints after a rewind]
+          log::at(
+              log::Level::Warn,
+              "checkpoint: kept every checkpoint under '{}': {} of them ({} to {}) are of later steps than "
+              "{}, saved before the job went back to an earlier one; its saves replace those as they reach "
+              "their steps, and keep_last prunes again once this run's step is the latest",
+              root, steps.end() - later, *later, steps.back(), name);
+        } else {
+          const int drop = static_cast<int>(steps.size()) - (options.keep_last - 1);
+          for (int i = 0; i < drop; ++i) remove_tree(root + "/" + steps[i]);
+        }
       }
     } catch (const std::exception& e) {
       failure = reason_of(e);

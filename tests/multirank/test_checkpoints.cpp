@@ -537,6 +537,58 @@ TEST(Checkpoint, SavingAStepAgainKeepsItWhole) {
   if (world.rank() == 0) fs::remove_all(root);
 }
 
+// keep_last keeps the newest checkpoints by step, and after a rewind (Note [Keeping
+// checkpoints after a rewind]) keeps every one until the run it is on has the highest step
+// again: the run it left is replaced step by step, never its own saves.
+TEST(Checkpoint, KeepLastKeepsTheRunAJobIsOn) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const std::string root = fmt::format("/tmp/flatshard-keep-{}", env("MASTER_PORT"));
+  const GPTConfig config{64, 16, 64, 4, 2};
+  Trainer t(world, Strategy::FullShard, config);
+  auto save = [&](std::int64_t step, float value) {
+    {
+      at::NoGradGuard no_grad;
+      for (auto& shard : t.fully_shard().shards()) shard.fill_(value);
+    }
+    ckpt::SaveOptions o;
+    o.step = step;
+    o.keep_last = 2;
+    ckpt::save_sharded(root, t.fully_shard(), t.shard_optimizer(), o);
+  };
+  auto steps_there = [&] {
+    t.comm().barrier().wait();
+    std::vector<std::string> names;
+    for (const auto& entry : fs::directory_iterator(root))
+      if (entry.path().filename().string().rfind("step-", 0) == 0)
+        names.push_back(entry.path().filename().string());
+    std::sort(names.begin(), names.end());
+    std::string out;
+    for (const auto& n : names) out += (out.empty() ? "" : " ") + std::to_string(std::stoi(n.substr(5)));
+    return out;
+  };
+  for (int step = 1; step <= 4; ++step) save(step, static_cast<float>(step));
+  EXPECT_EQ(steps_there(), "3 4");
+  save(1, 11);  // went back to step 1: the run left had steps 3 and 4
+  EXPECT_EQ(steps_there(), "1 3 4");
+  save(2, 12);
+  EXPECT_EQ(steps_there(), "1 2 3 4");
+  save(3, 13);
+  EXPECT_EQ(steps_there(), "1 2 3 4");
+  save(4, 14);  // the highest step again: pruned to this run's newest two
+  EXPECT_EQ(steps_there(), "3 4");
+  for (const auto& [dir, value] :
+       std::vector<std::pair<std::string, float>>{{"/step-000000003", 13}, {"", 14}}) {
+    Trainer fresh(world, Strategy::FullShard, config);
+    fresh.load(root + dir);
+    for (const auto& [name, v] : fresh.params())
+      EXPECT_TRUE(at::all(v == value).item<bool>())
+          << root + dir << ": " << name << " does not hold " << value;
+  }
+  t.comm().barrier().wait();
+  if (world.rank() == 0) fs::remove_all(root);
+}
+
 // A buffer with no elements is saved as one empty piece, which the index check takes as
 // tiling its nothing; its neighbours load as before.
 TEST(Checkpoint, AnEmptyBufferSavesAndLoads) {
