@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #define FLATSHARD_ASSERT(cond, msg)                                                                         \
   do {                                                                                                      \
@@ -12,3 +13,11 @@
       std::abort();                                                                                         \
     }                                                                                                       \
   } while (0)
+
+namespace flatshard {
+
+// An exception's message up to its first line break: LibTorch's errors carry a backtrace
+// after it, which a FlatShard error passing the reason on leaves out.
+inline std::string first_line(const std::string& what) { return what.substr(0, what.find('\n')); }
+
+}  // namespace flatshard

@@ -17,6 +17,7 @@
 
 #include "flatshard/errors.h"
 #include "flatshard/world.h"
+#include "src/errors.h"
 #include "src/logging.h"
 #include "src/tcp/auth.h"
 #include "src/tcp/socket.h"
@@ -67,8 +68,8 @@ c10::intrusive_ptr<c10d::Store> make_tcp_store(const WorldSpec& spec, std::chron
         "script, passed on by srun, or by mpirun -x FLATSHARD_JOB_SECRET)",
         spec.rank, spec.world_size, spec.master_addr));
   }
-  const auto fail = [&](std::string what) {
-    what = what.substr(0, what.find('\n'));
+  const auto fail = [&](const std::string& raw) {
+    const std::string what = first_line(raw);
     if (spec.rank == 0 && !torchrun_agent_store()) {
       return RendezvousError(
           fmt::format("flatshard::init (rank 0/{}): cannot serve the rendezvous store on {}:{}: {}. If the "
@@ -128,9 +129,8 @@ void wait_for_everyone(c10d::Store& store, const WorldSpec& spec, std::chrono::m
   } catch (const RendezvousError&) {
     throw;
   } catch (const std::exception& e) {
-    std::string what = e.what();
     throw RendezvousError(fmt::format("flatshard::init (rank {}/{}): the rendezvous store failed: {}",
-                                      spec.rank, spec.world_size, what.substr(0, what.find('\n'))));
+                                      spec.rank, spec.world_size, first_line(e.what())));
   }
 }
 

@@ -22,6 +22,7 @@
 #include "flatshard/shard.h"
 #include "src/comm/backend.h"
 #include "src/comm/wait_clock.h"
+#include "src/errors.h"
 #include "src/logging.h"
 
 namespace flatshard {
@@ -667,8 +668,7 @@ Work Communicator::enqueue(Collective c, StreamRole default_role, const Collecti
           // refused) after bytes may have moved: the ranks can no longer be trusted to agree,
           // so the communicator is aborted as for a lost peer, and the error is typed.
           backend->abort();
-          std::string what = e.what();
-          what = what.substr(0, what.find('\n'));  // LibTorch's errors carry a backtrace
+          const std::string what = first_line(e.what());
           CommError error(CommError::Kind::Aborted, rank, world_size, name, c.seq, -1,
                           fmt::format("flatshard: {} #{} failed on rank {}/{}: {}. This communicator is "
                                       "aborted; fix the cause and restart the job.",

@@ -162,11 +162,10 @@ std::map<std::string, at::Tensor> load_tensors(const std::string& path) {
   try {
     value = torch::pickle_load(bytes);
   } catch (const std::exception& e) {
-    std::string what = e.what();
     throw CheckpointError(path,
                           fmt::format("flatshard::checkpoint: '{}' is not a readable checkpoint (corrupt or "
                                       "truncated): {}",
-                                      path, what.substr(0, what.find('\n'))));
+                                      path, first_line(e.what())));
   }
   if (!value.isGenericDict()) {
     throw CheckpointError(path,

@@ -19,6 +19,7 @@
 #include <zlib.h>
 #include <nlohmann/json.hpp>
 
+#include "src/errors.h"
 #include "src/io/files.h"
 #include "src/io/shard_files.h"
 #include "src/logging.h"
@@ -112,8 +113,7 @@ std::vector<std::string> exchange_strings(Communicator& comm, const std::string&
 std::string reason_of(const std::exception& e) {
   std::string what = e.what();
   if (dynamic_cast<const Error*>(&e) == nullptr) {
-    // LibTorch's errors carry a backtrace after their first line; the reason is that line.
-    what = what.substr(0, what.find('\n'));
+    what = first_line(e.what());
     if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) what += " (this rank's host memory is exhausted)";
   }
   const std::string prefix = "flatshard::checkpoint: ";
