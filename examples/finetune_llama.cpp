@@ -20,7 +20,8 @@
 //   --ckpt DIR --save-every N [0] --resume   sharded checkpoints: model, optimizer, schedule
 //                           and the data's position; --resume continues from DIR's latest
 //   --stop-at N             save and stop after step N (an interrupted run, for resuming)
-//   --out DIR               export the tuned model there (safetensors + config.json)
+//   --out DIR               export the tuned model there (safetensors, config.json, and the
+//                           source's generation_config.json and tokenizer files)
 //   --export-dtype fp32|bf16 [fp32]
 //   --logits FILE           rank 0 writes the tuned model's logits on the first sample and
 //                           that sample's tokens ({"logits", "tokens"}, safetensors)
@@ -317,6 +318,15 @@ int main(int argc, char** argv) {
       const std::int64_t export_peak = peak_during([&] { ckpt::save_hf(a.out, fsdp, so); });
       const std::string export_peaks = per_rank(comm, export_peak);
       if (rank == 0) {
+        // The files that make the export usable beside its weights: how to generate
+        // (stop tokens) and the tokenizer, as the source model had them.
+        namespace fs = std::filesystem;
+        for (const char* name : {"generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                                 "special_tokens_map.json", "tokenizer.model"}) {
+          const fs::path from = fs::path(a.model) / name;
+          if (fs::exists(from))
+            fs::copy_file(from, fs::path(a.out) / name, fs::copy_options::overwrite_existing);
+        }
         std::printf("exported %s (%s)\n", a.out.c_str(), a.export_dtype.c_str());
         std::printf(
             "export: each rank's allocations beyond its shards peaked at (MiB) %s; planned: %.2f; the whole "

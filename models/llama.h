@@ -48,13 +48,18 @@ struct LlamaConfig {
   // The embedding and the output head as units of their own (large vocabularies): the
   // root keeps only the final norm. Not with tie_embeddings (a tied weight lives in one unit).
   bool embedding_units = false;
+  // The config.json from_hf_config read, whole: hf_config_json keeps the fields this struct
+  // does not hold (the token ids, the tokenizer's and generation's settings) as they were.
+  std::string hf_source;
 
   int head_size() const { return head_dim > 0 ? head_dim : dim / heads; }
 
-  // Reads a Hugging Face config.json (a path to it, or to the directory holding it). Only
-  // rope types "default" and "llama3" are known: another one is refused.
+  // Reads a Hugging Face config.json (a path to it, or to the directory holding it). Its
+  // model_type must be "llama" (Mistral, Qwen and others share the tensor names and differ
+  // in what they compute); only rope types "default" and "llama3" are known.
   static LlamaConfig from_hf_config(const std::string& path);
-  // config.json for LlamaForCausalLM (checkpoint::SaveModelOptions::config_json).
+  // config.json for LlamaForCausalLM (checkpoint::SaveModelOptions::config_json): the
+  // source's (hf_source) with the fields this struct holds written over it.
   std::string hf_config_json(const std::string& dtype = "float32") const;
 };
 
@@ -276,7 +281,16 @@ inline LlamaConfig LlamaConfig::from_hf_config(const std::string& path) {
       throw flatshard::InvalidArgument(std::string("LlamaConfig: '") + file + "' lacks " + key);
     return j.at(key);
   };
+  const std::string type_name = j.contains("model_type") && j.at("model_type").is_string()
+                                    ? j.at("model_type").get<std::string>()
+                                    : "llama";
+  if (type_name != "llama") {
+    throw flatshard::InvalidArgument("LlamaConfig: '" + file + "' is a model of type '" + type_name +
+                                     "', not \"llama\": its tensors may share Llama's names, but it computes "
+                                     "something else (sliding windows, biases, norms of q and k)");
+  }
   LlamaConfig c;
+  c.hf_source = j.dump();
   c.vocab = need("vocab_size").get<int>();
   c.dim = need("hidden_size").get<int>();
   c.hidden = need("intermediate_size").get<int>();
@@ -285,7 +299,7 @@ inline LlamaConfig LlamaConfig::from_hf_config(const std::string& path) {
   const bool grouped = j.contains("num_key_value_heads") && !j.at("num_key_value_heads").is_null();
   c.kv_heads = grouped ? j.at("num_key_value_heads").get<int>() : c.heads;
   if (j.contains("head_dim") && !j.at("head_dim").is_null()) c.head_dim = j.at("head_dim").get<int>();
-  if (c.head_dim == c.dim / c.heads) c.head_dim = 0;
+  if (c.head_dim * c.heads == c.dim) c.head_dim = 0;
   c.rms_eps = j.value("rms_norm_eps", c.rms_eps);
   c.max_positions = j.value("max_position_embeddings", c.max_positions);
   c.tie_embeddings = j.value("tie_word_embeddings", false);
@@ -324,7 +338,12 @@ inline std::string LlamaConfig::hf_config_json(const std::string& dtype) const {
     rope["high_freq_factor"] = rope_scaling.high_freq_factor;
     rope["original_max_position_embeddings"] = rope_scaling.original_max_positions;
   }
-  nlohmann::json j = {
+  nlohmann::json j = hf_source.empty() ? nlohmann::json::object() : nlohmann::json::parse(hf_source);
+  j.erase("rope_scaling");         // written again below when there is scaling
+  j.erase("quantization_config");  // the export is plain fp32 or bf16
+  j.erase("auto_map");             // custom modeling code: the export is LlamaForCausalLM
+  if (j.contains("torch_dtype")) j["torch_dtype"] = dtype;  // transformers before 4.56 reads this
+  j.update(nlohmann::json{
       {"architectures", {"LlamaForCausalLM"}},
       {"model_type", "llama"},
       {"vocab_size", vocab},
@@ -344,7 +363,7 @@ inline std::string LlamaConfig::hf_config_json(const std::string& dtype) const {
       {"rope_parameters", rope},
       {"rope_theta", rope_theta},
       {"dtype", dtype},
-  };
+  });
   if (rope_scaling.factor > 0) j["rope_scaling"] = rope;
   return j.dump(2) + "\n";
 }

@@ -5,6 +5,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -31,8 +32,52 @@ struct Source {
 
 std::string shape_str(const std::vector<std::int64_t>& shape) { return c10::str(c10::IntArrayRef(shape)); }
 
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Whether the source's tensors `a` and `b` hold the same shape and values (read a chunk at a
+// time, in fp32).
+bool same_values(const Source& src, const std::string& a, const std::string& b) {
+  if (src.shapes.at(a) != src.shapes.at(b)) return false;
+  std::int64_t numel = 1;
+  for (auto d : src.shapes.at(a)) numel *= d;
+  constexpr std::int64_t kChunk = std::int64_t{1} << 22;
+  for (std::int64_t begin = 0; begin < numel; begin += kChunk) {
+    const std::int64_t n = std::min(kChunk, numel - begin);
+    auto x = at::empty({n}, at::kFloat), y = at::empty({n}, at::kFloat);
+    src.read(a, begin, x);
+    src.read(b, begin, y);
+    if (!at::equal(x, y)) return false;
+  }
+  return true;
+}
+
+// Note [Tensors with nothing to learn]
+// Published files hold tensors that a model which lacks them loads the same without:
+// rotary frequencies that transformers before 4.31 saved as buffers (FlatShard's Llama, like
+// transformers since, computes them), and the output head of a model whose head is its
+// embedding (tie_word_embeddings), which a tied model's state_dict() lists under both names:
+// skipped when it holds the embedding's values, and refused, naming the tie, when it does
+// not (the files are of an untied model). These load without
+// LoadModelOptions::ignore_unexpected, which would also let a tensor the model really lacks
+// go by.
+bool nothing_to_learn(const Source& src, const std::string& name, const std::set<std::string>& ours) {
+  for (const char* computed : {"rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached"})
+    if (ends_with(name, computed)) return true;
+  const std::string embedding = "model.embed_tokens.weight";
+  if (name != "lm_head.weight" || !ours.count(embedding) || !src.shapes.count(embedding)) return false;
+  if (same_values(src, name, embedding)) return true;
+  shards::fail(src.where,
+               fmt::format("'{}' holds an 'lm_head.weight' that differs from its '{}', but the model "
+                           "ties its head to its embedding (tie_word_embeddings): the files are of an "
+                           "untied model; build the model with tie_word_embeddings false",
+                           src.where, embedding));
+}
+
 // Names the first parameter the source lacks or holds at another shape, and the first
-// tensor of the source the model lacks (unless ignored).
+// tensor of the source the model lacks (unless ignored, or Note [Tensors with nothing to
+// learn]).
 void check(const Source& src, const Holding& h, const LoadModelOptions& options) {
   std::set<std::string> ours;
   for (const auto& seg : h.segments) {
@@ -62,7 +107,7 @@ void check(const Source& src, const Holding& h, const LoadModelOptions& options)
   }
   if (options.ignore_unexpected) return;
   for (const auto& [name, shape] : src.shapes) {
-    if (!ours.count(name)) {
+    if (!ours.count(name) && !nothing_to_learn(src, name, ours)) {
       shards::fail(src.where, fmt::format("'{}' holds '{}', which the model lacks: is it the same model? "
                                           "(LoadModelOptions::ignore_unexpected skips such tensors)",
                                           src.where, name));
@@ -100,10 +145,6 @@ void load_from(const std::function<Source()>& open, const std::string& path, Ful
   }
   shards::agree(fsdp.comm(), path, "loading a model", failure);
   shards::masters_written(fsdp);
-}
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 }  // namespace

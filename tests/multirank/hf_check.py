@@ -1,8 +1,11 @@
 """Checks what FlatShard wrote, with transformers and safetensors.
 
-    python hf_check.py model DIR LOGITS TOKENS   # DIR loads with AutoModelForCausalLM; its logits
+    python hf_check.py model DIR LOGITS TOKENS [SOURCE]
+                                              # DIR loads with AutoModelForCausalLM; its logits
                                               # on TOKENS match LOGITS (FlatShard's); prints the
-                                              # largest difference
+                                              # largest difference. With SOURCE (the model it
+                                              # was tuned from): DIR's token ids, in its config
+                                              # and its generation config, are SOURCE's
     python hf_check.py dtypes FILE               # FILE holds hf_reference.py's dtype tensors
 """
 import sys
@@ -23,6 +26,17 @@ if what == "model":
         got = model(input_ids=tokens).logits
     diff = (got - expected).abs().max().item()
     print(f"max_abs_diff {diff:.3e} scale {expected.abs().max().item():.3e}")
+    if len(sys.argv) > 5:
+        from transformers import AutoConfig, GenerationConfig
+
+        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+        source, exported = AutoConfig.from_pretrained(sys.argv[5]), AutoConfig.from_pretrained(sys.argv[2])
+        for k in ids:
+            assert getattr(exported, k) == getattr(source, k), (k, getattr(exported, k), getattr(source, k))
+        want = GenerationConfig.from_pretrained(sys.argv[5])
+        for k in ids:
+            assert getattr(model.generation_config, k) == getattr(want, k), (k, getattr(model.generation_config, k))
+        print("token ids", [getattr(exported, k) for k in ids])
     sys.exit(0 if diff <= 1e-5 else 1)
 elif what == "dtypes":
     with safe_open(sys.argv[2], framework="pt") as f:

@@ -2,9 +2,10 @@
 
     python hf_reference.py OUT
 
-OUT/llama        a small random LlamaForCausalLM (grouped-query attention, untied head),
-                 saved in fp32 as one model.safetensors, with logits.safetensors: its logits
-                 on OUT/tokens.safetensors, computed by transformers in fp32.
+OUT/llama        a small random LlamaForCausalLM (grouped-query attention, untied head, token
+                 ids of its own: bos 90, eos [91, 92], pad 93), saved in fp32 as one
+                 model.safetensors, with logits.safetensors: its logits on
+                 OUT/tokens.safetensors, computed by transformers in fp32.
 OUT/llama3_tied  the same shape with tied embeddings, Llama 3 rope scaling and 8 heads of
                  head_dim 8 on a width of 32, saved in bf16 and split over several files
                  (model.safetensors.index.json); its logits are transformers' in fp32 on the
@@ -48,7 +49,7 @@ def make(name, dtype, max_shard_size, **kw):
 
 
 make("llama", torch.float32, "50MB", num_attention_heads=4, num_key_value_heads=2,
-     tie_word_embeddings=False, rms_norm_eps=1e-5)
+     tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=90, eos_token_id=[91, 92], pad_token_id=93)
 make("llama3_tied", torch.bfloat16, "8KB", num_attention_heads=8, num_key_value_heads=8, head_dim=8,
      tie_word_embeddings=True,
      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

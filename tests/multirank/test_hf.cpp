@@ -7,9 +7,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "models/llama.h"
 #include "tests/support/cases.h"
@@ -362,7 +364,7 @@ TEST(HuggingFace, ExportedModelLoadsInTransformers) {
     EXPECT_FALSE(fs::exists(out / "model.safetensors"));
     st::save({{"logits", tuned}}, (out / "logits.safetensors").string());
     const auto r = python({std::string(FLATSHARD_TESTS_DIR) + "/multirank/hf_check.py", "model", out.string(),
-                           (out / "logits.safetensors").string(), reference("tokens.safetensors")});
+                           (out / "logits.safetensors").string(), reference("tokens.safetensors"), dir});
     EXPECT_EQ(r.exit_code, 0) << r.output;
     std::printf("transformers on FlatShard's export: %s", r.output.c_str());
   }
@@ -388,6 +390,110 @@ TEST(HuggingFace, ExportedModelLoadsInTransformers) {
     EXPECT_TRUE(at::equal(t, masters.at(name).to(at::kBFloat16).to(at::kFloat))) << name;
   w.fsdp->comm().barrier().wait();
   if (world.rank() == 0) fs::remove_all(out);
+  if (world.world_size() != 2) return;
+  // The tied model with Llama 3's rope scaling, exported as it loaded: transformers reads its
+  // config (rope_scaling, the tie) and computes the reference's logits on it.
+  const std::string tied_dir = reference("llama3_tied");
+  const LlamaConfig tied_cfg = LlamaConfig::from_hf_config(tied_dir);
+  auto tied = wrap(tied_cfg, world, options_for(Strategy::FullShard, 2), true);
+  flatshard::checkpoint::load_hf(tied_dir, *tied.fsdp);
+  flatshard::checkpoint::SaveModelOptions whole;
+  whole.config_json = tied_cfg.hf_config_json();
+  flatshard::checkpoint::save_hf(out.string(), *tied.fsdp, whole);
+  if (world.rank() == 0) {
+    EXPECT_FALSE(st::File((out / "model.safetensors").string()).contains("lm_head.weight"))
+        << "a tied head is saved once";
+    const auto r = python({std::string(FLATSHARD_TESTS_DIR) + "/multirank/hf_check.py", "model", out.string(),
+                           tied_dir + "/logits.safetensors", reference("tokens.safetensors"), tied_dir});
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    std::printf("transformers on FlatShard's tied llama3 export: %s", r.output.c_str());
+    fs::remove_all(out);
+  }
+  tied.fsdp->comm().barrier().wait();
+}
+
+// Configurations of other models that share Llama's tensor names are refused; the token
+// ids and every field FlatShard does not hold go through to the exported config.json; a
+// head_dim that is not hidden_size / heads is kept.
+TEST(HuggingFace, ConfigsKeepWhatTheyDoNotHoldAndRefuseOtherModels) {
+  require_reference();
+  const fs::path d = temp_dir("configs");
+  nlohmann::json source;
+  std::ifstream(reference("llama/config.json")) >> source;
+  auto with = [&](const std::function<void(nlohmann::json&)>& change) {
+    nlohmann::json j = source;
+    change(j);
+    std::ofstream(d / "config.json") << j.dump();
+    return (d / "config.json").string();
+  };
+  for (const char* other : {"mistral", "qwen2"}) {
+    try {
+      LlamaConfig::from_hf_config(with([&](nlohmann::json& j) { j["model_type"] = other; }));
+      ADD_FAILURE() << other << " was read as a Llama";
+    } catch (const flatshard::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("type '") + other + "'"), std::string::npos)
+          << e.what();
+    }
+  }
+  const auto odd = LlamaConfig::from_hf_config(with([](nlohmann::json& j) {
+    j["hidden_size"] = 1000;
+    j["num_attention_heads"] = 16;
+    j["head_dim"] = 62;
+  }));
+  EXPECT_EQ(odd.head_size(), 62);
+  const auto exported =
+      nlohmann::json::parse(LlamaConfig::from_hf_config(reference("llama")).hf_config_json());
+  EXPECT_EQ(exported.at("bos_token_id"), 90);
+  EXPECT_EQ(exported.at("eos_token_id"), nlohmann::json({91, 92}));
+  EXPECT_EQ(exported.at("pad_token_id"), 93);
+  EXPECT_EQ(exported.at("model_type"), "llama");
+  EXPECT_FALSE(exported.contains("rope_scaling")) << "the reference has no rope scaling";
+  fs::remove_all(d);
+}
+
+// Tensors a published file holds that the model computes or ties (Note [Tensors with nothing
+// to learn]) load without ignore_unexpected; any other tensor the model lacks is still named,
+// and so is a head that is not the embedding in a model that ties them.
+TEST(HuggingFace, ComputedAndTiedTensorsInAFileLoadWithoutIgnoring) {
+  FLATSHARD_RUN_RANKS({2});
+  require_reference();
+  auto world = flatshard::init();
+  const std::string dir = reference("llama3_tied");
+  const LlamaConfig cfg = LlamaConfig::from_hf_config(dir);
+  auto w = wrap(cfg, world, options_for(Strategy::FullShard, 2), true);
+  flatshard::checkpoint::load_hf(dir, *w.fsdp);
+  auto state = flatshard::checkpoint::full_master_state_dict(*w.fsdp, -1);
+  const auto want = state;
+  state["lm_head.weight"] = state.at("model.embed_tokens.weight").clone();  // as state_dict() lists it
+  for (int layer = 0; layer < cfg.layers; ++layer)
+    state[fmt::format("model.layers.{}.self_attn.rotary_emb.inv_freq", layer)] =
+        at::ones({cfg.head_size() / 2});
+  const fs::path d = temp_dir("extras_" + std::to_string(world.rank()));  // each rank its own copy
+  st::save(state, (d / "with_extras.safetensors").string());
+  state["model.layers.0.mlp.extra_proj.weight"] = at::zeros({4, 4});
+  st::save(state, (d / "with_unknown.safetensors").string());
+  state.erase("model.layers.0.mlp.extra_proj.weight");
+  state["lm_head.weight"] = state.at("model.embed_tokens.weight") + 1;  // an untied model's head
+  st::save(state, (d / "untied_head.safetensors").string());
+  auto fresh = wrap(cfg, world, options_for(Strategy::FullShard, 2), true);
+  flatshard::checkpoint::load_hf((d / "with_extras.safetensors").string(), *fresh.fsdp);
+  for (const auto& [name, t] : flatshard::checkpoint::full_master_state_dict(*fresh.fsdp, -1))
+    EXPECT_TRUE(at::equal(t, want.at(name))) << name;
+  try {
+    flatshard::checkpoint::load_hf((d / "with_unknown.safetensors").string(), *fresh.fsdp);
+    ADD_FAILURE() << "a tensor the model lacks was skipped";
+  } catch (const flatshard::checkpoint::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.layers.0.mlp.extra_proj.weight"), std::string::npos)
+        << e.what();
+  }
+  try {
+    flatshard::checkpoint::load_hf((d / "untied_head.safetensors").string(), *fresh.fsdp);
+    ADD_FAILURE() << "a head of its own was dropped for the tied embedding";
+  } catch (const flatshard::checkpoint::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("differs from its 'model.embed_tokens.weight'"), std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(d);
 }
 
 // A whole state dict (full_state_dict's, through a torch.save file, and as one safetensors
