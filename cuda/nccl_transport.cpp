@@ -16,6 +16,7 @@
 #include "cuda/device.h"
 #include "src/comm/in_flight.h"
 #include "src/comm/launch_order.h"
+#include "src/errors.h"
 
 namespace flatshard::cuda {
 namespace {
@@ -48,7 +49,14 @@ class NcclTransport final : public comm::Backend {
     const int device = streams_.device();
     barrier_buffer_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));
     comms_.resize(static_cast<std::size_t>(channels), nullptr);
-    for (int c = 0; c < channels; ++c) comms_[static_cast<std::size_t>(c)] = init_comm(world, prefix, c);
+    try {
+      for (int c = 0; c < channels; ++c) comms_[static_cast<std::size_t>(c)] = init_comm(world, prefix, c);
+    } catch (...) {
+      // The destructor does not run for a constructor that throws: the channels made so far
+      // are aborted here, so that a caller that retries does not keep their threads and memory.
+      abort_all_locked();
+      throw;
+    }
     health_->set_confirm([this](const std::string& op) { confirm(op); });
     watchdog_ = std::thread([this] { watch(); });
   }
@@ -190,6 +198,9 @@ class NcclTransport final : public comm::Backend {
   ncclComm_t init_comm(const World& world, const std::string& prefix, int channel) {
     ncclUniqueId id;
     const std::string key = fmt::format("{}nccl/{}/unique_id", prefix, channel);
+    if (n_ > 1 && !world.store)
+      throw InvalidArgument(
+          fmt::format("flatshard: NCCL in a world of {} ranks (rank {}) needs the world's store", n_, rank_));
     if (rank_ == 0) {
       nccl_ok(ncclGetUniqueId(&id), "ncclGetUniqueId");
       if (n_ > 1) {
@@ -197,9 +208,14 @@ class NcclTransport final : public comm::Backend {
         world.store->set(key, std::vector<std::uint8_t>(b, b + sizeof(id)));
       }
     } else {
-      if (!world.store)
-        throw InvalidArgument("flatshard: NCCL in a multi-rank world needs the world's store");
-      world.store->wait({key}, options_.timeout);
+      try {
+        world.store->wait({key}, options_.timeout);
+      } catch (const std::exception& e) {  // the store's own error: a timeout, a lost rank 0
+        throw CommError(CommError::Kind::Timeout, rank_, n_, "nccl_init", 0, 0,
+                        fmt::format("flatshard: NCCL init (rank {}/{}): rank 0's NCCL id did not arrive "
+                                    "within {} s ({}): is rank 0 running, and making the same communicators?",
+                                    rank_, n_, options_.timeout.count() / 1000.0, first_line(e.what())));
+      }
       const auto bytes = world.store->get(key);
       if (bytes.size() != sizeof(id)) {
         throw RendezvousError(fmt::format(
@@ -227,6 +243,7 @@ class NcclTransport final : public comm::Backend {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
       ncclCommGetAsyncError(comm, &r);
     }
+    if (r != ncclSuccess && comm != nullptr) ncclCommAbort(comm);
     nccl_ok(r, "ncclCommInitRankConfig");
     return comm;
   }
@@ -298,16 +315,33 @@ class NcclTransport final : public comm::Backend {
       }
       ok = ok && (!c || state == ncclSuccess);
     }
-    for (auto& c : comms_) {
-      if (!c) continue;
-      if (ok) {
-        ncclCommDestroy(c);
-      } else {
-        ncclCommAbort(c);
+    if (ok) {
+      for (auto& c : comms_) {
+        if (c) ncclCommDestroy(c);
+        c = nullptr;
       }
-      c = nullptr;
+    } else {
+      abort_all_locked();
     }
     aborted_ = !ok;
+  }
+
+  // Note [Aborting the communicators together]
+  // Aborting one communicator frees its device memory, which waits for the device, and so
+  // for the kernels of the transport's other communicators, still spinning on the lost peer:
+  // aborted one after another, the first abort can wait forever on the second's kernel.
+  // NCCL (2.22 and later) aborts the communicators of one group call together.
+  void abort_all_locked() {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 22, 0)
+    ncclGroupStart();
+#endif
+    for (auto& c : comms_) {
+      if (c) ncclCommAbort(c);  // kernels waiting for a peer return; frees the communicator
+    }
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 22, 0)
+    ncclGroupEnd();
+#endif
+    for (auto& c : comms_) c = nullptr;
   }
 
   // Records the transport's first failure and aborts every communicator.
@@ -320,10 +354,7 @@ class NcclTransport final : public comm::Backend {
     health_->fail(kind, why);
     if (!aborted_) {
       aborted_ = true;
-      for (auto& c : comms_) {
-        if (c) ncclCommAbort(c);  // kernels waiting for a peer return; frees the communicator
-        c = nullptr;
-      }
+      abort_all_locked();
     }
   }
 

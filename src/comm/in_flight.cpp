@@ -47,7 +47,7 @@ void InFlightBuffers::track(const std::shared_ptr<DeviceEvent>& done, const Coll
     e.tensors.push_back(*t);
   }
   for (const Event& before : op.after) {
-    if (auto d = before.device()) e.after.push_back(d.get());
+    if (auto d = before.device()) e.after.push_back(std::move(d));
   }
   if (e.ranges.empty() && e.after.empty()) return;
   std::vector<Entry> gone;
@@ -71,7 +71,7 @@ void InFlightBuffers::waited(const DeviceEvent* done) {
         ++i;
         continue;
       }
-      ordered.insert(entries_[i].after.begin(), entries_[i].after.end());
+      for (const auto& a : entries_[i].after) ordered.insert(a.get());
       gone.push_back(std::move(entries_[i]));
       entries_[i] = std::move(entries_.back());
       entries_.pop_back();

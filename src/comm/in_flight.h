@@ -72,7 +72,9 @@ class InFlightBuffers {
   struct Entry {
     std::shared_ptr<DeviceEvent> done;  // kept, so that dropping the op's Work keeps its buffers
     std::vector<std::pair<std::uintptr_t, std::uintptr_t>> ranges;  // [begin, end) bytes
-    std::vector<const DeviceEvent*> after;                          // what the op waited for on the device
+    // What the op waited for on the device: kept alive, so that no later event can take the
+    // address of one that completed and be taken for it.
+    std::vector<std::shared_ptr<DeviceEvent>> after;
     std::vector<at::Tensor> tensors;
     std::vector<std::shared_ptr<c10::DataPtr>> retired;
   };
