@@ -53,11 +53,11 @@ void BM_FlatShard_AdamW_Bf16Copy(benchmark::State& state) {
   Shard s(state.range(0));
   std::vector<std::uint16_t> copy(static_cast<std::size_t>(state.range(0)));
   flatshard::optim::kernels::AdamHyper h;
-  h.lr = static_cast<float>(kLr);
-  h.beta1 = static_cast<float>(kBeta1);
-  h.beta2 = static_cast<float>(kBeta2);
-  h.eps = static_cast<float>(kEps);
-  h.weight_decay = static_cast<float>(kDecay);
+  h.lr = kLr;
+  h.beta1 = kBeta1;
+  h.beta2 = kBeta2;
+  h.eps = kEps;
+  h.weight_decay = kDecay;
   h.decoupled_weight_decay = true;
   h.step = 0;
   for (auto _ : state) {

@@ -32,7 +32,9 @@ double clip_by_global_norm(const std::vector<at::Tensor>& grads, double max_norm
   }
   const double norm = std::sqrt(local);
   const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
+  // As torch's clip_grad_norm_ (it multiplies by min(coef, 1)): a NaN norm makes every
+  // gradient NaN, so that no step takes a partly clipped update for a whole one.
+  if (coef < 1.0 || std::isnan(coef)) {
     at::NoGradGuard no_grad;
     for (auto g : grads) {
       if (g.defined()) g.mul_(coef);

@@ -24,6 +24,14 @@ GradScaler::GradScaler(FullyShardBase& fsdp, const GradScalerOptions& options)
         "{}, {}, {})",
         who, options.init_scale, options.growth_factor, options.backoff_factor, options.growth_interval));
   }
+  if (fsdp.nonfinite_grads() == NonFiniteGrads::Raise) {
+    throw InvalidArgument(fmt::format(
+        "{}: the wrapper raises on NaN/Inf gradients (FullyShardOptions::nonfinite_grads = Raise), but loss "
+        "scaling overflows by design now and then; set nonfinite_grads to Skip (the scaler backs off on the "
+        "steps the wrapper drops) or Ignore (the scaler finds overflows itself)",
+        who));
+  }
+  wrapper_skips_ = fsdp.skipped_steps();
   const at::ScalarType dtype = fsdp.param_dtype();
   if (dtype != at::kHalf) {
     log::at(
@@ -44,6 +52,15 @@ void GradScaler::unscale(ShardOptimizer& optimizer) {
         "on gradients still scaled and before any rank could be checked for overflow; turn step_in_backward "
         "off to scale the loss",
         fsdp_.world().rank(), fsdp_.world().world_size()));
+  }
+  // The wrapper dropped this step's gradients for NaN/Inf (NonFiniteGrads::Skip): an
+  // overflow, seen by every rank alike, with nothing left to unscale or check.
+  const std::int64_t wrapper_skips = fsdp_.skipped_steps();
+  found_inf_ = wrapper_skips != wrapper_skips_;
+  wrapper_skips_ = wrapper_skips;
+  if (found_inf_) {
+    unscaled_ = true;
+    return;
   }
   std::vector<at::Tensor> grads;
   at::NoGradGuard no_grad;
@@ -86,6 +103,7 @@ void GradScaler::restore(double scale, std::int64_t growth_tracker) {
     throw InvalidArgument(fmt::format("flatshard::optim::GradScaler: scale must be > 0 (got {})", scale));
   scale_ = scale;
   growth_tracker_ = growth_tracker;
+  wrapper_skips_ = fsdp_.skipped_steps();
   unscaled_ = false;
   found_inf_ = false;
 }

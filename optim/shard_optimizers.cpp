@@ -496,11 +496,11 @@ void Adam::ensure_state(std::size_t i) {
 void Adam::step_run(std::size_t i, const at::Tensor& grad, const Run& run) {
   const auto& o = options_[run.group];
   kernels::AdamHyper h;
-  h.lr = static_cast<float>(o.lr);
-  h.beta1 = static_cast<float>(o.beta1);
-  h.beta2 = static_cast<float>(o.beta2);
-  h.eps = static_cast<float>(o.eps);
-  h.weight_decay = static_cast<float>(o.weight_decay);
+  h.lr = o.lr;
+  h.beta1 = o.beta1;
+  h.beta2 = o.beta2;
+  h.eps = o.eps;
+  h.weight_decay = o.weight_decay;
   h.decoupled_weight_decay = decoupled_;
   h.step = run.step;
   float* param = shards_[i].data_ptr<float>() + run.offset;

@@ -53,17 +53,18 @@ struct AdamFunctor {
   float* __restrict__ m;
   float* __restrict__ v;
   float beta1, beta2, eps;
-  float decay;      // L2: weight_decay; decoupled: 1 - lr * weight_decay
-  float step_size;  // lr / (1 - beta1^step)
-  float bc2_sqrt;   // sqrt(1 - beta2^step)
+  float one_minus_beta1, one_minus_beta2;  // 1 - beta in double, then rounded (not 1 - (float)beta)
+  float decay;                             // L2: weight_decay; decoupled: 1 - lr * weight_decay
+  float step_size;                         // lr / (1 - beta1^step)
+  float bc2_sqrt;                          // sqrt(1 - beta2^step)
 
   __host__ __device__ void operator()(std::int64_t i) const {
     float p = param[i];
     float g = grad[i];
     if (kDecay == 2) p = p * decay;
     if (kDecay == 1) g = g + decay * p;
-    const float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+    const float mi = beta1 * m[i] + one_minus_beta1 * g;
+    const float vi = beta2 * v[i] + one_minus_beta2 * g * g;
     m[i] = mi;
     v[i] = vi;
     const float denom = sqrtf(vi) / bc2_sqrt + eps;
@@ -71,19 +72,27 @@ struct AdamFunctor {
   }
 };
 
+// Note [Adam's factors]
+// torch's Adam computes each scalar factor in double (1 - beta2, 1 - beta2^step,
+// lr / (1 - beta1^step), 1 - lr * weight_decay) and rounds it to float only as a tensor
+// operation takes it. Rounding beta2 first (1 - 0.999f is 9.99987e-4, against 1 - 0.999's
+// 1.0000000475e-3 as a float) would weigh every squared gradient 1.3e-5 less than torch
+// does, a bias in every update rather than a rounding.
 template <int kDecay>
 AdamFunctor<kDecay> make_adam(float* param, const float* grad, float* m, float* v, const AdamHyper& h) {
-  const double bc1 = 1.0 - std::pow(static_cast<double>(h.beta1), static_cast<double>(h.step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(h.beta2), static_cast<double>(h.step));
-  const float decay = kDecay == 2 ? 1.0f - h.lr * h.weight_decay : h.weight_decay;
+  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  const double decay = kDecay == 2 ? 1.0 - h.lr * h.weight_decay : h.weight_decay;
   return AdamFunctor<kDecay>{param,
                              grad,
                              m,
                              v,
-                             h.beta1,
-                             h.beta2,
-                             h.eps,
-                             decay,
+                             static_cast<float>(h.beta1),
+                             static_cast<float>(h.beta2),
+                             static_cast<float>(h.eps),
+                             static_cast<float>(1.0 - h.beta1),
+                             static_cast<float>(1.0 - h.beta2),
+                             static_cast<float>(decay),
                              static_cast<float>(h.lr / bc1),
                              static_cast<float>(std::sqrt(bc2))};
 }

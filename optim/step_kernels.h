@@ -23,12 +23,14 @@ struct SgdHyper {
 void sgd_step(float* param, const float* grad, float* momentum_buf, std::int64_t numel, const SgdHyper& h,
               std::uint16_t* bf16_copy = nullptr);
 
+// The hyperparameters as given (double, as torch's options hold them): make_adam rounds the
+// factors to float where torch's tensor operations do (Note [Adam's factors]).
 struct AdamHyper {
-  float lr = 0;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0;
+  double lr = 0;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0;
   bool decoupled_weight_decay = false;  // AdamW
   std::int64_t step = 1;                // 1 on the first step
 };

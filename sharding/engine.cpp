@@ -165,6 +165,7 @@ void Engine::pre_backward(int index) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   if (!backward_active_) {
     backward_active_ = true;
+    deferred_reduces_.clear();  // left by a backward that failed before its end
     torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
     if (step_begins_) {  // Note [Parameters without gradients]: a new step's first backward
       for (auto& flags : got_grad_) std::fill(flags.begin(), flags.end(), 0);
@@ -216,8 +217,19 @@ void Engine::on_grad_accumulated(int index, int param) {
   Unit& u = *units_[index];
   if (!u.pre_backward_done) {
     // The gradient reached a parameter before its unit's outputs did (a parameter used
-    // outside its unit's forward). It landed in a fresh tensor; post_backward adds it in.
+    // outside its unit's forward: a learnable temperature on the logits). It landed in a
+    // fresh tensor, which pre_backward's pointing of every .grad() at its flat view would
+    // drop: it is kept and added into its view (allocated here if its bucket has none yet).
+    auto& slots = u.group->slots();
+    int k = 0;
+    while (k < static_cast<int>(slots.size()) && slots[static_cast<std::size_t>(k)].id != param) ++k;
+    const at::Tensor early =
+        k < static_cast<int>(slots.size()) ? slots[static_cast<std::size_t>(k)].param.grad() : at::Tensor();
     pre_backward(index);
+    if (early.defined()) {
+      slots[static_cast<std::size_t>(k)].param.mutable_grad() = early;
+      fold_strays(*u.group, k, k + 1);
+    }
   }
   got_grad_[index][param] = 1;
   if (!replicated_) {
@@ -291,6 +303,44 @@ void Engine::post_backward_if_done(int index) {
   if (u.pre_backward_done && u.pending_grads == 0 && u.pending_inputs == 0) post_backward(index);
 }
 
+// Note [Reductions in one order]
+// A unit is reduced once its parameters' gradients are all in, which is the same moment on
+// every rank when every rank uses the same parameters. With find_unused_parameters they
+// may not: a unit holding a parameter that only some ranks' data reaches (a gate, a
+// router) is done during backward on those ranks and only when backward ends on the
+// others, so the ranks would issue their units' reduce-scatters in different orders, and
+// the collectives would pair one unit's gradients with another's (silently, when the units
+// are of one size). Holding a done unit back until the units before it in a fixed order
+// are reduced is not enough: a rank waiting for a reduce-scatter that another rank only
+// issues when its backward ends stops issuing the gathers that rank needs first. So under
+// find_unused_parameters on more than one rank the sharded strategies reshard each unit
+// when its backward is done, as always, but keep its gradient and reduce every unit when
+// backward ends, in one order on every rank: the reverse of the first forward's, then the
+// rest (the root last). The price is the units' full gradients held until backward ends, as
+// DDP holds its whole gradient, and no reduction overlapping the backward.
+bool Engine::orders_reductions() const {
+  return options_.find_unused_parameters && !replicated_ && world_size_ > 1;
+}
+
+void Engine::reduce_in_order() {
+  if (reduce_order_.empty()) {
+    std::vector<char> placed(units_.size(), 0);
+    const auto add = [&](int i) {
+      if (placed[static_cast<std::size_t>(i)]) return;
+      placed[static_cast<std::size_t>(i)] = 1;
+      reduce_order_.push_back(i);
+    };
+    for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it) add(*it);
+    for (int i = static_cast<int>(units_.size()) - 1; i >= 0; --i) add(i);
+  }
+  std::vector<char> waiting(units_.size(), 0);
+  for (int i : deferred_reduces_) waiting[static_cast<std::size_t>(i)] = 1;
+  deferred_reduces_.clear();
+  for (int i : reduce_order_) {
+    if (waiting[static_cast<std::size_t>(i)]) reduce(i);
+  }
+}
+
 void Engine::post_backward(int index) {
   Unit& u = *units_[index];
   if (u.post_backward_done || !u.pre_backward_done) return;
@@ -300,7 +350,13 @@ void Engine::post_backward(int index) {
   if (g.trains()) {  // Note [Frozen units]
     fold_strays(g, 0, static_cast<int>(g.slots().size()));
     g.drop_param_grads();
-    if (!no_sync_) reduce(index);
+    if (!no_sync_) {
+      if (orders_reductions()) {
+        deferred_reduces_.push_back(index);  // Note [Reductions in one order]
+      } else {
+        reduce(index);
+      }
+    }
   }
   if (reshard_after_forward_ && index != kRoot) reshard(index);
 }
@@ -360,6 +416,13 @@ void Engine::set_step_in_backward(optim::ShardOptimizer* optimizer) {
   if (options_.nonfinite_grads != NonFiniteGrads::Ignore) {
     throw InvalidArgument(fmt::format(
         "{}: nonfinite_grads must be Ignore: a step in backward cannot be skipped once a unit has stepped",
+        who));
+  }
+  if (options_.find_unused_parameters && world_size_ > 1) {
+    throw InvalidArgument(fmt::format(
+        "{}: find_unused_parameters combines the ranks' records of which parameters got a gradient when "
+        "backward ends, but a unit stepping in backward steps before that, on this rank's record alone (a "
+        "parameter only other ranks used would not step here); turn one of them off",
         who));
   }
   if (replicated_) {

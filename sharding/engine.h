@@ -84,6 +84,7 @@ class Engine {
   void reset_communication_wait();
   const ShardGroup& shard_group() const { return shard_; }
   Strategy strategy() const { return options_.strategy; }
+  NonFiniteGrads nonfinite_grads() const { return options_.nonfinite_grads; }
   at::ScalarType param_dtype() const;
   // Note [Casting forward inputs]: MixedPrecision::param under cast_forward_inputs.
   std::optional<at::ScalarType> input_dtype() const {
@@ -114,6 +115,9 @@ class Engine {
   void post_backward(int unit);
   void input_grad_ready(int unit, std::int64_t backward);
   void post_backward_if_done(int unit);
+  // Note [Reductions in one order]
+  bool orders_reductions() const;
+  void reduce_in_order();
   void reduce(int unit);
   void finish_pending_reduce();     // every one, waiting for each
   void finish_completed_reduces();  // those that have completed, without waiting
@@ -174,9 +178,11 @@ class Engine {
   std::vector<std::unique_ptr<Unit>> units_;  // [0] is the root unit
   // The replicated strategies' declared units: hooks that only cast their inputs.
   std::vector<std::pair<UnitBase*, std::unique_ptr<UnitHooks>>> input_casts_;
-  std::vector<int> forward_order_;  // non-root units in the order the first forward ran them
-  bool order_recorded_ = false;     // set after the first forward
-  bool backward_active_ = false;    // between the first backward hook and the end callback
+  std::vector<int> forward_order_;     // non-root units in the order the first forward ran them
+  std::vector<int> reduce_order_;      // Note [Reductions in one order]: every unit, in that order
+  std::vector<int> deferred_reduces_;  // ... and those done in this backward, not yet reduced
+  bool order_recorded_ = false;        // set after the first forward
+  bool backward_active_ = false;       // between the first backward hook and the end callback
   bool no_sync_ = false;
   c10::Device device_{c10::kCPU};  // the compute device: gathered units, collectives
   std::shared_ptr<BufferPool> host_buffers_;

@@ -245,6 +245,10 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> model, const World& world, con
     }
   }
   const auto membership = discover_units(*model_);
+  if (!replicated_) {
+    check_ties_in_one_unit(*model_, membership,
+                           fmt::format("flatshard::FullyShard (rank {}/{})", rank_, world_size_));
+  }
   const auto& declared = membership.declared;
   const auto& owner = membership.owner;
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> params(declared.size() + 1);

@@ -104,6 +104,7 @@ CommunicationWait FullyShardBase::communication_wait() { return engine_->communi
 PeerWait FullyShardBase::communication_wait_for_peers() { return engine_->communication_wait_for_peers(); }
 void FullyShardBase::reset_communication_wait() { engine_->reset_communication_wait(); }
 std::int64_t FullyShardBase::skipped_steps() const { return engine_->skipped_steps(); }
+NonFiniteGrads FullyShardBase::nonfinite_grads() const { return engine_->nonfinite_grads(); }
 int FullyShardBase::num_units() const { return engine_->num_units(); }
 std::int64_t FullyShardBase::largest_unit_bytes() const { return engine_->unit_bytes(false); }
 std::int64_t FullyShardBase::root_unit_bytes() const { return engine_->unit_bytes(true); }

@@ -222,6 +222,7 @@ void Engine::end_of_backward() {
   for (int i = static_cast<int>(units_.size()) - 1; i >= 0; --i) {
     if (units_[i]->pre_backward_done && !units_[i]->post_backward_done) post_backward(i);
   }
+  if (!deferred_reduces_.empty()) reduce_in_order();  // Note [Reductions in one order]
   finish_pending_reduce();
   // A failed step (Note [Offloaded steps beside backward]) is rethrown once backward's
   // bookkeeping is done, so that the next forward starts from a finished backward.

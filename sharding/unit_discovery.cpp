@@ -39,6 +39,44 @@ UnitMembership discover_units(torch::nn::Module& model) {
   return m;
 }
 
+void check_ties_in_one_unit(torch::nn::Module& model, const UnitMembership& m, const std::string& who) {
+  // Each module's innermost unit (0: the root), as discover_units picks a parameter's.
+  std::unordered_map<const torch::nn::Module*, int> unit_of;
+  std::vector<std::size_t> sizes(m.declared.size(), 0);
+  for (std::size_t i = 0; i < m.declared.size(); ++i) {
+    for (torch::nn::Module* sub : m.declared[i]->unit_modules()) sizes[i] += sub->parameters(true).size();
+  }
+  for (std::size_t i = 0; i < m.declared.size(); ++i) {
+    for (torch::nn::Module* sub : m.declared[i]->unit_modules()) {
+      for (const auto& inner : sub->modules(/*include_self=*/true)) {
+        auto& u = unit_of[inner.get()];
+        if (u == 0 || sizes[i] < sizes[static_cast<std::size_t>(u) - 1]) u = static_cast<int>(i) + 1;
+      }
+    }
+  }
+  const auto unit_name = [&](int u) {
+    return u == 0 ? std::string("the root unit") : fmt::format("unit {}", u);
+  };
+  // Each tensor's first name and unit.
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::string, int>> first;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    const auto it = unit_of.find(item.value().get());
+    const int unit = it == unit_of.end() ? 0 : it->second;
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      const std::string name = item.key().empty() ? p.key() : item.key() + "." + p.key();
+      const auto [at, fresh] = first.emplace(p.value().unsafeGetTensorImpl(), std::make_pair(name, unit));
+      if (fresh || at->second.second == unit) continue;
+      throw InvalidArgument(
+          fmt::format("{}: '{}' and '{}' are one tensor (tied weights) in two units ({} and {}); each unit "
+                      "gathers only its "
+                      "own parameters, so a tied weight must sit in one unit: declare the modules that share "
+                      "it inside one "
+                      "unit (or leave both outside every unit, in the root), or untie them",
+                      who, at->second.first, name, unit_name(at->second.second), unit_name(unit)));
+    }
+  }
+}
+
 void check_memory_budget(torch::nn::Module& model, const World& world, Strategy mode, int param_bytes,
                          const MemoryBudget& budget, const char* who, int shard_group_size, bool cpu_offload,
                          bool on_gpu, bool built_on_host) {

@@ -22,6 +22,11 @@ struct UnitMembership {
 // unit when none does.
 UnitMembership discover_units(torch::nn::Module& model);
 
+// The sharded strategies: a tensor registered in several places (tied weights) must sit in
+// one unit, since each unit gathers only its own parameters. Throws InvalidArgument naming
+// two of its names in different units (the root unit included).
+void check_ties_in_one_unit(torch::nn::Module& model, const UnitMembership& m, const std::string& who);
+
 // Throws MemoryBudgetError when the planner's figure for `mode` exceeds the budget.
 // shard_group_size: HybridShard's group (0: the world).
 // The budget is per rank, of the compute device's memory; `on_gpu`: the compute device is

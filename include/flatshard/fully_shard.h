@@ -264,7 +264,8 @@ class FullyShardBase {
   // of its memory: about 4 bytes per parameter less at the peak, divided by the ranks).
   // backward() then does the optimizer's work; optimizer.step() after it finds no
   // gradient and does nothing. Not with clip_grad_norm (it throws), with nonfinite_grads
-  // other than Ignore, or under NoShard and ShardOptimizerState (refused here). Gradient accumulation works:
+  // other than Ignore, with find_unused_parameters on more than one rank, or under NoShard
+  // and ShardOptimizerState (refused here). Gradient accumulation works:
   // the step happens in the backward that reduces. nullptr turns it off.
   void step_in_backward(optim::ShardOptimizer* optimizer);
   // NoShard and ShardOptimizerState: `hook` reduces each gradient bucket instead of the
@@ -314,7 +315,8 @@ class FullyShardBase {
 
   // Steps whose gradients were dropped for NaN/Inf (NonFiniteGrads::Skip).
   std::int64_t skipped_steps() const;
-  int num_units() const;  // including the root unit
+  NonFiniteGrads nonfinite_grads() const;  // FullyShardOptions::nonfinite_grads
+  int num_units() const;                   // including the root unit
   // Bytes of the largest non-root unit's gathered flat buffer, and of the root unit's.
   std::int64_t largest_unit_bytes() const;
   std::int64_t root_unit_bytes() const;

@@ -12,6 +12,10 @@
 // shard gradients (one small collective) skips the step on every rank and halves the
 // scale; after growth_interval clean steps in a row the scale doubles. Its state is saved
 // in checkpoints (checkpoint::SaveOptions::scaler). See docs/optimizers.md.
+//
+// With FullyShardOptions::nonfinite_grads = Skip the wrapper drops an overflowed step's
+// gradients itself; the scaler counts that step as an overflow (skipped, the scale backed
+// off). nonfinite_grads = Raise is refused: loss scaling overflows by design.
 #pragma once
 
 #include <cstdint>
@@ -61,8 +65,9 @@ class GradScaler {
   double scale_;
   std::int64_t growth_tracker_ = 0;
   std::int64_t skipped_steps_ = 0;
-  bool unscaled_ = false;   // this step's gradients were unscaled
-  bool found_inf_ = false;  // ... and some rank's held NaN or Inf
+  std::int64_t wrapper_skips_ = 0;  // the wrapper's skipped_steps() when last unscaled
+  bool unscaled_ = false;           // this step's gradients were unscaled
+  bool found_inf_ = false;          // ... and some rank's held NaN or Inf
 };
 
 }  // namespace flatshard::optim

@@ -288,9 +288,21 @@ void for_each_piece(Holding& h, const std::function<void(const Span&, std::int64
 }
 
 // The optimizer state names to load: the checkpoint must hold every one the optimizer
-// keeps (none when it was saved without optimizer state).
+// keeps (none when it was saved without optimizer state), and the optimizer must keep every
+// one the checkpoint holds: an SGD made without momentum would drop a saved momentum buffer
+// and then, its groups' momentum restored from the checkpoint, start a new one from zero.
 std::vector<std::string> states_to_load(const Checkpoint& c, const std::vector<std::string>& wanted) {
   if (!c.has_optimizer) return {};
+  for (const auto& name : c.state_names) {
+    if (std::find(wanted.begin(), wanted.end(), name) == wanted.end()) {
+      fail(c.dir,
+           fmt::format("the checkpoint '{}' holds optimizer state '{}', which this optimizer does not keep "
+                       "(it keeps: {}); make it with the options it was saved with (SGD's momentum, say), "
+                       "or load without the optimizer to start one afresh",
+                       c.dir, name,
+                       wanted.empty() ? std::string("none") : fmt::format("{}", fmt::join(wanted, ", "))));
+    }
+  }
   for (const auto& name : wanted) {
     if (!c.state_names.count(name)) {
       fail(c.dir,

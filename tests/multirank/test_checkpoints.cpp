@@ -589,6 +589,44 @@ TEST(Checkpoint, KeepLastKeepsTheRunAJobIsOn) {
   if (world.rank() == 0) fs::remove_all(root);
 }
 
+// A checkpoint whose optimizer kept state (SGD's momentum buffer) does not load into an
+// optimizer that keeps none: it would drop the buffer and then, its momentum restored
+// from the checkpoint's groups, start a new one from zero. The same optimizer loads it.
+TEST(Checkpoint, StateTheOptimizerWouldDropIsRefused) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const std::string root = fmt::format("/tmp/flatshard-momentum-{}", env("MASTER_PORT"));
+  const GPTConfig config{64, 16, 64, 4, 2};
+  auto with_sgd = [](double momentum) {
+    auto o = test_options();
+    o.sgd = flatshard::optim::SGDOptions{0.1, momentum};
+    return o;
+  };
+  flatshard::testing::Wrapped<GPT> saved(seeded_gpt(config, kSeed), world, Strategy::FullShard,
+                                         with_sgd(0.9));
+  const auto b = gpt_batch(0, kGlobalBatch);
+  const int local = kGlobalBatch / 2;
+  token_loss(saved.forward(b.input.narrow(0, world.rank() * local, local)),
+             b.target.narrow(0, world.rank() * local, local))
+      .backward();
+  saved.step();
+  saved.save(root, 1);
+  flatshard::testing::Wrapped<GPT> plain(seeded_gpt(config, kOtherSeed), world, Strategy::FullShard,
+                                         with_sgd(0));
+  try {
+    plain.load(root);
+    ADD_FAILURE() << "a momentum buffer was dropped";
+  } catch (const ckpt::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("holds optimizer state 'momentum_buffer'"), std::string::npos)
+        << e.what();
+  }
+  flatshard::testing::Wrapped<GPT> same(seeded_gpt(config, kOtherSeed), world, Strategy::FullShard,
+                                        with_sgd(0.9));
+  EXPECT_EQ(same.load(root).step, 1);
+  saved.comm().barrier().wait();
+  if (world.rank() == 0) fs::remove_all(root);
+}
+
 // A buffer with no elements is saved as one empty piece, which the index check takes as
 // tiling its nothing; its neighbours load as before.
 TEST(Checkpoint, AnEmptyBufferSavesAndLoads) {

@@ -662,6 +662,12 @@ TEST(FullyShard, StepInBackwardTrainsBitForBitAsAStepAfter) {
   flatshard::FullyShard<GPT> guarded(gpt_factory()(), world, skipping);
   flatshard::optim::AdamW guarded_opt(guarded, {});
   EXPECT_THROW(guarded.step_in_backward(&guarded_opt), flatshard::InvalidArgument);
+  // A unit steps before the ranks could agree which of its parameters any rank used.
+  flatshard::FullyShardOptions finding;
+  finding.find_unused_parameters = true;
+  flatshard::FullyShard<GPT> unused(gpt_factory()(), world, finding);
+  flatshard::optim::AdamW unused_opt(unused, {});
+  if (world.world_size() > 1) EXPECT_THROW(unused.step_in_backward(&unused_opt), flatshard::InvalidArgument);
 }
 
 // Note [Communication wait]: in every mode, a rank that is late to each step (slow data,

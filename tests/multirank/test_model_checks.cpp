@@ -187,4 +187,64 @@ TEST(OddModels, AModelWrappedTwiceIsRefused) {
   }
 }
 
+// A projection by a weight it is given: two of them share one.
+struct ProjectionImpl : torch::nn::Module {
+  explicit ProjectionImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
+  at::Tensor forward(const at::Tensor& x) { return x.matmul(weight.t()); }
+  at::Tensor weight;
+};
+TORCH_MODULE(Projection);
+
+// Two projections sharing one weight: in two units, one in a unit and the other in the
+// root, or both in the root.
+struct TiedImpl : torch::nn::Module {
+  TiedImpl(bool first_unit, bool second_unit) {
+    const auto w = torch::randn({8, 8});
+    if (first_unit) {
+      first_unit_ = register_module("first", flatshard::Unit<Projection>(w));
+    } else {
+      first = register_module("first", Projection(w));
+    }
+    if (second_unit) {
+      second_unit_ = register_module("second", flatshard::Unit<Projection>(w));
+    } else {
+      second = register_module("second", Projection(w));
+    }
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const auto h = first_unit_ ? first_unit_(x) : first(x);
+    return second_unit_ ? second_unit_(h) : second(h);
+  }
+  Projection first{nullptr}, second{nullptr};
+  flatshard::Unit<Projection> first_unit_{nullptr}, second_unit_{nullptr};
+};
+TORCH_MODULE(Tied);
+
+// A tied weight must sit in one unit under the sharded strategies (each unit gathers only
+// its own parameters): across two units, or a unit and the root, wrapping names both
+// names; in one unit (here the root), and under the replicated strategies, it wraps.
+TEST(OddModels, TiedWeightsInTwoUnitsAreRefused) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(60));
+  auto world = flatshard::init();
+  const auto wrap = [&](Strategy strategy, bool first_unit, bool second_unit) -> std::string {
+    torch::manual_seed(3);  // the same values on every rank
+    try {
+      flatshard::FullyShard<Tied> fsdp(Tied(first_unit, second_unit), world, options_for(strategy, 2));
+    } catch (const flatshard::InvalidArgument& e) {
+      return e.what();
+    }
+    return "";
+  };
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    SCOPED_TRACE(to_string(strategy));
+    const std::string two = wrap(strategy, true, true), with_root = wrap(strategy, true, false);
+    EXPECT_TRUE(
+        contains(two, "'first.weight' and 'second.weight' are one tensor (tied weights) in two units"))
+        << two;
+    EXPECT_TRUE(contains(with_root, "(unit 1 and the root unit)")) << with_root;
+    EXPECT_EQ(wrap(strategy, false, false), "");
+  }
+  EXPECT_EQ(wrap(Strategy::NoShard, true, true), "");
+}
+
 }  // namespace

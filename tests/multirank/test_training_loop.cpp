@@ -147,6 +147,121 @@ TEST(UnusedParameters, AreLeftUntouchedAsTorchOptimLeavesThem) {
   }
 }
 
+// Two units of one shape, the second gated (Note [Reductions in one order]): its b only
+// sees rows whose first column (passed through the units unchanged) is positive.
+struct StageImpl : torch::nn::Module {
+  explicit StageImpl(bool gated) : gated(gated) {
+    a = register_module("a", torch::nn::Linear(6, 6));
+    b = register_module("b", torch::nn::Linear(6, 6));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = a(x);
+    const auto mask = x.select(1, 0) > 0;
+    if (!gated) {
+      h = h + b(x);
+    } else if (mask.any().item<bool>()) {
+      h = h + b(x) * mask.unsqueeze(1).to(h.scalar_type());
+    }
+    return torch::cat({x.narrow(1, 0, 1), torch::tanh(h).narrow(1, 1, 5)}, 1);
+  }
+  bool gated;
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Stage);
+
+struct TwoStagesImpl : torch::nn::Module {
+  TwoStagesImpl() {
+    first = register_module("first", flatshard::Unit<Stage>(false));
+    second = register_module("second", flatshard::Unit<Stage>(true));
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(second(first(x))); }
+  flatshard::Unit<Stage> first{nullptr}, second{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(TwoStages);
+
+// Only rank 0's rows open the second unit's gate, so on the other ranks that unit's b gets
+// no gradient and the unit is not done when its backward is: with find_unused_parameters
+// the sharded strategies still reduce the units in one order on every rank (Note
+// [Reductions in one order]) and train as single-process training does. Reduced as each
+// rank finished them, rank 0 would reduce the second unit first and the others the first,
+// and, the units being of one size, every rank would add one unit's gradients to the
+// other's.
+TEST(UnusedParameters, UnitsDoneAtOtherTimesOnOtherRanksReduceInOneOrder) {
+  FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  const auto make = [] {
+    torch::manual_seed(7);
+    return TwoStages();
+  };
+  const auto batch = [](int s) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(5000 + s);
+    auto x = at::randn({12, 6}, g);
+    x.select(1, 0).fill_(-1.0);
+    x[0][0] = 1.0;  // rank 0's first row
+    return Batch{x, at::randn({12, 3}, g)};
+  };
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    TrainSpec spec;
+    spec.strategy = strategy;
+    spec.find_unused_parameters = true;
+    spec.optimizer = OptKind::AdamW;
+    spec.steps = 4;
+    const auto r = train_and_compare<TwoStages>(world, make, batch, mse, spec);
+    SCOPED_TRACE(::testing::Message() << to_string(strategy) << " world " << world.world_size());
+    EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+  }
+}
+
+// A parameter of the root used outside the wrapped forward (a learnable temperature on the
+// logits): autograd gives it its gradient before the root's backward begins, and every
+// strategy adds that gradient in as single-process training does.
+TEST(UnusedParameters, AParameterUsedOutsideTheForwardIsTrained) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  const int n = world.world_size(), rows = 8, steps = 3;
+  const auto make = [] {
+    auto model = gpt_factory()();
+    model->register_parameter("temperature", torch::full({1}, 1.5f));
+    return model;
+  };
+  const auto loss_of = [](GPT& model, const at::Tensor& logits, const at::Tensor& target) {
+    return token_loss(logits * model->named_parameters()["temperature"], target);
+  };
+  auto ref = make();
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.5));
+  for (int s = 0; s < steps; ++s) {
+    const auto b = gpt_batch(s, rows);
+    ref_opt.zero_grad();
+    loss_of(ref, ref->forward(b.input), b.target).backward();
+    ref_opt.step();
+  }
+  const double ref_temperature = ref->named_parameters()["temperature"].item<double>();
+  ASSERT_GT(std::abs(ref_temperature - 1.5), 1e-4) << "the reference's temperature moved";
+  for (Strategy strategy : every_strategy(n)) {
+    SCOPED_TRACE(to_string(strategy));
+    auto model = make();
+    flatshard::FullyShard<GPT> fsdp(model, world, options_for(strategy, n));
+    optim::SGD opt(fsdp, optim::SGDOptions{0.5});
+    for (int s = 0; s < steps; ++s) {
+      const auto b = gpt_batch(s, rows);
+      const int local = rows / n;
+      const auto logits = fsdp.forward(b.input.narrow(0, world.rank() * local, local));
+      loss_of(model, logits, b.target.narrow(0, world.rank() * local, local)).backward();
+      opt.step();
+      opt.zero_grad();
+    }
+    const auto got = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
+    EXPECT_NEAR(got.at("temperature").item<double>(), ref_temperature, 1e-5);
+    for (const auto& item : ref->named_parameters()) {
+      const auto& want = item.value();
+      const double rel = (got.at(item.key()) - want).norm().item<double>() / want.norm().item<double>();
+      EXPECT_LE(rel, 1e-5) << item.key();
+    }
+  }
+}
+
 // Steps 3 to 5 continue bit for bit after saving at step 3 and loading into a new
 // wrapper, optimizer (with groups), scheduler and scaler state.
 TEST(Schedules, ResumedRunContinuesTheScheduleBitForBit) {
@@ -296,7 +411,9 @@ TEST(ParamGroups, BadGroupsAndSchedulesAreRefused) {
 // fp16 compute with dynamic loss scaling against a single-process run of the same
 // algorithm (fp32 master model, fp16 copy for compute, the same scale, unscaling, skip
 // and growth rules), with an overflow injected on the last rank at step 2: every rank
-// skips that step (the weights stay bit for bit) and halves its scale.
+// skips that step (the weights stay bit for bit) and halves its scale. The same when the
+// wrapper drops the overflowed gradients itself (nonfinite_grads = Skip); a wrapper that
+// raises on them is refused.
 TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
   FLATSHARD_RUN_RANKS({1, 2}, std::chrono::seconds(240));
   auto world = flatshard::init();
@@ -342,12 +459,18 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
     ref_scales.push_back(ref_scale);
   }
   // Distributed, in fp16 with fp32 reduction and masters.
-  for (Strategy strategy : every_strategy(n)) {
-    SCOPED_TRACE(to_string(strategy));
+  std::vector<std::pair<Strategy, flatshard::NonFiniteGrads>> runs;
+  for (Strategy strategy : every_strategy(n)) runs.emplace_back(strategy, flatshard::NonFiniteGrads::Ignore);
+  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard})
+    runs.emplace_back(strategy, flatshard::NonFiniteGrads::Skip);
+  for (const auto& [strategy, nonfinite] : runs) {
+    const bool wrapper_skips = nonfinite == flatshard::NonFiniteGrads::Skip;
+    SCOPED_TRACE(std::string(to_string(strategy)) + (wrapper_skips ? ", the wrapper skipping" : ""));
     auto model = gpt_factory()();
     flatshard::FullyShardOptions o = options_for(strategy, n);
     o.mixed_precision.param = at::kHalf;
     o.mixed_precision.reduce = at::kFloat;
+    o.nonfinite_grads = nonfinite;
     flatshard::FullyShard<GPT> fsdp(model, world, o);
     optim::AdamW opt(fsdp, ao);
     optim::GradScaler scaler(fsdp, so);
@@ -371,7 +494,9 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
       }
     }
     EXPECT_EQ(scaler.skipped_steps(), 1);
-    if (strategy == Strategy::FullShard) {  // stepping in backward would step scaled gradients
+    EXPECT_EQ(fsdp.skipped_steps(), wrapper_skips ? 1 : 0);
+    if (strategy == Strategy::FullShard &&
+        !wrapper_skips) {  // stepping in backward would step scaled gradients
       fsdp.step_in_backward(&opt);
       EXPECT_THROW(scaler.unscale(opt), flatshard::InvalidArgument);
       fsdp.step_in_backward(nullptr);
@@ -387,6 +512,12 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
     // fp16 keeps 11 significant bits: as Note [bf16 tolerance] with 8x finer rounding.
     EXPECT_LE(std::sqrt(delta / norm), 2e-3);
   }
+  auto model = gpt_factory()();
+  flatshard::FullyShardOptions raising = options_for(Strategy::FullShard, n);
+  raising.mixed_precision.param = at::kHalf;
+  raising.nonfinite_grads = flatshard::NonFiniteGrads::Raise;
+  flatshard::FullyShard<GPT> fsdp(model, world, raising);
+  EXPECT_THROW({ optim::GradScaler raised(fsdp, so); }, flatshard::InvalidArgument);
 }
 
 }  // namespace

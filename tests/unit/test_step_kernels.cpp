@@ -10,10 +10,12 @@
 #include <vector>
 
 #include <c10/util/BFloat16.h>
+#include <torch/torch.h>
 
 #include <limits>
 
 #include "flatshard/errors.h"
+#include "optim/clip.h"
 #include "optim/step_kernels_cpu.h"
 
 namespace flatshard::optim::kernels::cpu {
@@ -97,6 +99,53 @@ TEST(CpuStepKernels, EveryBuildThisCpuRunsComputesThePortableBits) {
     const double got = k->sum_of_squares(x.data(), kNumel), want = reference.sum_of_squares(x.data(), kNumel);
     EXPECT_EQ(std::memcmp(&got, &want, sizeof got), 0) << got << " against " << want;
   }
+}
+
+// Twenty steps against torch::optim::AdamW on one tensor: the moments agree to float
+// rounding, not by a bias of 1.3e-5 that rounding beta2 before 1 - beta2 would give
+// (Note [Adam's factors]); the parameters agree to within a few roundings of each step.
+TEST(CpuStepKernels, AdamMatchesTorchToRounding) {
+  auto param = values(1, 1.0f);
+  std::vector<float> m(kNumel, 0.0f), v(kNumel, 0.0f);
+  auto reference = torch::from_blob(param.data(), {kNumel}).clone().requires_grad_(true);
+  torch::optim::AdamW torch_adam({reference}, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  for (std::int64_t step = 1; step <= 20; ++step) {
+    auto grad = values(40 + static_cast<std::uint32_t>(step), 0.5f);
+    reference.mutable_grad() = torch::from_blob(grad.data(), {kNumel}).clone();
+    torch_adam.step();
+    AdamHyper h;
+    h.lr = 1e-3;
+    h.weight_decay = 0.1;
+    h.decoupled_weight_decay = true;
+    h.step = step;
+    portable().adam_step(param.data(), grad.data(), m.data(), v.data(), kNumel, h);
+  }
+  const auto& state = static_cast<const torch::optim::AdamWParamState&>(
+      *torch_adam.state().at(reference.unsafeGetTensorImpl()));
+  const auto relative = [](const std::vector<float>& ours, const at::Tensor& theirs) {
+    const auto t = torch::from_blob(const_cast<float*>(ours.data()), {kNumel});
+    return ((t - theirs).abs() / theirs.abs().clamp_min(1e-30)).max().item<double>();
+  };
+  EXPECT_LT(relative(v, state.exp_avg_sq()), 1e-6);
+  const auto m_ours = torch::from_blob(m.data(), {kNumel});  // m crosses zero: against its largest
+  EXPECT_LT(
+      (m_ours - state.exp_avg()).abs().max().item<double>() / state.exp_avg().abs().max().item<double>(),
+      1e-6);
+  EXPECT_LT((torch::from_blob(param.data(), {kNumel}) - reference.detach()).abs().max().item<double>(), 1e-5);
+}
+
+// Clipping by a norm that is NaN makes every gradient NaN, as torch's clip_grad_norm_
+// (min(coef, 1) of NaN) does; an Inf norm zeroes them; a small one leaves them.
+TEST(CpuStepKernels, ClippingFollowsTorchOnNonFiniteNorms) {
+  auto finite = torch::full({3}, 2.0f), poisoned = torch::tensor({1.0f, std::nanf(""), 1.0f});
+  EXPECT_TRUE(std::isnan(flatshard::optim::clip_by_global_norm({finite, poisoned}, 1.0, nullptr)));
+  EXPECT_TRUE(torch::isnan(finite).all().item<bool>()) << finite;
+  auto big = torch::tensor({std::numeric_limits<float>::infinity(), 1.0f});
+  EXPECT_TRUE(std::isinf(flatshard::optim::clip_by_global_norm({big}, 1.0, nullptr)));
+  EXPECT_EQ(big[1].item<float>(), 0.0f);
+  auto small = torch::tensor({0.3f, 0.4f});
+  EXPECT_NEAR(flatshard::optim::clip_by_global_norm({small}, 1.0, nullptr), 0.5, 1e-7);
+  EXPECT_EQ(small[0].item<float>(), 0.3f);
 }
 
 // The bf16 copies that CPU offload sends to the GPU instead of the fp32 masters must be
