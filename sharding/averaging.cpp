@@ -75,6 +75,12 @@ void Engine::set_comm_hook(std::shared_ptr<CommHook> hook) {
         "no gradient, so there is nothing for a hook to reduce",
         who, options_.decentralized_every));
   }
+  if (hook && device_.is_cuda() && !hook->runs_on_cuda()) {
+    throw InvalidArgument(fmt::format(
+        "{}: the hook {} computes on host tensors (its codes, indices or factors) and does not reduce CUDA "
+        "gradients yet; on GPUs use hooks::all_reduce or hooks::low_precision",
+        who, hook->describe()));
+  }
   if (hook && !replicated_ && !replica_comm_) {
     throw InvalidArgument(fmt::format(
         "{}: {} reduce-scatters each unit's gradients within {}, and a hook averages over replicas; use "
@@ -178,6 +184,13 @@ void Engine::check_communication_options() const {
                     "reduce-scatters each unit into its shard as backward runs; set staleness = 0 or change "
                     "the strategy",
                     who, options_.staleness, to_string(options_.strategy)));
+  }
+  if (options_.staleness > 0 && options_.find_unused_parameters) {
+    throw InvalidArgument(fmt::format(
+        "{}: staleness {} and find_unused_parameters do not combine: each step's record of which parameters "
+        "got a gradient is this step's, while the gradients applied are those of {} step(s) before, so a "
+        "parameter used in one step and not the next would step on the wrong gradient; set one of them off",
+        who, options_.staleness, options_.staleness));
   }
   if (options_.decentralized_every < 0) {
     throw InvalidArgument(

@@ -54,6 +54,10 @@ class CommHook {
   // name, for checkpoints; and its restoration.
   virtual std::map<std::string, at::Tensor> state() const { return {}; }
   virtual void load_state(const std::map<std::string, at::Tensor>& /*state*/) {}
+  // Whether it reduces CUDA buckets. The hooks that compute on host tensors (8-bit codes,
+  // sparse indices, PowerSGD's factors) do not yet, and register_comm_hook refuses them on
+  // a CUDA wrapper.
+  virtual bool runs_on_cuda() const { return true; }
 };
 
 namespace hooks {

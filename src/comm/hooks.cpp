@@ -59,6 +59,9 @@ class LowPrecisionHook final : public CommHook {
 // maximum, then its codes, while the chunk is in cache), one dequantizes and averages.
 class QuantizeHook final : public CommHook {
  public:
+  bool runs_on_cuda() const override { return false; }
+
+ public:
   explicit QuantizeHook(std::int64_t chunk_numel) : chunk_numel_(chunk_numel) {}
   std::string describe() const override { return fmt::format("quantize_8bit(chunk_numel={})", chunk_numel_); }
   HookWork reduce(Communicator& comm, const GradBucket& bucket) override {
@@ -201,6 +204,9 @@ class Residuals {
 // the training state (CommHook::state, saved in checkpoints).
 class SparsifyHook final : public CommHook {
  public:
+  bool runs_on_cuda() const override { return false; }
+
+ public:
   SparsifyHook(const SparsifyOptions& options, bool top) : options_(options), top_(top) {}
   std::string describe() const override {
     return top_ ? fmt::format("top_k(ratio={}, error_feedback={})", options_.ratio, options_.error_feedback)
@@ -270,6 +276,9 @@ class SparsifyHook final : public CommHook {
 
 class PowerSGDHook final : public CommHook {
  public:
+  bool runs_on_cuda() const override { return false; }
+
+ public:
   explicit PowerSGDHook(const PowerSGDOptions& options) : options_(options) {}
   std::string describe() const override {
     return fmt::format("power_sgd(rank={}, start_step={}, warm_start={}, error_feedback={}, seed={})",
@@ -309,7 +318,7 @@ class PowerSGDHook final : public CommHook {
     at::Tensor wire = at::empty({p_numel + plain_numel}, at::kFloat);
     std::int64_t at_p = 0;
     for (const auto& x : matrices) {
-      at::Tensor q = start_q(bucket.index, x);
+      at::Tensor q = start_q(bucket.index, bucket.step, x);
       at::Tensor p = wire.narrow(0, at_p, x.m.size(0) * x.rank).view({x.m.size(0), x.rank});
       at::mm_out(p, x.m, q);
       at_p += x.m.size(0) * x.rank;
@@ -394,8 +403,10 @@ class PowerSGDHook final : public CommHook {
     std::int64_t offset;  // in the bucket
   };
 
-  // Q of the previous step (warm start), or one drawn alike on every rank.
-  at::Tensor start_q(int index, const Matrix& x) {
+  // Q of the previous step (warm start), or one drawn alike on every rank: without warm
+  // start a new one every step, as PyTorch reseeds every step (a fixed Q would weigh the same
+  // directions less on every step).
+  at::Tensor start_q(int index, std::int64_t step, const Matrix& x) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = qs_.find({index, x.offset});
@@ -404,8 +415,9 @@ class PowerSGDHook final : public CommHook {
         return it->second;
       }
     }
+    const std::uint64_t fresh = options_.warm_start ? 0 : static_cast<std::uint64_t>(step) * 104729;
     auto generator =
-        at::make_generator<at::CPUGeneratorImpl>(options_.seed * 1000003 + index * 7919 + x.offset);
+        at::make_generator<at::CPUGeneratorImpl>(options_.seed * 1000003 + index * 7919 + x.offset + fresh);
     return at::randn({x.m.size(1), x.rank}, generator);
   }
   void keep_q(int index, std::int64_t offset, at::Tensor q) {

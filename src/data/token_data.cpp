@@ -19,8 +19,9 @@ using checkpoint::CheckpointError;
 
 namespace {
 
-// llm.c's token files: 256 int32s (magic, version, token count), then uint16 tokens.
-constexpr std::int32_t kLlmcMagic = 20240520;
+// llm.c's token files: 256 int32s (magic, version, token count), then the tokens.
+constexpr std::int32_t kLlmcMagic = 20240520;        // llm.c's GPT-2 files: version 1, uint16 tokens
+constexpr std::int32_t kLlmcLlama3Magic = 20240801;  // its Llama 3 files: version 7, uint32 tokens
 constexpr std::int64_t kLlmcHeaderBytes = 256 * 4;
 
 // splitmix64: a small generator whose output is fixed by its seed on every platform (a
@@ -54,18 +55,20 @@ TokenFile::TokenFile(const std::string& path, const TokenFileOptions& options)
   std::int32_t header[3] = {0, 0, 0};
   if (map_bytes_ >= static_cast<std::size_t>(kLlmcHeaderBytes)) std::memcpy(header, map_, sizeof(header));
   std::int64_t data_bytes = static_cast<std::int64_t>(map_bytes_);
-  if (header[0] == kLlmcMagic) {
-    if (header[1] != 1) {
+  if (header[0] == kLlmcMagic || header[0] == kLlmcLlama3Magic) {
+    const bool llama3 = header[0] == kLlmcLlama3Magic;
+    const int version = llama3 ? 7 : 1;
+    if (header[1] != version) {
       refuse(
-          fmt::format("'{}' is an llm.c token file of version {}; FlatShard reads version "
-                      "1 (uint16 tokens)",
-                      path, header[1]));
+          fmt::format("'{}' is an llm.c {} token file of version {}; FlatShard reads version {} ({} tokens)",
+                      path, llama3 ? "Llama 3" : "GPT-2", header[1], version, llama3 ? "uint32" : "uint16"));
     }
-    dtype_ = at::kUInt16;
+    dtype_ = llama3 ? at::kUInt32 : at::kUInt16;
+    const std::int64_t token_bytes = llama3 ? 4 : 2;
     data_offset_ = kLlmcHeaderBytes;
-    data_bytes = std::min<std::int64_t>(data_bytes - kLlmcHeaderBytes, std::int64_t{header[2]} * 2);
+    data_bytes = std::min<std::int64_t>(data_bytes - kLlmcHeaderBytes, std::int64_t{header[2]} * token_bytes);
     if (header[2] < 0 ||
-        std::int64_t{header[2]} * 2 > static_cast<std::int64_t>(map_bytes_) - kLlmcHeaderBytes) {
+        std::int64_t{header[2]} * token_bytes > static_cast<std::int64_t>(map_bytes_) - kLlmcHeaderBytes) {
       refuse(fmt::format("'{}' says it holds {} tokens but is {} bytes long: it is truncated", path,
                          header[2], map_bytes_));
     }
@@ -135,6 +138,16 @@ DistributedSampler::DistributedSampler(std::int64_t dataset_size, int rank, int 
                     "size is not negative, the rank within the world, the batch positive",
                     size_, rank_, world_size_, options_.batch_size));
   }
+  // An epoch without a batch would make the loop of docs/data.md turn epochs forever.
+  const std::int64_t global = options_.batch_size * world_size_;
+  if (options_.drop_last ? size_ < global : size_ == 0) {
+    throw InvalidArgument(fmt::format(
+        "DistributedSampler: {} samples make no batch of {} ({} ranks x batch size {}{}): an epoch would "
+        "hold "
+        "no step; use a smaller batch or fewer ranks, or more data (a token file shorter than seq_len + 1 "
+        "holds no sample)",
+        size_, global, world_size_, options_.batch_size, options_.drop_last ? ", drop_last" : ""));
+  }
 }
 
 DistributedSampler::DistributedSampler(std::int64_t dataset_size, const World& world,
@@ -175,6 +188,8 @@ std::vector<std::int64_t> DistributedSampler::next() {
 }
 
 void DistributedSampler::set_epoch(std::int64_t epoch) {
+  if (epoch < 0)
+    throw InvalidArgument(fmt::format("DistributedSampler::set_epoch: epoch {} is negative", epoch));
   epoch_ = epoch;
   consumed_ = 0;
 }

@@ -682,6 +682,31 @@ TEST(CudaHybrid, MatchesSingleProcess) {
   }
 }
 
+// The hooks that compute on host tensors (8-bit codes, sparse indices, PowerSGD's factors)
+// are refused on a CUDA wrapper, naming the hook; the bf16 wire and the plain average are
+// taken.
+TEST(CudaHooks, HooksThatComputeOnTheHostAreRefused) {
+  REQUIRE_GPU();
+  flatshard::World world;
+  flatshard::FullyShardOptions options;
+  options.strategy = flatshard::Strategy::NoShard;
+  options.device = kGpu;
+  options.comm.transport = flatshard::Transport::Nccl;
+  auto model = gpt_factory()();
+  flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, options);
+  for (const char* spec : {"int8", "top_k:0.01", "random_k:0.01", "power_sgd:4"}) {
+    try {
+      fsdp.register_comm_hook(flatshard::hooks::parse(spec));
+      ADD_FAILURE() << spec << " was taken on CUDA";
+    } catch (const flatshard::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("does not reduce CUDA gradients yet"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_NO_THROW(fsdp.register_comm_hook(flatshard::hooks::low_precision()));
+  EXPECT_NO_THROW(fsdp.register_comm_hook(flatshard::hooks::all_reduce()));
+}
+
 // Built into shards (build.h) with the shards on the GPU (and, offloaded, in pinned host
 // memory): world 1 over NCCL, world 2 over the TCP rings on one GPU.
 TEST(CudaBuildIntoShards, ShardsOnTheGpuMatchSingleProcess) {

@@ -253,6 +253,13 @@ TEST(Decentralized, BadSettingsAreRefusedNamingTheRankAndSetting) {
     o.cpu_offload = true;
     refused(o, "decentralized_every 1 and cpu_offload do not combine");
   }
+  {  // each step's record of the parameters that got a gradient is not the delayed gradient's
+    flatshard::FullyShardOptions o;
+    o.strategy = Strategy::NoShard;
+    o.staleness = 1;
+    o.find_unused_parameters = true;
+    refused(o, "staleness 1 and find_unused_parameters do not combine");
+  }
   flatshard::FullyShardOptions o;
   o.strategy = Strategy::NoShard;
   // A hook has nothing to reduce under decentralized training.

@@ -50,6 +50,12 @@ TEST(Sampler, RanksGetDisjointBatchesThatCoverTheDataOncePerEpoch) {
           o.batch_size = batch;
           o.drop_last = drop_last;
           o.seed = 5;
+          const std::int64_t global = batch * world;
+          if (drop_last ? n < global : n == 0) {  // an epoch of no batch: the loop would never end
+            EXPECT_THROW(DistributedSampler(n, 0, world, o), flatshard::InvalidArgument)
+                << n << " " << global;
+            continue;
+          }
           auto ranks = world_of(n, world, o);
           const auto batches = rest_of_epoch(ranks);
           std::multiset<std::int64_t> seen;
@@ -59,7 +65,6 @@ TEST(Sampler, RanksGetDisjointBatchesThatCoverTheDataOncePerEpoch) {
               seen.insert(b.begin(), b.end());
             }
           }
-          const std::int64_t global = batch * world;
           const std::int64_t expected = drop_last ? n / global * global : n;
           EXPECT_EQ(static_cast<std::int64_t>(seen.size()), expected) << n << " " << world << " " << batch;
           EXPECT_EQ(std::set<std::int64_t>(seen.begin(), seen.end()).size(), seen.size()) << "a sample twice";
@@ -182,6 +187,7 @@ TEST(Sampler, ResumesAtTheSameOrAnotherWorldSize) {
   other.dataset_size = 99;
   EXPECT_THROW(s.restore(other), flatshard::InvalidArgument);
   EXPECT_THROW(DistributedSampler(10, 2, 2, {}), flatshard::InvalidArgument);
+  EXPECT_THROW(s.set_epoch(-1), flatshard::InvalidArgument);
 }
 
 TEST(TokenData, ReadsRawAndLlmcFilesIntoSamples) {
@@ -224,6 +230,18 @@ TEST(TokenData, ReadsRawAndLlmcFilesIntoSamples) {
   flatshard::data::TokenFile wide_file(wide, u32);
   EXPECT_TRUE(at::equal(wide_file.read(1, 3), at::tensor(std::vector<std::int64_t>{5, 100000, 7})));
   std::remove(wide.c_str());
+  // llm.c's Llama 3 files (magic 20240801, version 7): uint32 tokens whatever the options say.
+  const std::string llama3 = temp_file("tokens_llmc_llama3");
+  {
+    std::int32_t header[256] = {20240801, 7, static_cast<std::int32_t>(big.size())};
+    std::ofstream out(llama3, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(header), sizeof(header));
+    out.write(reinterpret_cast<const char*>(big.data()), big.size() * 4);
+  }
+  flatshard::data::TokenFile llama3_file(llama3);
+  ASSERT_EQ(llama3_file.size(), 4);
+  EXPECT_TRUE(at::equal(llama3_file.read(0, 4), at::tensor(std::vector<std::int64_t>{70000, 5, 100000, 7})));
+  std::remove(llama3.c_str());
   std::ofstream(raw, std::ios::binary | std::ios::app).put('x');
   EXPECT_THROW(flatshard::data::TokenFile{raw}, flatshard::checkpoint::CheckpointError);
   std::remove(raw.c_str());
