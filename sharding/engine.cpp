@@ -147,13 +147,15 @@ std::vector<at::Tensor> Engine::post_forward(int index, std::vector<at::Tensor> 
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   if (index == kRoot) order_recorded_ = true;
   if (!at::GradMode::is_enabled()) {  // no backward will come: free now
+    units_[index]->watching.reset();
     if (index != kRoot) reshard(index);
     return outputs;
   }
   if (reshard_after_forward_ && index != kRoot) reshard(index);
+  std::shared_ptr<InputWatch> forward = std::move(units_[index]->watching);  // Note [Inputs by forward]
   for (auto& t : outputs) {
     if (t.defined() && t.requires_grad()) {
-      t.register_hook([this, index](const at::Tensor&) { pre_backward(index); });
+      t.register_hook([this, index, forward](const at::Tensor&) { output_grad_ready(index, forward); });
     }
   }
   return outputs;
@@ -267,40 +269,68 @@ void Engine::on_grad_accumulated(int index, int param) {
 // was made before the adapters' (whose result only flows back to the unit's input) runs
 // after their gradients are in. So a unit holding frozen parameters (partly or wholly
 // frozen) also waits for the gradients of the tensors its forward got (hooks on them,
-// which fire once every node that used them has run) before it is resharded; one whose
-// inputs need no gradient has no frozen node left to run once its parameters' gradients
-// are in. A wholly frozen unit is then resharded as soon as its backward is done, not at
-// the end of backward.
-// The units' forwards get their leaves as aliases (Note [Watching a unit's inputs]), so the
-// hooks are on tensors of the graph.
+// which fire once every node that used them has run; Note [Inputs by forward]) before it
+// is resharded; one whose inputs need no gradient has no frozen node left to run once its
+// parameters' gradients are in. A wholly frozen unit is then resharded as soon as its backward is done, not
+// at the end of backward. The units' forwards get their leaves as aliases (Note [Watching a unit's inputs]),
+// so the hooks are on tensors of the graph.
 bool Engine::watches_inputs(int index) const {
   return units_[index]->waits_for_inputs && at::GradMode::is_enabled();
 }
 
+// Note [Inputs by forward]
+// A unit may run forward several times before a backward (micro-batches whose forwards
+// all run first, a block used twice), and a backward may reach any of those forwards'
+// graphs, some of them, or one again (retain_graph). So each forward counts its own watched
+// inputs, and a backward waits for the inputs of the forwards whose outputs it reached
+// (the output's hook names its forward), counted in this backward only. One count over
+// every forward would wait for inputs no backward reaches, or, after a backward reset it,
+// not wait for the inputs of a forward that ran before that backward: the unit would be
+// resharded while a frozen weight's product of that forward is still to run.
 void Engine::watch_inputs(int index, const std::vector<at::Tensor>& inputs) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   Unit& u = *units_[index];
+  u.watching.reset();
   if (!watches_inputs(index)) return;
+  auto forward = std::make_shared<InputWatch>();
   for (const at::Tensor& t : inputs) {
     if (!t.requires_grad()) continue;
-    ++u.pending_inputs;
-    const std::int64_t backward = backwards_;
+    ++forward->inputs;
     at::Tensor watched = t;
-    watched.register_hook([this, index, backward](const at::Tensor&) { input_grad_ready(index, backward); });
+    // The graph owns the hook, and the hook this forward's count (not the unit).
+    watched.register_hook([this, index, forward](const at::Tensor&) { input_grad_ready(index, *forward); });
   }
+  if (forward->inputs > 0) u.watching = std::move(forward);
 }
 
-void Engine::input_grad_ready(int index, std::int64_t backward) {
+void Engine::output_grad_ready(int index, const std::shared_ptr<InputWatch>& forward) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
-  if (backward != backwards_) return;  // a graph of an earlier backward's forward
-  Unit& u = *units_[index];
-  if (u.pending_inputs > 0) --u.pending_inputs;
+  if (forward) {
+    auto& awaited = units_[index]->awaited;
+    if (std::find(awaited.begin(), awaited.end(), forward) == awaited.end()) awaited.push_back(forward);
+  }
+  pre_backward(index);
+}
+
+void Engine::input_grad_ready(int index, InputWatch& forward) {
+  std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
+  if (forward.backward != backwards_) {  // the first of its inputs in this backward
+    forward.backward = backwards_;
+    forward.arrived = 0;
+  }
+  ++forward.arrived;
   post_backward_if_done(index);
+}
+
+bool Engine::inputs_done(const Unit& u) const {
+  return std::all_of(u.awaited.begin(), u.awaited.end(), [this](const std::shared_ptr<InputWatch>& f) {
+    return f->backward == backwards_ && f->arrived >= f->inputs;
+  });
 }
 
 void Engine::post_backward_if_done(int index) {
   const Unit& u = *units_[index];
-  if (u.pre_backward_done && u.pending_grads == 0 && u.pending_inputs == 0) post_backward(index);
+  if (u.pre_backward_done && u.pending_grads == 0 && inputs_done(u)) post_backward(index);
 }
 
 // Note [Reductions in one order]

@@ -106,6 +106,7 @@ class Engine {
 
  private:
   struct Unit;
+  struct InputWatch;
   struct PendingReduce;
 
   void unshard(int unit);
@@ -113,7 +114,9 @@ class Engine {
   void reshard(int unit);
   void prefetch(int unit);
   void post_backward(int unit);
-  void input_grad_ready(int unit, std::int64_t backward);
+  void output_grad_ready(int unit, const std::shared_ptr<InputWatch>& forward);
+  void input_grad_ready(int unit, InputWatch& forward);
+  bool inputs_done(const Unit& u) const;
   void post_backward_if_done(int unit);
   // Note [Reductions in one order]
   bool orders_reductions() const;
@@ -219,7 +222,7 @@ class Engine {
   ShardMemory memory_;
   int peak_gathered_units_ = 0;
   std::int64_t synced_backwards_ = 0;
-  std::int64_t backwards_ = 0;  // every backward that ended, under no_sync too
+  std::int64_t backwards_ = 0;  // every backward that ended, under no_sync too (Note [Inputs by forward])
   std::int64_t skipped_steps_ = 0;
   optim::ShardOptimizer* step_in_backward_ = nullptr;
   // The replicated strategies (Note [Replicated strategies]).

@@ -45,9 +45,20 @@ struct Engine::Unit {
   // last written from it (Note [Frozen parameters in the replicated strategies]).
   std::int64_t refreshed_version = 0;
   // The unit holds frozen parameters: its backward is done when its parameters' gradients
-  // have arrived and its inputs' too (watched inputs whose gradient has not yet).
+  // have arrived and its inputs' too (Note [Partly frozen units]). Each forward's inputs
+  // are counted apart (Note [Inputs by forward]): `watching` is the forward running now
+  // (from watch_inputs to post_forward), `awaited` those whose outputs this backward reached.
   bool waits_for_inputs = false;
-  int pending_inputs = 0;
+  std::shared_ptr<InputWatch> watching;
+  std::vector<std::shared_ptr<InputWatch>> awaited;
+};
+
+// One forward's watched inputs, and how many of them got their gradient in the backward
+// numbered `backward` (the last that reached them).
+struct Engine::InputWatch {
+  int inputs = 0;
+  std::int64_t backward = -1;
+  int arrived = 0;
 };
 
 struct Engine::PendingReduce {

@@ -237,7 +237,7 @@ void Engine::end_of_backward() {
     reshard(i);
     units_[i]->pre_backward_done = false;
     units_[i]->post_backward_done = false;
-    units_[i]->pending_inputs = 0;
+    units_[i]->awaited.clear();
   }
   backward_active_ = false;
   ++backwards_;

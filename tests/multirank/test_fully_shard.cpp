@@ -1101,6 +1101,35 @@ TEST(FullyShard, PartlyFrozenUnitsKeepGradientsAndStateForTheTrainedParametersOn
   }
 }
 
+// Note [Inputs by forward]: both micro-batches' forwards run before either backward. Each
+// backward reaches one forward's graph, and a partly frozen block stays gathered until that
+// forward's inputs have their gradients (its base weight's product runs after the
+// adapters' gradients are in), with or without no_sync between the backwards.
+TEST(FullyShard, PartlyFrozenUnitsWaitForTheForwardEachBackwardReaches) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  auto make = [] {
+    torch::manual_seed(13);
+    return LoraNet(16, 3);
+  };
+  for (bool reduce_every : {false, true}) {
+    SCOPED_TRACE(reduce_every ? "reduce every micro-batch" : "no_sync");
+    TrainSpec spec;
+    spec.optimizer = OptKind::AdamW;
+    spec.frozen = [](const std::string& name) {
+      return name.find(".base.") != std::string::npos || name.find(".norm.") != std::string::npos;
+    };
+    spec.steps = 4;
+    spec.micro_batches = 2;
+    spec.forwards_first = true;
+    spec.reduce_every_micro_batch = reduce_every;
+    const auto r = train_and_compare<LoraNet>(
+        world, make, [&](int s) { return stack_batch(7100 + s, spec.global_batch, 16); }, mse, spec);
+    EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+    EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance);
+  }
+}
+
 // Prefix tuning: a trained vector of the root is passed to every block, whose weights are
 // frozen (wholly, or but for a low-rank adapter beside them). The blocks wait for their
 // inputs' gradients (Note [Partly frozen units]), and the prefix is a leaf that every

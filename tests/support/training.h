@@ -52,6 +52,9 @@ struct TrainSpec {
   // Accumulation without no_sync on the sharded side: every micro-batch's backward reduces
   // its gradients and adds them to the last one's.
   bool reduce_every_micro_batch = false;
+  // Every micro-batch's forward runs on the sharded side before the first backward (their
+  // graphs held together, as a pipeline's schedule holds them); then the backwards, in order.
+  bool forwards_first = false;
   double clip = 0;  // > 0: clip the global gradient norm to this
   std::optional<at::ScalarType> param_dtype;
   std::optional<at::ScalarType> reduce_dtype;

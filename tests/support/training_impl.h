@@ -244,13 +244,26 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
     }
     const std::int64_t local = micro_rows / n;
     double my_loss = 0;
+    std::vector<at::Tensor> losses;
     for (int m = 0; m < spec.micro_batches; ++m) {
-      std::shared_ptr<void> guard = m + 1 < spec.micro_batches && side.no_sync ? side.no_sync() : nullptr;
-      auto l = loss(side.forward(b.input.narrow(0, m * micro_rows + rank * local, local)).to(at::kFloat),
+      const auto micro_loss = [&] {
+        return loss(side.forward(b.input.narrow(0, m * micro_rows + rank * local, local)).to(at::kFloat),
                     b.target.narrow(0, m * micro_rows + rank * local, local)) /
                spec.micro_batches;
+      };
+      if (spec.forwards_first) {
+        losses.push_back(micro_loss());
+        continue;
+      }
+      std::shared_ptr<void> guard = m + 1 < spec.micro_batches && side.no_sync ? side.no_sync() : nullptr;
+      auto l = micro_loss();
       l.backward();
       my_loss += l.template item<double>();
+    }
+    for (std::size_t m = 0; m < losses.size(); ++m) {
+      std::shared_ptr<void> guard = m + 1 < losses.size() && side.no_sync ? side.no_sync() : nullptr;
+      losses[m].backward();
+      my_loss += losses[m].template item<double>();
     }
     if (spec.clip > 0) result.max_grad_norm = std::max(result.max_grad_norm, side.clip(spec.clip));
     side.step();
