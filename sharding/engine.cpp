@@ -107,6 +107,7 @@ void Engine::prefetch(int index) {
 
 void Engine::pre_forward(int index) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
+  if (index == kRoot && backward_active_) abandon_backward();  // Note [A backward that failed]
   if (index == kRoot) check_frozen_unchanged();
   // A backward that failed midway did not wait for its steps (Note [Offloaded steps beside
   // backward]): no gather reads a master while one may still be stepped.
@@ -167,7 +168,6 @@ void Engine::pre_backward(int index) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   if (!backward_active_) {
     backward_active_ = true;
-    deferred_reduces_.clear();  // left by a backward that failed before its end
     torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
     if (step_begins_) {  // Note [Parameters without gradients]: a new step's first backward
       for (auto& flags : got_grad_) std::fill(flags.begin(), flags.end(), 0);
@@ -512,6 +512,8 @@ double Engine::clip_grad_norm(double max_norm) {
 }
 
 void Engine::zero_grad() {
+  std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
+  if (backward_active_) abandon_backward();  // Note [A backward that failed]
   for (auto& u : units_) {
     if (u->group) u->group->master().mutable_grad().reset();
   }

@@ -160,6 +160,7 @@ class Engine {
   void step_beside_backward(int unit, at::Tensor landing);
   void finish_steps_beside_backward();
   void end_of_backward();
+  void abandon_backward();  // Note [A backward that failed]
   void step_now(int unit);
   std::vector<Communicator*> communicators() const;  // the engine's, every one
   void account();

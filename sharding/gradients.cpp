@@ -248,6 +248,74 @@ void Engine::end_of_backward() {
   check_nonfinite();
 }
 
+// Note [A backward that failed]
+// A backward that throws midway (out of memory on the device, a failing op or hook) never
+// runs its end: autograd runs the final callbacks of a backward that completed only. Its
+// units stay gathered and marked as in backward, its reductions in flight, its gradients
+// half made; a wrapper left so would skip the next backward's hooks. The next forward of
+// the root (or zero_grad) finds the backward still active and abandons it: it waits for
+// the reductions in flight (the ranks issued the same ones when they failed alike: a
+// failure on some ranks only leaves the others in a collective, which their deadline
+// ends), drops their results and every gradient of the step, as zero_grad would, and
+// reshards every unit. Training then goes on from the same weights: a batch that ran out
+// of memory can be retried smaller, as a batch size finder does. What stepped in backward
+// before the failure (step_in_backward) has stepped. Gradients accumulated under no_sync
+// before the failed backward are dropped with it.
+void Engine::abandon_backward() {
+  backward_active_ = false;
+  deferred_reduces_.clear();
+  std::exception_ptr failed;
+  const auto keep_first = [&failed] {
+    if (!failed) failed = std::current_exception();
+  };
+  while (!in_flight_.empty()) {
+    std::unique_ptr<PendingReduce> pending = std::move(in_flight_.front());
+    in_flight_.pop_front();
+    try {
+      for (PendingReduce* p = pending.get(); p; p = p->stale.get()) {
+        if (p->work) p->work->wait();
+        for (const Work& w : p->hook_works) w.wait();
+      }
+    } catch (...) {
+      keep_first();
+    }
+  }
+  try {
+    if (!device_.is_cpu()) c10::impl::VirtualGuardImpl(device_.type()).getStream(device_).synchronize();
+    if (copy_out_) copy_out_->synchronize();
+    if (copy_in_) copy_in_->synchronize();
+  } catch (...) {
+    keep_first();
+  }
+  landing_grads_.clear();
+  try {
+    finish_steps_beside_backward();
+  } catch (...) {
+    keep_first();
+  }
+  for (int i = 0; i < static_cast<int>(units_.size()); ++i) {
+    Unit& u = *units_[i];
+    try {
+      reshard(i);
+    } catch (...) {
+      keep_first();
+    }
+    u.pre_backward_done = false;
+    u.post_backward_done = false;
+    u.awaited.clear();
+    if (!u.group) continue;
+    u.group->drop_param_grads();
+    u.group->free_full_grad();
+    u.group->master().mutable_grad().reset();
+  }
+  if (replicated_ && !arrival_recorded_) arrival_.clear();  // the first backward's, recorded again
+  accumulating_ = false;
+  step_begins_ = true;
+  ++backwards_;
+  account();
+  if (failed) std::rethrow_exception(failed);
+}
+
 // Note [Parameters without gradients]
 // torch::optim leaves a parameter whose .grad is undefined untouched: no weight decay, no
 // momentum, no step count. A flat shard has a gradient for every element, so the engine

@@ -262,6 +262,71 @@ TEST(UnusedParameters, AParameterUsedOutsideTheForwardIsTrained) {
   }
 }
 
+// Note [A backward that failed]: a backward that throws midway (here a hook on the first
+// block's weight, after the later units' reductions were issued) is abandoned by the next
+// forward, which finds the backward still active: its gradients are dropped, its units
+// resharded, and training goes on from the same weights as if the failed batch had never
+// run, in every strategy, offloaded or not. The second failure comes after the replicated strategies laid
+// their buckets out again, with buckets in flight; the third inside no_sync, after an
+// accumulating backward (whose gradients go with it).
+TEST(FailedBackward, TrainingGoesOnFromTheSameWeights) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  const int n = world.world_size(), rows = 8, steps = 4;
+  auto ref = gpt_factory()();
+  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int s = 0; s < steps; ++s) {
+    const auto b = gpt_batch(s, rows);
+    ref_opt.zero_grad();
+    token_loss(ref->forward(b.input), b.target).backward();
+    ref_opt.step();
+  }
+  std::vector<std::pair<Strategy, bool>> cases;  // a strategy, and whether it offloads
+  for (Strategy strategy : every_strategy(n)) cases.emplace_back(strategy, false);
+  cases.emplace_back(Strategy::FullShard, true);
+  cases.emplace_back(Strategy::NoShard, true);
+  for (const auto& [strategy, offload] : cases) {
+    SCOPED_TRACE(::testing::Message() << to_string(strategy) << (offload ? " offloaded" : ""));
+    auto model = gpt_factory()();
+    bool armed = false;
+    model->named_parameters()["h0.fc.weight"].register_hook([&armed](const at::Tensor& grad) {
+      if (armed) throw std::runtime_error("tripwire");
+      return grad;
+    });
+    auto options = options_for(strategy, n);
+    options.cpu_offload = offload;
+    flatshard::FullyShard<GPT> fsdp(model, world, options);
+    optim::AdamW opt(fsdp, optim::AdamWOptions{1e-2});
+    const int local = rows / n;
+    const auto mine = [&](const at::Tensor& t) { return t.narrow(0, world.rank() * local, local); };
+    const auto fail_once = [&](int seed) {
+      const auto b = gpt_batch(100 + seed, rows);
+      armed = true;
+      EXPECT_THROW(token_loss(fsdp.forward(mine(b.input)), mine(b.target)).backward(), std::exception);
+      armed = false;
+    };
+    for (int s = 0; s < steps; ++s) {
+      if (s == 0 || s == 2) fail_once(s);
+      if (s == 3) {
+        flatshard::FullyShardBase::NoSync guard(fsdp);
+        const auto b = gpt_batch(200, rows);
+        token_loss(fsdp.forward(mine(b.input)), mine(b.target)).backward();
+        fail_once(s);
+      }
+      const auto b = gpt_batch(s, rows);
+      token_loss(fsdp.forward(mine(b.input)), mine(b.target)).backward();
+      opt.step();
+      opt.zero_grad();
+    }
+    const auto got = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
+    for (const auto& item : ref->named_parameters()) {
+      const auto& want = item.value();
+      const double rel = (got.at(item.key()) - want).norm().item<double>() / want.norm().item<double>();
+      EXPECT_LE(rel, 1e-5) << item.key();
+    }
+  }
+}
+
 // Steps 3 to 5 continue bit for bit after saving at step 3 and loading into a new
 // wrapper, optimizer (with groups), scheduler and scaler state.
 TEST(Schedules, ResumedRunContinuesTheScheduleBitForBit) {
