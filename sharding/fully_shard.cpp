@@ -62,7 +62,8 @@ FullyShardBase::FullyShardBase(std::shared_ptr<torch::nn::Module> model, const W
   sharding::check_memory_budget(
       *model, world, mode, dtype && *dtype != at::kFloat ? 2 : 4, options.memory_budget, "FullyShard",
       options.strategy == Strategy::HybridShard ? flatshard::shard_group(world, options).size : 0,
-      options.cpu_offload, on_gpu(*model, options), built_on_host(*model, options));
+      options.cpu_offload, on_gpu(*model, options), built_on_host(*model, options),
+      options.find_unused_parameters);
   engine_ = std::make_unique<sharding::Engine>(std::move(model), world, options);
 }
 

@@ -79,7 +79,7 @@ void check_ties_in_one_unit(torch::nn::Module& model, const UnitMembership& m, c
 
 void check_memory_budget(torch::nn::Module& model, const World& world, Strategy mode, int param_bytes,
                          const MemoryBudget& budget, const char* who, int shard_group_size, bool cpu_offload,
-                         bool on_gpu, bool built_on_host) {
+                         bool on_gpu, bool built_on_host, bool find_unused_parameters) {
   if (budget.bytes <= 0) return;
   plan::PlanOptions o;
   // On a GPU the budget is the device's, and offloaded states are the host's; on the CPU
@@ -87,6 +87,7 @@ void check_memory_budget(torch::nn::Module& model, const World& world, Strategy 
   o.cpu_offload = cpu_offload && on_gpu;
   o.build_on_host = built_on_host && on_gpu;
   o.cpu_compute = !on_gpu;
+  o.find_unused_parameters = find_unused_parameters;
   o.strategy = mode;
   o.world_size = world.world_size();
   o.shard_group_size = shard_group_size < world.world_size() ? shard_group_size : 0;

@@ -32,10 +32,12 @@ void check_ties_in_one_unit(torch::nn::Module& model, const UnitMembership& m, c
 // The budget is per rank, of the compute device's memory; `on_gpu`: the compute device is
 // a GPU, whose memory the host's is apart from (CPU offload moves states out of it);
 // `built_on_host`: the model is on the host, to be placed on that GPU (the device never
-// holds it whole: PlanOptions::build_on_host).
+// holds it whole: PlanOptions::build_on_host); find_unused_parameters: the wrapper's
+// (PlanOptions::find_unused_parameters).
 void check_memory_budget(torch::nn::Module& model, const World& world, Strategy mode, int param_bytes,
                          const MemoryBudget& budget, const char* who, int shard_group_size = 0,
-                         bool cpu_offload = false, bool on_gpu = false, bool built_on_host = false);
+                         bool cpu_offload = false, bool on_gpu = false, bool built_on_host = false,
+                         bool find_unused_parameters = false);
 
 // Throws InvalidArgument when `device` is a CUDA device this process cannot use (no GPU
 // visible, an index past the visible ones, or flatshard::cuda not linked), before

@@ -92,6 +92,10 @@ struct PlanOptions {
   // Under offload the gradient shards are the host's, where each group keeps its
   // page-locked block for the next step: the figures do not change.
   bool step_in_backward = false;
+  // FullyShardOptions::find_unused_parameters (sharded modes, above one rank): every unit is
+  // reduced when backward ends (Note [Reductions in one order]), so every unit's unsharded
+  // gradient is alive then.
+  bool find_unused_parameters = false;
   // Training on the CPU (the compute device is the host; sharded modes): FullyShard keeps
   // freed gathered buffers and gradients in a pool (Note [Reused host buffers] in
   // sharding/flat_param.h), up to two of the largest, taken again before the start of

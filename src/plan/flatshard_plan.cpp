@@ -4,7 +4,7 @@
 //                  [--optimizer adamw|adam|sgd|sgd-momentum] [--mode full]
 //                  [--activation-mib 512] [--recompute 1] [--build-into-shards 1] [--prefetch 1]
 //                  [--budget-mib 16000] [--shard-group-size G] [--offload 1] [--build-on-host 1]
-//                  [--step-in-backward 1] [--cpu 1] [--offload-bf16-copy 0]
+//                  [--step-in-backward 1] [--find-unused-parameters 1] [--cpu 1] [--offload-bf16-copy 0]
 //                  [--fit-mib 81559 [--host-mib 122880]]
 //   flatshard-plan --cluster 16x8 --gpu h100 --model llama3-8b --seq 8192 --batch 2 (step time:
 //                  src/plan/cluster_cli.cpp)
@@ -47,6 +47,8 @@ int usage(const char* why) {
       "host; default 1)]\n"
       "                      [--build-on-host 0|1 (built on the host, placed by options.device)]\n"
       "                      [--step-in-backward 0|1 (sharded modes: each unit steps in backward)]\n"
+      "                      [--find-unused-parameters 0|1 (sharded modes: every unit reduced when backward "
+      "ends)]\n"
       "                      [--cpu 0|1 (training on the CPU: its buffer pool counted)]\n"
       "                      [--frozen F (fine-tuning: this fraction of every unit's parameters frozen)]\n"
       "                      [--fit-mib D [--host-mib H]: the largest model of K units whose peak fits "
@@ -83,7 +85,7 @@ int main(int argc, char** argv) {
   bool offload = false, offload_bf16_copy = true;
   int units = 1, prefetch = 1, param_bytes = 4, state_bytes = 8, shard_group_size = 0;
   bool recompute = false, build_into_shards = false, build_on_host = false, step_in_backward = false,
-       cpu_compute = false;
+       cpu_compute = false, find_unused = false;
   std::vector<int> worlds{1, 2, 4, 8};
   std::vector<Strategy> modes{Strategy::NoShard, Strategy::ShardOptimizerState, Strategy::ShardGradOp,
                               Strategy::FullShard};
@@ -132,6 +134,8 @@ int main(int argc, char** argv) {
       if (!flag(build_on_host)) return 2;
     } else if (a == "--step-in-backward") {
       if (!flag(step_in_backward)) return 2;
+    } else if (a == "--find-unused-parameters") {
+      if (!flag(find_unused)) return 2;
     } else if (a == "--cpu") {
       if (!flag(cpu_compute)) return 2;
     } else if (a == "--activation-mib") {
@@ -194,6 +198,7 @@ int main(int argc, char** argv) {
     o.offload_bf16_copy = offload_bf16_copy;
     o.build_on_host = build_on_host;
     o.step_in_backward = step_in_backward;
+    o.find_unused_parameters = find_unused;
     o.cpu_compute = cpu_compute;
     return o;
   };

@@ -169,8 +169,31 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
       };
       auto largest = [&](int count) { return largest_of(units, count); };
       auto largest_trained = [&](int count) { return largest_of(trained_units, count); };
-      std::int64_t all_units = 0;
+      std::int64_t all_units = 0, all_trained = 0;
       for (auto u : units) all_units += u;
+      for (auto u : trained_units) all_trained += u;
+      // Note [Reductions in one order] (sharding/engine.cpp): with find_unused_parameters
+      // above one rank every unit is reduced when backward ends, so the units' unsharded
+      // gradients (and the root's) are all alive then, beside the gathered root (under
+      // shard-grad-op every unit) and the masters and optimizer state; as the reductions
+      // go, each unit's unsharded gradient gives way to its shard, a tenth of it or less.
+      // On the CPU each unit's gradient takes a block the pool kept (the buffer the unit
+      // before it freed), so the pool holds one block then, not two (measured at worlds 2
+      // and 4: counting two over-predicts full shard's peak at world 4 by 11%).
+      const auto held_to_the_end = [&] {
+        if (!o.find_unused_parameters || world == 1) return;
+        const std::int64_t gathered = (root + (mode == Strategy::ShardGradOp ? all_units : 0)) * e;
+        const std::int64_t grads = (root_trained + all_trained) * e;
+        const std::int64_t pool = late_pool / 2;
+        const std::int64_t at_end = p.params + p.optimizer_state + p.staging + gathered + grads + pool;
+        if (at_end <= late_backward) return;
+        late_backward = at_end;
+        late_grads = 0;
+        late_activations = 0;
+        late_gathered = gathered;
+        late_gathered_grads = grads;
+        late_pool = pool;
+      };
       // Note [The device peak in the loss's backward]: on a GPU only the root (and under
       // shard-grad-op every unit, gathered since forward) is gathered at the peak.
       const std::int64_t gathered_units = mode == Strategy::ShardGradOp ? all_units
@@ -193,6 +216,7 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
         // fp32 compute copies straight from the host's shard and reduces into fp32.
         if (e != 4 && !bf16_copy) p.staging = (units.empty() ? root : std::max(root, units.front())) / n * 4;
         p.late_host_grads = trained_shards * 4;
+        held_to_the_end();
         break;
       }
       // Stepping in backward, a gradient shard lives from its reduction to its unit's
@@ -219,6 +243,7 @@ Plan predict(const ModelShape& shape, const PlanOptions& o) {
         late_backward =
             p.params + p.optimizer_state + late_grads + late_gathered + late_gathered_grads + late_pool;
       }
+      held_to_the_end();
       break;
     }
   }
