@@ -108,6 +108,9 @@ class CudaEvent final : public DeviceEvent {
   }
 
   void block(void* device_stream) const override {
+    // A transport known to have failed is reported here: its aborted kernels return, and a
+    // stream made to wait for one would go on with an output NCCL left undefined.
+    if (health_) rethrow_as_comm_error();
     cudaStream_t s = device_stream ? static_cast<cudaStream_t>(device_stream) : current_stream(device_);
     const cudaError_t e = cudaStreamWaitEvent(s, event_, 0);
     if (e != cudaSuccess) {

@@ -4,9 +4,14 @@
 // threads]).
 #include <nccl.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -35,6 +40,27 @@ ncclDataType_t nccl_type(at::ScalarType t) {
   }
 }
 
+class NcclTransport;
+
+// Note [Aborting the communicators together]: the FlatShard NCCL transports of one device
+// (a wrapper's, hybrid's replica groups', a user's own communicators) share one lock, which
+// every NCCL call on their communicators holds, so that a failure can abort them all in one
+// group call.
+struct DeviceNccl {
+  std::mutex mutex;
+  std::vector<NcclTransport*> live;  // guarded by mutex: made, and not yet destroyed
+};
+
+DeviceNccl& device_nccl(int device) {
+  static std::mutex mutex;
+  // Never destroyed: a transport may go while the process exits.
+  static auto* devices = new std::map<int, std::unique_ptr<DeviceNccl>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& d = (*devices)[device];
+  if (!d) d = std::make_unique<DeviceNccl>();
+  return *d;
+}
+
 class NcclTransport final : public comm::Backend {
  public:
   NcclTransport(const World& world, const CommunicatorOptions& options, int channels)
@@ -43,7 +69,9 @@ class NcclTransport final : public comm::Backend {
         options_(options),
         streams_(options.device.index() < 0 ? 0 : options.device.index(), channels),
         order_(comm::LaunchOrder::for_device(streams_.device())),
-        health_(std::make_shared<Health>(world.rank(), world.world_size())) {
+        health_(std::make_shared<Health>(world.rank(), world.world_size())),
+        device_(device_nccl(streams_.device())),
+        mutex_(device_.mutex) {
     const std::string prefix =
         comm::next_rendezvous_prefix(options.name);  // Note [Rendezvous keys per creation]
     const int device = streams_.device();
@@ -56,6 +84,10 @@ class NcclTransport final : public comm::Backend {
       // are aborted here, so that a caller that retries does not keep their threads and memory.
       abort_all_locked();
       throw;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      device_.live.push_back(this);
     }
     health_->set_confirm([this](const std::string& op) { confirm(op); });
     watchdog_ = std::thread([this] { watch(); });
@@ -73,6 +105,7 @@ class NcclTransport final : public comm::Backend {
     if (watchdog_.joinable()) watchdog_.join();
     inflight_.clear();
     std::lock_guard<std::mutex> lock(mutex_);
+    device_.live.erase(std::remove(device_.live.begin(), device_.live.end(), this), device_.live.end());
     if (!aborted_) finalize_and_destroy_locked();
     comm::InFlightBuffers::instance().release_completed();
   }
@@ -289,8 +322,9 @@ class NcclTransport final : public comm::Backend {
   // thread touches freed memory. Here three kinds of thread call into the communicators
   // (the role workers launching and settling ops, the watchdog polling for asynchronous
   // errors and aborting, and a Communicator aborting after another stream's failure):
-  // every NCCL call on them is made holding mutex_, and none after aborted_ is set, when
-  // they are aborted and forgotten. Calls that wait (a non-blocking op NCCL has not yet
+  // every NCCL call on them is made holding mutex_ (the device's lock, which every transport
+  // on the device shares: Note [Aborting the communicators together]), and none after
+  // aborted_ is set, when they are aborted and forgotten. Calls that wait (a non-blocking op NCCL has not yet
   // taken) poll one query at a time under the lock, so an abort is never held up by them.
   // Teardown follows NCCL's rules for non-blocking communicators: ncclCommFinalize (which
   // flushes outstanding operations and may answer ncclInProgress), polled to success
@@ -328,9 +362,15 @@ class NcclTransport final : public comm::Backend {
 
   // Note [Aborting the communicators together]
   // Aborting one communicator frees its device memory, which waits for the device, and so
-  // for the kernels of the transport's other communicators, still spinning on the lost peer:
+  // for the kernels of the device's other communicators, still spinning on the lost peer:
   // aborted one after another, the first abort can wait forever on the second's kernel.
-  // NCCL (2.22 and later) aborts the communicators of one group call together.
+  // NCCL (2.22 and later) aborts the communicators of one group call together. So a
+  // failure aborts, in one group call, every communicator of every FlatShard NCCL transport
+  // on the device, not only the failing transport's: hybrid sharding's shard group and
+  // replica groups are two transports, and a peer lost to one is lost to the job. The
+  // other transports fail with an error naming the first failure; their ops' waiters get
+  // it at once instead of at their own deadlines. The transports of a device share one
+  // lock (DeviceNccl) for this.
   void abort_all_locked() {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 22, 0)
     ncclGroupStart();
@@ -352,9 +392,34 @@ class NcclTransport final : public comm::Backend {
 
   void fail_locked(CommError::Kind kind, const std::string& why) {
     health_->fail(kind, why);
-    if (!aborted_) {
-      aborted_ = true;
-      abort_all_locked();
+    if (aborted_) return;
+    // Every transport of the device is marked failed before the abort, which may wait for
+    // the device: their waiters and new ops fail at once, naming this failure.
+    std::vector<NcclTransport*> failing{this};
+    for (NcclTransport* t : device_.live) {
+      if (t != this && !t->aborted_) failing.push_back(t);
+    }
+    for (NcclTransport* t : failing) {
+      t->aborted_ = true;
+      if (t == this) continue;
+      t->health_->fail(CommError::Kind::Aborted,
+                       fmt::format("aborted with the device's other NCCL communicators after '{}' failed: {}",
+                                   options_.name, why));
+      t->cv_.notify_all();
+    }
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 22, 0)
+    ncclGroupStart();
+#endif
+    for (NcclTransport* t : failing) {
+      for (auto c : t->comms_) {
+        if (c) ncclCommAbort(c);  // kernels waiting for a peer return; frees the communicator
+      }
+    }
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 22, 0)
+    ncclGroupEnd();
+#endif
+    for (NcclTransport* t : failing) {
+      for (auto& c : t->comms_) c = nullptr;
     }
   }
 
@@ -420,8 +485,9 @@ class NcclTransport final : public comm::Backend {
   comm::LaunchOrder& order_;  // this device's (Note [One launch order per device])
   std::shared_ptr<Health> health_;
   at::Tensor barrier_buffer_;
+  DeviceNccl& device_;
   std::vector<ncclComm_t> comms_;  // guarded by mutex_ once the watchdog runs; null once aborted
-  std::mutex mutex_;               // every NCCL call on comms_ holds it
+  std::mutex& mutex_;              // the device's: every NCCL call on its communicators holds it
   std::condition_variable cv_;
   std::deque<InFlight> inflight_;  // guarded by mutex_
   bool aborted_ = false;           // guarded by mutex_

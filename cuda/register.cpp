@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "cuda/device.h"
+#include "cuda/scratch.h"
 #include "flatshard/memory.h"
 #include "optim/step_kernels.h"
 #include "src/memory/pinned_host.h"
@@ -55,6 +56,11 @@ double sum_of_squares(const float* x, std::int64_t numel, void* stream) {
 
 const optim::kernels::DeviceKernels kKernels{&sgd, &adam, &sum_of_squares};
 
+void* scratch_allocate(std::size_t bytes, void* stream) {
+  return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, static_cast<cudaStream_t>(stream));
+}
+void scratch_release(void* ptr) { c10::cuda::CUDACachingAllocator::raw_delete(ptr); }
+
 // Note [Page-locked at its size]
 void* lock_host_memory(std::size_t bytes, const char** error) {
   void* ptr = nullptr;
@@ -75,6 +81,7 @@ const bool kRegistered = [] {
   memory::PinnedHost::instance().set_functions(&lock_host_memory, &unlock_host_memory);
   comm::register_device_backend(c10::DeviceType::CUDA, &make_cuda_transport);
   optim::kernels::register_cuda_kernels(kKernels);
+  optim::kernels::cuda::set_scratch_functions({&scratch_allocate, &scratch_release});
   memory::detail::set_cuda_total_bytes([](int device) -> std::int64_t {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     std::size_t free = 0, total = 0;

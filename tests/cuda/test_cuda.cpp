@@ -942,6 +942,43 @@ TEST(CudaFailures, AStuckRankIsAbortedByTheWatchdogOnEveryRank) {
                std::chrono::duration<double>(std::chrono::steady_clock::now() - teardown).count());
 }
 
+// Note [Aborting the communicators together]: a failure of one NCCL communicator aborts
+// every FlatShard NCCL communicator of the device in one group call (hybrid sharding's
+// shard and replica groups are two). Here communicator "held" times out (its all-reduce
+// waits behind a 6 s kernel on the compute stream; its deadline is 2 s) and its watchdog
+// aborts it; communicator "beside", idle, fails with it: its next op is refused at once
+// with an error naming the first failure, not at its own deadline.
+TEST(CudaFailures, AFailedCommunicatorAbortsTheDevicesOthersWithIt) {
+  REQUIRE_GPU();
+  flatshard::World world;
+  flatshard::CommunicatorOptions options;
+  options.device = kGpu;
+  options.transport = flatshard::Transport::Nccl;
+  options.timeout = std::chrono::seconds(2);
+  options.name = "held";
+  auto held = flatshard::Communicator::create(world, options);
+  options.timeout = std::chrono::seconds(60);
+  options.name = "beside";
+  auto beside = flatshard::Communicator::create(world, options);
+  auto t = at::ones({1024}, at::TensorOptions().device(kGpu));
+  beside->all_reduce(t, flatshard::ReduceOp::Sum).synchronize();  // both work
+  int rate_khz = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&rate_khz, cudaDevAttrClockRate, 0), cudaSuccess);
+  at::cuda::sleep(static_cast<std::int64_t>(rate_khz) * 1000 * 6);  // about 6 s on the compute stream
+  EXPECT_THROW(held->all_reduce(t, flatshard::ReduceOp::Sum).synchronize(), flatshard::CommError);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    beside->all_reduce(t, flatshard::ReduceOp::Sum).synchronize();
+    ADD_FAILURE() << "an op of the device's other communicator ran after NCCL was aborted";
+  } catch (const flatshard::CommError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'held' failed"), std::string::npos) << what;
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 1.0)
+      << "the other communicator's op waited instead of failing with the first";
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the sleeping kernel
+}
+
 // Sharded checkpoints of GPU shards saved at world 2 load at other world sizes (1, and
 // 3 and 4 where NCCL joins ranks on one GPU): the same full weights and optimizer state,
 // bit for bit, and training goes on.
