@@ -8,7 +8,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -21,6 +20,7 @@
 #include "cuda/device.h"
 #include "src/comm/in_flight.h"
 #include "src/comm/launch_order.h"
+#include "src/comm/per_device.h"
 #include "src/errors.h"
 
 namespace flatshard::cuda {
@@ -51,16 +51,6 @@ struct DeviceNccl {
   std::vector<NcclTransport*> live;  // guarded by mutex: made, and not yet destroyed
 };
 
-DeviceNccl& device_nccl(int device) {
-  static std::mutex mutex;
-  // Never destroyed: a transport may go while the process exits.
-  static auto* devices = new std::map<int, std::unique_ptr<DeviceNccl>>();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& d = (*devices)[device];
-  if (!d) d = std::make_unique<DeviceNccl>();
-  return *d;
-}
-
 class NcclTransport final : public comm::Backend {
  public:
   NcclTransport(const World& world, const CommunicatorOptions& options, int channels)
@@ -70,7 +60,7 @@ class NcclTransport final : public comm::Backend {
         streams_(options.device.index() < 0 ? 0 : options.device.index(), channels),
         order_(comm::LaunchOrder::for_device(streams_.device())),
         health_(std::make_shared<Health>(world.rank(), world.world_size())),
-        device_(device_nccl(streams_.device())),
+        device_(comm::one_per_device<DeviceNccl>(streams_.device())),
         mutex_(device_.mutex) {
     const std::string prefix =
         comm::next_rendezvous_prefix(options.name);  // Note [Rendezvous keys per creation]

@@ -1,19 +1,10 @@
 #include "src/comm/launch_order.h"
 
-#include <map>
-#include <memory>
+#include "src/comm/per_device.h"
 
 namespace flatshard::comm {
 
-LaunchOrder& LaunchOrder::for_device(int device) {
-  static std::mutex mutex;
-  // Never destroyed: workers may still finish tickets while the process exits.
-  static auto* orders = new std::map<int, std::unique_ptr<LaunchOrder>>();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& order = (*orders)[device];
-  if (!order) order = std::make_unique<LaunchOrder>();
-  return *order;
-}
+LaunchOrder& LaunchOrder::for_device(int device) { return one_per_device<LaunchOrder>(device); }
 
 std::uint64_t LaunchOrder::take() {
   std::lock_guard<std::mutex> lock(mutex_);
