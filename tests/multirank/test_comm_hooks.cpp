@@ -178,8 +178,9 @@ TEST(CommHooks, SparsifiersWithErrorFeedbackMatchASingleProcessSimulation) {
 
 // PowerSGD against the same algorithm over every rank's data in this process: P = M Q
 // averaged and orthonormalized, Q = M^T P averaged, P Q^T applied, M - P Q^T kept; Q warm
-// from the step before; the 1-D parameter and the padding averaged whole; and plain
-// averages before start_step.
+// from the step before, or (without warm start) drawn anew every step from the seed and the
+// step; the 1-D parameter and the padding averaged whole; and plain averages before
+// start_step.
 TEST(CommHooks, PowerSgdMatchesASingleProcessSimulation) {
   FLATSHARD_RUN_RANKS({2, 3});
   auto world = flatshard::init();
@@ -191,63 +192,68 @@ TEST(CommHooks, PowerSgdMatchesASingleProcessSimulation) {
     return at::randn({numel}, g);
   };
   const int rank_r = 3;
-  auto hook = hooks::power_sgd({rank_r, /*start_step=*/1, true, true, 9});
-  const std::vector<std::pair<std::int64_t, std::vector<std::int64_t>>> params = {
-      {0, {50, 40}}, {2000, {40}}, {2040, {30, 100}}};
-  std::vector<at::Tensor> residual(n, at::zeros({numel}));
-  std::vector<at::Tensor> q(2);
-  for (int step = 0; step < 3; ++step) {
-    GradBucket bucket;
-    bucket.index = 0;
-    bucket.step = step;
-    bucket.buffer = grad(world.rank(), step);
-    for (const auto& [offset, shape] : params) bucket.params.push_back({"p", shape, offset});
-    auto work = hook->reduce(*comm, bucket);
-    for (auto& w : work.works) w.wait();
-    if (work.finish) work.finish();
-    auto mean = at::zeros({numel});
-    for (int r = 0; r < n; ++r) mean += grad(r, step) / n;
-    if (step == 0) {  // before start_step: the plain average
-      EXPECT_TRUE(at::allclose(bucket.buffer, mean, 1e-6, 1e-6));
-      continue;
-    }
-    std::vector<at::Tensor> m(n);
-    for (int r = 0; r < n; ++r) m[r] = grad(r, step) + residual[r];
-    auto expected = at::zeros({numel});
-    int k = 0;
-    for (const auto& [offset, shape] : params) {
-      const std::int64_t size = shape.size() == 2 ? shape[0] * shape[1] : shape[0];
-      if (shape.size() == 1) {  // averaged whole
-        for (int r = 0; r < n; ++r) expected.narrow(0, offset, size) += m[r].narrow(0, offset, size) / n;
+  for (bool warm : {true, false}) {
+    SCOPED_TRACE(warm ? "warm start" : "a new Q every step");
+    auto hook = hooks::power_sgd({rank_r, /*start_step=*/1, warm, true, 9});
+    const std::vector<std::pair<std::int64_t, std::vector<std::int64_t>>> params = {
+        {0, {50, 40}}, {2000, {40}}, {2040, {30, 100}}};
+    std::vector<at::Tensor> residual(n, at::zeros({numel}));
+    std::vector<at::Tensor> q(2);
+    for (int step = 0; step < 4; ++step) {
+      GradBucket bucket;
+      bucket.index = 0;
+      bucket.step = step;
+      bucket.buffer = grad(world.rank(), step);
+      for (const auto& [offset, shape] : params) bucket.params.push_back({"p", shape, offset});
+      auto work = hook->reduce(*comm, bucket);
+      for (auto& w : work.works) w.wait();
+      if (work.finish) work.finish();
+      auto mean = at::zeros({numel});
+      for (int r = 0; r < n; ++r) mean += grad(r, step) / n;
+      if (step == 0) {  // before start_step: the plain average
+        EXPECT_TRUE(at::allclose(bucket.buffer, mean, 1e-6, 1e-6));
         continue;
       }
-      if (!q[k].defined()) {
-        auto g = at::make_generator<at::CPUGeneratorImpl>(9 * 1000003 + 0 * 7919 + offset);
-        q[k] = at::randn({shape[1], rank_r}, g);
+      std::vector<at::Tensor> m(n);
+      for (int r = 0; r < n; ++r) m[r] = grad(r, step) + residual[r];
+      auto expected = at::zeros({numel});
+      int k = 0;
+      for (const auto& [offset, shape] : params) {
+        const std::int64_t size = shape.size() == 2 ? shape[0] * shape[1] : shape[0];
+        if (shape.size() == 1) {  // averaged whole
+          for (int r = 0; r < n; ++r) expected.narrow(0, offset, size) += m[r].narrow(0, offset, size) / n;
+          continue;
+        }
+        if (!q[k].defined() || !warm) {
+          const std::uint64_t fresh = warm ? 0 : static_cast<std::uint64_t>(step) * 104729;
+          auto g = at::make_generator<at::CPUGeneratorImpl>(9 * 1000003 + 0 * 7919 + offset + fresh);
+          q[k] = at::randn({shape[1], rank_r}, g);
+        }
+        auto p = at::zeros({shape[0], rank_r});
+        for (int r = 0; r < n; ++r) p += m[r].narrow(0, offset, size).view({shape[0], shape[1]}).mm(q[k]) / n;
+        p = std::get<0>(at::linalg_qr(p, "reduced"));
+        auto new_q = at::zeros({shape[1], rank_r});
+        for (int r = 0; r < n; ++r)
+          new_q += m[r].narrow(0, offset, size).view({shape[0], shape[1]}).t().mm(p) / n;
+        q[k] = new_q;
+        expected.narrow(0, offset, size).copy_(p.mm(new_q.t()).view({-1}));
+        ++k;
       }
-      auto p = at::zeros({shape[0], rank_r});
-      for (int r = 0; r < n; ++r) p += m[r].narrow(0, offset, size).view({shape[0], shape[1]}).mm(q[k]) / n;
-      p = std::get<0>(at::linalg_qr(p, "reduced"));
-      auto new_q = at::zeros({shape[1], rank_r});
       for (int r = 0; r < n; ++r)
-        new_q += m[r].narrow(0, offset, size).view({shape[0], shape[1]}).t().mm(p) / n;
-      q[k] = new_q;
-      expected.narrow(0, offset, size).copy_(p.mm(new_q.t()).view({-1}));
-      ++k;
+        expected.narrow(0, numel - 8, 8) += m[r].narrow(0, numel - 8, 8) / n;  // padding
+      EXPECT_TRUE(at::allclose(bucket.buffer, expected, 1e-4, 1e-4))
+          << "step " << step << ": max diff " << (bucket.buffer - expected).abs().max().item<double>();
+      for (int r = 0; r < n; ++r) {
+        residual[r] = m[r] - expected;
+        residual[r].narrow(0, 2000, 40).zero_();
+        residual[r].narrow(0, numel - 8, 8).zero_();
+      }
+      // It compresses: what a rank sent is far less than the bucket.
+      EXPECT_LT((50 + 30 + 40 + 8) * rank_r + (40 + 100) * rank_r, numel / 5);
     }
-    for (int r = 0; r < n; ++r)
-      expected.narrow(0, numel - 8, 8) += m[r].narrow(0, numel - 8, 8) / n;  // padding
-    EXPECT_TRUE(at::allclose(bucket.buffer, expected, 1e-4, 1e-4))
-        << "step " << step << ": max diff " << (bucket.buffer - expected).abs().max().item<double>();
-    for (int r = 0; r < n; ++r) {
-      residual[r] = m[r] - expected;
-      residual[r].narrow(0, 2000, 40).zero_();
-      residual[r].narrow(0, numel - 8, 8).zero_();
-    }
-    // It compresses: what a rank sent is far less than the bucket.
-    EXPECT_LT((50 + 30 + 40 + 8) * rank_r + (40 + 100) * rank_r, numel / 5);
+    EXPECT_TRUE(at::allclose(hook->state().at("residual.0"), residual[world.rank()], 1e-4, 1e-4));
+    EXPECT_EQ(hook->state().count("q.0.0"), warm ? 1u : 0u) << "only a warm start keeps Q";
   }
-  EXPECT_TRUE(at::allclose(hook->state().at("residual.0"), residual[world.rank()], 1e-4, 1e-4));
 }
 
 // Trains `steps` steps of GPT under `strategy` with `hook` (or none) and returns this
