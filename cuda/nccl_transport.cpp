@@ -10,6 +10,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -72,15 +73,13 @@ class NcclTransport final : public comm::Backend {
     } catch (...) {
       // The destructor does not run for a constructor that throws: the channels made so far
       // are aborted here, so that a caller that retries does not keep their threads and memory.
-      abort_all_locked();
+      abort_together(std::exchange(comms_, {}));
       throw;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      device_.live.push_back(this);
     }
     health_->set_confirm([this](const std::string& op) { confirm(op); });
     watchdog_ = std::thread([this] { watch(); });
+    std::lock_guard<std::mutex> lock(mutex_);
+    device_.live.push_back(this);
   }
 
   ~NcclTransport() override {
@@ -94,9 +93,16 @@ class NcclTransport final : public comm::Backend {
     cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
     inflight_.clear();
-    std::lock_guard<std::mutex> lock(mutex_);
-    device_.live.erase(std::remove(device_.live.begin(), device_.live.end(), this), device_.live.end());
-    if (!aborted_) finalize_and_destroy_locked();
+    std::vector<ncclComm_t> mine;
+    {
+      // Out of the device's transports, and taken: no other transport's failure aborts them
+      // while they are finalized, which may take up to the timeout, without the lock.
+      std::lock_guard<std::mutex> lock(mutex_);
+      device_.live.erase(std::remove(device_.live.begin(), device_.live.end(), this), device_.live.end());
+      if (!aborted_) mine = std::exchange(comms_, {});
+      aborted_ = true;
+    }
+    finalize_and_destroy(std::move(mine));
     comm::InFlightBuffers::instance().release_completed();
   }
 
@@ -319,10 +325,11 @@ class NcclTransport final : public comm::Backend {
   // Teardown follows NCCL's rules for non-blocking communicators: ncclCommFinalize (which
   // flushes outstanding operations and may answer ncclInProgress), polled to success
   // within the timeout, then ncclCommDestroy; a communicator that fails or times out
-  // finalizing, or was in error, is aborted instead.
-  void finalize_and_destroy_locked() {
+  // finalizing, or was in error, is aborted instead. The destructor takes the communicators
+  // out of the transport first: no other thread calls into them then.
+  void finalize_and_destroy(std::vector<ncclComm_t> comms) {
     bool ok = true;
-    for (auto c : comms_) {
+    for (auto c : comms) {
       if (c && ncclCommFinalize(c) != ncclSuccess) {
         ncclResult_t state = ncclSuccess;
         ncclCommGetAsyncError(c, &state);
@@ -330,7 +337,7 @@ class NcclTransport final : public comm::Backend {
       }
     }
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
-    for (auto c : comms_) {
+    for (auto c : comms) {
       ncclResult_t state = ncclInProgress;
       while (ok && c && state == ncclInProgress) {
         ncclCommGetAsyncError(c, &state);
@@ -339,15 +346,13 @@ class NcclTransport final : public comm::Backend {
       }
       ok = ok && (!c || state == ncclSuccess);
     }
-    if (ok) {
-      for (auto& c : comms_) {
-        if (c) ncclCommDestroy(c);
-        c = nullptr;
-      }
-    } else {
-      abort_all_locked();
+    if (!ok) {
+      abort_together(std::move(comms));
+      return;
     }
-    aborted_ = !ok;
+    for (auto c : comms) {
+      if (c) ncclCommDestroy(c);
+    }
   }
 
   // Note [Aborting the communicators together]
@@ -358,59 +363,56 @@ class NcclTransport final : public comm::Backend {
   // failure aborts, in one group call, every communicator of every FlatShard NCCL transport
   // on the device, not only the failing transport's: hybrid sharding's shard group and
   // replica groups are two transports, and a peer lost to one is lost to the job. The
-  // other transports fail with an error naming the first failure; their ops' waiters get
-  // it at once instead of at their own deadlines. The transports of a device share one
-  // lock (DeviceNccl) for this.
-  void abort_all_locked() {
+  // transports of a device share one lock (DeviceNccl): under it the failure marks every
+  // one of them failed (their waiters and new ops fail at once, naming the first failure)
+  // and takes their communicators, which no thread calls into once taken; the abort itself,
+  // which may wait for the device, runs after the lock is let go, so that no launch, poll or
+  // confirmation on the device waits for it.
+  static void abort_together(std::vector<ncclComm_t> comms) {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 22, 0)
     ncclGroupStart();
 #endif
-    for (auto& c : comms_) {
+    for (auto c : comms) {
       if (c) ncclCommAbort(c);  // kernels waiting for a peer return; frees the communicator
     }
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 22, 0)
     ncclGroupEnd();
 #endif
-    for (auto& c : comms_) c = nullptr;
   }
 
-  // Records the transport's first failure and aborts every communicator.
+  // Records the transport's first failure and aborts every communicator of the device.
   void fail(CommError::Kind kind, const std::string& why) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    fail_locked(kind, why);
+    std::vector<ncclComm_t> dead;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      dead = fail_locked(kind, why);
+    }
+    abort_together(std::move(dead));
   }
 
-  void fail_locked(CommError::Kind kind, const std::string& why) {
+  // Under mutex_: records the failure, marks every transport of the device failed and
+  // returns their communicators, for the caller to abort once it has let go of the lock.
+  [[nodiscard]] std::vector<ncclComm_t> fail_locked(CommError::Kind kind, const std::string& why) {
     health_->fail(kind, why);
-    if (aborted_) return;
-    // Every transport of the device is marked failed before the abort, which may wait for
-    // the device: their waiters and new ops fail at once, naming this failure.
+    std::vector<ncclComm_t> dead;
+    if (aborted_) return dead;
     std::vector<NcclTransport*> failing{this};
     for (NcclTransport* t : device_.live) {
       if (t != this && !t->aborted_) failing.push_back(t);
     }
     for (NcclTransport* t : failing) {
       t->aborted_ = true;
+      for (auto& c : t->comms_) {
+        if (c) dead.push_back(c);
+        c = nullptr;
+      }
       if (t == this) continue;
       t->health_->fail(CommError::Kind::Aborted,
                        fmt::format("aborted with the device's other NCCL communicators after '{}' failed: {}",
                                    options_.name, why));
       t->cv_.notify_all();
     }
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 22, 0)
-    ncclGroupStart();
-#endif
-    for (NcclTransport* t : failing) {
-      for (auto c : t->comms_) {
-        if (c) ncclCommAbort(c);  // kernels waiting for a peer return; frees the communicator
-      }
-    }
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 22, 0)
-    ncclGroupEnd();
-#endif
-    for (NcclTransport* t : failing) {
-      for (auto& c : t->comms_) c = nullptr;
-    }
+    return dead;
   }
 
   // Retires finished ops in order; aborts NCCL when one passes its deadline or NCCL
@@ -420,6 +422,7 @@ class NcclTransport final : public comm::Backend {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
       cv_.wait_for(lock, std::chrono::milliseconds(20));
+      std::vector<ncclComm_t> dead;
       while (!inflight_.empty()) {
         auto& f = inflight_.front();
         const cudaError_t q = cudaEventQuery(f.done->get());
@@ -428,10 +431,10 @@ class NcclTransport final : public comm::Backend {
           continue;
         }
         if (q != cudaErrorNotReady) {
-          fail_locked(CommError::Kind::Aborted,
-                      fmt::format("{} #{}: CUDA error {}", f.op, f.seq, cuda_string(q)));
+          dead = fail_locked(CommError::Kind::Aborted,
+                             fmt::format("{} #{}: CUDA error {}", f.op, f.seq, cuda_string(q)));
         } else if (std::chrono::steady_clock::now() > f.deadline && !aborted_) {
-          fail_locked(
+          dead = fail_locked(
               CommError::Kind::Timeout,
               fmt::format("{} #{} did not complete within its deadline (a peer died, is stuck, or issued "
                           "other collectives); NCCL was aborted",
@@ -439,22 +442,33 @@ class NcclTransport final : public comm::Backend {
         }
         break;
       }
-      check_async_locked();
+      if (dead.empty()) dead = check_async_locked();
+      if (!dead.empty()) {  // Note [Aborting the communicators together]: without the lock
+        lock.unlock();
+        abort_together(std::move(dead));
+        lock.lock();
+      }
     }
   }
 
   // Health::confirm for a waiter whose op's event has completed (Note [An op complete on
   // the device is not yet a success]).
   void confirm(const std::string& op) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    check_async_locked(op, "its kernels returned after NCCL failed, its output undefined; ");
+    std::vector<ncclComm_t> dead;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      dead = check_async_locked(op, "its kernels returned after NCCL failed, its output undefined; ");
+    }
+    abort_together(std::move(dead));
   }
 
   // Fails the transport when NCCL reports an asynchronous error on any communicator,
   // naming `op`, or else the oldest op not yet complete (the one a peer failed to join).
-  void check_async_locked(const std::string& op = "", const std::string& context = "") {
-    if (aborted_) return;    // the failure is recorded already
-    for (auto c : comms_) {  // under mutex_: Note [NCCL calls from several threads]
+  // Returns the communicators to abort (fail_locked).
+  [[nodiscard]] std::vector<ncclComm_t> check_async_locked(const std::string& op = "",
+                                                           const std::string& context = "") {
+    if (aborted_) return {};  // the failure is recorded already
+    for (auto c : comms_) {   // under mutex_: Note [NCCL calls from several threads]
       ncclResult_t async = ncclSuccess;
       ncclCommGetAsyncError(c, &async);
       if (async != ncclSuccess && async != ncclInProgress) {
@@ -462,11 +476,12 @@ class NcclTransport final : public comm::Backend {
                                  : inflight_.empty()
                                      ? std::string()
                                      : fmt::format("{} #{}: ", inflight_.front().op, inflight_.front().seq);
-        fail_locked(CommError::Kind::PeerLost, fmt::format("{}{}NCCL error: {}: {}", name, context,
-                                                           ncclGetErrorString(async), ncclGetLastError(c)));
-        return;
+        return fail_locked(CommError::Kind::PeerLost,
+                           fmt::format("{}{}NCCL error: {}: {}", name, context, ncclGetErrorString(async),
+                                       ncclGetLastError(c)));
       }
     }
+    return {};
   }
 
   int rank_, n_;

@@ -185,6 +185,12 @@ void ShardOptimizer::refresh_layout() {
 }
 
 void ShardOptimizer::step() {
+  if (fsdp_ && fsdp_->backward_failed()) {  // Note [A backward that failed]
+    throw InvalidArgument(fmt::format(
+        "flatshard::optim::step (rank {}/{}): the last backward failed midway and its gradients are partial; "
+        "call zero_grad() (or run the next forward) before stepping",
+        fsdp_->comm().rank(), fsdp_->comm().world_size()));
+  }
   for (std::size_t i = 0; i < shards_.size(); ++i) step_shard(i);
 }
 
@@ -241,6 +247,7 @@ void ShardOptimizer::step_shard(std::size_t i) {
 }
 
 void ShardOptimizer::zero_grad() {
+  if (fsdp_ && fsdp_->backward_failed()) fsdp_->zero_grad();  // abandons it: Note [A backward that failed]
   for (auto& s : shards_) s.mutable_grad().reset();
 }
 

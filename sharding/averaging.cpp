@@ -77,8 +77,8 @@ void Engine::set_comm_hook(std::shared_ptr<CommHook> hook) {
   }
   if (hook && device_.is_cuda() && !hook->runs_on_cuda()) {
     throw InvalidArgument(fmt::format(
-        "{}: the hook {} computes on host tensors (its codes, indices or factors) and does not reduce CUDA "
-        "gradients yet; on GPUs use hooks::all_reduce or hooks::low_precision",
+        "{}: the hook {} computes on host tensors (its codes or indices) and does not reduce CUDA "
+        "gradients yet; on GPUs use hooks::all_reduce, hooks::low_precision or hooks::power_sgd",
         who, hook->describe()));
   }
   if (hook && !replicated_ && !replica_comm_) {

@@ -10,6 +10,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <cmath>
@@ -107,7 +108,7 @@ void Engine::prefetch(int index) {
 
 void Engine::pre_forward(int index) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
-  if (index == kRoot && backward_active_) abandon_backward();  // Note [A backward that failed]
+  if (index == kRoot && backward_failed()) abandon_backward();  // Note [A backward that failed]
   if (index == kRoot) check_frozen_unchanged();
   // A backward that failed midway did not wait for its steps (Note [Offloaded steps beside
   // backward]): no gather reads a master while one may still be stepped.
@@ -166,8 +167,13 @@ std::vector<at::Tensor> Engine::post_forward(int index, std::vector<at::Tensor> 
 
 void Engine::pre_backward(int index) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
+  const int task = torch::autograd::get_current_graph_task_id();
+  // A backward whose end never ran, met by the next backward without a forward between
+  // (a second graph kept from before the failure): Note [A backward that failed].
+  if (backward_active_ && task != backward_task_) abandon_backward();
   if (!backward_active_) {
     backward_active_ = true;
+    backward_task_ = task;
     torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
     if (step_begins_) {  // Note [Parameters without gradients]: a new step's first backward
       for (auto& flags : got_grad_) std::fill(flags.begin(), flags.end(), 0);
@@ -305,9 +311,20 @@ void Engine::watch_inputs(int index, const std::vector<at::Tensor>& inputs) {
 
 void Engine::output_grad_ready(int index, const std::shared_ptr<InputWatch>& forward) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
-  if (forward) {
-    auto& awaited = units_[index]->awaited;
-    if (std::find(awaited.begin(), awaited.end(), forward) == awaited.end()) awaited.push_back(forward);
+  // Before this forward is awaited: abandoning a failed backward forgets what it awaited.
+  if (backward_active_ && torch::autograd::get_current_graph_task_id() != backward_task_) abandon_backward();
+  Unit& u = *units_[index];
+  if (forward && std::find(u.awaited.begin(), u.awaited.end(), forward) == u.awaited.end()) {
+    u.awaited.push_back(forward);
+    // A unit that trains nothing is done as soon as the inputs of the forwards reached so
+    // far have their gradients, which may come before this backward reaches another of its
+    // forwards (the unit called twice, two forwards' losses summed): it is gathered again
+    // for this one. A unit that trains waits for its parameters' gradients, which come
+    // only once every forward this backward reaches is done.
+    if (u.post_backward_done && u.group && !u.group->trains()) {
+      u.pre_backward_done = false;
+      u.post_backward_done = false;
+    }
   }
   pre_backward(index);
 }
@@ -496,6 +513,13 @@ void Engine::step_now(int unit) {
 }
 
 double Engine::clip_grad_norm(double max_norm) {
+  if (backward_failed()) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::FullyShard::clip_grad_norm (rank {}/{}): the last backward failed midway and its "
+        "gradients "
+        "are partial; call zero_grad() (or run the next forward) first (Note [A backward that failed])",
+        rank_, world_size_));
+  }
   if (step_in_backward_) {
     throw InvalidArgument(
         fmt::format("flatshard::FullyShard::clip_grad_norm (rank {}/{}): the optimizer steps in backward "
@@ -511,9 +535,14 @@ double Engine::clip_grad_norm(double max_norm) {
   return optim::clip_by_global_norm(grads, max_norm, shard_.size > 1 ? &shard_comm() : nullptr);
 }
 
+bool Engine::backward_failed() const {
+  // Set, with no backward running on this thread: its end never ran.
+  return backward_active_ && torch::autograd::get_current_graph_task_id() == -1;
+}
+
 void Engine::zero_grad() {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
-  if (backward_active_) abandon_backward();  // Note [A backward that failed]
+  if (backward_failed()) abandon_backward();  // Note [A backward that failed]
   for (auto& u : units_) {
     if (u->group) u->group->master().mutable_grad().reset();
   }

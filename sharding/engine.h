@@ -64,6 +64,7 @@ class Engine {
   // Also drops the averages waiting under staleness (Note [Bounded staleness]).
   void restore_synced_backwards(std::int64_t count);
   void zero_grad();
+  bool backward_failed() const;  // Note [A backward that failed]
   void gather_all();
   void reshard_all();
   ShardMemory memory() const;
@@ -187,6 +188,7 @@ class Engine {
   std::vector<int> deferred_reduces_;  // ... and those done in this backward, not yet reduced
   bool order_recorded_ = false;        // set after the first forward
   bool backward_active_ = false;       // between the first backward hook and the end callback
+  int backward_task_ = -1;             // ... of the autograd graph task it was set in
   bool no_sync_ = false;
   c10::Device device_{c10::kCPU};  // the compute device: gathered units, collectives
   std::shared_ptr<BufferPool> host_buffers_;

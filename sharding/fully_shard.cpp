@@ -84,6 +84,7 @@ const std::vector<char>& FullyShardBase::params_with_grad(std::size_t shard) con
 }
 double FullyShardBase::clip_grad_norm(double max_norm) { return engine_->clip_grad_norm(max_norm); }
 void FullyShardBase::zero_grad() { engine_->zero_grad(); }
+bool FullyShardBase::backward_failed() const { return engine_->backward_failed(); }
 void FullyShardBase::step_in_backward(optim::ShardOptimizer* optimizer) {
   engine_->set_step_in_backward(optimizer);
 }

@@ -209,8 +209,8 @@ void Engine::finish_first_reduce() {
 void Engine::end_of_backward() {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   if (replicated_) {
+    end_of_replicated_backward();  // a failure leaves the backward to be abandoned
     backward_active_ = false;
-    end_of_replicated_backward();
     accumulating_ = no_sync_;
     if (no_sync_) return;
     ++synced_backwards_;
@@ -260,7 +260,14 @@ void Engine::end_of_backward() {
 // reshards every unit. Training then goes on from the same weights: a batch that ran out
 // of memory can be retried smaller, as a batch size finder does. What stepped in backward
 // before the failure (step_in_backward) has stepped. Gradients accumulated under no_sync
-// before the failed backward are dropped with it.
+// before the failed backward are dropped with it; under bounded staleness the averages in
+// flight too (the next `staleness` steps warm up again); a hook's error-feedback residuals
+// keep what the buckets reduced before the failure left over. A backward that meets the
+// failed one still active (a second graph kept from before it) abandons it first; step()
+// and clip_grad_norm refuse partial gradients until then, and the optimizers' zero_grad
+// abandons it too. The check is the autograd graph task: none runs on the thread, or
+// another than the one that began it (a forward or a wrapper inside a backward leaves a
+// live backward alone).
 void Engine::abandon_backward() {
   backward_active_ = false;
   deferred_reduces_.clear();
@@ -309,6 +316,16 @@ void Engine::abandon_backward() {
     u.group->master().mutable_grad().reset();
   }
   if (replicated_ && !arrival_recorded_) arrival_.clear();  // the first backward's, recorded again
+  // Bounded staleness: the buckets launched before the failure took their delayed average
+  // and queued the failed batch's; the others did not. Every delayed average is dropped, so
+  // that the buckets stay in step: the next `staleness` steps warm up again, as after a load.
+  if (options_.staleness > 0) {
+    try {
+      restore_synced_backwards(synced_backwards_);
+    } catch (...) {
+      keep_first();
+    }
+  }
   accumulating_ = false;
   step_begins_ = true;
   ++backwards_;

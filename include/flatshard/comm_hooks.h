@@ -55,8 +55,7 @@ class CommHook {
   virtual std::map<std::string, at::Tensor> state() const { return {}; }
   virtual void load_state(const std::map<std::string, at::Tensor>& /*state*/) {}
   // Whether it reduces CUDA buckets. The hooks that compute on host tensors (8-bit codes,
-  // sparse indices, PowerSGD's factors) do not yet, and register_comm_hook refuses them on
-  // a CUDA wrapper.
+  // sparse indices) do not yet, and register_comm_hook refuses them on a CUDA wrapper.
   virtual bool runs_on_cuda() const { return true; }
 };
 

@@ -255,8 +255,12 @@ class FullyShardBase {
   };
   NoSync no_sync() { return NoSync(*this); }
 
-  // Zeroes (drops) the shard gradients.
+  // Zeroes (drops) the shard gradients; abandons a backward that failed midway (Note [A
+  // backward that failed] in sharding/gradients.cpp).
   void zero_grad();
+  // A backward failed midway and has not been abandoned yet: its gradients are partial, and
+  // the optimizers refuse to step them.
+  bool backward_failed() const;
 
   // Steps `optimizer` (made over shards()) inside backward: each unit's shard steps as
   // soon as its gradient shard is reduced, and that gradient is freed at once, so the

@@ -169,6 +169,7 @@ class Residuals {
       if (it != residuals_.end() && it->second.numel() == bucket.buffer.numel()) {
         at::Tensor x = std::move(it->second);
         residuals_.erase(it);
+        if (x.device() != bucket.buffer.device()) x = x.to(bucket.buffer.device());  // loaded
         return x.add_(bucket.buffer);
       }
     }
@@ -274,10 +275,14 @@ class SparsifyHook final : public CommHook {
   Residuals residuals_;
 };
 
+// Note [PowerSGD on the device]
+// PowerSGD's factors live where the gradients do: on a GPU its products, its QR and its
+// collectives run on the device, on the stream backward runs on (each op follows the
+// ones before it there; a collective waits for that stream's work and the stream for the
+// collective). Q's first values are drawn on the host, alike on every rank, and copied
+// over; a Q or a residual loaded from a checkpoint is moved to the gradients' device when
+// first used.
 class PowerSGDHook final : public CommHook {
- public:
-  bool runs_on_cuda() const override { return false; }
-
  public:
   explicit PowerSGDHook(const PowerSGDOptions& options) : options_(options) {}
   std::string describe() const override {
@@ -315,7 +320,7 @@ class PowerSGDHook final : public CommHook {
     std::int64_t p_numel = 0, plain_numel = 0;
     for (const auto& x : matrices) p_numel += x.m.size(0) * x.rank;
     for (const auto& [offset, numel] : plain) plain_numel += numel;
-    at::Tensor wire = at::empty({p_numel + plain_numel}, at::kFloat);
+    at::Tensor wire = at::empty({p_numel + plain_numel}, m.options());
     std::int64_t at_p = 0;
     for (const auto& x : matrices) {
       at::Tensor q = start_q(bucket.index, bucket.step, x);
@@ -343,7 +348,7 @@ class PowerSGDHook final : public CommHook {
                 at += x.m.size(0) * x.rank;
                 q_numel += x.m.size(1) * x.rank;
               }
-              at::Tensor q_wire = at::empty({q_numel}, at::kFloat);
+              at::Tensor q_wire = at::empty({q_numel}, m.options());
               at = 0;
               for (std::size_t i = 0; i < matrices.size(); ++i) {
                 const auto& x = matrices[i];
@@ -412,13 +417,14 @@ class PowerSGDHook final : public CommHook {
       auto it = qs_.find({index, x.offset});
       if (options_.warm_start && it != qs_.end() && it->second.size(0) == x.m.size(1) &&
           it->second.size(1) == x.rank) {
+        if (it->second.device() != x.m.device()) it->second = it->second.to(x.m.device());  // loaded
         return it->second;
       }
     }
     const std::uint64_t fresh = options_.warm_start ? 0 : static_cast<std::uint64_t>(step) * 104729;
     auto generator =
         at::make_generator<at::CPUGeneratorImpl>(options_.seed * 1000003 + index * 7919 + x.offset + fresh);
-    return at::randn({x.m.size(1), x.rank}, generator);
+    return at::randn({x.m.size(1), x.rank}, generator).to(x.m.device());
   }
   void keep_q(int index, std::int64_t offset, at::Tensor q) {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -682,9 +682,8 @@ TEST(CudaHybrid, MatchesSingleProcess) {
   }
 }
 
-// The hooks that compute on host tensors (8-bit codes, sparse indices, PowerSGD's factors)
-// are refused on a CUDA wrapper, naming the hook; the bf16 wire and the plain average are
-// taken.
+// The hooks that compute on host tensors (8-bit codes, sparse indices) are refused on a
+// CUDA wrapper, naming the hook; the bf16 wire, the plain average and PowerSGD are taken.
 TEST(CudaHooks, HooksThatComputeOnTheHostAreRefused) {
   REQUIRE_GPU();
   flatshard::World world;
@@ -694,7 +693,7 @@ TEST(CudaHooks, HooksThatComputeOnTheHostAreRefused) {
   options.comm.transport = flatshard::Transport::Nccl;
   auto model = gpt_factory()();
   flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, options);
-  for (const char* spec : {"int8", "top_k:0.01", "random_k:0.01", "power_sgd:4"}) {
+  for (const char* spec : {"int8", "top_k:0.01", "random_k:0.01"}) {
     try {
       fsdp.register_comm_hook(flatshard::hooks::parse(spec));
       ADD_FAILURE() << spec << " was taken on CUDA";
@@ -705,6 +704,65 @@ TEST(CudaHooks, HooksThatComputeOnTheHostAreRefused) {
   }
   EXPECT_NO_THROW(fsdp.register_comm_hook(flatshard::hooks::low_precision()));
   EXPECT_NO_THROW(fsdp.register_comm_hook(flatshard::hooks::all_reduce()));
+  EXPECT_NO_THROW(fsdp.register_comm_hook(flatshard::hooks::power_sgd()));
+}
+
+// Note [PowerSGD on the device]: the same buckets reduced by PowerSGD on the GPU and on the
+// host (warm start and error feedback, a 1-D parameter and padding averaged whole, plain
+// averages before start_step) give the same values, step after step, and the same
+// residuals; a hook restored on the GPU from the host's state goes on as the host's does.
+TEST(CudaHooks, PowerSgdOnTheGpuMatchesTheHost) {
+  REQUIRE_GPU();
+  flatshard::World world;
+  flatshard::CommunicatorOptions o;
+  o.timeout = std::chrono::seconds(60);
+  o.name = "power-sgd-host";
+  auto host = flatshard::Communicator::create(world, o);
+  o.name = "power-sgd-gpu";
+  o.device = kGpu;
+  o.transport = flatshard::Transport::Nccl;
+  auto gpu = flatshard::Communicator::create(world, o);
+  const flatshard::hooks::PowerSGDOptions settings{3, /*start_step=*/1, true, true, 9};
+  auto on_host = flatshard::hooks::power_sgd(settings);
+  auto on_gpu = flatshard::hooks::power_sgd(settings);
+  const std::int64_t numel = 50 * 40 + 40 + 30 * 100 + 8;
+  const auto reduce = [&](flatshard::CommHook& hook, flatshard::Communicator& comm, const at::Tensor& grad,
+                          int step) {
+    flatshard::GradBucket bucket;
+    bucket.index = 0;
+    bucket.step = step;
+    bucket.buffer = grad.clone();
+    for (const auto& [offset, shape] : std::vector<std::pair<std::int64_t, std::vector<std::int64_t>>>{
+             {0, {50, 40}}, {2000, {40}}, {2040, {30, 100}}})
+      bucket.params.push_back({"p", shape, offset});
+    auto work = hook.reduce(comm, bucket);
+    for (auto& w : work.works) w.wait();
+    if (work.finish) work.finish();
+    return bucket.buffer.cpu();
+  };
+  for (int step = 0; step < 4; ++step) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+    const auto grad = at::randn({numel}, g);
+    const auto a = reduce(*on_host, *host, grad, step);
+    const auto b = reduce(*on_gpu, *gpu, grad.to(kGpu), step);
+    EXPECT_TRUE(at::allclose(a, b, 1e-4, 1e-4))
+        << "step " << step << ": max diff " << (a - b).abs().max().item<double>();
+  }
+  const auto host_state = on_host->state();
+  const auto gpu_state = on_gpu->state();
+  ASSERT_EQ(host_state.size(), gpu_state.size());
+  for (const auto& [name, t] : host_state) {
+    ASSERT_EQ(gpu_state.count(name), 1u) << name;
+    EXPECT_TRUE(gpu_state.at(name).is_cuda()) << name;
+    EXPECT_TRUE(at::allclose(t, gpu_state.at(name).cpu(), 1e-4, 1e-4)) << name;
+  }
+  auto restored = flatshard::hooks::power_sgd(settings);
+  restored->load_state(host_state);  // host tensors, as a checkpoint loads them
+  auto g = at::make_generator<at::CPUGeneratorImpl>(600);
+  const auto grad = at::randn({numel}, g);
+  const auto a = reduce(*on_host, *host, grad, 4);
+  const auto b = reduce(*restored, *gpu, grad.to(kGpu), 4);
+  EXPECT_TRUE(at::allclose(a, b, 1e-4, 1e-4)) << "max diff " << (a - b).abs().max().item<double>();
 }
 
 // Built into shards (build.h) with the shards on the GPU (and, offloaded, in pinned host

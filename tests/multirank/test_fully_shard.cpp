@@ -1130,6 +1130,38 @@ TEST(FullyShard, PartlyFrozenUnitsWaitForTheForwardEachBackwardReaches) {
   }
 }
 
+// A wholly frozen unit called twice in one forward (its weights shared, an op between the
+// calls): the backward of the second call is done, and the unit resharded, before the
+// backward reaches the first call, which gathers it again (Note [Inputs by forward]).
+struct CalledTwiceImpl : torch::nn::Module {
+  CalledTwiceImpl()
+      : first(register_module("first", flatshard::Unit<torch::nn::Linear>(8, 8))),
+        shared(register_module("shared", flatshard::Unit<torch::nn::Linear>(8, 8))),
+        head(register_module("head", torch::nn::Linear(8, 3))) {}
+  at::Tensor forward(at::Tensor x) {
+    x = shared(first(x));
+    return head(shared(torch::tanh(x)));
+  }
+  flatshard::Unit<torch::nn::Linear> first, shared;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(CalledTwice);
+
+TEST(FullyShard, AFrozenUnitCalledTwiceIsGatheredForEachCallsBackward) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  auto make = [] {
+    torch::manual_seed(17);
+    return CalledTwice();
+  };
+  auto batch = [](int step, int rows) { return stack_batch(7200 + step, rows, 8); };
+  auto frozen = [](const std::string& name) { return name.rfind("shared.", 0) == 0; };
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    SCOPED_TRACE(to_string(strategy));
+    expect_fine_tuning_matches<CalledTwice>(world, make, batch, frozen, strategy);
+  }
+}
+
 // Prefix tuning: a trained vector of the root is passed to every block, whose weights are
 // frozen (wholly, or but for a low-rank adapter beside them). The blocks wait for their
 // inputs' gradients (Note [Partly frozen units]), and the prefix is a leaf that every

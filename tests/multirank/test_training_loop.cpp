@@ -327,6 +327,52 @@ TEST(FailedBackward, TrainingGoesOnFromTheSameWeights) {
   }
 }
 
+// Two forwards, then the first one's backward fails. Until the failed backward is
+// abandoned its gradients are partial: step() and clip_grad_norm refuse them. The second
+// forward's graph, kept from before the failure, then runs its backward without a forward
+// between: it abandons the failed one first, and the step that follows is the step of its
+// batch alone, as in a single process.
+TEST(FailedBackward, AKeptGraphsBackwardAbandonsItAndStepsRefusePartialGradients) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  const int n = world.world_size(), rows = 8;
+  auto ref = gpt_factory()();
+  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
+  const auto failed = gpt_batch(0, rows), kept = gpt_batch(1, rows);
+  token_loss(ref->forward(kept.input), kept.target).backward();
+  ref_opt.step();
+  for (Strategy strategy : {Strategy::FullShard, Strategy::NoShard}) {
+    SCOPED_TRACE(to_string(strategy));
+    auto model = gpt_factory()();
+    bool armed = false;
+    model->named_parameters()["h0.fc.weight"].register_hook([&armed](const at::Tensor& grad) {
+      if (armed) throw std::runtime_error("tripwire");
+      return grad;
+    });
+    flatshard::FullyShard<GPT> fsdp(model, world, options_for(strategy, n));
+    optim::AdamW opt(fsdp, optim::AdamWOptions{1e-2});
+    const int local = rows / n;
+    const auto mine = [&](const at::Tensor& t) { return t.narrow(0, world.rank() * local, local); };
+    auto first = token_loss(fsdp.forward(mine(failed.input)), mine(failed.target));
+    auto second = token_loss(fsdp.forward(mine(kept.input)), mine(kept.target));
+    armed = true;
+    EXPECT_THROW(first.backward(), std::exception);
+    armed = false;
+    EXPECT_TRUE(fsdp.backward_failed());
+    EXPECT_THROW(opt.step(), flatshard::InvalidArgument);
+    EXPECT_THROW(fsdp.clip_grad_norm(1.0), flatshard::InvalidArgument);
+    second.backward();
+    EXPECT_FALSE(fsdp.backward_failed());
+    opt.step();
+    const auto got = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
+    for (const auto& item : ref->named_parameters()) {
+      const auto& want = item.value();
+      const double rel = (got.at(item.key()) - want).norm().item<double>() / want.norm().item<double>();
+      EXPECT_LE(rel, 1e-5) << item.key();
+    }
+  }
+}
+
 // Steps 3 to 5 continue bit for bit after saving at step 3 and loading into a new
 // wrapper, optimizer (with groups), scheduler and scaler state.
 TEST(Schedules, ResumedRunContinuesTheScheduleBitForBit) {
