@@ -21,6 +21,15 @@ using flatshard::Strategy;
 namespace fs = std::filesystem;
 namespace optim = flatshard::optim;
 
+// Every parameter of `ref` within 1e-5 (relative, 2-norm) of the same name in `got`.
+void expect_weights_match(const std::map<std::string, at::Tensor>& got, torch::nn::Module& ref) {
+  for (const auto& item : ref.named_parameters()) {
+    const auto& want = item.value();
+    const double rel = (got.at(item.key()) - want).norm().item<double>() / want.norm().item<double>();
+    EXPECT_LE(rel, 1e-5) << item.key();
+  }
+}
+
 // Groups (no decay for biases, norms, embeddings; twice the rate for the head) equal
 // torch::optim's with the same groups, in every strategy; at worlds 2 and 3 parameters
 // are split across ranks' shards, so each part must get its group's settings.
@@ -254,11 +263,7 @@ TEST(UnusedParameters, AParameterUsedOutsideTheForwardIsTrained) {
     }
     const auto got = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
     EXPECT_NEAR(got.at("temperature").item<double>(), ref_temperature, 1e-5);
-    for (const auto& item : ref->named_parameters()) {
-      const auto& want = item.value();
-      const double rel = (got.at(item.key()) - want).norm().item<double>() / want.norm().item<double>();
-      EXPECT_LE(rel, 1e-5) << item.key();
-    }
+    expect_weights_match(got, *ref);
   }
 }
 
@@ -319,11 +324,7 @@ TEST(FailedBackward, TrainingGoesOnFromTheSameWeights) {
       opt.zero_grad();
     }
     const auto got = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
-    for (const auto& item : ref->named_parameters()) {
-      const auto& want = item.value();
-      const double rel = (got.at(item.key()) - want).norm().item<double>() / want.norm().item<double>();
-      EXPECT_LE(rel, 1e-5) << item.key();
-    }
+    expect_weights_match(got, *ref);
   }
 }
 
@@ -365,11 +366,7 @@ TEST(FailedBackward, AKeptGraphsBackwardAbandonsItAndStepsRefusePartialGradients
     EXPECT_FALSE(fsdp.backward_failed());
     opt.step();
     const auto got = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
-    for (const auto& item : ref->named_parameters()) {
-      const auto& want = item.value();
-      const double rel = (got.at(item.key()) - want).norm().item<double>() / want.norm().item<double>();
-      EXPECT_LE(rel, 1e-5) << item.key();
-    }
+    expect_weights_match(got, *ref);
   }
 }
 
