@@ -165,7 +165,10 @@ class NcclTransport final : public comm::Backend {
  private:
   // Hands `op` to NCCL on `channel`'s communicator and stream.
   ncclResult_t launch_locked(const Collective& op, int channel, cudaStream_t s) {
-    if (aborted_) throw TransportFailure(CommError::Kind::Aborted, -1, "the NCCL transport was aborted");
+    if (aborted_) {
+      health_->check();  // the failure that aborted it, when one is recorded
+      throw TransportFailure(CommError::Kind::Aborted, -1, "the NCCL transport was aborted");
+    }
     ncclComm_t comm = comms_.at(static_cast<std::size_t>(channel));
     const ncclRedOp_t red = op.reduce == ReduceOp::Avg ? ncclAvg : ncclSum;
     ncclResult_t r = ncclSuccess;

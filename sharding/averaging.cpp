@@ -128,13 +128,20 @@ void Engine::start_hook(PendingReduce& pending, int s) {
 // overwrite the state just loaded.
 void Engine::restore_synced_backwards(std::int64_t count) {
   synced_backwards_ = count;
+  // Every queue is emptied, whatever a wait throws, so that the buckets stay in step.
+  std::exception_ptr failed;
   for (auto& d : delayed_) {
     for (auto& pending : d.queue) {
-      if (pending->work) pending->work->wait();
-      for (const Work& w : pending->hook_works) w.wait();
+      try {
+        if (pending->work) pending->work->wait();
+        for (const Work& w : pending->hook_works) w.wait();
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+      }
     }
     d.queue.clear();
   }
+  if (failed) std::rethrow_exception(failed);
 }
 
 // Note [Decentralized training]

@@ -167,14 +167,14 @@ std::vector<at::Tensor> Engine::post_forward(int index, std::vector<at::Tensor> 
 
 void Engine::pre_backward(int index) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
-  const int task = torch::autograd::get_current_graph_task_id();
-  // A backward whose end never ran, met by the next backward without a forward between
-  // (a second graph kept from before the failure): Note [A backward that failed].
-  if (backward_active_ && task != backward_task_) abandon_backward();
+  abandon_if_its_graph_is_gone();
   if (!backward_active_) {
     backward_active_ = true;
-    backward_task_ = task;
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+    // Note [A backward that failed]: the token lives as long as the backward's graph task
+    // holds this callback, which a backward that fails drops without running it.
+    auto token = std::make_shared<char>(0);
+    backward_token_ = token;
+    torch::autograd::Engine::get_default_engine().queue_callback([this, token] { end_of_backward(); });
     if (step_begins_) {  // Note [Parameters without gradients]: a new step's first backward
       for (auto& flags : got_grad_) std::fill(flags.begin(), flags.end(), 0);
       step_begins_ = false;
@@ -222,6 +222,7 @@ void Engine::pre_backward(int index) {
 
 void Engine::on_grad_accumulated(int index, int param) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
+  abandon_if_its_graph_is_gone();  // Note [A backward that failed]
   Unit& u = *units_[index];
   if (!u.pre_backward_done) {
     // The gradient reached a parameter before its unit's outputs did (a parameter used
@@ -311,8 +312,7 @@ void Engine::watch_inputs(int index, const std::vector<at::Tensor>& inputs) {
 
 void Engine::output_grad_ready(int index, const std::shared_ptr<InputWatch>& forward) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
-  // Before this forward is awaited: abandoning a failed backward forgets what it awaited.
-  if (backward_active_ && torch::autograd::get_current_graph_task_id() != backward_task_) abandon_backward();
+  abandon_if_its_graph_is_gone();  // before this forward is awaited: abandoning forgets what was
   Unit& u = *units_[index];
   if (forward && std::find(u.awaited.begin(), u.awaited.end(), forward) == u.awaited.end()) {
     u.awaited.push_back(forward);
@@ -538,6 +538,13 @@ double Engine::clip_grad_norm(double max_norm) {
 bool Engine::backward_failed() const {
   // Set, with no backward running on this thread: its end never ran.
   return backward_active_ && torch::autograd::get_current_graph_task_id() == -1;
+}
+
+void Engine::abandon_if_its_graph_is_gone() {
+  // A hook of a new backward (a graph kept from before the failure) meets one whose graph
+  // task ended without running its end. A hook of a backward nested in the live one (the
+  // reentrant grad of a recomputed unit, Note [Recomputation]) finds that one's task alive.
+  if (backward_active_ && backward_token_.expired()) abandon_backward();
 }
 
 void Engine::zero_grad() {

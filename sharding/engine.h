@@ -162,6 +162,7 @@ class Engine {
   void finish_steps_beside_backward();
   void end_of_backward();
   void abandon_backward();  // Note [A backward that failed]
+  void abandon_if_its_graph_is_gone();
   void step_now(int unit);
   std::vector<Communicator*> communicators() const;  // the engine's, every one
   void account();
@@ -183,12 +184,12 @@ class Engine {
   std::vector<std::unique_ptr<Unit>> units_;  // [0] is the root unit
   // The replicated strategies' declared units: hooks that only cast their inputs.
   std::vector<std::pair<UnitBase*, std::unique_ptr<UnitHooks>>> input_casts_;
-  std::vector<int> forward_order_;     // non-root units in the order the first forward ran them
-  std::vector<int> reduce_order_;      // Note [Reductions in one order]: every unit, in that order
-  std::vector<int> deferred_reduces_;  // ... and those done in this backward, not yet reduced
-  bool order_recorded_ = false;        // set after the first forward
-  bool backward_active_ = false;       // between the first backward hook and the end callback
-  int backward_task_ = -1;             // ... of the autograd graph task it was set in
+  std::vector<int> forward_order_;      // non-root units in the order the first forward ran them
+  std::vector<int> reduce_order_;       // Note [Reductions in one order]: every unit, in that order
+  std::vector<int> deferred_reduces_;   // ... and those done in this backward, not yet reduced
+  bool order_recorded_ = false;         // set after the first forward
+  bool backward_active_ = false;        // between the first backward hook and the end callback
+  std::weak_ptr<void> backward_token_;  // ... held by its end callback (Note [A backward that failed])
   bool no_sync_ = false;
   c10::Device device_{c10::kCPU};  // the compute device: gathered units, collectives
   std::shared_ptr<BufferPool> host_buffers_;

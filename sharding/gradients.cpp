@@ -265,9 +265,12 @@ void Engine::end_of_backward() {
 // keep what the buckets reduced before the failure left over. A backward that meets the
 // failed one still active (a second graph kept from before it) abandons it first; step()
 // and clip_grad_norm refuse partial gradients until then, and the optimizers' zero_grad
-// abandons it too. The check is the autograd graph task: none runs on the thread, or
-// another than the one that began it (a forward or a wrapper inside a backward leaves a
-// live backward alone).
+// abandons it too. How each knows the backward failed: a forward, zero_grad, step or clip
+// finds it active with no graph task running on the thread (a forward inside a backward
+// leaves the live one alone); a hook of a backward finds the failed one's end callback
+// gone (a token the callback holds has expired: autograd drops the callbacks of a backward
+// that failed), which a backward nested in the live one (a recomputed unit's reentrant
+// grad) does not.
 void Engine::abandon_backward() {
   backward_active_ = false;
   deferred_reduces_.clear();

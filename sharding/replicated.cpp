@@ -151,7 +151,12 @@ void Engine::launch_ready_segments() {
 // (measured: 10% more allocator peak under ShardOptimizerState at 2 ranks, no faster).
 void Engine::reduce_segment(int s) {
   FlatParamGroup& g = *units_[kRoot]->group;
-  if (g.master_aliases_full()) {
+  // A hook may issue collectives when its bucket is finished (PowerSGD's second round):
+  // on a GPU, where every rank must launch a device's collectives in one order (Note [One
+  // launch order per device]), buckets are then finished in bucket order before each
+  // launch, not whenever their events happen to have completed.
+  const bool finish_in_order = comm_hook_ && device_.is_cuda();
+  if (g.master_aliases_full() && !finish_in_order) {
     finish_completed_reduces();
   } else {
     finish_pending_reduce();

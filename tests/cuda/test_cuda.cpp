@@ -754,7 +754,12 @@ TEST(CudaHooks, PowerSgdOnTheGpuMatchesTheHost) {
   for (const auto& [name, t] : host_state) {
     ASSERT_EQ(gpu_state.count(name), 1u) << name;
     EXPECT_TRUE(gpu_state.at(name).is_cuda()) << name;
-    EXPECT_TRUE(at::allclose(t, gpu_state.at(name).cpu(), 1e-4, 1e-4)) << name;
+    // Q's columns may differ in sign (LAPACK's and cuSOLVER's QR choose their own), which
+    // P Q^T, and so every reduced bucket, does not see.
+    const bool q = name.rfind("q.", 0) == 0;
+    EXPECT_TRUE(at::allclose(q ? t.abs() : t, q ? gpu_state.at(name).cpu().abs() : gpu_state.at(name).cpu(),
+                             1e-4, 1e-4))
+        << name;
   }
   auto restored = flatshard::hooks::power_sgd(settings);
   restored->load_state(host_state);  // host tensors, as a checkpoint loads them
