@@ -4,11 +4,15 @@
 // the same code on the same gathered data, so every rank ends with the same bits.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <unordered_set>
 #include <vector>
@@ -279,9 +283,10 @@ class SparsifyHook final : public CommHook {
 // PowerSGD's factors live where the gradients do: on a GPU its products, its QR and its
 // collectives run on the device, on the stream backward runs on (each op follows the
 // ones before it there; a collective waits for that stream's work and the stream for the
-// collective). Q's first values are drawn on the host, alike on every rank, and copied
-// over; a Q or a residual loaded from a checkpoint is moved to the gradients' device when
-// first used.
+// collective). Its second round, when the engine finishes the bucket, runs on the stream
+// its first did, and the stream that finishes waits for it. Q's first values are drawn on the host, alike on
+// every rank, and copied over; a Q or a residual loaded from a checkpoint is moved to the gradients' device
+// when first used.
 class PowerSGDHook final : public CommHook {
  public:
   explicit PowerSGDHook(const PowerSGDOptions& options) : options_(options) {}
@@ -338,7 +343,18 @@ class PowerSGDHook final : public CommHook {
     // Q's round needs P orthonormalized: it runs when the engine finishes the bucket, on
     // the all-gather stream (buckets finish in bucket order on every rank, so that
     // stream sees the same ops in the same order everywhere).
-    return {{first}, [this, &comm, buffer, m, wire, matrices, plain, p_numel, index]() mutable {
+    // On a device, the second round runs on the stream the first did (where m and the wire
+    // were allocated and written), whichever stream the engine finishes the bucket on; the
+    // finishing stream then waits for it.
+    std::optional<c10::Stream> stream;
+    if (!m.is_cpu()) stream = c10::impl::VirtualGuardImpl(m.device().type()).getStream(m.device());
+    return {{first}, [this, &comm, buffer, m, wire, matrices, plain, p_numel, index, stream]() mutable {
+              std::optional<c10::Stream> finishing;
+              std::optional<c10::StreamGuard> guard;
+              if (stream) {
+                finishing = c10::impl::VirtualGuardImpl(stream->device_type()).getStream(stream->device());
+                guard.emplace(*stream);
+              }
               std::int64_t at = 0;
               std::vector<at::Tensor> ps;
               std::int64_t q_numel = 0;
@@ -381,6 +397,11 @@ class PowerSGDHook final : public CommHook {
               }
               if (options_.error_feedback) residuals_.keep(index, m);
               if (!direct) buffer.copy_(out);
+              if (stream && *finishing != *stream) {
+                c10::Event done(stream->device_type());
+                done.record(*stream);
+                done.block(*finishing);
+              }
             }};
   }
 
