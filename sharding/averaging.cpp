@@ -133,8 +133,7 @@ void Engine::restore_synced_backwards(std::int64_t count) {
   for (auto& d : delayed_) {
     for (auto& pending : d.queue) {
       try {
-        if (pending->work) pending->work->wait();
-        for (const Work& w : pending->hook_works) w.wait();
+        wait_for_collectives(*pending);
       } catch (...) {
         if (!failed) failed = std::current_exception();
       }

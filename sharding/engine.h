@@ -146,6 +146,8 @@ class Engine {
   void start_neighbor_exchange();
   void average_with_neighbors();
   void complete(PendingReduce& pending);
+  // Waits for `pending`'s collectives (and its stale one's), using none of their results.
+  static void wait_for_collectives(const PendingReduce& pending);
   static bool completed(const PendingReduce& pending);
   void rebuild_buckets(std::vector<int> order);
   void end_of_replicated_backward();
@@ -157,6 +159,7 @@ class Engine {
   at::Tensor land(FlatParamGroup& g, const at::Tensor& reduced);
   void copy_to_host(const at::Tensor& host, const at::Tensor& reduced, bool pinned);
   void land_offloaded_grads();
+  void wait_for_device_and_copies();  // the compute stream and the offload copies' streams
   // Note [Offloaded steps beside backward]
   void step_beside_backward(int unit, at::Tensor landing);
   void finish_steps_beside_backward();

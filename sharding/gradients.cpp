@@ -141,6 +141,13 @@ void Engine::complete(PendingReduce& pending) {
   }
 }
 
+void Engine::wait_for_collectives(const PendingReduce& pending) {
+  for (const PendingReduce* p = &pending; p; p = p->stale.get()) {
+    if (p->work) p->work->wait();
+    for (const Work& w : p->hook_works) w.wait();
+  }
+}
+
 void Engine::finish_first_reduce() {
   auto pending = std::move(in_flight_.front());
   in_flight_.pop_front();
@@ -282,18 +289,13 @@ void Engine::abandon_backward() {
     std::unique_ptr<PendingReduce> pending = std::move(in_flight_.front());
     in_flight_.pop_front();
     try {
-      for (PendingReduce* p = pending.get(); p; p = p->stale.get()) {
-        if (p->work) p->work->wait();
-        for (const Work& w : p->hook_works) w.wait();
-      }
+      wait_for_collectives(*pending);
     } catch (...) {
       keep_first();
     }
   }
   try {
-    if (!device_.is_cpu()) c10::impl::VirtualGuardImpl(device_.type()).getStream(device_).synchronize();
-    if (copy_out_) copy_out_->synchronize();
-    if (copy_in_) copy_in_->synchronize();
+    wait_for_device_and_copies();
   } catch (...) {
     keep_first();
   }
@@ -447,13 +449,17 @@ void Engine::finish_steps_beside_backward() {
   if (first) std::rethrow_exception(first);
 }
 
+void Engine::wait_for_device_and_copies() {
+  if (!device_.is_cpu()) c10::impl::VirtualGuardImpl(device_.type()).getStream(device_).synchronize();
+  if (copy_out_) copy_out_->synchronize();
+  if (copy_in_) copy_in_->synchronize();
+}
+
 void Engine::land_offloaded_grads() {
   if (landing_grads_.empty()) return;
   // One host wait for the device: the copies to the host, and those to the device, which
   // read the masters the optimizer is about to write (Note [Copies beside compute]).
-  if (!device_.is_cpu()) c10::impl::VirtualGuardImpl(device_.type()).getStream(device_).synchronize();
-  if (copy_out_) copy_out_->synchronize();
-  if (copy_in_) copy_in_->synchronize();
+  wait_for_device_and_copies();
   at::NoGradGuard no_grad;
   for (auto& l : landing_grads_) {
     if (l.target.defined()) {  // a bucket's slice (Note [Offloaded buckets])

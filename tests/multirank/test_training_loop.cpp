@@ -267,6 +267,15 @@ TEST(UnusedParameters, AParameterUsedOutsideTheForwardIsTrained) {
   }
 }
 
+// While `armed`, the first block's weight throws when its gradient arrives: a backward
+// that fails midway, after the later units' reductions were issued.
+void arm_tripwire(torch::nn::Module& model, const bool& armed) {
+  model.named_parameters()["h0.fc.weight"].register_hook([&armed](const at::Tensor& grad) {
+    if (armed) throw std::runtime_error("tripwire");
+    return grad;
+  });
+}
+
 // Note [A backward that failed]: a backward that throws midway (here a hook on the first
 // block's weight, after the later units' reductions were issued) is abandoned by the next
 // forward, which finds the backward still active: its gradients are dropped, its units
@@ -294,10 +303,7 @@ TEST(FailedBackward, TrainingGoesOnFromTheSameWeights) {
     SCOPED_TRACE(::testing::Message() << to_string(strategy) << (offload ? " offloaded" : ""));
     auto model = gpt_factory()();
     bool armed = false;
-    model->named_parameters()["h0.fc.weight"].register_hook([&armed](const at::Tensor& grad) {
-      if (armed) throw std::runtime_error("tripwire");
-      return grad;
-    });
+    arm_tripwire(*model, armed);
     auto options = options_for(strategy, n);
     options.cpu_offload = offload;
     flatshard::FullyShard<GPT> fsdp(model, world, options);
@@ -346,10 +352,7 @@ TEST(FailedBackward, AKeptGraphsBackwardAbandonsItAndStepsRefusePartialGradients
     SCOPED_TRACE(to_string(strategy));
     auto model = gpt_factory()();
     bool armed = false;
-    model->named_parameters()["h0.fc.weight"].register_hook([&armed](const at::Tensor& grad) {
-      if (armed) throw std::runtime_error("tripwire");
-      return grad;
-    });
+    arm_tripwire(*model, armed);
     flatshard::FullyShard<GPT> fsdp(model, world, options_for(strategy, n));
     optim::AdamW opt(fsdp, optim::AdamWOptions{1e-2});
     const int local = rows / n;
