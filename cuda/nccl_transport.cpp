@@ -64,7 +64,7 @@ class NcclTransport final : public comm::Backend {
         device_(comm::one_per_device<DeviceNccl>(streams_.device())),
         mutex_(device_.mutex) {
     const std::string prefix =
-        comm::next_rendezvous_prefix(options.name);  // Note [Rendezvous keys per creation]
+        comm::next_rendezvous_prefix(world, options.name);  // Note [Rendezvous keys per creation]
     const int device = streams_.device();
     barrier_buffer_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));
     comms_.resize(static_cast<std::size_t>(channels), nullptr);

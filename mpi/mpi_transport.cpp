@@ -174,17 +174,28 @@ class MpiBackend final : public comm::Backend {
     if (n_ == 1) return;  // nothing crosses: no MPI at all
     ensure_mpi(world);
     // Each rank publishes its MPI rank; the group is MPI_COMM_WORLD's ranks in World order.
-    const std::string prefix = comm::next_rendezvous_prefix(options.name) + "mpi/";
+    const std::string prefix = comm::next_rendezvous_prefix(world, options.name) + "mpi/";
     int mine = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &mine);
     const std::string text = std::to_string(mine);
-    world.store->set(prefix + std::to_string(rank_), std::vector<std::uint8_t>(text.begin(), text.end()));
     std::vector<int> members(static_cast<std::size_t>(n_));
-    for (int r = 0; r < n_; ++r) {
-      const std::string key = prefix + std::to_string(r);
-      world.store->wait({key}, options.timeout);
-      const auto v = world.store->get(key);
-      members[static_cast<std::size_t>(r)] = std::stoi(std::string(v.begin(), v.end()));
+    int waiting_for = rank_;
+    try {
+      world.store->set(prefix + std::to_string(rank_), std::vector<std::uint8_t>(text.begin(), text.end()));
+      for (int r = 0; r < n_; ++r) {
+        waiting_for = r;
+        const std::string key = prefix + std::to_string(r);
+        world.store->wait({key}, options.timeout);
+        const auto v = world.store->get(key);
+        members[static_cast<std::size_t>(r)] = std::stoi(std::string(v.begin(), v.end()));
+      }
+    } catch (const c10::Error& e) {  // the store's timeout or a lost store
+      throw RendezvousError(fmt::format(
+          "flatshard::Communicator::create (rank {}/{}, communicator '{}'): rank {} did not publish its MPI "
+          "rank "
+          "within {} ms ({}): every rank must create the communicator, with the same name; check that rank's "
+          "output",
+          rank_, n_, options.name, waiting_for, options.timeout.count(), e.what_without_backtrace()));
     }
     MPI_Group everyone = MPI_GROUP_NULL, group = MPI_GROUP_NULL;
     MPI_Comm_group(MPI_COMM_WORLD, &everyone);

@@ -56,6 +56,21 @@ c10::intrusive_ptr<c10d::Store> make_tcp_store(const WorldSpec& spec, std::chron
   const std::string secret = tcp::job_secret();
   // Every rank on this machine: the store on loopback, whatever MASTER_ADDR names.
   const bool one_machine = tcp::job_on_one_machine();
+  // Across machines, a master that names a loopback address here (a host name that this
+  // machine's /etc/hosts maps to 127.0.1.1, as Debian's does) would serve the store, and
+  // advertise the rings, where no other machine reaches. (torchrun's agents serve their
+  // own store, on every interface.)
+  if (!one_machine && !torchrun_agent_store() && tcp::job_spans_machines() &&
+      tcp::loopback_by_name(spec.master_addr)) {
+    throw InitError(
+        "MASTER_ADDR",
+        fmt::format("flatshard::init (rank {}/{}): the job spans machines, but MASTER_ADDR {} is the "
+                    "loopback address {} on this one, where the other machines cannot reach the store: "
+                    "set MASTER_ADDR (or --master-addr) to an address of rank 0's machine that the "
+                    "others reach, such as its IP address (nodes simulated on one machine: 127.0.0.1)",
+                    spec.rank, spec.world_size, spec.master_addr,
+                    tcp::loopback_address_of(spec.master_addr)));
+  }
   const std::string host = one_machine && tcp::loopback_address_of(spec.master_addr).empty()
                                ? std::string("127.0.0.1")
                                : spec.master_addr;

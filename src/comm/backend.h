@@ -79,11 +79,15 @@ class Backend {
 // id) in the world's store, and the store outlives it: a key named after the
 // communicator alone would hand the second communicator of that name (a model wrapped
 // again, after loading a checkpoint say) the first one's stale address or id, and it
-// would join the wrong communicator or wait out its deadline. Communicators are created
-// collectively, in the same order on every rank, so the n-th creation of a name in this
-// process is the n-th on every rank: its keys live under "flatshard/comm/NAME/n/", the
-// same on every rank and never reused. Each call counts one creation.
-std::string next_rendezvous_prefix(const std::string& name);
+// would join the wrong communicator or wait out its deadline. Communicators of a world are
+// created collectively, in the same order on each of its ranks, so the n-th creation of a
+// name on a world is the n-th on every rank of it: its keys live under
+// "flatshard/comm/NAME/n/", the same on every rank and never reused. Each rank counts its
+// creations in the world's own store (a subworld's is under its own prefix), so that
+// communicators of one name made on a subworld by some ranks do not shift the count of
+// the whole world's on those ranks, and a store kept across restarts keeps counting. Each
+// call counts one creation.
+std::string next_rendezvous_prefix(const World& world, const std::string& name);
 
 // What `op` does on a world of one rank, where nothing crosses: all-gather and
 // reduce-scatter copy when input and output differ, neighbour exchange copies the input

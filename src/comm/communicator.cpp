@@ -81,11 +81,16 @@ void register_device_backend(c10::DeviceType type, BackendFactory factory) {
   registry()[type] = factory;
 }
 
-std::string next_rendezvous_prefix(const std::string& name) {
-  static std::mutex mutex;
-  static std::map<std::string, int> created;
-  std::lock_guard<std::mutex> lock(mutex);
-  return fmt::format("flatshard/comm/{}/{}/", name, created[name]++);
+std::string next_rendezvous_prefix(const World& world, const std::string& name) {
+  if (!world.store) {  // nothing to meet: a count in this process
+    static std::mutex mutex;
+    static std::map<std::string, std::int64_t> created;
+    std::lock_guard<std::mutex> lock(mutex);
+    return fmt::format("flatshard/comm/{}/{}/", name, created[name]++);
+  }
+  const std::int64_t n =
+      world.store->add(fmt::format("flatshard/comm/{}/created/{}", name, world.rank()), 1) - 1;
+  return fmt::format("flatshard/comm/{}/{}/", name, n);
 }
 
 void run_on_one_rank(const Collective& op) {

@@ -90,7 +90,8 @@ struct Rank {
   int err_fd = -1;  // its stderr
   std::string out_partial, err_partial;
   bool exited = false;
-  int code = 0;
+  int code = 0;           // its exit code, or 128 + the signal that killed it
+  bool signaled = false;  // killed by a signal (an exit code above 128 is still an exit code)
 };
 
 void emit(int rank, std::string& partial, const char* data, std::size_t n, FILE* to) {
@@ -281,36 +282,60 @@ struct Regroup {
   bool host = false;
 };
 
+// A FileStore (FLATSHARD_INIT_METHOD=file://PATH) outlives a failed start: its file keeps
+// that start's keys, the ranks' claims among them, which the next start's ranks would
+// find taken. On one machine every rank of the start has stopped when it ends, so the
+// launcher removes the file before each restart.
+void remove_file_store(const LaunchOptions& o) {
+  const char* method = std::getenv("FLATSHARD_INIT_METHOD");
+  const std::string scheme = "file://";
+  if (o.nnodes != 1 || method == nullptr || std::string(method).rfind(scheme, 0) != 0) return;
+  const std::string path = std::string(method).substr(scheme.size());
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    fmt::print(stderr,
+               "flatshard-run: cannot remove the last start's store file {}: {}; the restart may find its "
+               "ranks claimed\n",
+               path, std::strerror(errno));
+  }
+}
+
 Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_start,
                  const Regroup& regroup = {}) {
   const int port = o.master_port != 0 ? o.master_port : free_port();  // a fresh one each start
   std::vector<Rank> ranks(o.nproc_per_node);
   for (int i = 0; i < o.nproc_per_node; ++i) {
-    int out_fd[2], err_fd[2];
-    if (::pipe2(out_fd, O_CLOEXEC) != 0 || ::pipe2(err_fd, O_CLOEXEC) != 0) {
-      std::fprintf(stderr, "flatshard-run: pipe: %s\n", std::strerror(errno));
-      return Outcome{1};
-    }
-    ranks[i].index = o.node_rank * o.nproc_per_node + i;
-    ranks[i].pid = spawn(o, i, port, restart, out_fd, err_fd);
-    if (ranks[i].pid < 0) {
-      // Out of processes or memory: the ranks already started stop, and are reaped, before
-      // the launcher reports it (a pid of -1 would signal every process it may signal).
-      const int err = errno;
-      for (int k = 0; k < 2; ++k) {
-        ::close(out_fd[k]);
-        ::close(err_fd[k]);
-      }
+    // Out of descriptors, processes or memory: the ranks already started stop, and are
+    // reaped, before the launcher reports it (a pid of -1 would signal every process it may
+    // signal).
+    const auto give_up = [&](const char* what, int err) {
       for (int k = 0; k < i; ++k) {
         ::kill(-ranks[k].pid, SIGKILL);
         ::waitpid(ranks[k].pid, nullptr, 0);
         ::close(ranks[k].out_fd);
         ::close(ranks[k].err_fd);
       }
-      std::fprintf(stderr,
-                   "flatshard-run: cannot start local rank %d: fork: %s (out of processes or memory)\n", i,
-                   std::strerror(err));
+      std::fprintf(stderr, "flatshard-run: cannot start local rank %d: %s: %s (out of %s)\n", i, what,
+                   std::strerror(err),
+                   std::string(what) == "fork" ? "processes or memory" : "file descriptors or memory");
       return Outcome{1};
+    };
+    int out_fd[2] = {-1, -1}, err_fd[2] = {-1, -1};
+    if (::pipe2(out_fd, O_CLOEXEC) != 0 || ::pipe2(err_fd, O_CLOEXEC) != 0) {
+      const int err = errno;
+      for (int fd : {out_fd[0], out_fd[1], err_fd[0], err_fd[1]}) {
+        if (fd >= 0) ::close(fd);
+      }
+      return give_up("pipe", err);
+    }
+    ranks[i].index = o.node_rank * o.nproc_per_node + i;
+    ranks[i].pid = spawn(o, i, port, restart, out_fd, err_fd);
+    if (ranks[i].pid < 0) {
+      const int err = errno;
+      for (int k = 0; k < 2; ++k) {
+        ::close(out_fd[k]);
+        ::close(err_fd[k]);
+      }
+      return give_up("fork", err);
     }
     ::close(out_fd[1]);
     ::close(err_fd[1]);
@@ -329,11 +354,11 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
   Clock::time_point regroup_stop_at;
 
   // Each rank leads its own process group: signal the group, so that programs the
-  // rank started (a shell's children) stop with it.
+  // rank started (a shell's children) stop with it, also the group of a rank that has
+  // exited and left children behind (its id is not reused while they live; where none
+  // is left, kill fails with ESRCH).
   auto signal_all = [&](int sig) {
-    for (auto& r : ranks) {
-      if (!r.exited) ::kill(-r.pid, sig);
-    }
+    for (auto& r : ranks) ::kill(-r.pid, sig);
   };
   Clock::time_point all_exited_at{};
 
@@ -388,6 +413,7 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
       if (::waitpid(r.pid, &status, WNOHANG) != r.pid) continue;
       r.exited = true;
       r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      r.signaled = !WIFEXITED(status);
       if (r.code != 0 && first_failure < 0 && stop_signal == 0) {
         first_failure = static_cast<int>(&r - ranks.data());
         failed_at = Clock::now();
@@ -463,7 +489,7 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
     if (failed.code == 0) continue;
     out.code = failed.code;
     out.restartable = true;
-    out.cause = failed.code > 128
+    out.cause = failed.signaled
                     ? fmt::format("rank {} was killed by signal {}", failed.index, failed.code - 128)
                     : fmt::format("rank {} exited with code {}", failed.index, failed.code);
     break;
@@ -641,6 +667,9 @@ int run(const LaunchOptions& o) {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
+  // Inherited as ignored, SIGCHLD would have the kernel reap the ranks itself, and waitpid
+  // would never see one exit.
+  ::signal(SIGCHLD, SIG_DFL);
   // Note [Proving the job's secret]: a job on one machine gets a secret of its own, made
   // here and kept across restarts; the nodes of a job across machines each run a launcher,
   // so the user gives them one (FLATSHARD_JOB_SECRET), which init() requires.
@@ -656,6 +685,7 @@ int run(const LaunchOptions& o) {
   if (o.elastic) return run_elastic(o);
   const auto job_start = Clock::now();
   for (int restart = 0;; ++restart) {
+    if (restart > 0) remove_file_store(o);
     const Outcome out = run_once(o, restart, job_start);
     if (!restart_follows(o, out, restart)) return out.code;
   }

@@ -16,6 +16,8 @@
 
 #include <fmt/format.h>
 
+#include "src/tcp/socket.h"
+
 namespace flatshard::tcp {
 namespace {
 
@@ -82,6 +84,26 @@ bool job_on_one_machine() {
   return get("GROUP_WORLD_SIZE") == "1" || same("LOCAL_WORLD_SIZE", "WORLD_SIZE") ||
          same("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE") || get("SLURM_NNODES") == "1" ||
          get("SLURM_JOB_NUM_NODES") == "1";
+}
+
+bool job_spans_machines() {
+  const auto number = [](const char* name) -> long {
+    const char* v = std::getenv(name);
+    return v == nullptr || *v == '\0' ? -1 : std::strtol(v, nullptr, 10);
+  };
+  const auto fewer = [&](const char* local, const char* all) {
+    return number(local) > 0 && number(all) > number(local);
+  };
+  return fewer("LOCAL_WORLD_SIZE", "WORLD_SIZE") || number("GROUP_WORLD_SIZE") > 1 ||
+         fewer("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE") || number("SLURM_NNODES") > 1;
+}
+
+bool loopback_by_name(const std::string& master) {
+  if (master.empty() || is_loopback(master) || master.find("localhost") != std::string::npos) return false;
+  in6_addr any{};
+  if (::inet_pton(AF_INET, master.c_str(), &any) == 1 || ::inet_pton(AF_INET6, master.c_str(), &any) == 1)
+    return false;  // an address, not a name
+  return !loopback_address_of(master).empty();
 }
 
 std::string make_secret() {

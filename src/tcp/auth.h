@@ -37,6 +37,16 @@ std::string job_secret();
 // loopback interface whatever MASTER_ADDR names (torchrun sets it to the host's name), and
 // need no secret.
 bool job_on_one_machine();
+// Whether the launcher's variables say the job spans machines (LOCAL_WORLD_SIZE below
+// WORLD_SIZE, several torchrun agents or Slurm nodes in the step, Open MPI's local size
+// below its size). Neither may hold: a job started by hand says nothing.
+bool job_spans_machines();
+// Whether `master` is a host name (not an address, nor localhost) that this machine
+// resolves to a loopback address: its own name where /etc/hosts maps it to 127.0.1.1, as
+// Debian's does. Rank 0 would then serve, and the ring advertise, where no other machine
+// reaches. (A loopback address given as such, or localhost, says the job's "machines" are
+// this one, as when nodes are simulated on one host.)
+bool loopback_by_name(const std::string& master);
 
 // A new secret: 32 bytes from the operating system's random source, in hex.
 std::string make_secret();

@@ -99,19 +99,31 @@ void add(at::ScalarType dtype, void* dst, const void* a, const void* b, std::int
   });
 }
 
-// Splits one ring step's segments (`out_numel` sent, `in_numel` received) into pieces of
-// up to `piece_numel` elements, calling f(out_begin, out_count, in_begin, in_count) for
-// each, in order; the longer segment sets the count (the other's pieces may be empty).
+// Splits one ring step into pieces: the segment sent (`out_numel`) into pieces of up to
+// `out_piece` elements, the one received (`in_numel`) into pieces of up to `in_piece`, and
+// calls f(out_begin, out_count, sends, in_begin, in_count, receives) for each, in order.
+// Both ends of a link split the segment it carries alike (the same segment, the link's
+// own piece size), so a link carries as many messages as its receiver expects, whatever
+// the sizes of the ranks' other segments and links; where one side has fewer pieces, the
+// last calls only send or only receive. A segment is at least one message, if empty.
 template <typename F>
-void for_pieces(std::int64_t out_numel, std::int64_t in_numel, std::int64_t piece_numel, const F& f) {
-  const std::int64_t pieces =
-      std::max<std::int64_t>(1, (std::max(out_numel, in_numel) + piece_numel - 1) / piece_numel);
-  for (std::int64_t p = 0; p < pieces; ++p) {
-    const std::int64_t out_begin = std::min(out_numel, p * piece_numel);
-    const std::int64_t in_begin = std::min(in_numel, p * piece_numel);
-    f(out_begin, std::min(out_numel - out_begin, piece_numel), in_begin,
-      std::min(in_numel - in_begin, piece_numel));
+void for_pieces(std::int64_t out_numel, std::int64_t out_piece, std::int64_t in_numel, std::int64_t in_piece,
+                const F& f) {
+  const auto count = [](std::int64_t numel, std::int64_t piece) {
+    return std::max<std::int64_t>(1, (numel + piece - 1) / piece);
+  };
+  const std::int64_t outs = count(out_numel, out_piece), ins = count(in_numel, in_piece);
+  for (std::int64_t p = 0; p < std::max(outs, ins); ++p) {
+    const std::int64_t out_begin = std::min(out_numel, p * out_piece);
+    const std::int64_t in_begin = std::min(in_numel, p * in_piece);
+    f(out_begin, std::min(out_numel - out_begin, out_piece), p < outs, in_begin,
+      std::min(in_numel - in_begin, in_piece), p < ins);
   }
+}
+
+// Direct links pay a round trip per message, so they move bigger pieces.
+std::int64_t piece_numel(bool direct, std::int64_t element_size) {
+  return std::max<std::int64_t>(1, (direct ? kDirectPieceBytes : kReducePieceBytes) / element_size);
 }
 
 class TcpRingBackend final : public Backend {
@@ -123,13 +135,8 @@ class TcpRingBackend final : public Backend {
         channels_(std::move(channels)),
         store_(std::move(store)),
         failure_key_(std::move(failure_key)) {
-    // Direct links pay a round trip per message, so they move bigger pieces.
-    const auto all = [&](auto has) {
-      return !channels_.empty() && std::all_of(channels_.begin(), channels_.end(), has);
-    };
-    piece_bytes_ = all([](const Channel& ch) { return ch.direct_in && ch.direct_out; }) ? kDirectPieceBytes
-                                                                                        : kReducePieceBytes;
-    copies_directly_ = all([](const Channel& ch) { return ch.direct_in; });
+    copies_directly_ = !channels_.empty() && std::all_of(channels_.begin(), channels_.end(),
+                                                         [](const Channel& ch) { return ch.direct_in; });
   }
 
   bool copies_directly() const override { return copies_directly_; }
@@ -409,24 +416,26 @@ class TcpRingBackend final : public Backend {
     const std::int64_t numel = input.numel();
     const auto dtype = input.scalar_type();
     const std::int64_t elem = input.element_size();
-    const std::int64_t piece_numel = std::max<std::int64_t>(1, piece_bytes_ / elem);
+    const std::int64_t out_piece = piece_numel(ch.direct_out, elem),
+                       in_piece = piece_numel(ch.direct_in, elem);
     const std::size_t max_bytes = static_cast<std::size_t>(shard_range(numel, world_size_, 0).numel * elem);
     char* got_prev = ch.scratch(0, max_bytes);  // partial sums received at the previous step
     char* got_now = ch.scratch(1, max_bytes);   // partial sums arriving at this step
-    char* piece_buf = ch.scratch(2, static_cast<std::size_t>(piece_numel * elem));
+    char* piece_buf = ch.scratch(2, static_cast<std::size_t>(out_piece * elem));
     for (int s = 0; s < world_size_ - 1; ++s) {
       const ShardRange out = shard_range(numel, world_size_, mod(rank_ - s - 1));
       const ShardRange in = shard_range(numel, world_size_, mod(rank_ - s - 2));
       for_pieces(
-          out.numel, in.numel, piece_numel,
-          [&](std::int64_t out_begin, std::int64_t out_count, std::int64_t in_begin, std::int64_t in_count) {
+          out.numel, out_piece, in.numel, in_piece,
+          [&](std::int64_t out_begin, std::int64_t out_count, bool sends, std::int64_t in_begin,
+              std::int64_t in_count, bool receives) {
             const char* send = ptr_of(input, out) + out_begin * elem;
             if (s > 0 && out_count > 0) {  // what arrived last step is the partial sum of `out`: add ours
               add(dtype, piece_buf, got_prev + out_begin * elem, send, out_count);
               send = piece_buf;
             }
-            step(ch, op, send, static_cast<std::size_t>(out_count * elem), true, got_now + in_begin * elem,
-                 static_cast<std::size_t>(in_count * elem), true);
+            step(ch, op, send, static_cast<std::size_t>(out_count * elem), sends, got_now + in_begin * elem,
+                 static_cast<std::size_t>(in_count * elem), receives);
           });
       std::swap(got_prev, got_now);
     }
@@ -450,17 +459,16 @@ class TcpRingBackend final : public Backend {
     }
     const char* partial = reduce_scatter_steps(ch, op, t);  // the others' sums of this rank's segment
     const std::int64_t elem = t.element_size();
-    const std::int64_t piece_numel = std::max<std::int64_t>(1, piece_bytes_ / elem);
     const ShardRange in = shard_range(numel, world_size_, mod(rank_ - 1));
     char* own = ptr_of(t, mine);
-    for_pieces(
-        mine.numel, in.numel, piece_numel,
-        [&](std::int64_t out_begin, std::int64_t out_count, std::int64_t in_begin, std::int64_t in_count) {
-          char* piece = own + out_begin * elem;
-          if (out_count > 0) add(dtype, piece, partial + out_begin * elem, piece, out_count, divisor);
-          step(ch, op, piece, static_cast<std::size_t>(out_count * elem), true,
-               ptr_of(t, in) + in_begin * elem, static_cast<std::size_t>(in_count * elem), true);
-        });
+    for_pieces(mine.numel, piece_numel(ch.direct_out, elem), in.numel, piece_numel(ch.direct_in, elem),
+               [&](std::int64_t out_begin, std::int64_t out_count, bool sends, std::int64_t in_begin,
+                   std::int64_t in_count, bool receives) {
+                 char* piece = own + out_begin * elem;
+                 if (out_count > 0) add(dtype, piece, partial + out_begin * elem, piece, out_count, divisor);
+                 step(ch, op, piece, static_cast<std::size_t>(out_count * elem), sends,
+                      ptr_of(t, in) + in_begin * elem, static_cast<std::size_t>(in_count * elem), receives);
+               });
     all_gather(ch, op, t, /*first_step=*/1);  // the all-gather's other steps
   }
 
@@ -510,7 +518,6 @@ class TcpRingBackend final : public Backend {
   std::mutex abort_mutex_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::string failure_key_;
-  std::int64_t piece_bytes_ = kReducePieceBytes;
   bool copies_directly_ = false;
 };
 
@@ -535,7 +542,8 @@ std::unique_ptr<Backend> make_tcp_ring_backend(const World& world, const Communi
   std::vector<Channel> channels;
   if (world_size == 1) return std::make_unique<TcpRingBackend>(rank, world_size, std::move(channels));
   FLATSHARD_ASSERT(world.store, "a multi-rank world has a store");
-  const std::string prefix = next_rendezvous_prefix(options.name);  // Note [Rendezvous keys per creation]
+  const std::string prefix =
+      next_rendezvous_prefix(world, options.name);  // Note [Rendezvous keys per creation]
   const std::string failure_key = prefix + "first_failure";
   channels = connect_ring(world, options, num_channels, prefix);
   return std::make_unique<TcpRingBackend>(rank, world_size, std::move(channels), world.store, failure_key);

@@ -144,7 +144,22 @@ std::vector<Channel> connect_ring(const World& world, const CommunicatorOptions&
                          ? tcp::local_address_toward(world.spec.master_addr, world.spec.master_port)
                          : "127.0.0.1";
   if (tcp::job_on_one_machine()) host = "127.0.0.1";  // every rank here: loopback
-  if (const char* forced = std::getenv("FLATSHARD_SOCKET_ADDR")) host = forced;
+  const char* forced = std::getenv("FLATSHARD_SOCKET_ADDR");
+  if (forced != nullptr) host = forced;
+  // Across machines a ring on loopback is one no other machine reaches: its links would wait
+  // out the deadline. The route toward a master that names this machine through its
+  // /etc/hosts is loopback.
+  if (forced == nullptr && tcp::is_loopback(host) && !tcp::job_on_one_machine() &&
+      tcp::job_spans_machines() && world.spec.store_kind == "tcp" &&
+      tcp::loopback_by_name(world.spec.master_addr)) {
+    throw fail(
+        fmt::format("the job spans machines, but this rank's ring would listen on the loopback address {} "
+                    "(the route toward "
+                    "MASTER_ADDR {}): set FLATSHARD_SOCKET_ADDR to this machine's address that the other "
+                    "machines reach, or "
+                    "MASTER_ADDR to rank 0's IP address",
+                    host, world.spec.master_addr));
+  }
   // A ring reached over loopback (a job on one machine) listens on loopback only: no other
   // machine can open a link into it. One that listens beyond loopback (FLATSHARD_SOCKET_ADDR
   // naming another interface, or a file store across machines) needs the job's secret, as
@@ -188,6 +203,11 @@ std::vector<Channel> connect_ring(const World& world, const CommunicatorOptions&
     std::list<std::pair<std::future<Arrival>, int>> pending;
     bool outgoing_done = false;
     for (int accepted = 0; accepted < num_channels;) {
+      // Checked each round: strangers arriving without pause would otherwise keep the
+      // accept from ever timing out.
+      if (Clock::now() >= deadline)
+        throw IoError{IoError::Kind::Timeout, prev,
+                      "the previous rank's links did not all arrive before the deadline"};
       if (!outgoing_done && outgoing.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
         outgoing.get();  // rethrows the outgoing links' failure
         outgoing_done = true;

@@ -272,11 +272,28 @@ Socket Listener::accept(Clock::time_point deadline) {
       tune(fd);
       return Socket(fd, -1);
     }
-    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-      throw_io(IoError::Kind::Closed, -1, fmt::format("accept failed: {}", std::strerror(errno)));
+    const int err = errno;
+    // A connection that went before it was taken, and the network errors Linux passes on
+    // from the new socket, concern that connection only (accept(2)): the next may come.
+    // Out of descriptors or memory, the listener stays readable: wait a little and retry
+    // until the deadline, which bounds both.
+    const bool that_connection = err == ECONNABORTED || err == EPROTO || err == ENETDOWN ||
+                                 err == ENOPROTOOPT || err == EHOSTDOWN || err == EHOSTUNREACH ||
+                                 err == EOPNOTSUPP || err == ENETUNREACH;
+    const bool out_of_room = err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM;
+    if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR && !that_connection && !out_of_room) {
+      throw_io(IoError::Kind::Closed, -1, fmt::format("accept failed: {}", std::strerror(err)));
     }
     if (Clock::now() >= deadline) {
-      throw_io(IoError::Kind::Timeout, -1, "no connection arrived before the deadline");
+      throw_io(IoError::Kind::Timeout, -1,
+               out_of_room
+                   ? fmt::format("no connection could be taken before the deadline: {}", std::strerror(err))
+                   : std::string("no connection arrived before the deadline"));
+    }
+    if (out_of_room) {
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(std::min<long long>(100, remaining_ms(deadline))));
+      continue;
     }
     pollfd p{fd_, POLLIN, 0};
     ::poll(&p, 1, remaining_ms(deadline));

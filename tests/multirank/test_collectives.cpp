@@ -203,7 +203,11 @@ TEST(Collectives, StreamsRunConcurrently) {
 // Every op, over sizes that span several pieces, checked against its definition.
 void check_every_op(const Rank& r) {
   for (auto dtype : {at::kFloat, at::kLong, at::kBFloat16}) {
-    for (std::int64_t numel : {0, 1, 13, 65537, 3000017}) {
+    std::vector<std::int64_t> numels = {0, 1, 13, 65537, 3000017};
+    // fp32 segments of one piece and one element more, on socket links (512 KiB pieces)
+    // and on direct ones (4 MiB): the ranks' segments differ by that element.
+    if (dtype == at::kFloat) numels.insert(numels.end(), {r.size() * 131072 + 1, r.size() * 1048576 + 1});
+    for (std::int64_t numel : numels) {
       SCOPED_TRACE(::testing::Message() << "numel " << numel << " dtype " << dtype);
       const auto slot = shard_range(numel, r.size(), r.rank());
       const auto mine = pattern(numel, r.rank(), dtype);
@@ -233,9 +237,10 @@ void check_every_op(const Rank& r) {
 // Note [Direct copies] in src/tcp/ring_links.h: ranks of one machine copy each message out
 // of the sender's memory; a link whose sender or receiver turns that off goes through
 // its socket. Every op gives the same result with all links direct, none, or a mix
-// (rank 1 turns it off, so the links into and out of it use the socket).
+// (rank 1 turns it off, so the links into and out of it use the socket; at world 4 rank
+// 3's links are all direct and rank 0 has one of each).
 TEST(Collectives, DirectCopiesAndSocketsGiveTheSameResultsInAnyMix) {
-  FLATSHARD_RUN_RANKS({2, 3});
+  FLATSHARD_RUN_RANKS({2, 3, 4});
   const flatshard::World world = flatshard::init();
   const int rank = world.rank(), size = world.world_size();
   for (int mix = 0; mix < 3; ++mix) {
@@ -251,6 +256,28 @@ TEST(Collectives, DirectCopiesAndSocketsGiveTheSameResultsInAnyMix) {
         << "(all direct: the kernel refused process_vm_readv between these ranks)";
     check_every_op(r);
   }
+}
+
+// Note [Rendezvous keys per creation]: ranks 0 and 1 make a communicator of a name on their
+// subworld, then every rank makes one of that name on the world. It forms and reduces: the
+// subworld's did not shift ranks 0 and 1's count of the world's (where it did, their keys
+// and rank 2's differed, and creation waited out its deadline).
+TEST(Collectives, ASubworldsCommunicatorDoesNotShiftTheWorldsKeys) {
+  FLATSHARD_RUN_RANKS({3});
+  const flatshard::World world = flatshard::init();
+  flatshard::CommunicatorOptions options;
+  options.timeout = std::chrono::seconds(20);
+  options.name = "one-name";
+  if (world.rank() < 2) {
+    auto pair = Communicator::create(flatshard::subworld(world, {0, 1}, "pair"), options);
+    auto t = at::ones({4});
+    pair->all_reduce(t, ReduceOp::Sum).wait();
+    EXPECT_EQ(t[0].item<float>(), 2.0f);
+  }
+  auto all = Communicator::create(world, options);
+  auto t = at::ones({4});
+  all->all_reduce(t, ReduceOp::Sum).wait();
+  EXPECT_EQ(t[0].item<float>(), 3.0f);
 }
 
 // Communicator::bytes_sent counts what the rings send: over all ranks, an all-gather, a

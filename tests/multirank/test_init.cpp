@@ -96,6 +96,37 @@ TEST(InitMethods, FileUrl) {
   expect_working_world(world);
 }
 
+// A job that meets through a FileStore restarts: its failed start left the store's file
+// behind with that start's rank claims, and flatshard-run removes it before the restart,
+// whose ranks meet and finish (where the file stayed, they found their ranks claimed).
+TEST(InitMethods, AFileStoreJobRestarts) {
+  if (!flatshard::testing::in_rank_mode()) {
+    const auto dir =
+        std::filesystem::temp_directory_path() / ("flatshard_file_restart_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    LaunchSpec spec;
+    spec.ranks = 2;
+    spec.launcher_args = {"--max-restarts", "1", "--grace-s", "1"};
+    spec.env["FLATSHARD_INIT_METHOD"] = "file://" + (dir / "store").string();
+    const auto r = launch_current_test(spec);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("rank 1 exited with code 3; restart 1 of 1"), std::string::npos) << r.output;
+    for (int rank : {0, 1})
+      EXPECT_NE(r.output.find("met again: rank " + std::to_string(rank)), std::string::npos) << r.output;
+    std::filesystem::remove_all(dir);
+    return;
+  }
+  auto world = flatshard::init();
+  if (std::string(std::getenv("FLATSHARD_RESTART_COUNT")) == "0") {
+    if (world.rank() == 1) std::_Exit(3);                   // its claim, and rank 0's, stay in the file
+    std::this_thread::sleep_for(std::chrono::seconds(30));  // until the launcher stops it
+    return;
+  }
+  expect_working_world(world);
+  std::printf("met again: rank %d\n", world.rank());
+}
+
 TEST(InitMethods, TorchrunEnvironmentFromTheLauncher) {
   FLATSHARD_RUN_RANKS({1, 2, 4});
   auto world = flatshard::init();
@@ -290,6 +321,34 @@ TEST(Rendezvous, AOneMachineJobServesItsStoreOnLoopbackOnly) {
     for (const auto& a : addresses) EXPECT_EQ(a, "0100007F") << "a listening socket on another address";
   }
   expect_working_world(world);
+}
+
+// A job across machines (LOCAL_WORLD_SIZE below WORLD_SIZE) whose MASTER_ADDR is a name this
+// machine resolves to loopback (here "127.1", which is no dotted address and resolves to
+// 127.0.0.1; in the field a host name that /etc/hosts maps to 127.0.1.1) fails init() at
+// once with an InitError saying what to set, where rank 0 would have served its store on
+// loopback and the other machines waited out their deadline. A loopback address given as
+// such (nodes simulated on one machine, as Launchers.TwoNodesOfFlatshardRunMakeOneWorld
+// does) is taken.
+TEST(Rendezvous, ALoopbackMasterOfAJobAcrossMachinesIsRefused) {
+  const std::map<std::string, std::string> vars = {{"RANK", "0"},
+                                                   {"WORLD_SIZE", "2"},
+                                                   {"LOCAL_WORLD_SIZE", "1"},
+                                                   {"MASTER_ADDR", "127.1"},
+                                                   {"MASTER_PORT", "29517"},
+                                                   {"FLATSHARD_JOB_SECRET", "s"}};
+  for (const auto& [name, value] : vars) ::setenv(name.c_str(), value.c_str(), 1);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    flatshard::InitOptions o;
+    o.timeout = std::chrono::seconds(20);
+    flatshard::init(o);
+    ADD_FAILURE() << "a loopback master was taken for a job across machines";
+  } catch (const flatshard::InitError& e) {
+    EXPECT_NE(std::string(e.what()).find("set MASTER_ADDR"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  for (const auto& [name, value] : vars) ::unsetenv(name.c_str());
 }
 
 // A job whose launcher says it runs on one machine (here flatshard-run: LOCAL_WORLD_SIZE

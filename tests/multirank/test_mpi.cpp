@@ -201,6 +201,30 @@ TEST(Mpi, EveryStrategyMatchesSingleProcess) {
   EXPECT_TRUE(mpi_in_use()) << "the strategies did not communicate over MPI";
 }
 
+// A rank that never creates a communicator the others create: their creation fails
+// within its deadline with a RendezvousError that names the missing rank (not the
+// store's own error type).
+TEST(Mpi, ARankThatNeverCreatesTheCommunicatorIsARendezvousError) {
+  FLATSHARD_RUN_UNDER_MPIRUN({2});
+  auto world = flatshard::init();
+  flatshard::CommunicatorOptions options;
+  options.transport = Transport::Mpi;
+  options.timeout = std::chrono::seconds(2);
+  auto both = flatshard::Communicator::create(world, options);  // every rank is in MPI
+  if (world.rank() == 1) {
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    return;
+  }
+  options.name = "rank-0-alone";
+  try {
+    flatshard::Communicator::create(world, options);
+    ADD_FAILURE() << "created without rank 1";
+  } catch (const flatshard::RendezvousError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 did not publish its MPI rank"), std::string::npos)
+        << e.what();
+  }
+}
+
 // A peer that never joins: over the non-blocking collectives the waiting rank gets a
 // CommError (Timeout) naming the op, its number and the rank within the deadline; over
 // the blocking ones the watchdog ends the whole job through MPI_Abort, saying which op,

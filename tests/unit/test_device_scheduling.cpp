@@ -14,6 +14,8 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "flatshard/communicator.h"
 #include "flatshard/errors.h"
@@ -187,20 +189,33 @@ TEST(DeviceScheduling, TheCommunicatorDrivesADeviceTransport) {
   recording = nullptr;
 }
 
-// Note [Rendezvous keys per creation]: the n-th communicator of a name gets the n-th
-// prefix, so a second one never reads the first one's NCCL id or ring addresses.
-TEST(RendezvousKeys, EachCreationOfANameHasItsOwnPrefix) {
+// Note [Rendezvous keys per creation]: the n-th communicator of a name on a world gets the
+// n-th prefix on every rank of it, so a second one never reads the first one's NCCL id or
+// ring addresses; communicators of that name on a subworld (its store under a prefix) do
+// not shift the world's count.
+TEST(RendezvousKeys, EachCreationOfANameOnAWorldHasItsOwnPrefix) {
   const auto count = [](const std::string& prefix, const std::string& name) {
     const std::string head = "flatshard/comm/" + name + "/";
     EXPECT_EQ(prefix.rfind(head, 0), 0u) << prefix;
     return std::stoi(prefix.substr(head.size()));
   };
-  const int a0 = count(flatshard::comm::next_rendezvous_prefix("keys-a"), "keys-a");
-  const int b0 = count(flatshard::comm::next_rendezvous_prefix("keys-b"), "keys-b");
-  const int a1 = count(flatshard::comm::next_rendezvous_prefix("keys-a"), "keys-a");
-  EXPECT_EQ(a1, a0 + 1) << "the second communicator of a name gets the next prefix";
-  EXPECT_EQ(count(flatshard::comm::next_rendezvous_prefix("keys-b"), "keys-b"), b0 + 1)
-      << "names count apart";
+  using flatshard::comm::next_rendezvous_prefix;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  flatshard::World rank0, rank1, sub0;
+  rank0.spec.world_size = rank1.spec.world_size = sub0.spec.world_size = 2;
+  rank1.spec.rank = 1;
+  rank0.store = rank1.store = store;
+  sub0.store = c10::make_intrusive<c10d::PrefixStore>("flatshard/subworld/x", store);
+  EXPECT_EQ(count(next_rendezvous_prefix(rank0, "a"), "a"), 0);
+  EXPECT_EQ(count(next_rendezvous_prefix(sub0, "a"), "a"), 0) << "a subworld counts its own";
+  EXPECT_EQ(count(next_rendezvous_prefix(sub0, "a"), "a"), 1);
+  EXPECT_EQ(count(next_rendezvous_prefix(rank0, "a"), "a"), 1) << "the subworld's did not count here";
+  EXPECT_EQ(count(next_rendezvous_prefix(rank1, "a"), "a"), 0) << "rank 1's first is rank 0's first";
+  EXPECT_EQ(count(next_rendezvous_prefix(rank1, "a"), "a"), 1);
+  EXPECT_EQ(count(next_rendezvous_prefix(rank0, "b"), "b"), 0) << "names count apart";
+  const flatshard::World alone;  // no store: counted in this process
+  const int first = count(next_rendezvous_prefix(alone, "c"), "c");
+  EXPECT_EQ(count(next_rendezvous_prefix(alone, "c"), "c"), first + 1);
 }
 
 // Note [One launch order per device]: workers launch in ticket order whatever order

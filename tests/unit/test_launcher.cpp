@@ -9,7 +9,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <set>
 #include <string>
@@ -482,6 +484,42 @@ TEST(Launcher, MaxRestartsEndsWithTheLastFailureAndNeverAfterASignal) {
   EXPECT_EQ(stopped.exit_code, 128 + SIGTERM) << stopped.output;
   EXPECT_EQ(stopped.output.find("start-1"), std::string::npos)
       << "restarted after a signal: " << stopped.output;
+}
+
+// A rank that exits with a code above 128 exited: the restart names its code, not a signal.
+// What it started and left running (a shell's background job, in its process group) is
+// stopped with the other ranks, not left behind.
+TEST(Launcher, AHighExitCodeIsACodeAndAnExitedRanksChildrenStop) {
+  const std::string pid_file = fmt::format("/tmp/flatshard-launcher-helper-{}", ::getpid());
+  std::remove(pid_file.c_str());
+  const auto r = run_command(launch({"-n", "2", "--grace-s", "0.5", "--max-restarts", "1"},
+                                    "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then "
+                                    "if [ \"$RANK\" = 1 ]; then sleep 60 & echo $! > " +
+                                        pid_file + "; exit 200; fi; sleep 60; fi; echo done-$RANK"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1 exited with code 200; restart 1 of 1"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("killed by signal"), std::string::npos) << r.output;
+  FILE* f = std::fopen(pid_file.c_str(), "r");
+  ASSERT_NE(f, nullptr) << "rank 1 did not start its helper";
+  int pid = 0;
+  ASSERT_EQ(std::fscanf(f, "%d", &pid), 1);
+  std::fclose(f);
+  std::remove(pid_file.c_str());
+  // Gone, or a zombie no one has reaped yet: either way not running.
+  const auto running = [pid] {
+    FILE* stat = std::fopen(fmt::format("/proc/{}/stat", pid).c_str(), "r");
+    if (stat == nullptr) return false;
+    char line[512] = {};
+    const bool read = std::fgets(line, sizeof(line), stat) != nullptr;
+    std::fclose(stat);
+    const char* paren = read ? std::strrchr(line, ')') : nullptr;
+    return paren == nullptr || paren[2] != 'Z';
+  };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (running() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(running()) << "rank 1's background job (pid " << pid << ") outlived the launcher";
+  if (running()) ::kill(pid, SIGKILL);
 }
 
 TEST(Launcher, BadArgumentsPrintUsage) {
