@@ -150,6 +150,78 @@ std::map<std::string, at::Tensor> full_optimizer_state_dict(FullyShardBase& fsdp
   return out;
 }
 
+// Note [Checking a full state dict's records]
+// torch::pickle_save writes a zip whose records are stored uncompressed, each with its
+// CRC-32 in the zip's central directory, but LibTorch's reader does not check them: a
+// flipped bit in a tensor's record loads as a wrong value. So the records are checked here
+// first, from the central directory (zip64 fields where a size or offset needs them): each
+// stored record's bytes against its CRC-32. A directory that cannot be read is left to the
+// reader, which refuses what it cannot parse.
+namespace {
+std::uint64_t little(const char* p, int n) {
+  std::uint64_t v = 0;
+  for (int i = n - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
+  return v;
+}
+
+void check_zip_crcs(const std::vector<char>& bytes, const std::string& path) {
+  const std::size_t size = bytes.size();
+  const char* b = bytes.data();
+  if (size < 22) return;
+  std::size_t end = size - 22;  // the end-of-directory record, behind a comment of up to 64 KiB
+  const std::size_t lowest = size > 22 + 65535 ? size - 22 - 65535 : 0;
+  while (little(b + end, 4) != 0x06054b50) {
+    if (end == lowest) return;
+    --end;
+  }
+  std::uint64_t entries = little(b + end + 10, 2), directory = little(b + end + 16, 4);
+  if (end >= 20 && little(b + end - 20, 4) == 0x07064b50) {  // the zip64 locator
+    const std::uint64_t at = little(b + end - 20 + 8, 8);
+    if (at + 56 <= size && little(b + at, 4) == 0x06064b50) {
+      entries = little(b + at + 32, 8);
+      directory = little(b + at + 48, 8);
+    }
+  }
+  const auto corrupt = [&](const std::string& what) {
+    return CheckpointError(path, fmt::format("flatshard::checkpoint: '{}' is corrupt ({}): load an earlier "
+                                             "checkpoint or save it again",
+                                             path, what));
+  };
+  std::uint64_t at = directory;
+  for (std::uint64_t i = 0; i < entries; ++i) {
+    if (at + 46 > size || little(b + at, 4) != 0x02014b50) throw corrupt("its zip directory is damaged");
+    const std::uint64_t method = little(b + at + 10, 2), crc = little(b + at + 16, 4);
+    std::uint64_t stored = little(b + at + 20, 4), local = little(b + at + 42, 4);
+    const std::uint64_t name_len = little(b + at + 28, 2), extra_len = little(b + at + 30, 2),
+                        comment_len = little(b + at + 32, 2), uncompressed = little(b + at + 24, 4);
+    if (at + 46 + name_len + extra_len > size) throw corrupt("its zip directory is damaged");
+    const std::string name(b + at + 46, name_len);
+    // Zip64: the 64-bit values, in this order, of the fields that hold 0xFFFFFFFF.
+    for (std::uint64_t e = at + 46 + name_len; e + 4 <= at + 46 + name_len + extra_len;) {
+      const std::uint64_t id = little(b + e, 2), len = little(b + e + 2, 2);
+      if (id == 0x0001) {
+        std::uint64_t f = e + 4;
+        if (uncompressed == 0xFFFFFFFFu && f + 8 <= e + 4 + len) f += 8;
+        if (stored == 0xFFFFFFFFu && f + 8 <= e + 4 + len) {
+          stored = little(b + f, 8);
+          f += 8;
+        }
+        if (local == 0xFFFFFFFFu && f + 8 <= e + 4 + len) local = little(b + f, 8);
+      }
+      e += 4 + len;
+    }
+    at += 46 + name_len + extra_len + comment_len;
+    if (method != 0) continue;  // only stored records are checked
+    if (local + 30 > size || little(b + local, 4) != 0x04034b50)
+      throw corrupt(fmt::format("record '{}' is not where its directory says", name));
+    const std::uint64_t data = local + 30 + little(b + local + 26, 2) + little(b + local + 28, 2);
+    if (data + stored > size) throw corrupt(fmt::format("record '{}' is cut short", name));
+    if (shards::crc32_of(b + data, stored) != crc)
+      throw corrupt(fmt::format("record '{}' does not match its CRC-32", name));
+  }
+}
+}  // namespace
+
 void save_tensors(const std::map<std::string, at::Tensor>& tensors, const std::string& path) {
   c10::Dict<std::string, at::Tensor> dict;
   for (const auto& [name, t] : tensors) dict.insert(name, t.contiguous());
@@ -158,6 +230,7 @@ void save_tensors(const std::map<std::string, at::Tensor>& tensors, const std::s
 
 std::map<std::string, at::Tensor> load_tensors(const std::string& path) {
   const auto bytes = io::read_file(path);
+  check_zip_crcs(bytes, path);
   torch::IValue value;
   try {
     value = torch::pickle_load(bytes);

@@ -20,7 +20,9 @@
 
 namespace flatshard::checkpoint::shards {
 
-constexpr int kFormatVersion = 1;
+// 2: metadata.crc32 is part of the checkpoint (a load refuses a version-2 checkpoint
+// without it); 1: written before it was, read as it was.
+constexpr int kFormatVersion = 2;
 constexpr const char* kFormat = "flatshard-sharded-checkpoint";
 
 // --- what a rank holds -----------------------------------------------------------
@@ -91,6 +93,29 @@ inline constexpr const char* kMetadataChecksum = "metadata.crc32";
 std::string dtype_name(at::ScalarType t);
 std::optional<at::ScalarType> dtype_of(const std::string& name);
 std::uint32_t crc32_of(const void* data, std::size_t n);
+
+// Note [One save at a time under a root]
+// A save prunes what a killed save left under its root (.step-*.tmp) and may prune older
+// checkpoints; a save that ran beside another under the same root (an AsyncSaver's still
+// writing when save_sharded starts) would delete the other's files, and a load beside a
+// save could read the checkpoint the save is publishing on some ranks and the one before
+// on others. Each save registers its root (made absolute) for its whole run, in this
+// process; a save or load that finds its root registered fails on every rank alike
+// (through the agreement on its first step), saying to wait for the save in flight.
+class SaveUnderway {
+ public:
+  explicit SaveUnderway(const std::string& root);  // registers it, unless already there
+  ~SaveUnderway();
+  SaveUnderway(const SaveUnderway&) = delete;
+  SaveUnderway& operator=(const SaveUnderway&) = delete;
+  bool clashes() const { return clashes_; }  // another save under the root was in flight
+  // Whether a save under `root` is in flight in this process.
+  static bool under(const std::string& root);
+
+ private:
+  std::string root_;
+  bool clashes_ = false;
+};
 std::string shard_file_name(int rank, int world_size);
 // Every rank's string, on every rank (a collective).
 std::vector<std::string> exchange_strings(Communicator& comm, const std::string& mine);

@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <optional>
 
@@ -90,7 +91,8 @@ Checkpoint open_checkpoint(const std::string& path) {
   // Its CRC-32, where the checkpoint has one (those saved before it did not): a flipped bit
   // that still parses (a step count, a learning rate) must not load.
   const std::string crc_path = dir + "/" + kMetadataChecksum;
-  if (exists(crc_path)) {
+  const bool checksummed = exists(crc_path);
+  if (checksummed) {
     const auto want = io::read_file(crc_path);
     if (trim(std::string(want.begin(), want.end())) != std::to_string(crc32_of(bytes.data(), bytes.size()))) {
       fail(meta_path,
@@ -110,6 +112,12 @@ Checkpoint open_checkpoint(const std::string& path) {
       fail(meta_path,
            fmt::format("'{}' has format version {}; this FlatShard reads up to {}: upgrade FlatShard",
                        meta_path, version, kFormatVersion));
+    }
+    if (version >= 2 && !checksummed) {
+      fail(meta_path,
+           fmt::format("'{}' is missing: a checkpoint of format version {} has one, so this one is "
+                       "incomplete (copied without it?); copy it too, or load an earlier checkpoint",
+                       crc_path, version));
     }
     c.world_size = meta.at("world_size").get<int>();
     c.mode = meta.at("mode").get<std::string>();
@@ -333,6 +341,13 @@ CheckpointInfo load(const std::string& path, Communicator& comm,
   std::optional<Checkpoint> c;
   bool reading = false;
   try {
+    const std::string parent = std::filesystem::path(path).lexically_normal().parent_path().string();
+    if (SaveUnderway::under(path) || (!parent.empty() && SaveUnderway::under(parent))) {
+      fail(path,
+           fmt::format("a save under '{}' is still in flight in this process (an AsyncSaver's?): wait for "
+                       "it (AsyncSaver::wait) before loading (Note [One save at a time under a root])",
+                       path));
+    }
     c = open_checkpoint(path);
     auto h = hold(*c);
     check_names_and_shapes(*c, h);

@@ -9,9 +9,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <csignal>
 #include <cstring>
+#include <filesystem>
+#include <mutex>
 #include <new>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -134,6 +138,38 @@ void agree(Communicator& comm, const std::string& path, const std::string& what,
 // --- saving ----------------------------------------------------------------------------
 
 namespace {
+std::mutex& underway_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::set<std::string>& underway() {
+  static std::set<std::string> roots;
+  return roots;
+}
+std::string absolute_root(const std::string& root) {
+  std::error_code ignored;
+  const auto a = std::filesystem::absolute(root, ignored);
+  return (ignored ? std::filesystem::path(root) : a).lexically_normal().string();
+}
+}  // namespace
+
+SaveUnderway::SaveUnderway(const std::string& root) : root_(absolute_root(root)) {
+  std::lock_guard<std::mutex> lock(underway_mutex());
+  clashes_ = !underway().insert(root_).second;
+}
+
+SaveUnderway::~SaveUnderway() {
+  if (clashes_) return;
+  std::lock_guard<std::mutex> lock(underway_mutex());
+  underway().erase(root_);
+}
+
+bool SaveUnderway::under(const std::string& root) {
+  std::lock_guard<std::mutex> lock(underway_mutex());
+  return underway().count(absolute_root(root)) > 0;
+}
+
+namespace {
 
 struct Piece {
   std::string key, kind;
@@ -163,6 +199,11 @@ std::vector<Piece> pieces_to_write(const Holding& h, int rank) {
   std::vector<Piece> out;
   for (const auto& seg : h.segments) {
     for (const auto& span : seg.spans) {
+      if (span.numel == 0) {  // no rank's range holds it: rank 0 writes its one empty piece
+        if (rank == 0 && seg.values.defined())
+          out.push_back({span.key, seg.kind, span.shape, seg.values.narrow(0, 0, 0).contiguous(), 0});
+        continue;
+      }
       const std::int64_t lo = std::max(span.offset, seg.write_begin);
       const std::int64_t hi = std::min(span.offset + span.numel, seg.write_end);
       if (lo >= hi) continue;
@@ -290,9 +331,15 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
   const std::string name = step_dir_name(options.step);
   const std::string tmp = fmt::format("{}/.{}.tmp", root, name);
   const std::string final_dir = root + "/" + name;
+  const SaveUnderway underway(root);  // Note [One save at a time under a root]
   if (options.on_stage) options.on_stage(SaveStage::Copied);
   std::string failure;
-  if (rank == 0) {
+  if (underway.clashes()) {
+    failure = fmt::format(
+        "another save under '{}' is still in flight in this process (an AsyncSaver's?): wait "
+        "for it (AsyncSaver::wait) before saving again",
+        root);
+  } else if (rank == 0) {
     try {
       make_dirs(root);
       remove_tree(tmp);
@@ -391,13 +438,26 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
       reached(SaveStage::Published);
       if (!old.empty()) remove_tree(old);
       if (options.keep_last > 0) {
-        std::vector<std::string> steps;
+        // In step order, by number: names sort as text only up to nine digits.
+        std::vector<std::pair<std::int64_t, std::string>> found;
         for (const auto& entry : list_dir(root)) {
-          if (entry.rfind("step-", 0) == 0 && entry != name) steps.push_back(entry);
+          if (entry.rfind("step-", 0) == 0 && entry != name) {
+            std::int64_t number = 0;
+            const char* digits = entry.c_str() + 5;
+            const auto [end, error] = std::from_chars(digits, entry.c_str() + entry.size(), number);
+            if (error == std::errc() && *end == '\0')
+              found.emplace_back(number, entry);  // others are not ours
+          }
           if (entry.rfind(".step-", 0) == 0) remove_tree(root + "/" + entry);  // left by a killed save
         }
-        std::sort(steps.begin(), steps.end());
-        const auto later = std::upper_bound(steps.begin(), steps.end(), name);
+        std::sort(found.begin(), found.end());
+        std::vector<std::string> steps;
+        std::size_t earlier = 0;  // of this save's step
+        for (const auto& [number, entry] : found) {
+          if (number < options.step) ++earlier;
+          steps.push_back(entry);
+        }
+        const auto later = steps.begin() + static_cast<std::ptrdiff_t>(earlier);
         if (later != steps.end()) {
           // Note [Keeping checkpoints after a rewind]
           log::at(

@@ -163,6 +163,23 @@ TEST(AsyncCheckpoint, ThePreviousStaysLatestUntilTheNewIsComplete) {
   saver.save(root, t.shard_optimizer(), second);
   gate.wait_reached();
   EXPECT_EQ(latest(), "step-000000001");
+  // Note [One save at a time under a root]: a save or a load under the root while this one
+  // is in flight fails on every rank (a save would prune the other's files; a load could
+  // read another step on some ranks), and leaves it to finish.
+  ckpt::SaveOptions third;
+  third.step = 3;
+  try {
+    ckpt::save_sharded(root, t.fully_shard(), t.shard_optimizer(), third);
+    ADD_FAILURE() << "a second save ran beside the first";
+  } catch (const ckpt::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("still in flight"), std::string::npos) << e.what();
+  }
+  try {
+    ckpt::load_sharded(root, t.fully_shard(), t.shard_optimizer());
+    ADD_FAILURE() << "a load ran beside a save";
+  } catch (const ckpt::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("still in flight"), std::string::npos) << e.what();
+  }
   gate.release();
   EXPECT_EQ(saver.wait().step, 2);
   EXPECT_EQ(latest(), "step-000000002");

@@ -381,24 +381,34 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
     std::ofstream(meta, std::ios::trunc) << j.dump(1);
   });
   expect_load_error("does not match its checksum", "metadata.json changed");
-  // An index that parses but lies, in a checkpoint without the checksum (as those saved
-  // before it): a piece listed twice (its elements would be read twice and others never),
-  // a piece far larger than its tensor (one rank's allocation would fail alone), training
-  // state of the wrong type (read after the values). Each fails every rank with a
-  // CheckpointError naming the rank, within the test's deadline.
+  // The checksum is part of a checkpoint of format version 2: one copied without it, with
+  // metadata.json as saved, is refused rather than loaded unchecked.
   std::string crc_text;
   on_rank0([&] {
     std::ifstream in(info.path + "/metadata.crc32");
     crc_text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
     fs::remove(info.path + "/metadata.crc32");
+    std::ofstream(meta, std::ios::trunc) << meta_text;
   });
+  expect_load_error("metadata.crc32' is missing", "a checkpoint without its checksum");
+  // An index that parses but lies, in a checkpoint of format version 1 (saved before the
+  // checksum was): a piece listed twice (its elements would be read twice and others
+  // never), a piece far larger than its tensor (one rank's allocation would fail alone),
+  // training state of the wrong type (read after the values). Each fails every rank with a
+  // CheckpointError naming the rank, within the test's deadline.
   auto with_meta = [&](const std::function<void(nlohmann::json&)>& edit) {
     on_rank0([&] {
       auto j = nlohmann::json::parse(meta_text);
+      j["version"] = 1;
       edit(j);
       std::ofstream(meta, std::ios::trunc) << j.dump(1);
     });
   };
+  with_meta([](nlohmann::json&) {});  // as saved, but version 1: loads without the checksum
+  {
+    Trainer fresh(world, Strategy::FullShard);
+    EXPECT_NO_THROW(fresh.load(root)) << "a version-1 checkpoint has no checksum to check";
+  }
   with_meta([](nlohmann::json& j) {
     auto& pieces = j["tensors"]["wte.weight"]["pieces"];
     pieces.push_back(pieces[0]);
@@ -558,13 +568,13 @@ TEST(Checkpoint, KeepLastKeepsTheRunAJobIsOn) {
   };
   auto steps_there = [&] {
     t.comm().barrier().wait();
-    std::vector<std::string> names;
+    std::vector<std::int64_t> numbers;
     for (const auto& entry : fs::directory_iterator(root))
       if (entry.path().filename().string().rfind("step-", 0) == 0)
-        names.push_back(entry.path().filename().string());
-    std::sort(names.begin(), names.end());
+        numbers.push_back(std::stoll(entry.path().filename().string().substr(5)));
+    std::sort(numbers.begin(), numbers.end());
     std::string out;
-    for (const auto& n : names) out += (out.empty() ? "" : " ") + std::to_string(std::stoi(n.substr(5)));
+    for (const auto n : numbers) out += (out.empty() ? "" : " ") + std::to_string(n);
     return out;
   };
   for (int step = 1; step <= 4; ++step) save(step, static_cast<float>(step));
@@ -584,6 +594,17 @@ TEST(Checkpoint, KeepLastKeepsTheRunAJobIsOn) {
     for (const auto& [name, v] : fresh.params())
       EXPECT_TRUE(at::all(v == value).item<bool>())
           << root + dir << ": " << name << " does not hold " << value;
+  }
+  // Steps of ten digits and more (a step counted in tokens) are later than nine-digit ones,
+  // though their names sort before them as text.
+  save(999999999, 15);
+  save(1000000000, 16);
+  EXPECT_EQ(steps_there(), "999999999 1000000000");
+  save(1000000001, 17);
+  EXPECT_EQ(steps_there(), "1000000000 1000000001");
+  {
+    Trainer fresh(world, Strategy::FullShard, config);
+    EXPECT_EQ(fresh.load(root).step, 1000000001);
   }
   t.comm().barrier().wait();
   if (world.rank() == 0) fs::remove_all(root);
@@ -627,15 +648,18 @@ TEST(Checkpoint, StateTheOptimizerWouldDropIsRefused) {
   if (world.rank() == 0) fs::remove_all(root);
 }
 
-// A buffer with no elements is saved as one empty piece, which the index check takes as
-// tiling its nothing; its neighbours load as before.
-TEST(Checkpoint, AnEmptyBufferSavesAndLoads) {
+// A buffer and a parameter with no elements are each saved as one empty piece, which the
+// index check takes as tiling its nothing; their neighbours load as before. (Before, the
+// empty parameter was written by no rank, and the checkpoint that saved without an error
+// failed to load.)
+TEST(Checkpoint, AnEmptyBufferAndAnEmptyParameterSaveAndLoad) {
   FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
   auto world = flatshard::init();
   const std::string root = fmt::format("/tmp/flatshard-empty-{}", env("MASTER_PORT"));
   auto with_empty = [](int seed) {
     auto model = seeded_gpt(checkpoint_config(), seed);
     model->register_buffer("nothing", at::zeros({0}));
+    model->register_parameter("none", at::zeros({0, 4}));
     return model;
   };
   flatshard::testing::Wrapped<GPT> saved(with_empty(kSeed), world, Strategy::FullShard, test_options());
