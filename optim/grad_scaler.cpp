@@ -75,13 +75,21 @@ void GradScaler::unscale(ShardOptimizer& optimizer) {
 }
 
 bool GradScaler::step(ShardOptimizer& optimizer) {
+  if (stepped_) {  // the next step's gradients would not be unscaled (as torch.amp refuses it)
+    throw InvalidArgument(fmt::format(
+        "flatshard::optim::GradScaler (rank {}/{}): step() was already called since the last update(); call "
+        "update() after each step()",
+        fsdp_.world().rank(), fsdp_.world().world_size()));
+  }
   unscale(optimizer);
   if (found_inf_) {
+    stepped_ = true;
     ++skipped_steps_;
     log::at(log::Level::Info, "GradScaler: gradients overflowed at scale {}: the step is skipped", scale_);
     return false;
   }
   optimizer.step();
+  stepped_ = true;
   return true;
 }
 
@@ -96,6 +104,7 @@ void GradScaler::update() {
   }
   unscaled_ = false;
   found_inf_ = false;
+  stepped_ = false;
 }
 
 void GradScaler::restore(double scale, std::int64_t growth_tracker) {
@@ -106,6 +115,7 @@ void GradScaler::restore(double scale, std::int64_t growth_tracker) {
   wrapper_skips_ = fsdp_.skipped_steps();
   unscaled_ = false;
   found_inf_ = false;
+  stepped_ = false;
 }
 
 }  // namespace flatshard::optim

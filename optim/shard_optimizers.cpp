@@ -247,7 +247,9 @@ void ShardOptimizer::step_shard(std::size_t i) {
 }
 
 void ShardOptimizer::zero_grad() {
-  if (fsdp_ && fsdp_->backward_failed()) fsdp_->zero_grad();  // abandons it: Note [A backward that failed]
+  // Abandons a failed backward (Note [A backward that failed]) and drops what backwards
+  // under no_sync accumulated (Note [zero_grad after no_sync]).
+  if (fsdp_) fsdp_->zero_grad();
   for (auto& s : shards_) s.mutable_grad().reset();
 }
 

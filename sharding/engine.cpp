@@ -220,7 +220,7 @@ void Engine::pre_backward(int index) {
   }
 }
 
-void Engine::on_grad_accumulated(int index, int param) {
+void Engine::on_grad_accumulated(int index, int param, bool arrived) {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   abandon_if_its_graph_is_gone();  // Note [A backward that failed]
   Unit& u = *units_[index];
@@ -239,6 +239,13 @@ void Engine::on_grad_accumulated(int index, int param) {
       slots[static_cast<std::size_t>(k)].param.mutable_grad() = early;
       fold_strays(*u.group, k, k + 1);
     }
+  }
+  if (!arrived) {  // no gradient: the unit stops waiting for it, and the parameter is not stepped
+    if (!replicated_) {
+      --u.pending_grads;
+      post_backward_if_done(index);
+    }
+    return;
   }
   got_grad_[index][param] = 1;
   if (!replicated_) {
@@ -547,11 +554,35 @@ void Engine::abandon_if_its_graph_is_gone() {
   if (backward_active_ && backward_token_.expired()) abandon_backward();
 }
 
+// Note [zero_grad after no_sync]
+// Backwards under no_sync leave their gradients in the units' flat gradients (and, for the
+// replicated strategies, their buckets), where the next backward adds to them. zero_grad
+// drops them, as DDP's zero_grad clears the .grad its no_sync accumulated into: the
+// flat gradients are freed, the parameters' .grad views dropped, and the record of which
+// parameters got a gradient starts again with the next backward (Note [Parameters without
+// gradients]), so a parameter only the dropped batches reached is not stepped.
 void Engine::zero_grad() {
   std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
   if (backward_failed()) abandon_backward();  // Note [A backward that failed]
+  bool dropped = false;
   for (auto& u : units_) {
-    if (u->group) u->group->master().mutable_grad().reset();
+    if (!u->group) continue;
+    // The replicated strategies mark an accumulating flat gradient; the sharded ones free a
+    // unit's full gradient once it is reduced, so one still there outside a backward holds
+    // what backwards under no_sync left.
+    const bool accumulated =
+        !backward_active_ && (replicated_ ? accumulating_ : u->group->full_grad_allocated());
+    if (accumulated) {
+      u->group->drop_param_grads();
+      u->group->free_full_grad();
+      dropped = true;
+    }
+    u->group->master().mutable_grad().reset();
+  }
+  if (dropped) {
+    accumulating_ = false;
+    step_begins_ = true;
+    account();
   }
 }
 

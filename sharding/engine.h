@@ -42,7 +42,7 @@ class Engine {
   bool watches_inputs(int unit) const;
   void watch_inputs(int unit, const std::vector<at::Tensor>& inputs);
   // `param`: the parameter's index in its group's slots when the group was made.
-  void on_grad_accumulated(int unit, int param);
+  void on_grad_accumulated(int unit, int param, bool arrived);  // arrived: the gradient is defined
 
   std::vector<at::Tensor> shards() const;
   std::vector<ShardLayout> layout() const;

@@ -160,8 +160,10 @@ class AccumulatedHook final : public torch::autograd::FunctionPostHook {
  public:
   AccumulatedHook(Engine* engine, int unit, int param) : engine_(engine), unit_(unit), param_(param) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    engine_->on_grad_accumulated(unit_, param_);
+                                            const torch::autograd::variable_list& inputs) override {
+    // AccumulateGrad runs, and its hooks fire, also for an undefined gradient: a parameter
+    // a recomputed unit's second run left unused (Note [Parameters without gradients]).
+    engine_->on_grad_accumulated(unit_, param_, !inputs.empty() && inputs[0].defined());
     return outputs;
   }
 

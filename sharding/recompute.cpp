@@ -5,12 +5,18 @@
 #include <ATen/core/Generator.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/custom_class.h>
 #include <torch/nn/module.h>
 
 #include <mutex>
 #include <optional>
+#include <unordered_set>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "flatshard/errors.h"
 #include "flatshard/unit.h"
 
 namespace flatshard {
@@ -68,6 +74,46 @@ struct Closure : torch::CustomClassHolder {
   std::vector<bool> input_requires_grad;
   RngState rng;
 };
+
+// Note [What a recomputed unit may reach]
+// Recomputation takes the gradients of the unit's tensor arguments and its own parameters
+// (autograd::grad over exactly those). A tensor that requires grad and reaches the re-run
+// graph another way (a parameter of the root or of another unit used inside this one, a
+// tensor captured by the module rather than passed) would get no gradient and its
+// training would silently stop, so backward walks the re-run graph to its leaves and
+// refuses any leaf it was not given.
+void refuse_unknown_leaves(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& known) {
+  std::unordered_set<const c10::TensorImpl*> given;
+  for (const auto& t : known) given.insert(t.unsafeGetTensorImpl());
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& r : roots) {
+    if (r.grad_fn() && seen.insert(r.grad_fn().get()).second) stack.push_back(r.grad_fn().get());
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      torch::autograd::Node* next = edge.function.get();
+      if (next == nullptr || !seen.insert(next).second) continue;
+      if (auto* leaf = dynamic_cast<torch::autograd::AccumulateGrad*>(next)) {
+        const at::Tensor& v = leaf->variable;
+        if (v.defined() && given.count(v.unsafeGetTensorImpl()) == 0) {
+          throw InvalidArgument(fmt::format(
+              "flatshard::recompute: a recomputed unit's forward used a tensor that requires grad (shape {}) "
+              "which is neither one of its parameters nor a tensor passed to its forward (a parameter of the "
+              "root "
+              "or of another unit, or a tensor the module holds); its gradient would be lost. Pass it to the "
+              "unit's forward as an argument, make it a parameter of the unit, or turn recomputation off for "
+              "this unit",
+              fmt::join(v.sizes(), "x")));
+        }
+        continue;
+      }
+      stack.push_back(next);
+    }
+  }
+}
 
 // Note [Recomputation]
 // forward runs the unit under no-grad (custom functions' forward always does), saving
@@ -135,7 +181,9 @@ class Recompute : public torch::autograd::Function<Recompute> {
     }
     // One result per argument of forward: the closure, each input, each parameter.
     variable_list result(first_param + closure->params.size());
-    if (roots.empty() || wrt.empty()) return result;
+    if (roots.empty()) return result;
+    refuse_unknown_leaves(roots, wrt);  // Note [What a recomputed unit may reach]
+    if (wrt.empty()) return result;
     const auto grads = torch::autograd::grad(roots, wrt, root_grads, /*retain_graph=*/false,
                                              /*create_graph=*/false, /*allow_unused=*/true);
     for (std::size_t k = 0; k < grads.size(); ++k) result[slot[k]] = grads[k];

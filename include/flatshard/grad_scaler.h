@@ -47,7 +47,7 @@ class GradScaler {
   // any rank's hold NaN or Inf. A collective; once per step (later calls do nothing).
   void unscale(ShardOptimizer& optimizer);
   // Unscales (if not yet) and steps the optimizer unless gradients overflowed. Returns
-  // whether it stepped.
+  // whether it stepped. Called again before update(), it throws InvalidArgument.
   bool step(ShardOptimizer& optimizer);
   // Halves the scale after an overflow; multiplies it by growth_factor after
   // growth_interval clean steps in a row. Call once per step, after step().
@@ -68,6 +68,7 @@ class GradScaler {
   std::int64_t wrapper_skips_ = 0;  // the wrapper's skipped_steps() when last unscaled
   bool unscaled_ = false;           // this step's gradients were unscaled
   bool found_inf_ = false;          // ... and some rank's held NaN or Inf
+  bool stepped_ = false;            // step() ran since the last update()
 };
 
 }  // namespace flatshard::optim

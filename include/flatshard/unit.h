@@ -109,8 +109,9 @@ std::tuple<T...> rebuild(const std::tuple<T...>&, std::vector<at::Tensor>& v) {
   return std::tuple<T...>{(static_cast<void>(sizeof(T)), v[i++])...};
 }
 
-// Recomputation of a forward with arbitrary arguments: the tensor arguments become the
-// recomputed function's inputs (in order); the others are kept as they were passed.
+// Recomputation of a forward with arbitrary arguments: the tensor arguments (tensors,
+// optional tensors, vectors of tensors) become the recomputed function's inputs, in order,
+// so that their gradients leave through it; the others are kept as they were passed.
 template <typename T>
 decltype(auto) substitute(const T& arg, const std::vector<at::Tensor>&, std::size_t&) {
   return arg;
@@ -118,9 +119,27 @@ decltype(auto) substitute(const T& arg, const std::vector<at::Tensor>&, std::siz
 inline at::Tensor substitute(const at::Tensor&, const std::vector<at::Tensor>& tensors, std::size_t& next) {
   return tensors[next++];
 }
+inline std::optional<at::Tensor> substitute(const std::optional<at::Tensor>& t,
+                                            const std::vector<at::Tensor>& tensors, std::size_t& next) {
+  if (!t) return t;
+  return tensors[next++];
+}
+inline std::vector<at::Tensor> substitute(const std::vector<at::Tensor>& v,
+                                          const std::vector<at::Tensor>& tensors, std::size_t& next) {
+  std::vector<at::Tensor> out;
+  out.reserve(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out.push_back(tensors[next++]);
+  return out;
+}
 template <typename T>
 void collect_tensor(const T&, std::vector<at::Tensor>&) {}
 inline void collect_tensor(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
+inline void collect_tensor(const std::optional<at::Tensor>& t, std::vector<at::Tensor>& out) {
+  if (t) out.push_back(*t);
+}
+inline void collect_tensor(const std::vector<at::Tensor>& v, std::vector<at::Tensor>& out) {
+  out.insert(out.end(), v.begin(), v.end());
+}
 
 // Every tensor among a forward's arguments: tensors, optional tensors, vectors of tensors.
 template <typename T>

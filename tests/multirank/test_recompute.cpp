@@ -3,7 +3,9 @@
 // for the second run), and a recomputed unit keeps only its inputs from forward.
 #include <gtest/gtest.h>
 
+#include "flatshard/flatshard.h"
 #include "flatshard/memory.h"
+#include "flatshard/unit.h"
 #include "tests/support/cases.h"
 #include "tests/support/models.h"
 #include "tests/support/multirank.h"
@@ -100,6 +102,127 @@ TEST(Recompute, Bf16FullShard) {
     return train_and_compare<GPT>(
         world, gpt_with_dropout(), [](int st) { return gpt_batch(st, 12); }, token_loss, s);
   });
+}
+
+// A block whose forward takes its tensors in a vector and an optional: recomputed, the
+// tensors upstream of both get the gradients they get without recomputation (an engine
+// that kept such arguments out of the recomputed node left them none). Its second
+// linear is used only when `skip` is absent: the unit's parameter left unused gets no
+// gradient either way.
+struct PairBlockImpl : torch::nn::Module {
+  torch::nn::Linear mix{nullptr}, extra{nullptr};
+  PairBlockImpl() {
+    mix = register_module("mix", torch::nn::Linear(8, 8));
+    extra = register_module("extra", torch::nn::Linear(8, 8));
+  }
+  at::Tensor forward(const std::vector<at::Tensor>& xs, const std::optional<at::Tensor>& bias,
+                     bool use_extra) {
+    auto y = mix->forward(xs[0]) * xs[1];
+    if (bias) y = y + *bias;
+    return use_extra ? extra->forward(y) : y;
+  }
+};
+TORCH_MODULE(PairBlock);
+
+struct PairModelImpl : torch::nn::Module {
+  torch::nn::Linear in{nullptr};
+  flatshard::Unit<PairBlock> block{nullptr};
+  at::Tensor outside;  // a root parameter
+  PairModelImpl() {
+    in = register_module("in", torch::nn::Linear(8, 24));
+    block = register_module("block", flatshard::Unit<PairBlock>());
+    outside = register_parameter("outside", at::ones({8}));
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_extra) {
+    auto h = in->forward(x);
+    auto parts = h.split(8, 1);
+    return block(std::vector<at::Tensor>{parts[0], parts[1]}, std::optional<at::Tensor>(parts[2]), use_extra);
+  }
+};
+TORCH_MODULE(PairModel);
+
+TEST(Recompute, TensorsInVectorsAndOptionalsGetTheirGradients) {
+  const auto x = at::randn({4, 8});
+  std::map<std::string, at::Tensor> grads[2];
+  for (bool on : {false, true}) {
+    torch::manual_seed(5);
+    PairModel model;
+    flatshard::set_recompute(*model, on);
+    model->forward(x, /*use_extra=*/false).square().sum().backward();
+    for (const auto& p : model->named_parameters()) grads[on][p.key()] = p.value().grad();
+  }
+  for (const auto& [name, g] : grads[0]) {
+    SCOPED_TRACE(name);
+    const at::Tensor& r = grads[1].at(name);
+    ASSERT_EQ(g.defined(), r.defined());
+    if (name.rfind("block.extra", 0) == 0 || name == "outside") {
+      EXPECT_FALSE(r.defined());
+      continue;
+    }
+    ASSERT_TRUE(r.defined());
+    EXPECT_TRUE(at::allclose(g, r, 1e-6, 1e-6));
+  }
+}
+
+// The unused linear of a recomputed unit gets an undefined gradient in the re-run, and its
+// AccumulateGrad hook fires all the same: the engine records no gradient for it, so
+// AdamW's decoupled decay leaves it as it was, as without recomputation (an engine that
+// counted the hook as a gradient decayed it).
+TEST(Recompute, AParameterTheUnitLeftUnusedIsNotStepped) {
+  flatshard::World world;
+  const auto x = at::randn({4, 8});
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
+    SCOPED_TRACE(to_string(strategy));
+    torch::manual_seed(5);
+    PairModel model;
+    flatshard::set_recompute(*model, true);
+    const auto extra = model->block->extra->weight.detach().clone();
+    const auto mix = model->block->mix->weight.detach().clone();
+    flatshard::FullyShard<PairModel> fsdp(model, world, options_for(strategy));
+    flatshard::optim::AdamWOptions o;
+    o.lr = 1e-2;
+    o.weight_decay = 0.1;
+    flatshard::optim::AdamW opt(fsdp, o);
+    for (int s = 0; s < 2; ++s) {
+      fsdp.forward(x, /*use_extra=*/false).square().sum().backward();
+      opt.step();
+      opt.zero_grad();
+    }
+    const auto got = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
+    EXPECT_TRUE(at::equal(got.at("block.extra.weight"), extra));
+    EXPECT_FALSE(at::equal(got.at("block.mix.weight"), mix)) << "the used linear trained";
+  }
+}
+
+// Note [What a recomputed unit may reach]: a recomputed unit whose forward uses a
+// parameter it does not own (here the root's) is refused in backward, naming what to do,
+// where its gradient would have been lost.
+struct ReachesOutImpl : torch::nn::Module {
+  torch::nn::Linear lin{nullptr};
+  at::Tensor* foreign = nullptr;
+  ReachesOutImpl() { lin = register_module("lin", torch::nn::Linear(8, 8)); }
+  at::Tensor forward(const at::Tensor& x) { return lin->forward(x) * *foreign; }
+};
+TORCH_MODULE(ReachesOut);
+
+TEST(Recompute, AUnitUsingAParameterItDoesNotOwnIsRefused) {
+  torch::manual_seed(5);
+  auto outer = std::make_shared<torch::nn::Module>();
+  at::Tensor scale = outer->register_parameter("scale", at::full({8}, 2.0));
+  flatshard::Unit<ReachesOut> unit;
+  unit->foreign = &scale;
+  const auto x = at::randn({4, 8}, at::TensorOptions().requires_grad(true));
+  unit(x).sum().backward();  // without recomputation: scale gets its gradient
+  ASSERT_TRUE(scale.grad().defined());
+  unit->set_recompute(true);
+  try {
+    unit(x).sum().backward();
+    ADD_FAILURE() << "the lost gradient was not refused";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("neither one of its parameters nor a tensor passed"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // What forward keeps: with every block recomputed, the activations alive between

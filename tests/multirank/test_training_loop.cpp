@@ -30,6 +30,28 @@ void expect_weights_match(const std::map<std::string, at::Tensor>& got, torch::n
   }
 }
 
+// The GPT trained in one process with torch's AdamW (lr 1e-2) on batches 0 to steps - 1.
+GPT trained_in_one_process(int steps, int rows) {
+  auto ref = gpt_factory()();
+  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int s = 0; s < steps; ++s) {
+    const auto b = gpt_batch(s, rows);
+    ref_opt.zero_grad();
+    token_loss(ref->forward(b.input), b.target).backward();
+    ref_opt.step();
+  }
+  return ref;
+}
+
+// Every strategy at this world size, then FullShard and NoShard offloaded: (strategy, offloads).
+std::vector<std::pair<Strategy, bool>> strategies_and_offload(int world_size) {
+  std::vector<std::pair<Strategy, bool>> cases;
+  for (Strategy strategy : every_strategy(world_size)) cases.emplace_back(strategy, false);
+  cases.emplace_back(Strategy::FullShard, true);
+  cases.emplace_back(Strategy::NoShard, true);
+  return cases;
+}
+
 // Groups (no decay for biases, norms, embeddings; twice the rate for the head) equal
 // torch::optim's with the same groups, in every strategy; at worlds 2 and 3 parameters
 // are split across ranks' shards, so each part must get its group's settings.
@@ -287,19 +309,8 @@ TEST(FailedBackward, TrainingGoesOnFromTheSameWeights) {
   FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
   auto world = flatshard::init();
   const int n = world.world_size(), rows = 8, steps = 4;
-  auto ref = gpt_factory()();
-  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
-  for (int s = 0; s < steps; ++s) {
-    const auto b = gpt_batch(s, rows);
-    ref_opt.zero_grad();
-    token_loss(ref->forward(b.input), b.target).backward();
-    ref_opt.step();
-  }
-  std::vector<std::pair<Strategy, bool>> cases;  // a strategy, and whether it offloads
-  for (Strategy strategy : every_strategy(n)) cases.emplace_back(strategy, false);
-  cases.emplace_back(Strategy::FullShard, true);
-  cases.emplace_back(Strategy::NoShard, true);
-  for (const auto& [strategy, offload] : cases) {
+  GPT ref = trained_in_one_process(steps, rows);
+  for (const auto& [strategy, offload] : strategies_and_offload(n)) {
     SCOPED_TRACE(::testing::Message() << to_string(strategy) << (offload ? " offloaded" : ""));
     auto model = gpt_factory()();
     bool armed = false;
@@ -368,6 +379,44 @@ TEST(FailedBackward, AKeptGraphsBackwardAbandonsItAndStepsRefusePartialGradients
     second.backward();
     EXPECT_FALSE(fsdp.backward_failed());
     opt.step();
+    const auto got = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
+    expect_weights_match(got, *ref);
+  }
+}
+
+// Note [zero_grad after no_sync]: gradients accumulated under no_sync and then dropped by
+// zero_grad (the optimizer's, and the wrapper's) do not reach the next step, in every
+// strategy, offloaded or not: training matches a single process that never saw those
+// batches. On an engine that kept them, the first step took the dropped batch's gradient too.
+TEST(NoSync, ZeroGradDropsWhatNoSyncAccumulated) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  const int n = world.world_size(), rows = 8, steps = 3;
+  GPT ref = trained_in_one_process(steps, rows);
+  for (const auto& [strategy, offload] : strategies_and_offload(n)) {
+    SCOPED_TRACE(::testing::Message() << to_string(strategy) << (offload ? " offloaded" : ""));
+    auto model = gpt_factory()();
+    auto options = options_for(strategy, n);
+    options.cpu_offload = offload;
+    flatshard::FullyShard<GPT> fsdp(model, world, options);
+    optim::AdamW opt(fsdp, optim::AdamWOptions{1e-2});
+    const int local = rows / n;
+    const auto mine = [&](const at::Tensor& t) { return t.narrow(0, world.rank() * local, local); };
+    for (int s = 0; s < steps; ++s) {
+      {
+        flatshard::FullyShardBase::NoSync guard(fsdp);
+        const auto dropped = gpt_batch(300 + s, rows);
+        token_loss(fsdp.forward(mine(dropped.input)), mine(dropped.target)).backward();
+      }
+      if (s == 1) {
+        fsdp.zero_grad();
+      } else {
+        opt.zero_grad();
+      }
+      const auto b = gpt_batch(s, rows);
+      token_loss(fsdp.forward(mine(b.input)), mine(b.target)).backward();
+      opt.step();
+    }
     const auto got = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
     expect_weights_match(got, *ref);
   }
@@ -596,6 +645,8 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
       if (s == overflow_step) before = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
       const bool stepped = scaler.step(opt);
       EXPECT_EQ(stepped, s != overflow_step) << "step " << s;
+      // A second step before update() would step gradients it never unscaled.
+      if (s == 0) EXPECT_THROW(scaler.step(opt), flatshard::InvalidArgument);
       scaler.update();
       opt.zero_grad();
       EXPECT_EQ(scaler.scale(), ref_scales[s]) << "step " << s;
