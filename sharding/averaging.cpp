@@ -77,8 +77,8 @@ void Engine::set_comm_hook(std::shared_ptr<CommHook> hook) {
   }
   if (hook && device_.is_cuda() && !hook->runs_on_cuda()) {
     throw InvalidArgument(fmt::format(
-        "{}: the hook {} computes on host tensors (its codes or indices) and does not reduce CUDA "
-        "gradients yet; on GPUs use hooks::all_reduce, hooks::low_precision or hooks::power_sgd",
+        "{}: the hook {} says it does not reduce CUDA gradients (CommHook::runs_on_cuda); on GPUs use one "
+        "that does, such as every hook of flatshard::hooks",
         who, hook->describe()));
   }
   if (hook && !replicated_ && !replica_comm_) {

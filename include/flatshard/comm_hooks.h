@@ -54,8 +54,9 @@ class CommHook {
   // name, for checkpoints; and its restoration.
   virtual std::map<std::string, at::Tensor> state() const { return {}; }
   virtual void load_state(const std::map<std::string, at::Tensor>& /*state*/) {}
-  // Whether it reduces CUDA buckets. The hooks that compute on host tensors (8-bit codes,
-  // sparse indices) do not yet, and register_comm_hook refuses them on a CUDA wrapper.
+  // Whether it reduces CUDA buckets. Every hook of flatshard::hooks does; a hook of one's
+  // own that computes on host tensors says false, and register_comm_hook refuses it on a
+  // CUDA wrapper.
   virtual bool runs_on_cuda() const { return true; }
 };
 
@@ -73,7 +74,8 @@ std::shared_ptr<CommHook> low_precision(const LowPrecisionOptions& options = {})
 
 // 8-bit quantization: each chunk of `chunk_numel` elements is sent as int8 with one fp32
 // scale (its largest magnitude / 127), all-gathered, and every rank averages the ranks'
-// dequantized values.
+// dequantized values. A chunk holding a NaN or an infinity averages to NaN, so that
+// GradScaler and FullyShardOptions::nonfinite_grads see it.
 struct QuantizeOptions {
   std::int64_t chunk_numel = 256;
 };

@@ -11,8 +11,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <mutex>
-#include <optional>
 #include <random>
 #include <unordered_set>
 #include <vector>
@@ -21,8 +22,133 @@
 
 #include "flatshard/comm_hooks.h"
 #include "flatshard/errors.h"
+#include "src/comm/hook_kernels.h"
 
 namespace flatshard::hooks {
+namespace kernels {
+
+void quantize(const at::Tensor& x, std::int64_t chunk, const at::Tensor& codes, const at::Tensor& scales,
+              Form form) {
+  const std::int64_t numel = x.numel(), chunks = (numel + chunk - 1) / chunk;
+  if (form == Form::TensorOps) {
+    at::Tensor rows = at::zeros({chunks * chunk}, x.options());
+    rows.narrow(0, 0, numel).copy_(x);
+    rows = rows.view({chunks, chunk});
+    at::Tensor scale = rows.abs().amax(1).div_(127.0f);  // NaN if the chunk holds one
+    const at::Tensor divisor = at::where(scale > 0, scale, 1.0f).unsqueeze(1);
+    scales.copy_(scale);
+    codes.view({chunks, chunk}).copy_(rows.div_(divisor).round_().clamp_(-127, 127).nan_to_num_(0));
+    return;
+  }
+  const float* v = x.data_ptr<float>();
+  auto* q = codes.data_ptr<std::int8_t>();
+  float* s = scales.data_ptr<float>();
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    const std::int64_t begin = c * chunk, n = std::min(chunk, numel - begin);
+    float largest = 0;
+    bool nan = false;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float a = std::fabs(v[begin + i]);
+      largest = std::max(largest, a);
+      nan |= std::isnan(a);
+    }
+    const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : largest / 127.0f;
+    const float divisor = scale > 0 ? scale : 1.0f;
+    s[c] = scale;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float r = std::nearbyint(v[begin + i] / divisor);
+      q[begin + i] = std::isnan(r) ? 0 : static_cast<std::int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+    }
+    for (std::int64_t i = n; i < chunk; ++i) q[begin + i] = 0;
+  }
+}
+
+void average_dequantized(const at::Tensor& all_codes, const at::Tensor& all_scales, int world,
+                         std::int64_t chunk, const at::Tensor& out, Form form) {
+  const std::int64_t numel = out.numel(), chunks = all_scales.numel() / world;
+  if (form == Form::TensorOps) {
+    const at::Tensor codes = all_codes.view({world, chunks, chunk});
+    const at::Tensor scales = all_scales.view({world, chunks, 1});
+    at::Tensor sum = codes[0].to(at::kFloat).mul_(scales[0]);
+    for (int r = 1; r < world; ++r) sum.add_(codes[r].to(at::kFloat).mul_(scales[r]));  // rank 0's first
+    out.copy_(sum.view({-1}).narrow(0, 0, numel).div_(static_cast<float>(world)));
+    return;
+  }
+  float* o = out.data_ptr<float>();
+  const auto* all = all_codes.data_ptr<std::int8_t>();
+  const float* s = all_scales.data_ptr<float>();
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    const std::int64_t begin = c * chunk, n = std::min(chunk, numel - begin);
+    for (int r = 0; r < world; ++r) {  // rank 0's first, on every rank
+      const std::int8_t* q = all + (r * chunks + c) * chunk;
+      const float scale = s[r * chunks + c];
+      if (r == 0) {
+        for (std::int64_t i = 0; i < n; ++i) o[begin + i] = static_cast<float>(q[i]) * scale;
+      } else {
+        for (std::int64_t i = 0; i < n; ++i) o[begin + i] += static_cast<float>(q[i]) * scale;
+      }
+    }
+    for (std::int64_t i = 0; i < n; ++i) o[begin + i] /= static_cast<float>(world);
+  }
+}
+
+// On the host, a radix select on the magnitudes' bits (non-negative floats order as their
+// bits do): one pass counts the top 15 bits; a second takes every value above the bin the
+// k-th falls in and selects the rest among that bin's. Two passes over the bucket, where
+// at::topk costs many. On a device, at::topk.
+at::Tensor largest_magnitudes(const at::Tensor& x, std::int64_t k, Form form) {
+  if (form == Form::TensorOps)
+    return std::get<1>(at::topk(x.abs(), k, 0, /*largest=*/true, /*sorted=*/false));
+  const float* v = x.data_ptr<float>();
+  const std::int64_t n = x.numel();
+  auto magnitude = [v](std::int64_t i) {
+    std::uint32_t bits;
+    std::memcpy(&bits, v + i, sizeof(bits));
+    return bits & 0x7fffffffu;
+  };
+  std::vector<std::int64_t> counts(std::size_t{1} << 15, 0);
+  for (std::int64_t i = 0; i < n; ++i) ++counts[magnitude(i) >> 16];
+  std::int64_t bin = static_cast<std::int64_t>(counts.size()) - 1, above = 0;
+  while (above + counts[bin] < k) above += counts[bin--];
+  at::Tensor out = at::empty({k}, at::kLong);
+  std::int64_t* chosen = out.data_ptr<std::int64_t>();
+  std::int64_t taken = 0;
+  std::vector<std::pair<std::uint32_t, std::int64_t>> ties;  // the k-th's bin: (magnitude, position)
+  ties.reserve(static_cast<std::size_t>(counts[bin]));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint32_t m = magnitude(i);
+    const auto b = static_cast<std::int64_t>(m >> 16);
+    if (b > bin) {
+      chosen[taken++] = i;
+    } else if (b == bin) {
+      ties.emplace_back(m, i);
+    }
+  }
+  const auto rest = static_cast<std::ptrdiff_t>(k - taken);
+  std::nth_element(ties.begin(), ties.begin() + rest - 1, ties.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (std::ptrdiff_t j = 0; j < rest; ++j) chosen[taken++] = ties[j].second;
+  return out;
+}
+
+// The host's index_add_ adds in order, rank 0's values first; a device's adds with atomics,
+// so there one index_add_ a rank (each rank's positions distinct, nothing collides), in
+// rank order.
+void average_scattered(const at::Tensor& all_values, const at::Tensor& all_index, int world,
+                       const at::Tensor& out, Form form) {
+  out.zero_();
+  if (form == Form::TensorOps) {
+    const std::int64_t k = all_values.numel() / world;
+    for (int r = 0; r < world; ++r)
+      out.index_add_(0, all_index.narrow(0, r * k, k), all_values.narrow(0, r * k, k));
+  } else {
+    out.index_add_(0, all_index, all_values);
+  }
+  out.div_(static_cast<float>(world));
+}
+
+}  // namespace kernels
+
 namespace {
 
 CollectiveOptions on(StreamRole role) {
@@ -55,16 +181,44 @@ class LowPrecisionHook final : public CommHook {
   at::ScalarType dtype_;
 };
 
+// Note [A hook's two halves on a device]
+// A hook's reduce runs on the stream current when its bucket is ready: what it compresses,
+// and its collectives' buffers, are allocated and written there (the caching allocator
+// keeps a block for the stream it was made on). Its finish runs when the engine finishes
+// the bucket, after Work::wait() made the stream current there wait for the collectives,
+// and that may be another stream. So the finish runs on the first stream, which first
+// waits for the finishing one (and through it for the collectives), and the finishing
+// stream then waits for the finish. On the host, and where the two streams are one, the
+// finish runs as it is.
+std::function<void()> on_first_stream(const at::Tensor& like, std::function<void()> finish) {
+  if (like.is_cpu() || !finish) return finish;
+  const c10::Stream first = c10::impl::VirtualGuardImpl(like.device().type()).getStream(like.device());
+  return [first, finish = std::move(finish)]() {
+    const c10::Stream finishing = c10::impl::VirtualGuardImpl(first.device_type()).getStream(first.device());
+    if (finishing == first) return finish();
+    c10::Event waited(first.device_type());
+    waited.record(finishing);
+    waited.block(first);
+    {
+      const c10::StreamGuard guard(first);
+      finish();
+    }
+    c10::Event done(first.device_type());
+    done.record(first);
+    done.block(finishing);
+  };
+}
+
 // Note [8-bit chunks]
 // Each chunk of chunk_numel values is sent as int8 codes round(v / scale), clamped to
 // [-127, 127], with scale = its largest magnitude / 127 (a chunk of zeros: scale 0, codes
 // 0). The codes and scales of every rank are all-gathered and every rank averages the
-// dequantized values, code * scale. One pass over the bucket quantizes it (a chunk's
-// maximum, then its codes, while the chunk is in cache), one dequantizes and averages.
+// dequantized values, code * scale. A chunk holding a NaN gets a NaN scale, and one holding
+// an infinity an infinite one, so its average is NaN on every rank (its codes are 0 where
+// v / scale is NaN): a non-finite gradient is not rounded into a finite one. On the host one
+// pass over the bucket quantizes it (a chunk's maximum, then its codes, while the chunk is
+// in cache), one dequantizes and averages; on a device, tensor operations do the same.
 class QuantizeHook final : public CommHook {
- public:
-  bool runs_on_cuda() const override { return false; }
-
  public:
   explicit QuantizeHook(std::int64_t chunk_numel) : chunk_numel_(chunk_numel) {}
   std::string describe() const override { return fmt::format("quantize_8bit(chunk_numel={})", chunk_numel_); }
@@ -72,93 +226,28 @@ class QuantizeHook final : public CommHook {
     const std::int64_t numel = bucket.buffer.numel(), chunk = chunk_numel_;
     const std::int64_t chunks = (numel + chunk - 1) / chunk;
     const int world = comm.world_size(), rank = comm.rank();
-    at::Tensor all_codes = at::empty({world * chunks * chunk}, at::kChar);
-    at::Tensor all_scales = at::empty({world * chunks}, at::kFloat);
+    const at::Tensor x = bucket.buffer.to(at::kFloat).contiguous();
+    const auto form = kernels::form_for(x);
+    at::Tensor all_codes = at::empty({world * chunks * chunk}, x.options().dtype(at::kChar));
+    at::Tensor all_scales = at::empty({world * chunks}, x.options());
     at::Tensor my_codes = all_codes.narrow(0, rank * chunks * chunk, chunks * chunk);
     at::Tensor my_scales = all_scales.narrow(0, rank * chunks, chunks);
-    const at::Tensor x = bucket.buffer.to(at::kFloat);
-    const float* v = x.data_ptr<float>();
-    auto* codes = my_codes.data_ptr<std::int8_t>();
-    float* scales = my_scales.data_ptr<float>();
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      const std::int64_t begin = c * chunk, n = std::min(chunk, numel - begin);
-      float largest = 0;
-      for (std::int64_t i = 0; i < n; ++i) largest = std::max(largest, std::fabs(v[begin + i]));
-      const float scale = largest / 127.0f, divisor = scale > 0 ? scale : 1.0f;
-      scales[c] = scale;
-      for (std::int64_t i = 0; i < n; ++i) {
-        const float q = std::nearbyint(v[begin + i] / divisor);
-        codes[begin + i] = static_cast<std::int8_t>(std::min(127.0f, std::max(-127.0f, q)));
-      }
-      for (std::int64_t i = n; i < chunk; ++i) codes[begin + i] = 0;
-    }
+    kernels::quantize(x, chunk, my_codes, my_scales, form);
     const auto gather = on(StreamRole::AllGather);
     std::vector<Work> works = {comm.all_gather(all_codes, my_codes, gather),
                                comm.all_gather(all_scales, my_scales, gather)};
     at::Tensor buffer = bucket.buffer;
-    return {std::move(works), [=]() mutable {
-              at::Tensor out = buffer.scalar_type() == at::kFloat ? buffer : at::empty({numel}, at::kFloat);
-              float* o = out.data_ptr<float>();
-              const auto* all = all_codes.data_ptr<std::int8_t>();
-              const float* s = all_scales.data_ptr<float>();
-              for (std::int64_t c = 0; c < chunks; ++c) {
-                const std::int64_t begin = c * chunk, n = std::min(chunk, numel - begin);
-                for (int r = 0; r < world; ++r) {  // rank 0's first, on every rank
-                  const std::int8_t* q = all + (r * chunks + c) * chunk;
-                  const float scale = s[r * chunks + c];
-                  if (r == 0) {
-                    for (std::int64_t i = 0; i < n; ++i) o[begin + i] = static_cast<float>(q[i]) * scale;
-                  } else {
-                    for (std::int64_t i = 0; i < n; ++i) o[begin + i] += static_cast<float>(q[i]) * scale;
-                  }
-                }
-                for (std::int64_t i = 0; i < n; ++i) o[begin + i] /= static_cast<float>(world);
-              }
+    return {std::move(works), on_first_stream(x, [=]() mutable {
+              at::Tensor out =
+                  buffer.scalar_type() == at::kFloat ? buffer : at::empty({numel}, all_scales.options());
+              kernels::average_dequantized(all_codes, all_scales, world, chunk, out, form);
               if (!out.is_same(buffer)) buffer.copy_(out);
-            }};
+            })};
   }
 
  private:
   std::int64_t chunk_numel_;
 };
-
-// The positions of the k values of `x` (contiguous fp32) largest in magnitude, in no order:
-// a radix select on the magnitudes' bits (non-negative floats order as their bits do).
-// One pass counts the top 15 bits; a second takes every value above the bin the k-th
-// falls in and selects the rest among that bin's. Two passes over the bucket, where
-// at::topk costs many; the same positions up to ties at the k-th magnitude.
-at::Tensor largest_magnitudes(const at::Tensor& x, std::int64_t k) {
-  const float* v = x.data_ptr<float>();
-  const std::int64_t n = x.numel();
-  auto magnitude = [v](std::int64_t i) {
-    std::uint32_t bits;
-    std::memcpy(&bits, v + i, sizeof(bits));
-    return bits & 0x7fffffffu;
-  };
-  std::vector<std::int64_t> counts(std::size_t{1} << 15, 0);
-  for (std::int64_t i = 0; i < n; ++i) ++counts[magnitude(i) >> 16];
-  std::int64_t bin = static_cast<std::int64_t>(counts.size()) - 1, above = 0;
-  while (above + counts[bin] < k) above += counts[bin--];
-  at::Tensor out = at::empty({k}, at::kLong);
-  std::int64_t* chosen = out.data_ptr<std::int64_t>();
-  std::int64_t taken = 0;
-  std::vector<std::pair<std::uint32_t, std::int64_t>> ties;  // the k-th's bin: (magnitude, position)
-  ties.reserve(static_cast<std::size_t>(counts[bin]));
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::uint32_t m = magnitude(i);
-    const auto b = static_cast<std::int64_t>(m >> 16);
-    if (b > bin) {
-      chosen[taken++] = i;
-    } else if (b == bin) {
-      ties.emplace_back(m, i);
-    }
-  }
-  const auto rest = static_cast<std::ptrdiff_t>(k - taken);
-  std::nth_element(ties.begin(), ties.begin() + rest - 1, ties.end(),
-                   [](const auto& a, const auto& b) { return a.first > b.first; });
-  for (std::ptrdiff_t j = 0; j < rest; ++j) chosen[taken++] = ties[j].second;
-  return out;
-}
 
 // Error feedback's residuals, by bucket (Note [Error feedback]).
 class Residuals {
@@ -209,9 +298,6 @@ class Residuals {
 // the training state (CommHook::state, saved in checkpoints).
 class SparsifyHook final : public CommHook {
  public:
-  bool runs_on_cuda() const override { return false; }
-
- public:
   SparsifyHook(const SparsifyOptions& options, bool top) : options_(options), top_(top) {}
   std::string describe() const override {
     return top_ ? fmt::format("top_k(ratio={}, error_feedback={})", options_.ratio, options_.error_feedback)
@@ -222,33 +308,37 @@ class SparsifyHook final : public CommHook {
   HookWork reduce(Communicator& comm, const GradBucket& bucket) override {
     const std::int64_t numel = bucket.buffer.numel();
     const int world = comm.world_size(), rank = comm.rank();
+    if (numel == 0) return {{}, nullptr};
     at::Tensor x = options_.error_feedback ? residuals_.corrected(bucket) : bucket.buffer.to(at::kFloat);
+    x = x.contiguous();
+    const auto form = kernels::form_for(x);
     const std::int64_t k =
         std::min<std::int64_t>(numel, std::max<std::int64_t>(1, std::ceil(options_.ratio * numel)));
     at::Tensor buffer = bucket.buffer;
-    if (numel == 0) return {{}, nullptr};
-    at::Tensor index = top_ ? largest_magnitudes(x, k) : drawn(numel, k, bucket);
+    at::Tensor index = top_ ? kernels::largest_magnitudes(x, k, form)
+                            : drawn(numel, k, bucket).to(x.device(), /*non_blocking=*/false);
     at::Tensor values = x.index_select(0, index);
     if (options_.error_feedback) residuals_.keep(bucket.index, x.index_fill_(0, index, 0));
     if (!top_) {  // every rank sends the same positions: their values are simply averaged
       Work work = comm.all_reduce(values, ReduceOp::Avg, on(StreamRole::AllReduce));
-      return {{work}, [=]() mutable {
+      return {{work}, on_first_stream(x, [=]() mutable {
                 buffer.zero_();
                 buffer.index_copy_(0, index, values.to(buffer.scalar_type()));
-              }};
+              })};
     }
-    at::Tensor all_values = at::empty({world * k}, at::kFloat);
-    at::Tensor all_index = at::empty({world * k}, at::kInt);
+    at::Tensor all_values = at::empty({world * k}, x.options());
+    at::Tensor all_index = at::empty({world * k}, x.options().dtype(at::kInt));
     all_values.narrow(0, rank * k, k).copy_(values);
     all_index.narrow(0, rank * k, k).copy_(index);
     const auto gather = on(StreamRole::AllGather);
     std::vector<Work> works = {comm.all_gather(all_values, all_values.narrow(0, rank * k, k), gather),
                                comm.all_gather(all_index, all_index.narrow(0, rank * k, k), gather)};
-    return {std::move(works), [=]() mutable {
-              at::Tensor sum = at::zeros({numel}, at::kFloat);
-              sum.index_add_(0, all_index.to(at::kLong), all_values);  // rank 0's first, on every rank
-              buffer.copy_(sum.div_(world));
-            }};
+    return {std::move(works), on_first_stream(x, [=]() mutable {
+              at::Tensor out =
+                  buffer.scalar_type() == at::kFloat ? buffer : at::empty({numel}, all_values.options());
+              kernels::average_scattered(all_values, all_index, world, out, form);
+              if (!out.is_same(buffer)) buffer.copy_(out);
+            })};
   }
 
   std::map<std::string, at::Tensor> state() const override { return residuals_.state(); }
@@ -284,9 +374,9 @@ class SparsifyHook final : public CommHook {
 // collectives run on the device, on the stream backward runs on (each op follows the
 // ones before it there; a collective waits for that stream's work and the stream for the
 // collective). Its second round, when the engine finishes the bucket, runs on the stream
-// its first did, and the stream that finishes waits for it. Q's first values are drawn on the host, alike on
-// every rank, and copied over; a Q or a residual loaded from a checkpoint is moved to the gradients' device
-// when first used.
+// its first did (Note [A hook's two halves on a device]). Q's first values are drawn on
+// the host, alike on every rank, and copied over; a Q or a residual loaded from a
+// checkpoint is moved to the gradients' device when first used.
 class PowerSGDHook final : public CommHook {
  public:
   explicit PowerSGDHook(const PowerSGDOptions& options) : options_(options) {}
@@ -342,19 +432,10 @@ class PowerSGDHook final : public CommHook {
     const int index = bucket.index;
     // Q's round needs P orthonormalized: it runs when the engine finishes the bucket, on
     // the all-gather stream (buckets finish in bucket order on every rank, so that
-    // stream sees the same ops in the same order everywhere).
-    // On a device, the second round runs on the stream the first did (where m and the wire
-    // were allocated and written), whichever stream the engine finishes the bucket on; the
-    // finishing stream then waits for it.
-    std::optional<c10::Stream> stream;
-    if (!m.is_cpu()) stream = c10::impl::VirtualGuardImpl(m.device().type()).getStream(m.device());
-    return {{first}, [this, &comm, buffer, m, wire, matrices, plain, p_numel, index, stream]() mutable {
-              std::optional<c10::Stream> finishing;
-              std::optional<c10::StreamGuard> guard;
-              if (stream) {
-                finishing = c10::impl::VirtualGuardImpl(stream->device_type()).getStream(stream->device());
-                guard.emplace(*stream);
-              }
+    // stream sees the same ops in the same order everywhere). On a device it runs on the
+    // stream the first round did (Note [A hook's two halves on a device]).
+    return {{first},
+            on_first_stream(m, [this, &comm, buffer, m, wire, matrices, plain, p_numel, index]() mutable {
               std::int64_t at = 0;
               std::vector<at::Tensor> ps;
               std::int64_t q_numel = 0;
@@ -397,12 +478,7 @@ class PowerSGDHook final : public CommHook {
               }
               if (options_.error_feedback) residuals_.keep(index, m);
               if (!direct) buffer.copy_(out);
-              if (stream && *finishing != *stream) {
-                c10::Event done(stream->device_type());
-                done.record(*stream);
-                done.block(*finishing);
-              }
-            }};
+            })};
   }
 
   std::map<std::string, at::Tensor> state() const override {

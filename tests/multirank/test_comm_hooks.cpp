@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "flatshard/sequential_units.h"
+#include "src/comm/hook_kernels.h"
 #include "tests/support/cases.h"
 #include "tests/support/multirank.h"
 
@@ -98,6 +99,95 @@ TEST(CommHooks, PlainLowPrecisionAndQuantizedMatchTheirDefinitions) {
     for (int r = 0; r < n; ++r) largest = std::max(largest, gradient(r, step, 0).abs().max().item<double>());
     EXPECT_LE((quantized - mean).abs().max().item<double>(), 0.5 * largest / 127 + 1e-6);
   }
+  // A NaN in rank 0's chunk 0 and an infinity in the last rank's chunk 4 make those chunks'
+  // averages NaN on every rank (rounded into codes, a NaN would pass as a finite value);
+  // the other chunks stay finite.
+  flatshard::GradBucket bucket;
+  bucket.buffer = gradient(world.rank(), 0, 0);
+  if (world.rank() == 0) bucket.buffer[5] = std::nan("");
+  if (world.rank() == n - 1) bucket.buffer[300] = -INFINITY;
+  auto hook = hooks::quantize_8bit({64});
+  auto work = hook->reduce(*comm, bucket);
+  for (auto& w : work.works) w.wait();
+  work.finish();
+  const auto chunks = bucket.buffer.narrow(0, 0, 64 * 156).view({156, 64});
+  for (std::int64_t c = 0; c < 156; ++c) {
+    if (c == 0 || c == 4) {
+      EXPECT_TRUE(chunks[c].isnan().all().item<bool>()) << "chunk " << c;
+    } else {
+      EXPECT_TRUE(chunks[c].isfinite().all().item<bool>()) << "chunk " << c;
+    }
+  }
+}
+
+// src/comm/hook_kernels.h: the host's loops and the tensor operations a device runs compute
+// the same bits, here both on the host: the 8-bit codes and scales (chunks holding a NaN or
+// an infinity among them), their average over three ranks, the k largest magnitudes, and
+// the average of values scattered at positions that overlap across ranks.
+TEST(CommHooks, HostLoopsAndDeviceOperationsComputeTheSameBits) {
+  namespace k = flatshard::hooks::kernels;
+  using k::Form;
+  const int world = 3;
+  const std::int64_t chunk = 64, chunks = (kNumel + chunk - 1) / chunk;
+  const auto same = [](const at::Tensor& a, const at::Tensor& b) {
+    return a.sizes() == b.sizes() && at::allclose(a, b, 0, 0, /*equal_nan=*/true);
+  };
+  at::Tensor codes[2], scales[2];
+  for (Form form : {Form::Loops, Form::TensorOps}) {
+    const int f = form == Form::Loops ? 0 : 1;
+    codes[f] = at::empty({world * chunks * chunk}, at::kChar);
+    scales[f] = at::empty({world * chunks});
+    for (int r = 0; r < world; ++r) {
+      at::Tensor x = gradient(r, 0, 0);
+      x.narrow(0, 128, 64).zero_();  // a chunk of zeros: scale 0
+      if (r == 1) x[7] = std::nan("");
+      if (r == 2) x[200] = INFINITY;
+      k::quantize(x, chunk, codes[f].narrow(0, r * chunks * chunk, chunks * chunk),
+                  scales[f].narrow(0, r * chunks, chunks), form);
+    }
+  }
+  EXPECT_TRUE(at::equal(codes[0], codes[1]));
+  EXPECT_TRUE(same(scales[0], scales[1]));
+  EXPECT_TRUE(std::isnan(scales[0][chunks].item<float>()));
+  EXPECT_EQ(scales[0][2 * chunks + 3].item<float>(), INFINITY);
+  EXPECT_EQ(scales[0][2].item<float>(), 0.0f);
+  at::Tensor averaged[2];
+  for (Form form : {Form::Loops, Form::TensorOps}) {
+    const int f = form == Form::Loops ? 0 : 1;
+    averaged[f] = at::empty({kNumel});
+    k::average_dequantized(codes[0], scales[0], world, chunk, averaged[f], form);
+  }
+  EXPECT_TRUE(same(averaged[0], averaged[1]));
+  EXPECT_TRUE(averaged[0].narrow(0, 0, 64).isnan().all().item<bool>());
+  EXPECT_TRUE(averaged[0].narrow(0, 256, 64).isfinite().all().item<bool>());
+
+  const std::int64_t top = 101;
+  const at::Tensor x = gradient(0, 1, 0);
+  auto sorted = [](const at::Tensor& t) { return std::get<0>(t.sort()); };
+  const at::Tensor by_loops = k::largest_magnitudes(x, top, Form::Loops);
+  EXPECT_TRUE(at::equal(sorted(by_loops), sorted(k::largest_magnitudes(x, top, Form::TensorOps))));
+  EXPECT_TRUE(at::equal(sorted(by_loops), sorted(std::get<1>(x.abs().topk(top)))));
+
+  at::Tensor values = at::empty({world * top}), index = at::empty({world * top}, at::kInt);
+  for (int r = 0; r < world; ++r) {
+    const at::Tensor g = gradient(r, 2, 0);
+    const at::Tensor chosen = k::largest_magnitudes(g.narrow(0, 0, 500).contiguous(), top, Form::Loops);
+    values.narrow(0, r * top, top).copy_(g.index_select(0, chosen));
+    index.narrow(0, r * top, top).copy_(chosen);
+  }
+  at::Tensor scattered[2];
+  for (Form form : {Form::Loops, Form::TensorOps}) {
+    const int f = form == Form::Loops ? 0 : 1;
+    scattered[f] = at::full({kNumel}, 3.0f);  // written over
+    k::average_scattered(values, index, world, scattered[f], form);
+  }
+  EXPECT_TRUE(at::equal(scattered[0], scattered[1]));
+  auto expected = at::zeros({kNumel});
+  for (int r = 0; r < world; ++r)
+    expected.index_add_(0, index.narrow(0, r * top, top).to(at::kLong), values.narrow(0, r * top, top));
+  EXPECT_TRUE(at::allclose(scattered[0], expected / world, 1e-6, 1e-7));
+  EXPECT_GT(at::count_nonzero(scattered[0]).item<std::int64_t>(), top)
+      << "the ranks' positions overlap only in part";
 }
 
 // Note [Error feedback] in src/comm/hooks.cpp: each rank sends k values of (gradient +

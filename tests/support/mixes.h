@@ -204,9 +204,6 @@ inline void train_mixes(const World& world, std::uint64_t first, std::uint64_t c
       if (s == nullptr) continue;
       s->device = device;
       s->transport = transport;
-      // Hooks that compute on host tensors are refused on CUDA: the bf16 wire instead.
-      if (!device.is_cpu() && s->hook && !s->hook->runs_on_cuda())
-        s->hook = flatshard::hooks::low_precision();
     }
     const std::string what = describe(mix, world.world_size());
     SCOPED_TRACE(what);
