@@ -103,9 +103,13 @@ void refuse_unknown_leaves(const std::vector<at::Tensor>& roots, const std::vect
               "flatshard::recompute: a recomputed unit's forward used a tensor that requires grad (shape {}) "
               "which is neither one of its parameters nor a tensor passed to its forward (a parameter of the "
               "root "
-              "or of another unit, or a tensor the module holds); its gradient would be lost. Pass it to the "
-              "unit's forward as an argument, make it a parameter of the unit, or turn recomputation off for "
-              "this unit",
+              "or of another unit, a tensor the module holds, or a tensor passed in a container other than "
+              "Tensor, "
+              "optional<Tensor> or vector<Tensor>, the argument kinds recomputation takes); its gradient "
+              "would be "
+              "lost. Pass it to the unit's forward as such an argument, make it a parameter of the unit, or "
+              "turn "
+              "recomputation off for this unit",
               fmt::join(v.sizes(), "x")));
         }
         continue;

@@ -88,8 +88,15 @@ std::string next_rendezvous_prefix(const World& world, const std::string& name) 
     std::lock_guard<std::mutex> lock(mutex);
     return fmt::format("flatshard/comm/{}/{}/", name, created[name]++);
   }
-  const std::int64_t n =
-      world.store->add(fmt::format("flatshard/comm/{}/created/{}", name, world.rank()), 1) - 1;
+  std::int64_t n = 0;
+  try {
+    n = world.store->add(fmt::format("flatshard/comm/{}/created/{}", name, world.rank()), 1) - 1;
+  } catch (const c10::Error& e) {  // the store is gone or does not answer
+    throw RendezvousError(
+        fmt::format("flatshard::Communicator::create (rank {}/{}, communicator '{}'): the world's "
+                    "store did not answer ({}): check that rank 0 is running",
+                    world.rank(), world.world_size(), name, e.what_without_backtrace()));
+  }
   return fmt::format("flatshard/comm/{}/{}/", name, n);
 }
 

@@ -34,7 +34,9 @@ void quantize(const at::Tensor& x, std::int64_t chunk, const at::Tensor& codes, 
     at::Tensor rows = at::zeros({chunks * chunk}, x.options());
     rows.narrow(0, 0, numel).copy_(x);
     rows = rows.view({chunks, chunk});
-    at::Tensor scale = rows.abs().amax(1).div_(127.0f);  // NaN if the chunk holds one
+    // Divided by a tensor, not a scalar: a device divides by a host scalar as a product
+    // with its reciprocal, which can differ from the host's quotient in the last bit.
+    at::Tensor scale = rows.abs().amax(1).div_(at::scalar_tensor(127.0f, x.options()));  // NaN if one is
     const at::Tensor divisor = at::where(scale > 0, scale, 1.0f).unsqueeze(1);
     scales.copy_(scale);
     codes.view({chunks, chunk}).copy_(rows.div_(divisor).round_().clamp_(-127, 127).nan_to_num_(0));
@@ -71,7 +73,8 @@ void average_dequantized(const at::Tensor& all_codes, const at::Tensor& all_scal
     const at::Tensor scales = all_scales.view({world, chunks, 1});
     at::Tensor sum = codes[0].to(at::kFloat).mul_(scales[0]);
     for (int r = 1; r < world; ++r) sum.add_(codes[r].to(at::kFloat).mul_(scales[r]));  // rank 0's first
-    out.copy_(sum.view({-1}).narrow(0, 0, numel).div_(static_cast<float>(world)));
+    out.copy_(
+        sum.view({-1}).narrow(0, 0, numel).div_(at::scalar_tensor(static_cast<float>(world), sum.options())));
     return;
   }
   float* o = out.data_ptr<float>();
@@ -141,10 +144,11 @@ void average_scattered(const at::Tensor& all_values, const at::Tensor& all_index
     const std::int64_t k = all_values.numel() / world;
     for (int r = 0; r < world; ++r)
       out.index_add_(0, all_index.narrow(0, r * k, k), all_values.narrow(0, r * k, k));
+    out.div_(at::scalar_tensor(static_cast<float>(world), out.options()));  // a quotient, as the host's
   } else {
     out.index_add_(0, all_index, all_values);
+    out.div_(static_cast<float>(world));
   }
-  out.div_(static_cast<float>(world));
 }
 
 }  // namespace kernels
@@ -156,30 +160,6 @@ CollectiveOptions on(StreamRole role) {
   o.stream = role;
   return o;
 }
-
-class AllReduceHook final : public CommHook {
- public:
-  std::string describe() const override { return "all_reduce"; }
-  HookWork reduce(Communicator& comm, const GradBucket& bucket) override {
-    return {{comm.all_reduce(bucket.buffer, ReduceOp::Avg, on(StreamRole::AllReduce))}, nullptr};
-  }
-};
-
-class LowPrecisionHook final : public CommHook {
- public:
-  explicit LowPrecisionHook(at::ScalarType dtype) : dtype_(dtype) {}
-  std::string describe() const override { return fmt::format("low_precision({})", c10::toString(dtype_)); }
-  HookWork reduce(Communicator& comm, const GradBucket& bucket) override {
-    // Divided first: a sum of fp16 gradients over many ranks could overflow.
-    at::Tensor wire = bucket.buffer.to(at::kFloat).div_(comm.world_size()).to(dtype_);
-    Work work = comm.all_reduce(wire, ReduceOp::Sum, on(StreamRole::AllReduce));
-    at::Tensor buffer = bucket.buffer;
-    return {{work}, [buffer, wire]() mutable { buffer.copy_(wire); }};
-  }
-
- private:
-  at::ScalarType dtype_;
-};
 
 // Note [A hook's two halves on a device]
 // A hook's reduce runs on the stream current when its bucket is ready: what it compresses,
@@ -208,6 +188,30 @@ std::function<void()> on_first_stream(const at::Tensor& like, std::function<void
     done.block(finishing);
   };
 }
+
+class AllReduceHook final : public CommHook {
+ public:
+  std::string describe() const override { return "all_reduce"; }
+  HookWork reduce(Communicator& comm, const GradBucket& bucket) override {
+    return {{comm.all_reduce(bucket.buffer, ReduceOp::Avg, on(StreamRole::AllReduce))}, nullptr};
+  }
+};
+
+class LowPrecisionHook final : public CommHook {
+ public:
+  explicit LowPrecisionHook(at::ScalarType dtype) : dtype_(dtype) {}
+  std::string describe() const override { return fmt::format("low_precision({})", c10::toString(dtype_)); }
+  HookWork reduce(Communicator& comm, const GradBucket& bucket) override {
+    // Divided first: a sum of fp16 gradients over many ranks could overflow.
+    at::Tensor wire = bucket.buffer.to(at::kFloat).div_(comm.world_size()).to(dtype_);
+    Work work = comm.all_reduce(wire, ReduceOp::Sum, on(StreamRole::AllReduce));
+    at::Tensor buffer = bucket.buffer;
+    return {{work}, on_first_stream(wire, [buffer, wire]() mutable { buffer.copy_(wire); })};
+  }
+
+ private:
+  at::ScalarType dtype_;
+};
 
 // Note [8-bit chunks]
 // Each chunk of chunk_numel values is sent as int8 codes round(v / scale), clamped to
@@ -315,8 +319,13 @@ class SparsifyHook final : public CommHook {
     const std::int64_t k =
         std::min<std::int64_t>(numel, std::max<std::int64_t>(1, std::ceil(options_.ratio * numel)));
     at::Tensor buffer = bucket.buffer;
+    // random_k's positions are drawn on the host; a device gets them from page-locked memory
+    // without the host waiting for the stream (the caching host allocator keeps the block
+    // until the copy is done).
     at::Tensor index = top_ ? kernels::largest_magnitudes(x, k, form)
-                            : drawn(numel, k, bucket).to(x.device(), /*non_blocking=*/false);
+                       : x.is_cpu()
+                           ? drawn(numel, k, bucket)
+                           : drawn(numel, k, bucket).pin_memory().to(x.device(), /*non_blocking=*/true);
     at::Tensor values = x.index_select(0, index);
     if (options_.error_feedback) residuals_.keep(bucket.index, x.index_fill_(0, index, 0));
     if (!top_) {  // every rank sends the same positions: their values are simply averaged

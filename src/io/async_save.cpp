@@ -67,6 +67,9 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
   const int rank = state_->comm->rank();
   State* s = state_.get();
   s->failed_root = root;
+  // Registered now, on this thread: a save or load under the root from here on is refused
+  // until the writer is done (Note [One save at a time under a root]).
+  auto underway = std::make_shared<const shards::SaveUnderway>(root);
   shards::Holding copy;
   try {
     copy = shards::snapshot(shards::hold_for_save(*state_->fsdp, optimizer, options), rank, &state_->copies);
@@ -74,7 +77,7 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
     // The other ranks' writers are already at the save's first agreement: this rank's
     // writer answers it with the failure, which every rank then throws at its next call.
     const std::string why = "copying this rank's shard to the host: " + shards::reason_of(e);
-    s->writer = std::thread([s, root, why] {
+    s->writer = std::thread([s, root, why, underway] {
       try {
         shards::agree(*s->comm, root, "creating the checkpoint directory", why);
       } catch (const std::exception& failed) {
@@ -91,9 +94,9 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
   background.scheduler = nullptr;
   background.scaler = nullptr;
   background.sampler = nullptr;
-  s->writer = std::thread([s, root, background, held = std::move(copy)] {
+  s->writer = std::thread([s, root, background, held = std::move(copy), underway] {
     try {
-      s->info = shards::save(root, *s->comm, held, background);
+      s->info = shards::save(root, *s->comm, held, background, underway);
     } catch (const CommError& e) {  // a rank died, or did not answer within the timeout
       s->failure =
           std::string(e.what()) +

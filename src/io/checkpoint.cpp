@@ -6,6 +6,7 @@
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <functional>
 
 #include <fmt/format.h>
@@ -165,11 +166,13 @@ std::uint64_t little(const char* p, int n) {
 }
 
 void check_zip_crcs(const std::vector<char>& bytes, const std::string& path) {
-  const std::size_t size = bytes.size();
+  const std::uint64_t size = bytes.size();
   const char* b = bytes.data();
+  // Whether [at, at + n) lies in the file, without overflowing on values read from it.
+  const auto fits = [size](std::uint64_t at, std::uint64_t n) { return at <= size && size - at >= n; };
   if (size < 22) return;
-  std::size_t end = size - 22;  // the end-of-directory record, behind a comment of up to 64 KiB
-  const std::size_t lowest = size > 22 + 65535 ? size - 22 - 65535 : 0;
+  std::uint64_t end = size - 22;  // the end-of-directory record, behind a comment of up to 64 KiB
+  const std::uint64_t lowest = size > 22 + 65535 ? size - 22 - 65535 : 0;
   while (little(b + end, 4) != 0x06054b50) {
     if (end == lowest) return;
     --end;
@@ -177,7 +180,7 @@ void check_zip_crcs(const std::vector<char>& bytes, const std::string& path) {
   std::uint64_t entries = little(b + end + 10, 2), directory = little(b + end + 16, 4);
   if (end >= 20 && little(b + end - 20, 4) == 0x07064b50) {  // the zip64 locator
     const std::uint64_t at = little(b + end - 20 + 8, 8);
-    if (at + 56 <= size && little(b + at, 4) == 0x06064b50) {
+    if (fits(at, 56) && little(b + at, 4) == 0x06064b50) {
       entries = little(b + at + 32, 8);
       directory = little(b + at + 48, 8);
     }
@@ -189,34 +192,40 @@ void check_zip_crcs(const std::vector<char>& bytes, const std::string& path) {
   };
   std::uint64_t at = directory;
   for (std::uint64_t i = 0; i < entries; ++i) {
-    if (at + 46 > size || little(b + at, 4) != 0x02014b50) throw corrupt("its zip directory is damaged");
+    if (!fits(at, 46) || little(b + at, 4) != 0x02014b50) throw corrupt("its zip directory is damaged");
     const std::uint64_t method = little(b + at + 10, 2), crc = little(b + at + 16, 4);
     std::uint64_t stored = little(b + at + 20, 4), local = little(b + at + 42, 4);
     const std::uint64_t name_len = little(b + at + 28, 2), extra_len = little(b + at + 30, 2),
                         comment_len = little(b + at + 32, 2), uncompressed = little(b + at + 24, 4);
-    if (at + 46 + name_len + extra_len > size) throw corrupt("its zip directory is damaged");
+    if (!fits(at + 46, name_len + extra_len + comment_len)) throw corrupt("its zip directory is damaged");
     const std::string name(b + at + 46, name_len);
     // Zip64: the 64-bit values, in this order, of the fields that hold 0xFFFFFFFF.
-    for (std::uint64_t e = at + 46 + name_len; e + 4 <= at + 46 + name_len + extra_len;) {
-      const std::uint64_t id = little(b + e, 2), len = little(b + e + 2, 2);
+    const std::uint64_t extra_end = at + 46 + name_len + extra_len;
+    for (std::uint64_t e = at + 46 + name_len; e + 4 <= extra_end;) {
+      const std::uint64_t id = little(b + e, 2),
+                          len = std::min<std::uint64_t>(little(b + e + 2, 2), extra_end - e - 4);
       if (id == 0x0001) {
         std::uint64_t f = e + 4;
-        if (uncompressed == 0xFFFFFFFFu && f + 8 <= e + 4 + len) f += 8;
-        if (stored == 0xFFFFFFFFu && f + 8 <= e + 4 + len) {
+        const std::uint64_t field_end = e + 4 + len;
+        if (uncompressed == 0xFFFFFFFFu && f + 8 <= field_end) f += 8;
+        if (stored == 0xFFFFFFFFu && f + 8 <= field_end) {
           stored = little(b + f, 8);
           f += 8;
         }
-        if (local == 0xFFFFFFFFu && f + 8 <= e + 4 + len) local = little(b + f, 8);
+        if (local == 0xFFFFFFFFu && f + 8 <= field_end) local = little(b + f, 8);
       }
       e += 4 + len;
     }
     at += 46 + name_len + extra_len + comment_len;
-    if (method != 0) continue;  // only stored records are checked
-    if (local + 30 > size || little(b + local, 4) != 0x04034b50)
+    // Only stored records are checked; a CRC of 0 on a record with bytes is one written
+    // without (torch.serialization.set_crc32_options(False)).
+    if (method != 0 || (crc == 0 && stored > 0)) continue;
+    if (!fits(local, 30) || little(b + local, 4) != 0x04034b50)
       throw corrupt(fmt::format("record '{}' is not where its directory says", name));
-    const std::uint64_t data = local + 30 + little(b + local + 26, 2) + little(b + local + 28, 2);
-    if (data + stored > size) throw corrupt(fmt::format("record '{}' is cut short", name));
-    if (shards::crc32_of(b + data, stored) != crc)
+    const std::uint64_t header = 30 + little(b + local + 26, 2) + little(b + local + 28, 2);
+    if (!fits(local, header) || !fits(local + header, stored))
+      throw corrupt(fmt::format("record '{}' is cut short", name));
+    if (shards::crc32_of(b + local + header, stored) != crc)
       throw corrupt(fmt::format("record '{}' does not match its CRC-32", name));
   }
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -99,9 +100,11 @@ std::uint32_t crc32_of(const void* data, std::size_t n);
 // checkpoints; a save that ran beside another under the same root (an AsyncSaver's still
 // writing when save_sharded starts) would delete the other's files, and a load beside a
 // save could read the checkpoint the save is publishing on some ranks and the one before
-// on others. Each save registers its root (made absolute) for its whole run, in this
-// process; a save or load that finds its root registered fails on every rank alike
-// (through the agreement on its first step), saying to wait for the save in flight.
+// on others. Each save registers its root (made absolute and canonical) for its whole run,
+// in this process, from the moment it is asked for (an AsyncSaver registers on the
+// training thread, before save() returns); a save or load that finds its root registered
+// on any rank fails on every rank alike, before anything is written or read, saying to wait
+// for the save in flight.
 class SaveUnderway {
  public:
   explicit SaveUnderway(const std::string& root);  // registers it, unless already there
@@ -126,8 +129,10 @@ std::string reason_of(const std::exception& e);
 void agree(Communicator& comm, const std::string& path, const std::string& what, const std::string& failure);
 
 // Writes `h` as step options.step under `root` (shard_save.cpp; Note [Checkpoint directories]).
-CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& h,
-                    const SaveOptions& options);
+// `underway`: the root's registration, made by the caller when the save was asked for (an
+// AsyncSaver's, on the training thread); registered here when null.
+CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& h, const SaveOptions& options,
+                    std::shared_ptr<const SaveUnderway> underway = nullptr);
 
 // Opens the checkpoint at `path`, asks `hold` what this rank holds, checks names and
 // shapes, reads it and calls `finish`; a failure on any rank fails all (shard_load.cpp).

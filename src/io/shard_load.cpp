@@ -337,17 +337,22 @@ CheckpointInfo load(const std::string& path, Communicator& comm,
   // the sampler's position) is restored only once every rank has read its values. The
   // error says so: load another checkpoint, or build the model afresh.
   std::string failure;
+  // Note [One save at a time under a root]: agreed before any rank reads, so that a save in
+  // flight seen by one rank stops every rank with its values untouched.
+  std::string trimmed = path;
+  while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
+  const std::string parent = std::filesystem::path(trimmed).parent_path().string();
+  if (SaveUnderway::under(trimmed) || (!parent.empty() && SaveUnderway::under(parent))) {
+    failure = fmt::format(
+        "a save under '{}' is still in flight in this process (an AsyncSaver's?): wait for it "
+        "(AsyncSaver::wait) before loading",
+        path);
+  }
+  agree(comm, path, "loading", failure);
   CheckpointInfo info;
   std::optional<Checkpoint> c;
   bool reading = false;
   try {
-    const std::string parent = std::filesystem::path(path).lexically_normal().parent_path().string();
-    if (SaveUnderway::under(path) || (!parent.empty() && SaveUnderway::under(parent))) {
-      fail(path,
-           fmt::format("a save under '{}' is still in flight in this process (an AsyncSaver's?): wait for "
-                       "it (AsyncSaver::wait) before loading (Note [One save at a time under a root])",
-                       path));
-    }
     c = open_checkpoint(path);
     auto h = hold(*c);
     check_names_and_shapes(*c, h);

@@ -146,10 +146,15 @@ std::set<std::string>& underway() {
   static std::set<std::string> roots;
   return roots;
 }
+// One name for one directory: absolute, symbolic links resolved where they exist, no
+// trailing separator.
 std::string absolute_root(const std::string& root) {
-  std::error_code ignored;
-  const auto a = std::filesystem::absolute(root, ignored);
-  return (ignored ? std::filesystem::path(root) : a).lexically_normal().string();
+  std::error_code failed;
+  std::filesystem::path p = std::filesystem::weakly_canonical(root, failed);
+  if (failed) p = std::filesystem::path(root).lexically_normal();
+  std::string out = p.string();
+  while (out.size() > 1 && out.back() == '/') out.pop_back();
+  return out;
 }
 }  // namespace
 
@@ -197,10 +202,11 @@ void stage_on_host(std::vector<Piece>& pieces) {
 
 std::vector<Piece> pieces_to_write(const Holding& h, int rank) {
   std::vector<Piece> out;
+  std::set<std::string> empty_written;  // a span may be listed in several segments
   for (const auto& seg : h.segments) {
     for (const auto& span : seg.spans) {
       if (span.numel == 0) {  // no rank's range holds it: rank 0 writes its one empty piece
-        if (rank == 0 && seg.values.defined())
+        if (rank == 0 && seg.values.defined() && empty_written.insert(span.key).second)
           out.push_back({span.key, seg.kind, span.shape, seg.values.narrow(0, 0, 0).contiguous(), 0});
         continue;
       }
@@ -325,16 +331,17 @@ bool swap_dirs(const std::string& a, const std::string& b) {
 // the new run replaces the old one of its step, and once its step is the highest again,
 // keep_last prunes as before. A checkpoint of the run left behind whose step the new run
 // never saves (it saves at other intervals) is pruned then by its step like any other.
-CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& h,
-                    const SaveOptions& options) {
+CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& h, const SaveOptions& options,
+                    std::shared_ptr<const SaveUnderway> underway) {
   const int rank = comm.rank(), n = comm.world_size();
   const std::string name = step_dir_name(options.step);
   const std::string tmp = fmt::format("{}/.{}.tmp", root, name);
   const std::string final_dir = root + "/" + name;
-  const SaveUnderway underway(root);  // Note [One save at a time under a root]
+  if (!underway)
+    underway = std::make_shared<const SaveUnderway>(root);  // Note [One save at a time under a root]
   if (options.on_stage) options.on_stage(SaveStage::Copied);
   std::string failure;
-  if (underway.clashes()) {
+  if (underway->clashes()) {
     failure = fmt::format(
         "another save under '{}' is still in flight in this process (an AsyncSaver's?): wait "
         "for it (AsyncSaver::wait) before saving again",

@@ -303,6 +303,17 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
                  const Regroup& regroup = {}) {
   const int port = o.master_port != 0 ? o.master_port : free_port();  // a fresh one each start
   std::vector<Rank> ranks(o.nproc_per_node);
+  // An exited rank is left a zombie until the start ends: its pid, and so its process
+  // group's id, cannot be taken by another process meanwhile, so that signalling the group
+  // of an exited rank reaches only what that rank left running.
+  struct Reaper {
+    std::vector<Rank>& ranks;
+    ~Reaper() {
+      for (const Rank& r : ranks) {
+        if (r.pid > 0 && r.exited) ::waitpid(r.pid, nullptr, 0);
+      }
+    }
+  } reaper{ranks};
   for (int i = 0; i < o.nproc_per_node; ++i) {
     // Out of descriptors, processes or memory: the ranks already started stop, and are
     // reaped, before the launcher reports it (a pid of -1 would signal every process it may
@@ -355,8 +366,8 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
 
   // Each rank leads its own process group: signal the group, so that programs the
   // rank started (a shell's children) stop with it, also the group of a rank that has
-  // exited and left children behind (its id is not reused while they live; where none
-  // is left, kill fails with ESRCH).
+  // exited and left children behind (its zombie keeps the id; where no child is left, the
+  // signal reaches nothing).
   auto signal_all = [&](int sig) {
     for (auto& r : ranks) ::kill(-r.pid, sig);
   };
@@ -409,17 +420,18 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
     }
     for (auto& r : ranks) {
       if (r.exited) continue;
-      int status = 0;
-      if (::waitpid(r.pid, &status, WNOHANG) != r.pid) continue;
+      siginfo_t info{};  // left a zombie (WNOWAIT): the reaper below takes it when the start ends
+      if (::waitid(P_PID, static_cast<id_t>(r.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 ||
+          info.si_pid != r.pid)
+        continue;
       r.exited = true;
-      r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      r.signaled = !WIFEXITED(status);
+      r.signaled = info.si_code != CLD_EXITED;
+      r.code = r.signaled ? 128 + info.si_status : info.si_status;
       if (r.code != 0 && first_failure < 0 && stop_signal == 0) {
         first_failure = static_cast<int>(&r - ranks.data());
         failed_at = Clock::now();
         fmt::print(stderr, "flatshard-run: rank {} {} {}; the other ranks get {:.1f} s to exit\n", r.index,
-                   WIFEXITED(status) ? "exited with code" : "was killed by signal",
-                   WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), o.grace_s);
+                   r.signaled ? "was killed by signal" : "exited with code", info.si_status, o.grace_s);
         std::fflush(stderr);
       }
     }

@@ -157,7 +157,8 @@ std::vector<Channel> connect_ring(const World& world, const CommunicatorOptions&
                     "(the route toward "
                     "MASTER_ADDR {}): set FLATSHARD_SOCKET_ADDR to this machine's address that the other "
                     "machines reach, or "
-                    "MASTER_ADDR to rank 0's IP address",
+                    "MASTER_ADDR to rank 0's IP address (nodes simulated on this one machine: "
+                    "FLATSHARD_SOCKET_ADDR=127.0.0.1)",
                     host, world.spec.master_addr));
   }
   // A ring reached over loopback (a job on one machine) listens on loopback only: no other

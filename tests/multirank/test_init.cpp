@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -331,13 +332,37 @@ TEST(Rendezvous, AOneMachineJobServesItsStoreOnLoopbackOnly) {
 // such (nodes simulated on one machine, as Launchers.TwoNodesOfFlatshardRunMakeOneWorld
 // does) is taken.
 TEST(Rendezvous, ALoopbackMasterOfAJobAcrossMachinesIsRefused) {
-  const std::map<std::string, std::string> vars = {{"RANK", "0"},
-                                                   {"WORLD_SIZE", "2"},
-                                                   {"LOCAL_WORLD_SIZE", "1"},
-                                                   {"MASTER_ADDR", "127.1"},
-                                                   {"MASTER_PORT", "29517"},
-                                                   {"FLATSHARD_JOB_SECRET", "s"}};
-  for (const auto& [name, value] : vars) ::setenv(name.c_str(), value.c_str(), 1);
+  // These variables only, for this test's run: what a launcher around the test set is
+  // cleared, and all of it restored after, whatever the test's outcome.
+  struct Environment {
+    std::map<std::string, std::optional<std::string>> saved;
+    explicit Environment(const std::map<std::string, std::string>& vars) {
+      for (const char* name :
+           {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "GROUP_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE", "SLURM_NNODES", "SLURM_JOB_NUM_NODES",
+            "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE", "FLATSHARD_INIT_METHOD", "FLATSHARD_JOB_SECRET"}) {
+        const char* v = std::getenv(name);
+        saved[name] = v ? std::optional<std::string>(v) : std::nullopt;
+        ::unsetenv(name);
+      }
+      for (const auto& [name, value] : vars) ::setenv(name.c_str(), value.c_str(), 1);
+    }
+    ~Environment() {
+      for (const auto& [name, value] : saved) {
+        if (value) {
+          ::setenv(name.c_str(), value->c_str(), 1);
+        } else {
+          ::unsetenv(name.c_str());
+        }
+      }
+    }
+  } environment({{"RANK", "0"},
+                 {"WORLD_SIZE", "2"},
+                 {"LOCAL_WORLD_SIZE", "1"},
+                 {"MASTER_ADDR", "127.1"},
+                 {"MASTER_PORT", "29517"},
+                 {"FLATSHARD_JOB_SECRET", "s"}});
   const auto start = std::chrono::steady_clock::now();
   try {
     flatshard::InitOptions o;
@@ -348,7 +373,6 @@ TEST(Rendezvous, ALoopbackMasterOfAJobAcrossMachinesIsRefused) {
     EXPECT_NE(std::string(e.what()).find("set MASTER_ADDR"), std::string::npos) << e.what();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
-  for (const auto& [name, value] : vars) ::unsetenv(name.c_str());
 }
 
 // A job whose launcher says it runs on one machine (here flatshard-run: LOCAL_WORLD_SIZE
