@@ -201,12 +201,15 @@ TEST(Collectives, StreamsRunConcurrently) {
 }
 
 // Every op, over sizes that span several pieces, checked against its definition.
-void check_every_op(const Rank& r) {
+// `piece_numels`: fp32 sizes to add, each a number of elements per piece on some of the
+// links (Note [Direct copies]): the ranks' segments are then a piece and one element more
+// or less, differing by that element.
+void check_every_op(const Rank& r, const std::vector<std::int64_t>& piece_numels = {}) {
   for (auto dtype : {at::kFloat, at::kLong, at::kBFloat16}) {
     std::vector<std::int64_t> numels = {0, 1, 13, 65537, 3000017};
-    // fp32 segments of one piece and one element more, on socket links (512 KiB pieces)
-    // and on direct ones (4 MiB): the ranks' segments differ by that element.
-    if (dtype == at::kFloat) numels.insert(numels.end(), {r.size() * 131072 + 1, r.size() * 1048576 + 1});
+    if (dtype == at::kFloat) {
+      for (const std::int64_t piece : piece_numels) numels.push_back(r.size() * piece + 1);
+    }
     for (std::int64_t numel : numels) {
       SCOPED_TRACE(::testing::Message() << "numel " << numel << " dtype " << dtype);
       const auto slot = shard_range(numel, r.size(), r.rank());
@@ -240,7 +243,7 @@ void check_every_op(const Rank& r) {
 // (rank 1 turns it off, so the links into and out of it use the socket; at world 4 rank
 // 3's links are all direct and rank 0 has one of each).
 TEST(Collectives, DirectCopiesAndSocketsGiveTheSameResultsInAnyMix) {
-  FLATSHARD_RUN_RANKS({2, 3, 4});
+  FLATSHARD_RUN_RANKS({2, 3, 4}, std::chrono::seconds(240));
   const flatshard::World world = flatshard::init();
   const int rank = world.rank(), size = world.world_size();
   for (int mix = 0; mix < 3; ++mix) {
@@ -254,7 +257,8 @@ TEST(Collectives, DirectCopiesAndSocketsGiveTheSameResultsInAnyMix) {
     const bool expect_direct = mix == 0 || (mix == 2 && rank != 1 && prev != 1);
     EXPECT_EQ(r.comm->copies_directly(), expect_direct)
         << "(all direct: the kernel refused process_vm_readv between these ranks)";
-    check_every_op(r);
+    // fp32 pieces: 512 KiB on socket links, 4 MiB on direct ones.
+    check_every_op(r, mix == 0 ? std::vector<std::int64_t>{1048576} : std::vector<std::int64_t>{131072});
   }
 }
 
