@@ -741,15 +741,23 @@ void expect_same_state(const std::map<std::string, at::Tensor>& host,
 }
 
 // Bucket 0 of `grad` (its parameters laid out as `params` say) reduced by `hook` over `comm`,
-// waited for and finished as the engine does; the result on the host, in fp32.
+// waited for and finished as the engine does; the result on the host, in fp32. With
+// `finish_elsewhere` (a GPU bucket) the waits and the finish run with another stream current,
+// behind a busy kernel on the first (Note [A hook's two halves on a device]).
 at::Tensor reduce_bucket(flatshard::CommHook& hook, flatshard::Communicator& comm, const at::Tensor& grad,
-                         int step, const std::vector<flatshard::GradBucket::Param>& params = {}) {
+                         int step, const std::vector<flatshard::GradBucket::Param>& params = {},
+                         bool finish_elsewhere = false) {
   flatshard::GradBucket bucket;
   bucket.index = 0;
   bucket.step = step;
   bucket.buffer = grad.clone();
   bucket.params = params;
   auto work = hook.reduce(comm, bucket);
+  std::optional<c10::cuda::CUDAStreamGuard> elsewhere;
+  if (finish_elsewhere) {
+    at::cuda::sleep(20 * 1000 * 1000);  // the first stream still busy when the other goes on
+    elsewhere.emplace(c10::cuda::getStreamFromPool());
+  }
   for (auto& w : work.works) w.wait();
   if (work.finish) work.finish();
   return bucket.buffer.cpu().to(at::kFloat);
@@ -757,10 +765,11 @@ at::Tensor reduce_bucket(flatshard::CommHook& hook, flatshard::Communicator& com
 
 // Note [A hook's two halves on a device]: the 8-bit, top-k and random-k hooks on the GPU
 // give what they give on the host, bucket for bucket (fp32 and bf16 buckets, error feedback
-// carried over three steps, a bucket whose length no chunk divides), at worlds 1 and up;
-// their residuals stay on the GPU. Bit for bit is not asked: the device divides by a scalar
-// as a product with its reciprocal. top-k runs on fp32 buckets only: bf16's values tie at
-// the k-th magnitude, where the host's select and the device's at::topk choose their own.
+// carried over three steps, a bucket whose length no chunk divides, the last step finished
+// with another stream current), at worlds 1 and up; their residuals stay on the GPU. Bit
+// for bit is not asked: random-k's all-reduce sums in NCCL's order over NCCL. top-k runs on
+// fp32 buckets only: bf16's values tie at the k-th magnitude, where the host's select and
+// the device's at::topk choose their own.
 TEST(CudaHooks, CompressingHooksOnTheGpuMatchTheHost) {
   REQUIRE_GPU();
   FLATSHARD_RUN_RANKS(gpu_worlds({1, 2}), std::chrono::seconds(240));
@@ -778,7 +787,7 @@ TEST(CudaHooks, CompressingHooksOnTheGpuMatchTheHost) {
         auto g = at::make_generator<at::CPUGeneratorImpl>(700 + 10 * step + world.rank());
         const auto grad = at::randn({numel}, g).to(dtype);
         const auto a = reduce_bucket(*on_host, *host, grad, step);
-        const auto b = reduce_bucket(*on_gpu, *gpu, grad.to(kGpu), step);
+        const auto b = reduce_bucket(*on_gpu, *gpu, grad.to(kGpu), step, {}, /*finish_elsewhere=*/step == 2);
         EXPECT_TRUE(at::allclose(a, b, 1e-5, 1e-5))
             << "step " << step << ": max diff " << (a - b).abs().max().item<double>();
         EXPECT_GT(a.count_nonzero().item<std::int64_t>(), 0);

@@ -645,8 +645,9 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
       if (s == overflow_step) before = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
       const bool stepped = scaler.step(opt);
       EXPECT_EQ(stepped, s != overflow_step) << "step " << s;
-      // A second step before update() would step gradients it never unscaled.
-      if (s == 0) EXPECT_THROW(scaler.step(opt), flatshard::InvalidArgument);
+      // A second step before update() would step gradients it never unscaled (or, after a
+      // skipped step, scaled ones).
+      if (s == 0 || s == overflow_step) EXPECT_THROW(scaler.step(opt), flatshard::InvalidArgument);
       scaler.update();
       opt.zero_grad();
       EXPECT_EQ(scaler.scale(), ref_scales[s]) << "step " << s;
