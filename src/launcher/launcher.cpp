@@ -318,7 +318,7 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
     // Out of descriptors, processes or memory: the ranks already started stop, and are
     // reaped, before the launcher reports it (a pid of -1 would signal every process it may
     // signal).
-    const auto give_up = [&](const char* what, int err) {
+    const auto give_up = [&](const char* what, int err, const char* short_of) {
       for (int k = 0; k < i; ++k) {
         ::kill(-ranks[k].pid, SIGKILL);
         ::waitpid(ranks[k].pid, nullptr, 0);
@@ -326,8 +326,7 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
         ::close(ranks[k].err_fd);
       }
       std::fprintf(stderr, "flatshard-run: cannot start local rank %d: %s: %s (out of %s)\n", i, what,
-                   std::strerror(err),
-                   std::string(what) == "fork" ? "processes or memory" : "file descriptors or memory");
+                   std::strerror(err), short_of);
       return Outcome{1};
     };
     int out_fd[2] = {-1, -1}, err_fd[2] = {-1, -1};
@@ -336,7 +335,7 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
       for (int fd : {out_fd[0], out_fd[1], err_fd[0], err_fd[1]}) {
         if (fd >= 0) ::close(fd);
       }
-      return give_up("pipe", err);
+      return give_up("pipe", err, "file descriptors or memory");
     }
     ranks[i].index = o.node_rank * o.nproc_per_node + i;
     ranks[i].pid = spawn(o, i, port, restart, out_fd, err_fd);
@@ -346,7 +345,7 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
         ::close(out_fd[k]);
         ::close(err_fd[k]);
       }
-      return give_up("fork", err);
+      return give_up("fork", err, "processes or memory");
     }
     ::close(out_fd[1]);
     ::close(err_fd[1]);
