@@ -184,12 +184,23 @@ std::vector<std::int64_t> DistributedSampler::next() {
   const auto& o = order();
   std::vector<std::int64_t> mine(o.begin() + consumed_ + begin, o.begin() + consumed_ + end);
   consumed_ += batch;
+  restored_ = false;
   return mine;
 }
 
 void DistributedSampler::set_epoch(std::int64_t epoch) {
   if (epoch < 0)
     throw InvalidArgument(fmt::format("DistributedSampler::set_epoch: epoch {} is negative", epoch));
+  // Note [set_epoch after restore]: a training loop written as PyTorch's are,
+  //   for (epoch = start; ...; ++epoch) { sampler.set_epoch(epoch); while (!epoch_done()) ... }
+  // calls set_epoch with the restored epoch right after a checkpoint restored the sampler.
+  // Starting that epoch over would train again on every sample the saved run had already
+  // seen in it; so the first set_epoch after restore(), naming the restored epoch, keeps the
+  // position. Another epoch, or any call once a batch has been dealt, starts from the
+  // beginning as always.
+  const bool keep = restored_ && epoch == epoch_;
+  restored_ = false;
+  if (keep) return;
   epoch_ = epoch;
   consumed_ = 0;
 }
@@ -214,6 +225,7 @@ void DistributedSampler::restore(const State& s) {
   }
   epoch_ = s.epoch;
   consumed_ = s.consumed;
+  restored_ = true;
 }
 
 }  // namespace flatshard::data

@@ -190,6 +190,55 @@ TEST(Sampler, ResumesAtTheSameOrAnotherWorldSize) {
   EXPECT_THROW(s.set_epoch(-1), flatshard::InvalidArgument);
 }
 
+// A loop that calls set_epoch at the top of every epoch, as PyTorch's do, resumes where the
+// checkpoint was saved (Note [set_epoch after restore]); set_epoch otherwise starts over.
+TEST(Sampler, SetEpochRightAfterRestoreKeepsThePosition) {
+  SamplerOptions o;
+  o.batch_size = 2;
+  o.seed = 4;
+  auto run_from = [&](DistributedSampler& s, std::int64_t first_epoch) {
+    std::vector<std::vector<std::int64_t>> seen;
+    for (std::int64_t epoch = first_epoch; epoch < 3; ++epoch) {
+      s.set_epoch(epoch);
+      while (!s.epoch_done()) seen.push_back(s.next());
+    }
+    return seen;
+  };
+  DistributedSampler whole(20, 1, 2, o);
+  const auto uninterrupted = run_from(whole, 0);
+  ASSERT_EQ(uninterrupted.size(), 15u);  // 5 global batches an epoch, 3 epochs
+
+  DistributedSampler saved(20, 1, 2, o);
+  saved.set_epoch(1);
+  std::vector<std::vector<std::int64_t>> before(uninterrupted.begin(), uninterrupted.begin() + 5);
+  for (int i = 0; i < 2; ++i) before.push_back(saved.next());  // 2 batches into epoch 1
+  DistributedSampler resumed(20, 1, 2, o);
+  resumed.restore(saved.state());
+  auto after = run_from(resumed, resumed.epoch());
+  before.insert(before.end(), after.begin(), after.end());
+  EXPECT_EQ(before, uninterrupted) << "no batch of the restored epoch is seen twice or skipped";
+
+  // Once a batch has been dealt, or for another epoch, set_epoch starts from the beginning.
+  DistributedSampler again(20, 1, 2, o);
+  again.restore(saved.state());
+  const auto third = again.next();
+  EXPECT_EQ(third, uninterrupted[7]);
+  again.set_epoch(1);
+  EXPECT_EQ(again.consumed(), 0);
+  EXPECT_EQ(again.next(), uninterrupted[5]);
+  DistributedSampler other(20, 1, 2, o);
+  other.restore(saved.state());
+  other.set_epoch(2);
+  EXPECT_EQ(other.next(), uninterrupted[10]);
+  // Only the first set_epoch after restore() keeps the position.
+  DistributedSampler twice(20, 1, 2, o);
+  twice.restore(saved.state());
+  twice.set_epoch(1);
+  EXPECT_EQ(twice.consumed(), 8);
+  twice.set_epoch(1);
+  EXPECT_EQ(twice.consumed(), 0);
+}
+
 TEST(TokenData, ReadsRawAndLlmcFilesIntoSamples) {
   const std::string raw = temp_file("tokens_u16");
   std::vector<std::uint16_t> tokens(101);
