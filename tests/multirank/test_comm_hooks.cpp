@@ -375,13 +375,31 @@ std::vector<at::Tensor> train(const flatshard::World& world, Strategy strategy,
   return out;
 }
 
+// Counts the buckets a hook is handed: a wrapper that ignored register_comm_hook would train
+// as if it had none, which a hook that averages plainly cannot show.
+class CountingHook final : public CommHook {
+ public:
+  explicit CountingHook(std::shared_ptr<CommHook> inner) : inner(std::move(inner)) {}
+  std::string describe() const override { return "counting " + inner->describe(); }
+  flatshard::HookWork reduce(flatshard::Communicator& comm, const GradBucket& bucket) override {
+    ++calls;
+    return inner->reduce(comm, bucket);
+  }
+  std::map<std::string, at::Tensor> state() const override { return inner->state(); }
+  void load_state(const std::map<std::string, at::Tensor>& state) override { inner->load_state(state); }
+  std::shared_ptr<CommHook> inner;
+  int calls = 0;
+};
+
 TEST(CommHooks, PlainHookTrainsBitForBitAsNoHook) {
   FLATSHARD_RUN_RANKS({2, 3}, std::chrono::seconds(120));
   auto world = flatshard::init();
   for (Strategy strategy : {Strategy::NoShard, Strategy::ShardOptimizerState}) {
     SCOPED_TRACE(to_string(strategy));
     const auto none = train(world, strategy, nullptr, 3);
-    const auto plain = train(world, strategy, hooks::all_reduce(), 3);
+    auto counting = std::make_shared<CountingHook>(hooks::all_reduce());
+    const auto plain = train(world, strategy, counting, 3);
+    EXPECT_GE(counting->calls, 3 * 2) << "every step hands the hook several buckets";
     ASSERT_EQ(none.size(), plain.size());
     for (std::size_t i = 0; i < none.size(); ++i) EXPECT_TRUE(at::equal(none[i], plain[i]));
   }
@@ -401,11 +419,19 @@ TEST(CommHooks, EveryHookTrainsAndKeepsTheReplicasIdentical) {
       {"random 10%", hooks::random_k({0.1, true, 1})},
       {"PowerSGD rank 2", hooks::power_sgd({2, 2})}};
   for (Strategy strategy : {Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    const auto none = train(world, strategy, nullptr, 8);
     for (const auto& [name, hook] : all) {
       SCOPED_TRACE(::testing::Message() << to_string(strategy) << " " << name);
       std::vector<double> losses;
-      const auto shards = train(world, strategy, hook, 8, &losses);
+      auto counting = std::make_shared<CountingHook>(hook);
+      const auto shards = train(world, strategy, counting, 8, &losses);
+      EXPECT_GE(counting->calls, 8 * 2) << "every step hands the hook several buckets";
       EXPECT_LT(losses[6] + losses[7], losses[0] + losses[1]) << "the loss did not fall";
+      // Every one of these loses something on the wire: what it trains is not the plain average's.
+      ASSERT_EQ(shards.size(), none.size());
+      bool differs = false;
+      for (std::size_t i = 0; i < shards.size(); ++i) differs = differs || !at::equal(shards[i], none[i]);
+      EXPECT_TRUE(differs) << "the hook changed nothing: it did not reduce";
       if (strategy == Strategy::NoShard) {
         for (const auto& s : shards) {
           auto mine = s.clone(), other = s.clone();

@@ -115,13 +115,14 @@ TEST(FullyShard, AccumulationClippingAndUnusedUnit) {
     {
       TrainSpec spec;
       spec.strategy = strategy;
-      spec.optimizer = OptKind::AdamW;
+      spec.optimizer = OptKind::PlainSGD;  // moves in proportion to a wrongly scaled gradient
       spec.global_batch = 24;
       spec.micro_batches = 2;
       const auto r = train_and_compare<GPT>(
           world, gpt_factory(), [&](int s) { return gpt_batch(s, 24); }, token_loss, spec);
       EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << name << " accumulation: " << r.worst_param;
       EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance) << name << " accumulation";
+      expect_no_sync_sends_no_reduction(r, spec, world.world_size());
     }
     {
       TrainSpec spec;
@@ -1130,6 +1131,7 @@ TEST(FullyShard, PartlyFrozenUnitsWaitForTheForwardEachBackwardReaches) {
         world, make, [&](int s) { return stack_batch(7100 + s, spec.global_batch, 16); }, mse, spec);
     EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
     EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance);
+    if (!reduce_every) expect_no_sync_sends_no_reduction(r, spec, world.world_size());
   }
 }
 

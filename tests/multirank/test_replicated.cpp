@@ -64,14 +64,17 @@ TEST(Replicated, AccumulationClippingUnusedAndMixedPrecision) {
   };
   for (Strategy strategy : kReplicated) {
     const char* name = to_string(strategy);
-    {  // no_sync accumulation over two micro-batches
+    {  // no_sync accumulation over two micro-batches; plain SGD, which a gradient scaled by a
+       // wrong divisor moves in proportion (AdamW would not see it)
       TrainSpec spec;
       spec.strategy = strategy;
-      spec.optimizer = OptKind::AdamW;
+      spec.optimizer = OptKind::PlainSGD;
       spec.global_batch = 24;
       spec.micro_batches = 2;
       const auto r = gpt(spec, 24);
       EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << name << " accumulation " << r.worst_param;
+      EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance) << name << " accumulation";
+      expect_no_sync_sends_no_reduction(r, spec, world.world_size());
     }
     {  // clipping
       TrainSpec spec;

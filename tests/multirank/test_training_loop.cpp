@@ -298,6 +298,17 @@ void arm_tripwire(torch::nn::Module& model, const bool& armed) {
   });
 }
 
+// Runs `f`, which must fail by the tripwire's throw, not for another reason.
+template <typename F>
+void expect_tripwire(F&& f) {
+  try {
+    f();
+    ADD_FAILURE() << "the backward did not fail";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("tripwire"), std::string::npos) << "failed otherwise: " << e.what();
+  }
+}
+
 // Note [A backward that failed]: a backward that throws midway (here a hook on the first
 // block's weight, after the later units' reductions were issued) is abandoned by the next
 // forward, which finds the backward still active: its gradients are dropped, its units
@@ -324,7 +335,8 @@ TEST(FailedBackward, TrainingGoesOnFromTheSameWeights) {
     const auto fail_once = [&](int seed) {
       const auto b = gpt_batch(100 + seed, rows);
       armed = true;
-      EXPECT_THROW(token_loss(fsdp.forward(mine(b.input)), mine(b.target)).backward(), std::exception);
+      auto loss = token_loss(fsdp.forward(mine(b.input)), mine(b.target));
+      expect_tripwire([&] { loss.backward(); });
       armed = false;
     };
     for (int s = 0; s < steps; ++s) {
@@ -371,7 +383,7 @@ TEST(FailedBackward, AKeptGraphsBackwardAbandonsItAndStepsRefusePartialGradients
     auto first = token_loss(fsdp.forward(mine(failed.input)), mine(failed.target));
     auto second = token_loss(fsdp.forward(mine(kept.input)), mine(kept.target));
     armed = true;
-    EXPECT_THROW(first.backward(), std::exception);
+    expect_tripwire([&] { first.backward(); });
     armed = false;
     EXPECT_TRUE(fsdp.backward_failed());
     EXPECT_THROW(opt.step(), flatshard::InvalidArgument);
@@ -588,7 +600,7 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
                               torch::optim::AdamWOptions(ao.lr).weight_decay(ao.weight_decay));
   double ref_scale = so.init_scale;
   int ref_clean = 0;
-  std::vector<double> ref_scales;
+  std::vector<double> ref_scales, ref_norms;  // the scale after each step; its unscaled gradients' norm
   for (int s = 0; s < steps; ++s) {
     {
       torch::NoGradGuard ng;
@@ -604,10 +616,13 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
     bool finite = true;
     auto hp = half->parameters();
     auto rp = ref->parameters();
+    double norm_sq = 0;
     for (std::size_t k = 0; k < hp.size(); ++k) {
       rp[k].mutable_grad() = hp[k].grad().to(at::kFloat) * (1.0 / ref_scale);
       finite = finite && at::isfinite(rp[k].grad()).all().item<bool>();
+      norm_sq += rp[k].grad().to(at::kDouble).pow(2).sum().item<double>();
     }
+    ref_norms.push_back(std::sqrt(norm_sq));
     if (finite) ref_opt.step();
     if (!finite) {
       ref_scale *= so.backoff_factor;
@@ -643,7 +658,21 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
       if (s == overflow_step && world.rank() == n - 1) loss = loss * std::numeric_limits<float>::infinity();
       scaler.scale(loss).backward();
       if (s == overflow_step) before = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
+      // The unscaled gradients' norm is the reference's (a bound no norm reaches: nothing is
+      // clipped): unscaled by an explicit unscale() on even steps, by step() itself on odd
+      // ones. A scale left in, or divided out twice, is off by a factor of 1024 or more;
+      // fp16 rounding apart moves it by about 1e-3.
+      const auto expect_unscaled = [&] {
+        if (s == overflow_step) return;
+        const double norm = fsdp.clip_grad_norm(1e30);
+        EXPECT_NEAR(norm, ref_norms[s], 1e-2 * ref_norms[s]) << "step " << s;
+      };
+      if (s % 2 == 0) {
+        scaler.unscale(opt);
+        expect_unscaled();
+      }
       const bool stepped = scaler.step(opt);
+      if (s % 2 == 1) expect_unscaled();
       EXPECT_EQ(stepped, s != overflow_step) << "step " << s;
       // A second step before update() would step gradients it never unscaled (or, after a
       // skipped step, scaled ones).

@@ -107,6 +107,14 @@ struct TrainResult {
   double max_elementwise_diff = 0;
   double max_rel_loss_diff = 0;
   double max_grad_norm = 0;  // largest norm clip_grad_norm returned
+  // Bytes the wrapper sent during each backward (FullyShardBase::bytes_sent): the most any
+  // backward under no_sync sent (no reduction: 0, but FullShard's re-gathers), how many such
+  // backwards ran, and the least any other backward sent (-1: none ran).
+  std::int64_t no_sync_backward_bytes = 0;
+  int no_sync_backwards = 0;
+  std::int64_t synced_backward_bytes = -1;
+  // The least MemoryStats::unsharded_grad_bytes after a backward under no_sync (-1: none ran).
+  std::int64_t no_sync_unsharded_grad_bytes = -1;
   int peak_gathered_units = 0;
   std::int64_t peak_unsharded_param_bytes = 0;
   std::int64_t largest_unit_bytes = 0;  // the largest non-root unit's flat buffer
@@ -116,6 +124,12 @@ struct TrainResult {
   c10::Device shard_device{c10::kCPU};  // where FullyShard's master shards live
   bool shards_pinned = false;
 };
+
+// Gradient accumulation under no_sync: at least one backward ran under it, and none sent a
+// reduction. Strategies that free the parameters after forward (FullShard, HybridShard)
+// gather them again in backward, so theirs sent less than any synced backward; the others'
+// sent nothing. Over one rank nothing is sent at all, so only the count is checked there.
+void expect_no_sync_sends_no_reduction(const TrainResult& r, const TrainSpec& spec, int world_size);
 
 // make(): builds the model (same seed -> same weights each call);
 // batch(step): the global batch of a step; loss(output, target).

@@ -131,6 +131,27 @@ inline ShardedOptimizer sharded_optimizer(OptKind k, FullyShardBase& fsdp, bool 
 // Compares the trained weights of `model` with `reference`.
 // The larger of two differences, NaN if either is: a NaN difference (a weight or a loss
 // that became NaN) must fail the comparison, where std::max would drop it.
+inline void expect_no_sync_sends_no_reduction(const TrainResult& r, const TrainSpec& spec, int world_size) {
+  EXPECT_GT(r.no_sync_backwards, 0) << "no backward ran under no_sync";
+  if (world_size == 1) return;
+  const auto regathers = [](const TrainSpec& t) {
+    return t.strategy == Strategy::FullShard || t.strategy == Strategy::HybridShard;
+  };
+  const auto shards = [](const TrainSpec& t) {
+    return t.strategy != Strategy::NoShard && t.strategy != Strategy::ShardOptimizerState;
+  };
+  // The sharded strategies keep the unsharded gradients that no_sync accumulates; a
+  // reduce-scatter would have freed them.
+  if (shards(spec) && (!spec.resume_as || shards(*spec.resume_as)))
+    EXPECT_GT(r.no_sync_unsharded_grad_bytes, 0) << "no_sync left no unsharded gradient to accumulate into";
+  if (regathers(spec) || (spec.resume_as && regathers(*spec.resume_as))) {
+    EXPECT_LT(r.no_sync_backward_bytes, r.synced_backward_bytes)
+        << "a backward under no_sync sent as much as a synced one: it reduced";
+  } else {
+    EXPECT_EQ(r.no_sync_backward_bytes, 0) << "a backward under no_sync sent bytes";
+  }
+}
+
 inline double worse(double so_far, double x) {
   return std::isnan(so_far) || std::isnan(x) ? NAN : std::max(so_far, x);
 }
@@ -187,10 +208,12 @@ void expect_adamw_state_matches(const std::map<std::string, at::Tensor>& state, 
 // What differs between the distributed modes in a training step.
 struct DistributedSide {
   std::function<at::Tensor(const at::Tensor&)> forward;
-  std::function<std::shared_ptr<void>()> no_sync;  // a guard for all but the last micro-batch
-  std::function<double(double)> clip;              // clip to the bound; returns the norm
-  std::function<void()> step;                      // optimizer step and zero_grad
-  Communicator* comm = nullptr;                    // to average the ranks' losses
+  std::function<std::shared_ptr<void>()> no_sync;      // a guard for all but the last micro-batch
+  std::function<double(double)> clip;                  // clip to the bound; returns the norm
+  std::function<void()> step;                          // optimizer step and zero_grad
+  Communicator* comm = nullptr;                        // to average the ranks' losses
+  std::function<std::uint64_t()> bytes_sent;           // what the wrapper's communicators sent
+  std::function<std::int64_t()> unsharded_grad_bytes;  // MemoryStats::unsharded_grad_bytes
 };
 
 // Steps [first_step, end_step) of single-process training on the global batch (reference)
@@ -243,6 +266,24 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
                                   " rows does not split over " + std::to_string(n) + " ranks");
     }
     const std::int64_t local = micro_rows / n;
+    // What each backward sent, under no_sync or not (TrainResult::no_sync_backward_bytes).
+    const auto counted_backward = [&](const at::Tensor& l, bool under_no_sync) {
+      const std::uint64_t before = side.bytes_sent ? side.bytes_sent() : 0;
+      l.backward();
+      if (!side.bytes_sent) return;
+      const auto sent = static_cast<std::int64_t>(side.bytes_sent() - before);
+      if (under_no_sync) {
+        result.no_sync_backwards += 1;
+        result.no_sync_backward_bytes = std::max(result.no_sync_backward_bytes, sent);
+        const std::int64_t held = side.unsharded_grad_bytes();
+        result.no_sync_unsharded_grad_bytes = result.no_sync_unsharded_grad_bytes < 0
+                                                  ? held
+                                                  : std::min(result.no_sync_unsharded_grad_bytes, held);
+      } else {
+        result.synced_backward_bytes =
+            result.synced_backward_bytes < 0 ? sent : std::min(result.synced_backward_bytes, sent);
+      }
+    };
     double my_loss = 0;
     std::vector<at::Tensor> losses;
     for (int m = 0; m < spec.micro_batches; ++m) {
@@ -257,12 +298,12 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
       }
       std::shared_ptr<void> guard = m + 1 < spec.micro_batches && side.no_sync ? side.no_sync() : nullptr;
       auto l = micro_loss();
-      l.backward();
+      counted_backward(l, guard != nullptr);
       my_loss += l.template item<double>();
     }
     for (std::size_t m = 0; m < losses.size(); ++m) {
       std::shared_ptr<void> guard = m + 1 < losses.size() && side.no_sync ? side.no_sync() : nullptr;
-      losses[m].backward();
+      counted_backward(losses[m], guard != nullptr);
       my_loss += losses[m].template item<double>();
     }
     if (spec.clip > 0) result.max_grad_norm = std::max(result.max_grad_norm, side.clip(spec.clip));
@@ -348,6 +389,8 @@ std::unique_ptr<ShardedSide<Holder>> make_sharded_side(const World& world,
     opt->zero_grad();
   };
   side.comm = &fsdp.comm();
+  side.bytes_sent = [&fsdp] { return fsdp.bytes_sent(); };
+  side.unsharded_grad_bytes = [&fsdp] { return fsdp.memory().unsharded_grad_bytes; };
   return s;
 }
 
