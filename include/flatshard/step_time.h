@@ -85,7 +85,8 @@ struct Cluster {
   double peak_flops = 0;        // the datasheet's dense peak in the compute dtype, for MFU
   double memory_bandwidth = 0;  // bytes/s of the device's memory (the optimizer step)
   Link intra;                   // within a node
-  Link inter;                   // across nodes, per device
+  Link inter;                   // across nodes, per device (a ring holding k devices of each
+                                // node sends on their k NICs at once: Note [Rings across nodes])
   // CPU offload: the link between a device and its host (bytes/s in each direction, both
   // at once; seconds per copy) and the host memory's bandwidth for one device's optimizer
   // step on the host (a host serving 8 devices that step at once gives each an eighth).
@@ -213,8 +214,13 @@ struct StepTime {
 // planner's PlanOptions::activation_bytes takes when nothing was measured.
 std::int64_t estimate_activation_bytes(const TransformerShape& model, const TimeOptions& options);
 
+// Whether shard groups of `group` consecutive ranks each lie within one node or span whole
+// nodes (a divisor or a multiple of the devices per node; any group on one node): the
+// groups the model prices (Note [Rings across nodes] in src/plan/step_time.cpp).
+bool groups_fit_nodes(const Cluster& cluster, int group);
+
 // Throws std::invalid_argument for a world the strategy cannot use (a shard group that does
-// not divide it).
+// not divide it, or that would straddle nodes).
 StepTime predict_time(const TransformerShape& model, const Cluster& cluster, const TimeOptions& options);
 
 // One strategy on a cluster: its memory per device (the planner's Plan) and its step.
@@ -226,11 +232,12 @@ struct StrategyPlan {
   bool fits = false;  // memory.peak <= device_bytes
 };
 
-// Every strategy on `cluster`, with hybrid sharding in groups of a node, two nodes, ... up
-// to half the world, and in groups of base.shard_group_size where that divides the world
-// (flatshard-plan --group): what flatshard-plan --cluster prints. `base` gives everything but the
-// strategy (the strategies that refuse its hook, staleness or decentralized training are
-// left out); activations are estimate_activation_bytes's.
+// Every strategy on `cluster`, with hybrid sharding in groups of every whole number of
+// nodes that divides the nodes (one node, two, three where there are six, ... up to half
+// the world), and in groups of base.shard_group_size where that divides the world without
+// straddling nodes (flatshard-plan --group): what flatshard-plan --cluster prints. `base` gives everything
+// but the strategy (the strategies that refuse its hook, staleness or decentralized training are left out);
+// activations are estimate_activation_bytes's.
 std::vector<StrategyPlan> plan_cluster(const TransformerShape& model, const Cluster& cluster,
                                        const TimeOptions& base, std::int64_t device_bytes);
 

@@ -26,7 +26,8 @@ int usage(const char* why) {
       "usage: flatshard-plan --cluster NODESxDEVICES [--gpu h100] [--model gpt-1b|llama3-8b|llama3-70b |\n"
       "                      --gpt LAYERS,DIM,HEADS,VOCAB,CONTEXT] [--seq S] [--batch B (sequences per\n"
       "                      device)] [--recompute none|selective|full] [--dtype bf16|fp32]\n"
-      "                      [--reduce fp32|bf16] [--prefetch P] [--device-gib G]\n"
+      "                      [--reduce fp32|bf16] [--prefetch P] [--device-gib G] [--host-gib H (offloaded:\n"
+      "                      each node's host memory, checked against what its devices' shards ask)]\n"
       "                      [--first-bucket-mb M] [--bucket-mb M] (DDP's and ZeRO-1's bucket caps\n"
       "                      in MiB of the compute dtype, as FullyShardOptions': 1 and 25)\n"
       "                      [--group G (also hybrid sharding in groups of G devices)]\n"
@@ -63,6 +64,15 @@ int usage(const char* why) {
 // A number above 0 (the whole text).
 bool positive_number(const std::string& text, double& out) { return parse_double(text, out) && out > 0; }
 
+// The largest count an option takes (sequences, tokens, devices, steps): past it the
+// figures would overflow, and no cluster has as many.
+constexpr double kMostCount = 1 << 24;
+
+// A whole number from 1 to kMostCount.
+bool count(const std::string& text, double& out) {
+  return positive_number(text, out) && out == std::floor(out) && out <= kMostCount;
+}
+
 }  // namespace
 
 int cluster_main(int argc, char** argv) {
@@ -72,6 +82,7 @@ int cluster_main(int argc, char** argv) {
   base.sequences = 4;
   base.sequence_length = 1024;
   double device_gib = 80;
+  double host_gib = 0;  // offloaded: each node's host memory (0: not checked)
   double tflops = 0, intra = 0, intra_us = -1, inter = 0, inter_us = -1, intra_ar = 0, inter_ar = 0,
          memory_gbs = 0, calibrate_ms = 0;
   double pcie = 0, host_gbs = 0, collective_share = -1, beside = 0, beside_us = -1;
@@ -89,8 +100,11 @@ int cluster_main(int argc, char** argv) {
     };
     if (a == "--cluster") {
       if (std::sscanf(v.c_str(), "%dx%d", &nodes, &per_node) != 2 || nodes < 1 || per_node < 1 ||
-          v != fmt::format("{}x{}", nodes, per_node))
-        return usage(fmt::format("--cluster takes NODESxDEVICES (e.g. 16x8), got '{}'", v).c_str());
+          v != fmt::format("{}x{}", nodes, per_node) || static_cast<double>(nodes) * per_node > kMostCount)
+        return usage(
+            fmt::format("--cluster takes NODESxDEVICES (e.g. 16x8, at most {:.0f} devices), got '{}'",
+                        kMostCount, v)
+                .c_str());
     } else if (a == "--gpu") {
       if (v != "h100") return usage("--gpu is h100 (or give --tflops, --intra, --inter, --memory-gbs)");
     } else if (a == "--model") {
@@ -100,23 +114,34 @@ int cluster_main(int argc, char** argv) {
         return usage(e.what());
       }
     } else if (a == "--gpt") {
-      int l, d, h, voc, ctx;
-      if (std::sscanf(v.c_str(), "%d,%d,%d,%d,%d", &l, &d, &h, &voc, &ctx) != 5 || l < 1 || d < 1 || h < 1 ||
-          voc < 1 || ctx < 1 || d % h != 0)
-        return usage("--gpt takes LAYERS,DIM,HEADS,VOCAB,CONTEXT (DIM a multiple of HEADS)");
-      model = gpt(l, d, h, voc, ctx);
+      // Exactly five whole numbers, each the whole of its field.
+      std::vector<int> f;
+      std::size_t at = 0;
+      bool ok = true;
+      while (ok && at <= v.size()) {
+        const std::size_t comma = std::min(v.find(',', at), v.size());
+        int x = 0;
+        ok = parse_int(v.substr(at, comma - at), x) && x >= 1 && x <= kMostCount;
+        f.push_back(x);
+        at = comma + 1;
+      }
+      if (!ok || f.size() != 5 || f[1] % f[2] != 0)
+        return usage(
+            fmt::format("--gpt takes LAYERS,DIM,HEADS,VOCAB,CONTEXT (DIM a multiple of HEADS), got '{}'", v)
+                .c_str());
+      model = gpt(f[0], f[1], f[2], f[3], f[4]);
     } else if (a == "--seq") {
-      if (int r = need(positive && x == std::floor(x), "a whole number")) return r;
+      if (int r = need(count(v, x), "a whole number from 1")) return r;
       base.sequence_length = static_cast<std::int64_t>(x);
     } else if (a == "--batch") {
-      if (int r = need(positive && x == std::floor(x), "a whole number")) return r;
+      if (int r = need(count(v, x), "a whole number from 1")) return r;
       base.sequences = static_cast<int>(x);
     } else if (a == "--first-bucket-mb" || a == "--bucket-mb") {
       if (int r = need(positive, "MiB above 0")) return r;
       (a == "--bucket-mb" ? base.bucket_bytes : base.first_bucket_bytes) =
           std::max<std::int64_t>(1, static_cast<std::int64_t>(std::llround(x * (1 << 20))));
     } else if (a == "--prefetch") {
-      if (v != "0" && (!positive || x != std::floor(x))) return usage("--prefetch takes a whole number");
+      if (v != "0" && !count(v, x)) return usage("--prefetch takes a whole number");
       base.prefetch = v == "0" ? 0 : static_cast<int>(x);
     } else if (a == "--recompute") {
       if (v == "none")
@@ -134,11 +159,11 @@ int cluster_main(int argc, char** argv) {
       if (v != "bf16" && v != "fp32") return usage("--reduce is bf16 or fp32");
       base.reduce_bytes = v == "bf16" ? 2 : 4;
     } else if (a == "--group") {
-      if (int r = need(positive && x == std::floor(x) && x <= 1e6, "a whole number")) return r;
+      if (int r = need(count(v, x), "a whole number from 1")) return r;
       base.shard_group_size = static_cast<int>(x);
-    } else if (a == "--device-gib") {
-      if (int r = need(positive, "a number of GiB")) return r;
-      device_gib = x;
+    } else if (a == "--device-gib" || a == "--host-gib") {
+      if (int r = need(positive && x <= 1e9, "a number of GiB")) return r;
+      (a == "--device-gib" ? device_gib : host_gib) = x;
     } else if (a == "--tflops" || a == "--intra" || a == "--inter" || a == "--memory-gbs" || a == "--pcie" ||
                a == "--host-gbs" || a == "--intra-beside" || a == "--intra-allreduce" ||
                a == "--inter-allreduce") {
@@ -181,7 +206,7 @@ int cluster_main(int argc, char** argv) {
                 .c_str());
       (interval ? base.peer_lag_interval_s : base.peer_lag_s) = ms * 1e-3;
     } else if (a == "--staleness" || a == "--decentralized") {
-      if (int r = need(positive && x == std::floor(x), "a whole number above 0")) return r;
+      if (int r = need(count(v, x), "a whole number above 0")) return r;
       (a == "--staleness" ? base.staleness : base.decentralized_every) = static_cast<int>(x);
     } else if (a == "--csv") {
       if (v != "0" && v != "1") return usage("--csv takes 0 or 1");
@@ -204,6 +229,11 @@ int cluster_main(int argc, char** argv) {
     }
   }
   if (nodes < 1) return usage("--cluster NODESxDEVICES is required");
+  if (model.context > 0 && base.sequence_length > model.context)
+    return usage(fmt::format("--seq {} is longer than the GPT's context of {} tokens (its learned positions)",
+                             base.sequence_length, model.context)
+                     .c_str());
+  if (host_gib > 0 && !base.offload) return usage("--host-gib checks offloaded runs (--offload 1)");
   if (base.decentralized_every > 0 && (base.staleness > 0 || base.hook.kind != HookModel::Kind::None))
     return usage("--decentralized takes neither --hook nor --staleness: it averages no gradient");
   if (base.offload && base.hook.kind != HookModel::Kind::None)
@@ -230,6 +260,11 @@ int cluster_main(int argc, char** argv) {
     return usage(fmt::format("--group {} does not divide {} devices into two groups or more",
                              base.shard_group_size, c.world())
                      .c_str());
+  if (base.shard_group_size > 0 && !groups_fit_nodes(c, base.shard_group_size))
+    return usage(fmt::format("--group {} would put a group on parts of two nodes of {} devices: give a "
+                             "divisor of {} or a multiple of it",
+                             base.shard_group_size, per_node, per_node)
+                     .c_str());
   if (calibrate_ms > 0) {
     // The step on one device is compute / flops + the optimizer step: solve for flops.
     Cluster one = c;
@@ -251,7 +286,17 @@ int cluster_main(int argc, char** argv) {
 
   const auto device_bytes =
       static_cast<std::int64_t>(device_gib * static_cast<double>(std::int64_t{1} << 30));
-  const std::vector<StrategyPlan> rows = plan_cluster(model, c, base, device_bytes);
+  std::vector<StrategyPlan> rows = plan_cluster(model, c, base, device_bytes);
+  // Offloaded, the host holds every rank's shards, gradients and optimizer state (and, built
+  // on it, the model): what its devices' rows ask of one node's host must fit it too.
+  const auto host_bytes_per_node = [&](const StrategyPlan& r) {
+    return static_cast<double>(r.memory.host_peak()) * std::min(per_node, n);
+  };
+  if (host_gib > 0) {
+    for (auto& r : rows) {
+      if (host_bytes_per_node(r) > host_gib * static_cast<double>(std::int64_t{1} << 30)) r.fits = false;
+    }
+  }
 
   std::string header = fmt::format(
       "{} ({:.2f}B parameters) on {} ({} devices): {} sequences of {} tokens per device, {}, recompute {}; "
@@ -287,8 +332,9 @@ int cluster_main(int argc, char** argv) {
                           c.intra_beside_compute.bus_bandwidth / 1e9, c.intra_beside_compute.latency * 1e6);
   if (!csv) std::printf("%s\n", header.c_str());
   if (!csv)
-    std::printf("%-22s %12s %10s %7s %10s%s %11s %12s %6s\n", "strategy", "tokens/s/dev", "step ms", "MFU",
-                "exposed", contended ? "  contended" : "", "limit", "peak GiB", "fits");
+    std::printf("%-22s %12s %10s %7s %10s%s %11s %12s%s %6s\n", "strategy", "tokens/s/dev", "step ms", "MFU",
+                "exposed", contended ? "  contended" : "", "limit", "peak GiB",
+                base.offload ? "  host GiB/node" : "", "fits");
   for (const StrategyPlan& r : rows) {
     const StepTime& t = r.time;
     const double gib = static_cast<double>(r.memory.peak) / (1 << 30);
@@ -296,19 +342,24 @@ int cluster_main(int argc, char** argv) {
       std::printf("TIME,%s,%.3f,%.1f,%.4f,%s,%.3f,%.4f\n", r.name.c_str(), t.step_s * 1e3, t.tokens_per_s,
                   t.exposed_share(), t.limit.c_str(), gib, t.step_s > 0 ? t.contended_s / t.step_s : 0);
     else
-      std::printf("%-22s %12.0f %10.1f %6.1f%% %9.1f%%%s %11s %12.1f %6s\n", r.name.c_str(), t.tokens_per_s,
+      std::printf("%-22s %12.0f %10.1f %6.1f%% %9.1f%%%s %11s %12.1f%s %6s\n", r.name.c_str(), t.tokens_per_s,
                   t.step_s * 1e3, 100 * t.mfu, 100 * t.exposed_share(),
                   contended ? fmt::format(" {:10.1f}%", 100 * t.contended_s / t.step_s).c_str() : "",
-                  t.limit.c_str(), gib, r.fits ? "yes" : "no");
+                  t.limit.c_str(), gib,
+                  base.offload ? fmt::format(" {:15.1f}", host_bytes_per_node(r) / (1 << 30)).c_str() : "",
+                  r.fits ? "yes" : "no");
   }
   const StrategyPlan* best = fastest_that_fits(rows);
   if (csv) return 0;
   if (best)
-    std::printf("fastest that fits %.0f GiB: %s, %.0f tokens/s per device (%.0f for the cluster)\n",
-                device_gib, best->name.c_str(), best->time.tokens_per_s, best->time.tokens_per_s * n);
+    std::printf("fastest that fits %.1f GiB%s: %s, %.0f tokens/s per device (%.0f for the cluster)\n",
+                device_gib,
+                host_gib > 0 ? fmt::format(" (and {:.1f} GiB of host per node)", host_gib).c_str() : "",
+                best->name.c_str(), best->time.tokens_per_s, best->time.tokens_per_s * n);
   else
-    std::printf("nothing fits %.0f GiB per device: more devices, recomputation or fewer sequences\n",
-                device_gib);
+    std::printf("nothing fits %.1f GiB per device%s: more devices, recomputation or fewer sequences\n",
+                device_gib,
+                host_gib > 0 ? fmt::format(" and {:.1f} GiB of host per node", host_gib).c_str() : "");
   return 0;
 }
 

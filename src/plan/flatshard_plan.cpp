@@ -78,7 +78,14 @@ double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
 int main(int argc, char** argv) {
   using namespace flatshard::plan;
   for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--cluster") return cluster_main(argc, argv);  // the step-time model
+    if (std::string(argv[i]) == "--cluster") {  // the step-time model
+      try {
+        return cluster_main(argc, argv);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "flatshard-plan: %s\n", e.what());
+        return 2;
+      }
+    }
   }
   using flatshard::Strategy;
   double params = 0, root = 0, activation_mib = 0, budget_mib = 0, fit_mib = 0, host_mib = 0, frozen = 0;
@@ -179,6 +186,12 @@ int main(int argc, char** argv) {
   if (units < 1) return usage("--units must be at least 1");
   if (prefetch < 0) return usage("--prefetch must be at least 0");
   if (shard_group_size < 0) return usage("--shard-group-size must be at least 0 (0: no hybrid groups)");
+  for (int w : worlds) {
+    if (shard_group_size > 0 && shard_group_size < w && w % shard_group_size != 0)
+      return usage(("--shard-group-size " + std::to_string(shard_group_size) +
+                    " does not divide the world size " + std::to_string(w) + " (FullyShard refuses it)")
+                       .c_str());
+  }
   if (params < 0 || root < 0 || root > params)
     return usage("--params and --root are counts, --root at most --params");
   if (activation_mib < 0 || budget_mib < 0 || fit_mib < 0 || host_mib < 0)

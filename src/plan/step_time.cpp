@@ -213,6 +213,10 @@ HookModel parse_hook_model(const std::string& spec) {
 
 // --- the simulation ----------------------------------------------------------------------
 
+bool groups_fit_nodes(const Cluster& c, int group) {
+  return c.world() <= c.per_node || c.per_node % group == 0 || group % c.per_node == 0;
+}
+
 namespace {
 
 using sim::ComputeStream;
@@ -244,6 +248,34 @@ Cost cost(Collective c, double bytes, int ranks, const Link& link, const Link* b
   }
   const double latency = steps * link.latency;
   return {cpu + latency, latency};
+}
+
+// Note [Rings across nodes]
+// NCCL runs a collective over ranks of several nodes as several rings side by side (its
+// channels), each leaving a node through another NIC: on rail-optimized nodes with a NIC per
+// device, the ranks of one node send across nodes together. A ring over `ranks` ranks
+// `stride` apart (1: consecutive ranks, a shard group or the world; the group size: one rank
+// of each group, hybrid's replicas) that holds k ranks on each node therefore moves bytes at
+// k times one device's inter-node bandwidth, up to the intra-node link's; its steps wait for
+// the network (the inter-node latency). So a world of 8-GPU H100 nodes with 400 Gb/s per GPU
+// reads about 8 x 45 = 360 GB/s, NVLink's pace (nccl-tests across two such nodes report
+// 350-450 GB/s for an all-reduce), while hybrid's replicas of node-sized groups, one rank per
+// node, read one NIC's 45 GB/s (every hop of their rings goes from node to node). Groups
+// must not straddle nodes (a ring that is part of a
+// node and part of another is not modelled: plan_cluster and flatshard-plan refuse it).
+Link ring_link(const Cluster& c, int ranks, int stride) {
+  if (ranks * stride <= c.per_node) return c.intra;
+  const int k = stride >= c.per_node ? 1 : std::min(ranks, c.per_node / stride);
+  if (k == 1) return c.inter;  // every hop from node to node: NVLink takes no part
+  Link l;
+  l.bus_bandwidth = std::min(c.intra.bus_bandwidth, k * c.inter.bus_bandwidth);
+  l.latency = std::max(c.intra.latency, c.inter.latency);
+  if (c.inter.all_reduce_bus_bandwidth > 0) {
+    const double intra_ar =
+        c.intra.all_reduce_bus_bandwidth > 0 ? c.intra.all_reduce_bus_bandwidth : c.intra.bus_bandwidth;
+    l.all_reduce_bus_bandwidth = std::min(intra_ar, k * c.inter.all_reduce_bus_bandwidth);
+  }
+  return l;
 }
 
 // A parameter as PowerSGD views it: an a x b matrix (b = 1: a vector, averaged whole).
@@ -442,6 +474,10 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
                        o.strategy == Strategy::HybridShard;
   int group = n;  // ranks a unit is sharded over
   if (o.strategy == Strategy::HybridShard) group = o.shard_group_size > 0 ? o.shard_group_size : c.per_node;
+  if (group >= 1 && n % group == 0 && !groups_fit_nodes(c, group))
+    throw std::invalid_argument(fmt::format(
+        "predict_time: shard groups of {} would straddle nodes of {} devices (Note [Rings across nodes])",
+        group, c.per_node));
   if (group < 1 || n % group != 0)
     throw std::invalid_argument(
         fmt::format("predict_time: a shard group of {} does not divide {} ranks", group, n));
@@ -468,9 +504,13 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
   if (o.peer_lag_s < 0 || o.peer_lag_interval_s <= 0)
     throw std::invalid_argument("predict_time: peer_lag_s is 0 or more, peer_lag_interval_s above 0");
   // A group of consecutive ranks stays on a node's links while it fits in one; replica
-  // groups (one rank of each shard group) cross nodes when there are several.
-  const Link& group_link = group <= c.per_node ? c.intra : c.inter;
-  const Link& replica_link = n <= c.per_node ? c.intra : c.inter;
+  // groups (one rank of each shard group) cross nodes when there are several (Note [Rings
+  // across nodes]).
+  const Link group_ring = ring_link(c, group, 1);
+  const Link replica_ring = ring_link(c, n / group, group);
+  const Link world_ring = ring_link(c, n, 1);
+  const Link& group_link = group <= c.per_node ? c.intra : group_ring;
+  const Link& replica_link = n <= c.per_node ? c.intra : replica_ring;
   Lane intra{&c.intra}, inter{&c.inter};
   ComputeStream compute{c.collective_compute_share, {&intra, &inter}};
   auto lane_of = [&](const Link& l) -> Lane& { return &l == &c.intra ? intra : inter; };
@@ -799,7 +839,7 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
     // rounds). Under staleness the model runs s + 8 steps on the same links, under
     // decentralized training k (Note [Communication algorithms in the step-time model]).
     const bool zero1 = o.strategy == Strategy::ShardOptimizerState;
-    const Link& link = n <= c.per_node ? c.intra : c.inter;
+    const Link& link = n <= c.per_node ? c.intra : world_ring;
     Lane& lane = lane_of(link);
     // Note [ZeRO-1's bucket gradients]
     // DDP's gradients land in the parameters' own flat buffer. ZeRO-1's buckets (over two
@@ -1047,6 +1087,9 @@ std::vector<StrategyPlan> plan_cluster(const TransformerShape& model, const Clus
     r.options.strategy = s;
     r.options.shard_group_size = group;
     const bool replicated = s == Strategy::NoShard || s == Strategy::ShardOptimizerState;
+    // The replicated strategies step after backward whatever base asks (the engine steps in
+    // backward only for the sharded ones); their rows say so in time as in memory.
+    r.options.step_in_backward = base.step_in_backward && !replicated;
     PlanOptions m;
     m.strategy = s == Strategy::HybridShard ? Strategy::FullShard : s;
     m.world_size = n;
@@ -1069,10 +1112,11 @@ std::vector<StrategyPlan> plan_cluster(const TransformerShape& model, const Clus
   add("shard-grad-op", Strategy::ShardGradOp, 0);
   // Groups of a node, two nodes, ... and the one `base` names (a part of a node, say).
   std::set<int> groups;
-  for (int g = cluster.per_node; g < n; g *= 2) {
-    if (n % g == 0) groups.insert(g);
+  for (int k = 1; k < cluster.nodes; ++k) {
+    if (cluster.nodes % k == 0) groups.insert(k * cluster.per_node);
   }
-  if (base.shard_group_size > 0 && base.shard_group_size < n && n % base.shard_group_size == 0)
+  if (base.shard_group_size > 0 && base.shard_group_size < n && n % base.shard_group_size == 0 &&
+      groups_fit_nodes(cluster, base.shard_group_size))
     groups.insert(base.shard_group_size);
   for (int g : groups) add(fmt::format("hybrid (groups of {})", g), Strategy::HybridShard, g);
   add("ZeRO-1", Strategy::ShardOptimizerState, 0);

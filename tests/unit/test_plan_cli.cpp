@@ -145,6 +145,8 @@ TEST(PlanCli, BadArgumentsAreRefusedByName) {
       {{"--params", "1e9", "--offload", "yes"}, "option --offload takes 0 or 1, got 'yes'"},
       {{"--params", "1e9", "--frozen", "2"}, "--frozen is a fraction in [0, 1]"},
       {{"--params", "1e9", "--bogus", "1"}, "unknown option --bogus"},
+      {{"--params", "1e9", "--world", "2,8", "--shard-group-size", "3"},
+       "--shard-group-size 3 does not divide the world size 8 (FullyShard refuses it)"},
   };
   for (const Case& c : cases) {
     std::string joined;
