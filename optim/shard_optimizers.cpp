@@ -191,6 +191,7 @@ void ShardOptimizer::step() {
         "call zero_grad() (or run the next forward) before stepping",
         fsdp_->comm().rank(), fsdp_->comm().world_size()));
   }
+  if (fsdp_) fsdp_->wait_for_shard_reads();  // an evaluation forward's copies may still read them
   for (std::size_t i = 0; i < shards_.size(); ++i) step_shard(i);
 }
 

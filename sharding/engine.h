@@ -51,6 +51,7 @@ class Engine {
   // Note [Gathers behind the step]
   void segment_stepped(std::size_t shard, std::size_t segment);
   at::Tensor bf16_copy_for_step(std::size_t shard);
+  void wait_for_shard_reads();  // FullyShardBase::wait_for_shard_reads
   void bf16_copy_written(std::size_t shard);
   double clip_grad_norm(double max_norm);
   // Note [Step in backward]; nullptr: step after backward, as usual.

@@ -523,6 +523,9 @@ at::Tensor Engine::bf16_copy_for_step(std::size_t shard) {
   return group_of_shard(shard).bf16_copy_for_step();
 }
 void Engine::bf16_copy_written(std::size_t shard) { group_of_shard(shard).bf16_copy_written(); }
+void Engine::wait_for_shard_reads() {
+  if (copy_in_) copy_in_->synchronize();  // every copy from a host shard runs there
+}
 
 at::ScalarType Engine::param_dtype() const {
   for (const auto& u : units_) {

@@ -377,7 +377,8 @@ void FlatParamGroup::copy_master_to_slot(int segment) {
 // fp32 master, and the next step's bf16_copy_for_step converts the whole master again.
 // The copy is read by the gathers' asynchronous copies and written by the optimizer on
 // the host, under the same ordering as the master itself: the end of backward waits for
-// every copy to the device before the optimizer runs (Note [Copies beside compute]).
+// every copy to the device before the optimizer runs, and the step waits for the copies of
+// gathers made since (Note [Copies beside compute]).
 at::Tensor FlatParamGroup::bf16_copy_for_step() {
   if (!keeps_bf16_copy_) return {};
   if (bf16_copy_current()) return bf16_copy_;

@@ -79,6 +79,7 @@ at::Tensor FullyShardBase::bf16_copy_for_step(std::size_t shard) {
   return engine_->bf16_copy_for_step(shard);
 }
 void FullyShardBase::bf16_copy_written(std::size_t shard) { engine_->bf16_copy_written(shard); }
+void FullyShardBase::wait_for_shard_reads() { engine_->wait_for_shard_reads(); }
 const std::vector<char>& FullyShardBase::params_with_grad(std::size_t shard) const {
   return engine_->params_with_grad(shard);
 }

@@ -110,10 +110,10 @@ class DistributedSampler {
   // batch. Smaller, or empty, only in an epoch's last global batch without drop_last (train
   // through it under Join); empty too once the epoch is done.
   std::vector<std::int64_t> next();
-  // Starts epoch `epoch` from its beginning; except that, right after restore() and before
-  // the next batch, naming the restored epoch keeps its restored position, so that a loop
-  // that calls set_epoch at the top of every epoch resumes where the checkpoint was saved
-  // (Note [set_epoch after restore]).
+  // Starts epoch `epoch` from its beginning; except that, after restore() and before the
+  // next batch, naming the restored epoch keeps its restored position, so that a loop that
+  // calls set_epoch at the top of every epoch resumes where the checkpoint was saved (Note
+  // [set_epoch after restore]).
   void set_epoch(std::int64_t epoch);
 
   std::int64_t epoch() const { return epoch_; }

@@ -238,6 +238,12 @@ class FullyShardBase {
   // bump the master's version and call bf16_copy_written(i).
   at::Tensor bf16_copy_for_step(std::size_t shard);
   void bf16_copy_written(std::size_t shard);
+  // Returns once no copy to the device still reads the master shards on the host (CPU
+  // offload on a GPU: a gather outside backward, by an evaluation forward or
+  // summon_full_params, copies from them without blocking the host). Optimizers over
+  // shards and checkpoint loads call it before they write the masters; so should anything
+  // else that writes shards() in place (Note [Copies beside compute]).
+  void wait_for_shard_reads();
 
   // Scales every shard gradient so that the global norm over all ranks is at most
   // max_norm; returns the norm before clipping. A collective: every rank calls it.

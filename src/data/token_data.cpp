@@ -195,12 +195,12 @@ void DistributedSampler::set_epoch(std::int64_t epoch) {
   //   for (epoch = start; ...; ++epoch) { sampler.set_epoch(epoch); while (!epoch_done()) ... }
   // calls set_epoch with the restored epoch right after a checkpoint restored the sampler.
   // Starting that epoch over would train again on every sample the saved run had already
-  // seen in it; so the first set_epoch after restore(), naming the restored epoch, keeps the
-  // position. Another epoch, or any call once a batch has been dealt, starts from the
-  // beginning as always.
-  const bool keep = restored_ && epoch == epoch_;
+  // seen in it; so from restore() until the next batch is dealt, set_epoch naming the
+  // restored epoch keeps the position, however often it is called (PyTorch's set_epoch
+  // changes nothing when called again). Another epoch, or any call once a batch has been
+  // dealt, starts from the beginning as always.
+  if (restored_ && epoch == epoch_) return;
   restored_ = false;
-  if (keep) return;
   epoch_ = epoch;
   consumed_ = 0;
 }

@@ -176,6 +176,7 @@ namespace shards {
 // NoShard's ranks) each write a share of them, and every group reads its own.
 Holding hold_fully_shard(FullyShardBase& fsdp, optim::ShardOptimizer* opt, bool loading,
                          const std::vector<std::string>& load_states) {
+  if (loading) fsdp.wait_for_shard_reads();  // the load writes the masters in place
   Holding h;
   h.mode = to_string(fsdp.strategy());
   const auto layout = fsdp.layout();

@@ -234,6 +234,21 @@ int cluster_main(int argc, char** argv) {
                              base.sequence_length, model.context)
                      .c_str());
   if (host_gib > 0 && !base.offload) return usage("--host-gib checks offloaded runs (--offload 1)");
+  if (host_gib > 0 && csv) return usage("--host-gib is not in the CSV's columns: leave --csv out");
+  // Totals past these would overflow the figures (and no model or batch is as large).
+  if (static_cast<double>(model.layers) * 16.0 * static_cast<double>(model.dim) *
+              static_cast<double>(model.dim) +
+          2.0 * static_cast<double>(model.vocab) * static_cast<double>(model.dim) >
+      1e15)
+    return usage("the model has more than 10^15 parameters");
+  // The activations' estimate in bytes (Note [Activations from the shapes], in fp32 at most).
+  const double per_token = static_cast<double>(model.layers) *
+                               (18.0 * static_cast<double>(model.dim) +
+                                8.0 * static_cast<double>(std::max(model.ffn, 2 * model.dim))) *
+                               2.0 +
+                           10.0 * static_cast<double>(model.vocab);
+  if (static_cast<double>(base.sequences) * static_cast<double>(base.sequence_length) * per_token > 1e18)
+    return usage("--batch x --seq is too many tokens for this model's activations to be counted");
   if (base.decentralized_every > 0 && (base.staleness > 0 || base.hook.kind != HookModel::Kind::None))
     return usage("--decentralized takes neither --hook nor --staleness: it averages no gradient");
   if (base.offload && base.hook.kind != HookModel::Kind::None)

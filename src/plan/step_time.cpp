@@ -214,7 +214,7 @@ HookModel parse_hook_model(const std::string& spec) {
 // --- the simulation ----------------------------------------------------------------------
 
 bool groups_fit_nodes(const Cluster& c, int group) {
-  return c.world() <= c.per_node || c.per_node % group == 0 || group % c.per_node == 0;
+  return group >= 1 && (c.world() <= c.per_node || c.per_node % group == 0 || group % c.per_node == 0);
 }
 
 namespace {
@@ -270,10 +270,11 @@ Link ring_link(const Cluster& c, int ranks, int stride) {
   Link l;
   l.bus_bandwidth = std::min(c.intra.bus_bandwidth, k * c.inter.bus_bandwidth);
   l.latency = std::max(c.intra.latency, c.inter.latency);
-  if (c.inter.all_reduce_bus_bandwidth > 0) {
-    const double intra_ar =
-        c.intra.all_reduce_bus_bandwidth > 0 ? c.intra.all_reduce_bus_bandwidth : c.intra.bus_bandwidth;
-    l.all_reduce_bus_bandwidth = std::min(intra_ar, k * c.inter.all_reduce_bus_bandwidth);
+  if (c.intra.all_reduce_bus_bandwidth > 0 || c.inter.all_reduce_bus_bandwidth > 0) {
+    const auto own = [](const Link& x) {
+      return x.all_reduce_bus_bandwidth > 0 ? x.all_reduce_bus_bandwidth : x.bus_bandwidth;
+    };
+    l.all_reduce_bus_bandwidth = std::min(own(c.intra), k * own(c.inter));
   }
   return l;
 }
@@ -908,8 +909,11 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       // ring neighbours from the step's start, beside forward and backward.
       double exchanged = 0;
       if (decentralized && step == steps - 1 && n > 1)
-        exchanged = lane.run(now, cost(Collective::NeighborExchange, 4 * params, n, link,
-                                       beside(link, lane, now, backward_end)));
+        // A neighbour exchange is no ring: across nodes only the ranks at a node's edge
+        // send across, each on its own NIC (Note [Rings across nodes]).
+        exchanged =
+            lane.run(now, cost(Collective::NeighborExchange, 4 * params, n, n <= c.per_node ? link : c.inter,
+                               beside(link, lane, now, backward_end)));
       // Forward, the head's backward and its gradients.
       now = compute.run(now, t.forward_s + 2 * head_fwd + head_elements * grad_passes);
       std::vector<Reduction>& mine = issued[step];

@@ -332,13 +332,16 @@ TEST(CudaFullyShard, OffloadedGradientsLandInPageLockedBlocksOfTheirSize) {
 // and its gradient shard) and DDP (the buckets' averages). And bit for bit what it is
 // when the fp32 masters cross instead of their bf16 copies (Note [The bf16 copy of an
 // offloaded master]): the host rounds as the GPU does; and, lagging, when each unit steps
-// in backward on the host as its gradient lands (full shard).
+// in backward on the host as its gradient lands (full shard). An evaluation forward between
+// backward and the step, its gathers' copies from the host held back behind the lag, sees
+// the weights before the step, and the step waits for those copies before it writes the
+// masters they read (Note [Copies beside compute]).
 TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
   REQUIRE_GPU();
   flatshard::World world;
   constexpr std::int64_t kLagCycles = 100'000'000;  // tens of milliseconds
   const auto train = [&](flatshard::Strategy strategy, bool lag, bool bf16_copies = true,
-                         bool in_backward = false) {
+                         bool in_backward = false, bool evaluate = false) {
     torch::manual_seed(11);
     flatshard::testing::GPT model(flatshard::testing::gpt_config());  // on the host
     auto options = offloaded_bf16(strategy);
@@ -346,7 +349,7 @@ TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
     flatshard::FullyShard<flatshard::testing::GPT> fsdp(model, world, options);
     flatshard::optim::AdamW opt(fsdp, flatshard::optim::AdamWOptions{1e-3});
     if (in_backward) fsdp.step_in_backward(&opt);
-    std::vector<at::Tensor> out;
+    std::vector<at::Tensor> out, evaluated;
     for (int step = 0; step < 3; ++step) {
       const auto b = gpt_batch(step, 8);
       const auto input = b.input.to(kGpu), target = b.target.to(kGpu);
@@ -354,11 +357,17 @@ TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
       auto loss = token_loss(fsdp.forward(input).to(at::kFloat), target);
       if (lag) at::cuda::sleep(kLagCycles);
       loss.backward();
+      if (evaluate) {  // not read until after the step: nothing here waits for its copies
+        if (lag) at::cuda::sleep(kLagCycles);
+        torch::NoGradGuard no_grad;
+        evaluated.push_back(fsdp.forward(input));
+      }
       opt.step();
       opt.zero_grad();
       out.push_back(loss.detach().cpu());
     }
     for (const auto& shard : fsdp.shards()) out.push_back(shard.detach().cpu().clone());
+    for (const auto& e : evaluated) out.push_back(e.to(at::kFloat).cpu());
     return out;
   };
   for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::NoShard}) {
@@ -378,6 +387,18 @@ TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
                                       : "in backward: ")
             << (i < 3 ? "loss of step " : "shard ") << (i < 3 ? i : i - 3);
       }
+    }
+    if (!sharded) continue;
+    const auto evaluating = train(strategy, false, true, false, true),
+               evaluating_late = train(strategy, true, true, false, true);
+    ASSERT_EQ(evaluating.size(), steady.size() + 3);
+    ASSERT_EQ(evaluating_late.size(), evaluating.size());
+    for (std::size_t i = 0; i < evaluating.size(); ++i) {
+      if (i < steady.size())
+        EXPECT_TRUE(at::equal(steady[i], evaluating[i])) << "evaluating changed entry " << i;
+      EXPECT_TRUE(at::equal(evaluating[i], evaluating_late[i]))
+          << (i < steady.size() ? "training entry " : "evaluation of step ")
+          << (i < steady.size() ? i : i - steady.size()) << " differs behind the lag";
     }
   }
 }

@@ -387,6 +387,7 @@ class CountingHook final : public CommHook {
   }
   std::map<std::string, at::Tensor> state() const override { return inner->state(); }
   void load_state(const std::map<std::string, at::Tensor>& state) override { inner->load_state(state); }
+  bool runs_on_cuda() const override { return inner->runs_on_cuda(); }
   std::shared_ptr<CommHook> inner;
   int calls = 0;
 };

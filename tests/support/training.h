@@ -107,14 +107,19 @@ struct TrainResult {
   double max_elementwise_diff = 0;
   double max_rel_loss_diff = 0;
   double max_grad_norm = 0;  // largest norm clip_grad_norm returned
-  // Bytes the wrapper sent during each backward (FullyShardBase::bytes_sent): the most any
-  // backward under no_sync sent (no reduction: 0, but FullShard's re-gathers), how many such
-  // backwards ran, and the least any other backward sent (-1: none ran).
-  std::int64_t no_sync_backward_bytes = 0;
-  int no_sync_backwards = 0;
-  std::int64_t synced_backward_bytes = -1;
-  // The least MemoryStats::unsharded_grad_bytes after a backward under no_sync (-1: none ran).
-  std::int64_t no_sync_unsharded_grad_bytes = -1;
+  // What the backwards sent, one entry per wrapper trained (two with resume_as: the spec's,
+  // then resume_as's).
+  struct Backwards {
+    // Bytes the wrapper sent during each backward (FullyShardBase::bytes_sent): the most any
+    // backward under no_sync sent (no reduction: 0, but FullShard's re-gathers), how many
+    // such backwards ran, and the least any other backward sent (-1: none ran).
+    std::int64_t no_sync_bytes = 0;
+    int no_sync_count = 0;
+    std::int64_t synced_bytes = -1;
+    // The least MemoryStats::unsharded_grad_bytes after a backward under no_sync (-1: none).
+    std::int64_t no_sync_unsharded_grad_bytes = -1;
+  };
+  std::vector<Backwards> backwards;
   int peak_gathered_units = 0;
   std::int64_t peak_unsharded_param_bytes = 0;
   std::int64_t largest_unit_bytes = 0;  // the largest non-root unit's flat buffer

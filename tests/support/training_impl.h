@@ -128,34 +128,37 @@ inline ShardedOptimizer sharded_optimizer(OptKind k, FullyShardBase& fsdp, bool 
   return {};
 }
 
-// Compares the trained weights of `model` with `reference`.
-// The larger of two differences, NaN if either is: a NaN difference (a weight or a loss
-// that became NaN) must fail the comparison, where std::max would drop it.
 inline void expect_no_sync_sends_no_reduction(const TrainResult& r, const TrainSpec& spec, int world_size) {
-  EXPECT_GT(r.no_sync_backwards, 0) << "no backward ran under no_sync";
+  int under_no_sync = 0;
+  for (const auto& b : r.backwards) under_no_sync += b.no_sync_count;
+  EXPECT_GT(under_no_sync, 0) << "no backward ran under no_sync";
   if (world_size == 1) return;
-  const auto regathers = [](const TrainSpec& t) {
-    return t.strategy == Strategy::FullShard || t.strategy == Strategy::HybridShard;
-  };
-  const auto shards = [](const TrainSpec& t) {
-    return t.strategy != Strategy::NoShard && t.strategy != Strategy::ShardOptimizerState;
-  };
-  // The sharded strategies keep the unsharded gradients that no_sync accumulates; a
-  // reduce-scatter would have freed them.
-  if (shards(spec) && (!spec.resume_as || shards(*spec.resume_as)))
-    EXPECT_GT(r.no_sync_unsharded_grad_bytes, 0) << "no_sync left no unsharded gradient to accumulate into";
-  if (regathers(spec) || (spec.resume_as && regathers(*spec.resume_as))) {
-    EXPECT_LT(r.no_sync_backward_bytes, r.synced_backward_bytes)
-        << "a backward under no_sync sent as much as a synced one: it reduced";
-  } else {
-    EXPECT_EQ(r.no_sync_backward_bytes, 0) << "a backward under no_sync sent bytes";
+  for (std::size_t i = 0; i < r.backwards.size(); ++i) {
+    const auto& b = r.backwards[i];
+    const TrainSpec& t = i == 0 || !spec.resume_as ? spec : *spec.resume_as;
+    if (b.no_sync_count == 0) continue;
+    SCOPED_TRACE(::testing::Message() << to_string(t.strategy) << (i == 0 ? "" : ", resumed"));
+    // The sharded strategies keep the unsharded gradients that no_sync accumulates; a
+    // reduce-scatter would have freed them.
+    if (t.strategy != Strategy::NoShard && t.strategy != Strategy::ShardOptimizerState)
+      EXPECT_GT(b.no_sync_unsharded_grad_bytes, 0) << "no_sync left no unsharded gradient to accumulate into";
+    if (t.strategy == Strategy::FullShard || t.strategy == Strategy::HybridShard) {
+      EXPECT_LT(b.no_sync_bytes, b.synced_bytes)
+          << "a backward under no_sync sent as much as a synced one: it reduced";
+    } else {
+      EXPECT_EQ(b.no_sync_bytes, 0) << "a backward under no_sync sent bytes";
+    }
   }
 }
+
+// The larger of two differences, NaN if either is: a NaN difference (a weight or a loss
+// that became NaN) must fail the comparison, where std::max would drop it.
 
 inline double worse(double so_far, double x) {
   return std::isnan(so_far) || std::isnan(x) ? NAN : std::max(so_far, x);
 }
 
+// Compares the trained weights of `model` with `reference`.
 template <typename Holder>
 void compare_weights(Holder& model, Holder& reference, TrainResult& result) {
   auto ref_params = reference->named_parameters();
@@ -227,6 +230,7 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
   const int rank = world.rank();
   auto loss_sum = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(side.comm->device()));
   std::deque<std::vector<at::Tensor>> delayed;  // spec.staleness: gradients waiting to be applied
+  result.backwards.emplace_back();              // this wrapper's (TrainResult::backwards)
   for (int step = first_step; step < end_step; ++step) {
     if (spec.before_step) spec.before_step(step, *reference, *model);
     const Batch host = batch(step);
@@ -266,22 +270,21 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
                                   " rows does not split over " + std::to_string(n) + " ranks");
     }
     const std::int64_t local = micro_rows / n;
-    // What each backward sent, under no_sync or not (TrainResult::no_sync_backward_bytes).
+    // What each backward sent, under no_sync or not (TrainResult::backwards).
     const auto counted_backward = [&](const at::Tensor& l, bool under_no_sync) {
       const std::uint64_t before = side.bytes_sent ? side.bytes_sent() : 0;
       l.backward();
       if (!side.bytes_sent) return;
       const auto sent = static_cast<std::int64_t>(side.bytes_sent() - before);
+      auto& b = result.backwards.back();
       if (under_no_sync) {
-        result.no_sync_backwards += 1;
-        result.no_sync_backward_bytes = std::max(result.no_sync_backward_bytes, sent);
+        b.no_sync_count += 1;
+        b.no_sync_bytes = std::max(b.no_sync_bytes, sent);
         const std::int64_t held = side.unsharded_grad_bytes();
-        result.no_sync_unsharded_grad_bytes = result.no_sync_unsharded_grad_bytes < 0
-                                                  ? held
-                                                  : std::min(result.no_sync_unsharded_grad_bytes, held);
+        b.no_sync_unsharded_grad_bytes =
+            b.no_sync_unsharded_grad_bytes < 0 ? held : std::min(b.no_sync_unsharded_grad_bytes, held);
       } else {
-        result.synced_backward_bytes =
-            result.synced_backward_bytes < 0 ? sent : std::min(result.synced_backward_bytes, sent);
+        b.synced_bytes = b.synced_bytes < 0 ? sent : std::min(b.synced_bytes, sent);
       }
     };
     double my_loss = 0;

@@ -230,13 +230,22 @@ TEST(Sampler, SetEpochRightAfterRestoreKeepsThePosition) {
   other.restore(saved.state());
   other.set_epoch(2);
   EXPECT_EQ(other.next(), uninterrupted[10]);
-  // Only the first set_epoch after restore() keeps the position.
+  // Called again before a batch, it still keeps the position; a restore at an epoch's end
+  // (a save after the epoch's last batch) goes on to the next epoch.
   DistributedSampler twice(20, 1, 2, o);
   twice.restore(saved.state());
   twice.set_epoch(1);
-  EXPECT_EQ(twice.consumed(), 8);
   twice.set_epoch(1);
-  EXPECT_EQ(twice.consumed(), 0);
+  EXPECT_EQ(twice.consumed(), 8);
+  EXPECT_EQ(twice.next(), uninterrupted[7]);
+  DistributedSampler ended(20, 1, 2, o);
+  ended.set_epoch(1);
+  while (!ended.epoch_done()) ended.next();
+  DistributedSampler after_end(20, 1, 2, o);
+  after_end.restore(ended.state());
+  const auto rest = run_from(after_end, after_end.epoch());
+  ASSERT_EQ(rest.size(), 5u);
+  EXPECT_EQ(rest, std::vector<std::vector<std::int64_t>>(uninterrupted.begin() + 10, uninterrupted.end()));
 }
 
 TEST(TokenData, ReadsRawAndLlmcFilesIntoSamples) {
