@@ -115,9 +115,11 @@ struct Engine::Delayed {
 // reads a gradient or the optimizer writes a master (Engine::land_offloaded_grads). A gather
 // outside backward (an evaluation forward between backward and the step, or
 // summon_full_params) queues copies from the host's masters that nothing waits for on the
-// host: the optimizer's step and the checkpoint loads first wait for the copy-in stream
-// (FullyShardBase::wait_for_shard_reads), or the host would write a master while its copy
-// to the device is still queued, and the evaluation would see a mix of two steps' weights.
+// host (on the copy-in stream for the sharded strategies, on the compute stream where the
+// replicated ones refresh their parameters): the optimizer's step and the checkpoint loads
+// first wait for both streams (FullyShardBase::wait_for_shard_reads), or the host would
+// write a master while its copy to the device is still queued, and the evaluation would see
+// a mix of two steps' weights.
 class CopyStream {
  public:
   explicit CopyStream(c10::Device device)

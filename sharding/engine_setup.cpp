@@ -524,7 +524,15 @@ at::Tensor Engine::bf16_copy_for_step(std::size_t shard) {
 }
 void Engine::bf16_copy_written(std::size_t shard) { group_of_shard(shard).bf16_copy_written(); }
 void Engine::wait_for_shard_reads() {
-  if (copy_in_) copy_in_->synchronize();  // every copy from a host shard runs there
+  std::lock_guard<std::recursive_mutex> lock(hooks_mutex_);
+  // Steps of a failed backward still running beside it would write the masters after this
+  // returns (Note [A backward that failed]); a step refuses partial gradients before it
+  // gets here, so this is a load's case.
+  if (backward_failed()) abandon_backward();
+  // The sharded strategies' gathers copy from the host shards on the copy-in stream; the
+  // replicated ones refresh their parameters from the host masters on the compute stream
+  // (refresh_replicas, gather_all): wait for both.
+  if (copy_in_) wait_for_device_and_copies();
 }
 
 at::ScalarType Engine::param_dtype() const {

@@ -279,6 +279,17 @@ Link ring_link(const Cluster& c, int ranks, int stride) {
   return l;
 }
 
+// Decentralized training's exchange over nodes (no ring: Note [Rings across nodes]): each
+// rank sends `bytes` to both ring neighbours at once. With one rank per node both cross
+// nodes on its one NIC; with several, a rank at a node's edge sends one neighbour's share
+// on its NIC and the other's on NVLink, side by side, and the rest stay within the node.
+Cost exchange_across_nodes(const Cluster& c, double bytes, int ranks) {
+  if (c.per_node == 1) return cost(Collective::NeighborExchange, bytes, ranks, c.inter);
+  const Cost nic = cost(Collective::NeighborExchange, bytes, 2, c.inter);
+  const Cost nvlink = cost(Collective::NeighborExchange, bytes, 2, c.intra);
+  return nic.seconds >= nvlink.seconds ? nic : nvlink;
+}
+
 // A parameter as PowerSGD views it: an a x b matrix (b = 1: a vector, averaged whole).
 struct Tensor2 {
   double a = 0, b = 1;
@@ -909,11 +920,9 @@ StepTime predict_time(const TransformerShape& m, const Cluster& c, const TimeOpt
       // ring neighbours from the step's start, beside forward and backward.
       double exchanged = 0;
       if (decentralized && step == steps - 1 && n > 1)
-        // A neighbour exchange is no ring: across nodes only the ranks at a node's edge
-        // send across, each on its own NIC (Note [Rings across nodes]).
-        exchanged =
-            lane.run(now, cost(Collective::NeighborExchange, 4 * params, n, n <= c.per_node ? link : c.inter,
-                               beside(link, lane, now, backward_end)));
+        exchanged = lane.run(now, n <= c.per_node ? cost(Collective::NeighborExchange, 4 * params, n, link,
+                                                         beside(link, lane, now, backward_end))
+                                                  : exchange_across_nodes(c, 4 * params, n));
       // Forward, the head's backward and its gradients.
       now = compute.run(now, t.forward_s + 2 * head_fwd + head_elements * grad_passes);
       std::vector<Reduction>& mine = issued[step];

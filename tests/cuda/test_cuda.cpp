@@ -333,9 +333,10 @@ TEST(CudaFullyShard, OffloadedGradientsLandInPageLockedBlocksOfTheirSize) {
 // when the fp32 masters cross instead of their bf16 copies (Note [The bf16 copy of an
 // offloaded master]): the host rounds as the GPU does; and, lagging, when each unit steps
 // in backward on the host as its gradient lands (full shard). An evaluation forward between
-// backward and the step, its gathers' copies from the host held back behind the lag, sees
-// the weights before the step, and the step waits for those copies before it writes the
-// masters they read (Note [Copies beside compute]).
+// backward and the step, its copies from the host held back behind the lag (a sharded
+// strategy's gathers, a replicated one's refresh of its parameters), sees the weights
+// before the step, and the step waits for those copies before it writes the masters they
+// read (Note [Copies beside compute]).
 TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
   REQUIRE_GPU();
   flatshard::World world;
@@ -370,7 +371,8 @@ TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
     for (const auto& e : evaluated) out.push_back(e.to(at::kFloat).cpu());
     return out;
   };
-  for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::NoShard}) {
+  for (auto strategy : {flatshard::Strategy::FullShard, flatshard::Strategy::NoShard,
+                        flatshard::Strategy::ShardOptimizerState}) {
     SCOPED_TRACE(flatshard::to_string(strategy));
     const bool sharded = strategy == flatshard::Strategy::FullShard;
     const auto steady = train(strategy, false), lagging = train(strategy, true),
@@ -388,7 +390,6 @@ TEST(CudaFullyShard, OffloadedCopiesWaitForALaggingComputeStream) {
             << (i < 3 ? "loss of step " : "shard ") << (i < 3 ? i : i - 3);
       }
     }
-    if (!sharded) continue;
     const auto evaluating = train(strategy, false, true, false, true),
                evaluating_late = train(strategy, true, true, false, true);
     ASSERT_EQ(evaluating.size(), steady.size() + 3);

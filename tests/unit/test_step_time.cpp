@@ -613,11 +613,12 @@ TEST(StepTime, RingsAcrossNodesSendOnEveryNicOfTheNode) {
   const double plain = predict_time(m, nodes, o).step_s;
   nodes.intra.all_reduce_bus_bandwidth = 0.5e9;
   EXPECT_GT(predict_time(m, nodes, o).step_s, 3 * plain) << "the ring at 0.5 GB/s, not 2";
-  // Decentralized training's exchange is no ring: across nodes only the ranks at a node's
-  // edge send across, each on its own NIC (1 GB/s): 4 bytes a parameter to each of two
-  // neighbours, a ring step each.
+  // Decentralized training's exchange is no ring: across nodes a rank at a node's edge sends
+  // one neighbour's 4 bytes a parameter on its NIC (1 GB/s) and the other's within the
+  // node, side by side; with one rank a node, both on its NIC.
   o.decentralized_every = 1;
-  EXPECT_NEAR(predict_time(m, only_links(2, 2, false), o).step_s, 2 * 4 * params / 1e9 + 2 * 1e-5, 1e-9);
+  EXPECT_NEAR(predict_time(m, only_links(2, 2, false), o).step_s, 4 * params / 1e9 + 1e-5, 1e-9);
+  EXPECT_NEAR(predict_time(m, only_links(3, 1, false), o).step_s, 2 * 4 * params / 1e9 + 2 * 1e-5, 1e-9);
   o.decentralized_every = 0;
   o.strategy = Strategy::HybridShard;
   // Groups of 3 or 6 over nodes of 4 would straddle them; within one node any divisor goes.
