@@ -6,7 +6,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <sstream>
 #include <string>
+#include <vector>
 
 namespace flatshard::plan {
 
@@ -27,6 +29,19 @@ inline bool parse_int(const std::string& text, int& out) {
     return false;
   out = static_cast<int>(d);
   return true;
+}
+
+// Whole numbers separated by commas ("1,2,4"), each the whole of its field.
+inline bool parse_list(const std::string& text, std::vector<int>& out) {
+  out.clear();
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    int v;
+    if (!parse_int(item, v)) return false;
+    out.push_back(v);
+  }
+  return !out.empty() && text.back() != ',';
 }
 
 }  // namespace flatshard::plan

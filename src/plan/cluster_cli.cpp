@@ -114,17 +114,9 @@ int cluster_main(int argc, char** argv) {
         return usage(e.what());
       }
     } else if (a == "--gpt") {
-      // Exactly five whole numbers, each the whole of its field.
-      std::vector<int> f;
-      std::size_t at = 0;
-      bool ok = true;
-      while (ok && at <= v.size()) {
-        const std::size_t comma = std::min(v.find(',', at), v.size());
-        int x = 0;
-        ok = parse_int(v.substr(at, comma - at), x) && x >= 1 && x <= kMostCount;
-        f.push_back(x);
-        at = comma + 1;
-      }
+      std::vector<int> f;  // exactly five whole numbers
+      const bool ok = parse_list(v, f) &&
+                      std::all_of(f.begin(), f.end(), [](int x) { return x >= 1 && x <= kMostCount; });
       if (!ok || f.size() != 5 || f[1] % f[2] != 0)
         return usage(
             fmt::format("--gpt takes LAYERS,DIM,HEADS,VOCAB,CONTEXT (DIM a multiple of HEADS), got '{}'", v)

@@ -59,18 +59,6 @@ int usage(const char* why) {
   return why ? 2 : 0;
 }
 
-bool parse_list(const std::string& text, std::vector<int>& out) {
-  out.clear();
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    int v;
-    if (!parse_int(item, v)) return false;
-    out.push_back(v);
-  }
-  return !out.empty() && text.back() != ',';
-}
-
 double mib(std::int64_t b) { return static_cast<double>(b) / (1 << 20); }
 
 }  // namespace
