@@ -138,9 +138,10 @@ Cluster h100_cluster(int nodes, int per_node) {
 // the s² terms and dropout masks), and the MLP's, 4 x its hidden width for GPT's GELU
 // (input of the second matmul and the GELU's input) or 8 x for Llama's SwiGLU (gate, up,
 // their activation and product). Full recomputation keeps each layer's input (2 x dim) and
-// one layer's whole set; selective keeps half. The loss adds the logits: 2-byte logits, their
-// fp32 copy and its gradient, 10 x vocab bytes per token. An estimate within tens of
-// percent: measure_activation_bytes gives the exact figure for a model at hand.
+// one layer's whole set; selective keeps half. The loss adds the logits: the logits in the
+// parameters' dtype, the fp32 log-probabilities the cross-entropy keeps and their fp32
+// gradient, (2 + 8) x vocab bytes per token in bf16 and (4 + 8) in fp32. An estimate within
+// tens of percent: measure_activation_bytes gives the exact figure for a model at hand.
 std::int64_t estimate_activation_bytes(const TransformerShape& m, const TimeOptions& o) {
   const double tokens = static_cast<double>(o.sequences) * static_cast<double>(o.sequence_length);
   const double scale = o.param_bytes / 2.0;
@@ -150,7 +151,8 @@ std::int64_t estimate_activation_bytes(const TransformerShape& m, const TimeOpti
   if (o.recompute == Recompute::Selective) layers /= 2;
   if (o.recompute == Recompute::Full)
     layers = m.layers * 2.0 * static_cast<double>(m.dim) * tokens * scale + layer;
-  return static_cast<std::int64_t>(layers + 10.0 * static_cast<double>(m.vocab) * tokens);
+  const double logits = (o.param_bytes + 8.0) * static_cast<double>(m.vocab) * tokens;
+  return static_cast<std::int64_t>(layers + logits);
 }
 
 HookModel parse_hook_model(const std::string& spec) {

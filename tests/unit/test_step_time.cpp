@@ -777,6 +777,11 @@ TEST(StepTime, ActivationEstimatesFollowTheShapesAndTheRecomputation) {
   o.recompute = Recompute::Full;
   EXPECT_NEAR(static_cast<double>(estimate_activation_bytes(m, o)), 32 * 2.0 * 4096 * 1000 + layer + logits,
               2);
+  // In fp32 every activation doubles; the logits are 4-byte, beside the same fp32
+  // log-probabilities and gradient.
+  o.recompute = Recompute::None;
+  o.param_bytes = 4;
+  EXPECT_NEAR(static_cast<double>(estimate_activation_bytes(m, o)), 32 * layer * 2 + 12.0 * 128256 * 1000, 2);
 }
 
 // plan_cluster gives every strategy (hybrid in groups of a node up to half the world) its
