@@ -1,5 +1,6 @@
 #include "src/launcher/launcher.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -111,6 +113,7 @@ void flush_partial(int rank, std::string& partial, FILE* to) {
 }
 
 pid_t spawn(const LaunchOptions& o, int local, int port, int restart, int out_fd[2], int err_fd[2]) {
+  const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid > 0) ::setpgid(pid, pid);  // the child does too: its group exists before either goes on
   if (pid != 0) return pid;
@@ -118,6 +121,7 @@ pid_t spawn(const LaunchOptions& o, int local, int port, int restart, int out_fd
   // launcher dies.
   ::setpgid(0, 0);
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != parent) ::_exit(1);  // the launcher died before the line above
   ::dup2(out_fd[1], STDOUT_FILENO);
   ::dup2(err_fd[1], STDERR_FILENO);
   ::close(out_fd[0]);
@@ -139,7 +143,10 @@ pid_t spawn(const LaunchOptions& o, int local, int port, int restart, int out_fd
   if (o.nccl_host_per_rank) {
     // Note [NCCL between ranks on one GPU]
     ::setenv("NCCL_HOSTID", fmt::format("flatshard-{}-{}-rank{}", o.master_addr, port, rank).c_str(), 1);
-    if (o.nnodes == 1) ::setenv("NCCL_SOCKET_IFNAME", "lo", 0);  // one machine: loopback
+    if (o.nnodes == 1) {  // one machine: sockets on loopback, not an RDMA adapter or a net plugin
+      ::setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+      ::setenv("NCCL_NET", "Socket", 0);
+    }
     ::setenv("FLATSHARD_NCCL_HOST_PER_RANK", "1", 1);
   }
   std::vector<char*> argv;
@@ -156,7 +163,8 @@ pid_t spawn(const LaunchOptions& o, int local, int port, int restart, int out_fd
 // variable replaces. With --nccl-host-per-rank each rank gets an id of its own (the
 // job's address and port, and the rank), so NCCL treats the ranks as separate machines
 // and joins them over its network transport (sockets on the loopback interface, unless
-// NCCL_SOCKET_IFNAME says otherwise; across nodes NCCL picks its interface as usual): the inter-node path of
+// NCCL_NET or NCCL_SOCKET_IFNAME says otherwise: InfiniBand adapters or a net plugin would
+// otherwise carry it; across nodes NCCL picks its network as usual): the inter-node path of
 // a real cluster, on one machine. It is for testing and measuring NCCL at several ranks where there is one
 // GPU; it is slower than NVLink or shared memory between GPUs, and each rank still shares the one GPU's SMs
 // and memory. FLATSHARD_NCCL_HOST_PER_RANK=1 tells the ranks it is on.
@@ -185,7 +193,8 @@ std::string usage() {
          "  --max-restarts N        after a rank fails, stop the others and start every rank\n"
          "                          again, up to N times (default 0); the program resumes from\n"
          "                          its latest checkpoint (TORCHELASTIC_RESTART_COUNT says which\n"
-         "                          start it is)\n";
+         "                          start it is); on M > 1 fixed nodes the launchers meet\n"
+         "                          before each start, as with --nnodes M:M\n";
 }
 
 LaunchOptions parse_args(int argc, char** argv) {
@@ -296,6 +305,59 @@ void remove_file_store(const LaunchOptions& o) {
                "flatshard-run: cannot remove the last start's store file {}: {}; the restart may find its "
                "ranks claimed\n",
                path, std::strerror(errno));
+  }
+}
+
+// Whether a process other than `pgid` itself (a rank, exited or not) is in process group
+// `pgid`: what the rank started and left running.
+bool group_has_others(pid_t pgid) {
+  DIR* proc = ::opendir("/proc");
+  if (proc == nullptr) return false;
+  bool found = false;
+  while (const dirent* e = ::readdir(proc)) {
+    char* end = nullptr;
+    const long pid = std::strtol(e->d_name, &end, 10);
+    if (*end != '\0' || pid <= 0 || pid == pgid) continue;
+    const std::string path = fmt::format("/proc/{}/stat", pid);
+    FILE* f = std::fopen(path.c_str(), "re");
+    if (f == nullptr) continue;  // gone meanwhile
+    char line[512];
+    const bool read = std::fgets(line, sizeof(line), f) != nullptr;
+    std::fclose(f);
+    // "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+    const char* close = read ? std::strrchr(line, ')') : nullptr;
+    char state = 0;
+    long ppid = 0, pgrp = 0;
+    if (close != nullptr && std::sscanf(close + 1, " %c %ld %ld", &state, &ppid, &pgrp) == 3 &&
+        pgrp == pgid && state != 'Z') {
+      found = true;
+      break;
+    }
+  }
+  ::closedir(proc);
+  return found;
+}
+
+// Note [What a rank leaves running]
+// A rank's children (a shell's background jobs, a helper process it started) are in its
+// process group, which the rank's zombie keeps reserved until the start ends. Once every
+// rank has exited, whatever is left in their groups is stopped as the ranks would have
+// been: SIGTERM, and SIGKILL after a second. Left running, it would outlive the job, and
+// a restart's ranks would meet it (a port, a file, device memory).
+void stop_leftovers(const std::vector<Rank>& ranks) {
+  std::vector<pid_t> groups;
+  for (const Rank& r : ranks) {
+    if (r.pid > 0 && group_has_others(r.pid)) groups.push_back(r.pid);
+  }
+  if (groups.empty()) return;
+  for (pid_t g : groups) ::kill(-g, SIGTERM);
+  const auto give_up = Clock::now() + std::chrono::seconds(1);
+  while (Clock::now() < give_up &&
+         std::any_of(groups.begin(), groups.end(), [](pid_t g) { return group_has_others(g); })) {
+    ::usleep(20000);
+  }
+  for (pid_t g : groups) {
+    if (group_has_others(g)) ::kill(-g, SIGKILL);
   }
 }
 
@@ -480,6 +542,7 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
       signal_all(SIGKILL);
     }
   }
+  stop_leftovers(ranks);
   Outcome out;
   // Once the job grows, a rank that failed failed on the stop or on a peer stopped for it.
   // On node 0, ranks that all finished before its stop leave a finished job.
@@ -556,17 +619,21 @@ int run_elastic(const LaunchOptions& o) {
   r.secret = secret ? secret : "";
   if (r.secret.empty() && tcp::loopback_address_of(o.master_addr).empty()) {
     fmt::print(stderr,
-               "flatshard-run: an elastic job across machines needs a secret: give every node the same "
+               "flatshard-run: a job across machines needs a secret: give every node the same "
                "FLATSHARD_JOB_SECRET (docs/launching.md)\n");
     return 2;
   }
-  // A signal to the launcher while the nodes meet ends the job (Note [Restarting a failed
-  // job]): the rounds ask between their waits.
+  const auto job_start = Clock::now();
+  // A signal to the launcher, or the job's deadline, while the nodes meet ends the job
+  // (Note [Restarting a failed job]): the rounds ask between their waits.
   int stop_signal = 0;
-  r.stop = [&stop_signal] {
+  bool past_deadline = false;
+  r.stop = [&] {
     unsigned char sig = 0;
     if (stop_signal == 0 && ::read(g_signal_pipe[0], &sig, 1) == 1) stop_signal = sig;
-    return stop_signal != 0;
+    if (o.deadline_s > 0 && Clock::now() - job_start > std::chrono::duration<double>(o.deadline_s))
+      past_deadline = true;
+    return stop_signal != 0 || past_deadline;
   };
   std::unique_ptr<RendezvousHost> host;
   RendezvousNode node(r);
@@ -576,7 +643,6 @@ int run_elastic(const LaunchOptions& o) {
     fmt::print(stderr, "flatshard-run: {}\n", e.what());
     return 1;
   }
-  const auto job_start = Clock::now();
   std::vector<int> before;  // the node ids of the previous start
   int restart = 0;          // starts after a failure: a regroup is none
   for (;;) {
@@ -584,9 +650,16 @@ int run_elastic(const LaunchOptions& o) {
     try {
       m = host ? host->next_round(restart) : node.join();
     } catch (const RendezvousStopped&) {
-      fmt::print(stderr, "flatshard-run: got signal {} while the nodes met: the job ends\n", stop_signal);
-      if (host) host->finish(128 + stop_signal);
-      return 128 + stop_signal;
+      const int code = stop_signal != 0 ? 128 + stop_signal : 124;
+      if (stop_signal != 0) {
+        fmt::print(stderr, "flatshard-run: got signal {} while the nodes met: the job ends\n", stop_signal);
+      } else {
+        fmt::print(stderr,
+                   "flatshard-run: node {}: the job passed its deadline of {:.1f} s while the nodes met\n",
+                   o.node_rank, o.deadline_s);
+      }
+      if (host) host->finish(code);
+      return code;
     } catch (const std::exception& e) {
       fmt::print(stderr, "flatshard-run: {}\n", e.what());
       return 1;
@@ -644,7 +717,9 @@ int run_elastic(const LaunchOptions& o) {
       ::unsetenv("FLATSHARD_FAILED_AT_UNIX_MS");
       continue;
     }
-    if (!restart_follows(o, out, restart)) {
+    // The host's count decides on every node: a node whose ranks failed before the host's
+    // did must not give up while the host restarts the job, nor go on once it has stopped.
+    if (!restart_follows(o, out, host ? restart : m.restarts)) {
       if (host) host->finish(out.code);
       return out.code;
     }
@@ -662,11 +737,20 @@ int run_elastic(const LaunchOptions& o) {
 // to the number of starts before it. The program resumes from its latest complete
 // checkpoint (train_gpt --resume, which starts at step 0 when there is none yet), and
 // sharded checkpoints are complete or absent whatever moment the failure hit
-// (Note [Checkpoint directories]). A signal to the launcher (SIGINT, SIGTERM) or the
-// job's deadline (counted from the first start) ends the job without a restart. On several
-// nodes each node's launcher restarts its own ranks; the other nodes' ranks fail fast on
-// the lost peer, so their launchers restart them too, and all meet again at the fixed
-// --master-port.
+// (Note [Checkpoint directories]). A signal to the launcher (SIGINT, SIGHUP, SIGTERM) or
+// the job's deadline (counted from the first start, and also while the nodes meet) ends
+// the job without a restart.
+//
+// Note [Restarting a job of several nodes]
+// A job of M fixed nodes with --max-restarts runs as an elastic job of exactly M nodes
+// (--nnodes M:M, Note [Rounds of an elastic job]). Each launcher restarting its own ranks
+// at the fixed --master-port does not work: a node whose ranks failed first restarts
+// within a second, while a peer's old rank 0 still serves that port, and its new ranks
+// join the old start (and fail: the ranks are claimed), spending its restarts one after
+// another; the nodes' counts drift apart, and one node may give up while the others wait.
+// In rounds, every node starts again together, at a port the host picks for each start
+// (--master-port is where the launchers meet), and the host's count of restarts is the
+// one every node's ranks are told and every node gives up at.
 int run(const LaunchOptions& o) {
   if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
     std::fprintf(stderr, "flatshard-run: pipe: %s\n", std::strerror(errno));
@@ -677,6 +761,7 @@ int run(const LaunchOptions& o) {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGHUP, &sa, nullptr);  // the terminal or ssh session that ran it went away
   ::signal(SIGPIPE, SIG_IGN);
   // Inherited as ignored, SIGCHLD would have the kernel reap the ranks itself, and waitpid
   // would never see one exit.
@@ -694,6 +779,13 @@ int run(const LaunchOptions& o) {
     ::setenv("FLATSHARD_JOB_SECRET", secret.c_str(), 1);
   }
   if (o.elastic) return run_elastic(o);
+  if (o.nnodes > 1 && o.max_restarts > 0) {
+    // Note [Restarting a job of several nodes]
+    LaunchOptions rounds = o;
+    rounds.elastic = true;
+    rounds.min_nodes = rounds.max_nodes = o.nnodes;
+    return run_elastic(rounds);
+  }
   const auto job_start = Clock::now();
   for (int restart = 0;; ++restart) {
     if (restart > 0) remove_file_store(o);

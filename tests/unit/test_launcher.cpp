@@ -1,6 +1,7 @@
 // flatshard-run on plain shell programs: environment, output prefixes, exit codes,
 // stopping the others when one rank fails, and signal forwarding.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -64,9 +65,10 @@ TEST(Launcher, MultiNodeRanksAndAFreePortWhenNoneIsGiven) {
 TEST(Launcher, NcclHostPerRankGivesEachRankItsOwnHostId) {
   unsetenv("NCCL_HOSTID");  // whatever this process was started with
   unsetenv("NCCL_SOCKET_IFNAME");
-  auto r =
-      run_command(launch({"-n", "3", "--nccl-host-per-rank"},
-                         "echo \"host $NCCL_HOSTID $FLATSHARD_NCCL_HOST_PER_RANK $NCCL_SOCKET_IFNAME\""));
+  unsetenv("NCCL_NET");
+  auto r = run_command(
+      launch({"-n", "3", "--nccl-host-per-rank"},
+             "echo \"host $NCCL_HOSTID $FLATSHARD_NCCL_HOST_PER_RANK $NCCL_SOCKET_IFNAME $NCCL_NET\""));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::set<std::string> ids;
   for (int i = 0; i < 3; ++i) {
@@ -75,7 +77,7 @@ TEST(Launcher, NcclHostPerRankGivesEachRankItsOwnHostId) {
     ASSERT_NE(at, std::string::npos) << r.output;
     const auto end = r.output.find('\n', at);
     const std::string line = r.output.substr(at + prefix.size(), end - at - prefix.size());
-    EXPECT_NE(line.find("rank" + std::to_string(i) + " 1 lo"), std::string::npos) << line;
+    EXPECT_NE(line.find("rank" + std::to_string(i) + " 1 lo Socket"), std::string::npos) << line;
     ids.insert(line.substr(0, line.find(' ')));
   }
   EXPECT_EQ(ids.size(), 3u) << r.output;
@@ -410,6 +412,69 @@ TEST(Launcher, ASignalEndsAnElasticRoundAtOnce) {
   }
 }
 
+// Note [Restarting a job of several nodes]: node 1's rank fails at once; node 0's fails
+// two seconds later (as on a lost peer, after a collective's wait), its marker file
+// present meanwhile. Both nodes start again together, after node 0's start has ended (no
+// rank of the second start sees the marker), told the same count, and the job succeeds
+// with one restart. Each launcher restarting on its own would start node 1's ranks beside
+// node 0's first start, which spends node 1's restart on the marker.
+TEST(Launcher, AFixedJobOfSeveralNodesRestartsTogether) {
+  const std::string port = std::to_string(free_port());
+  const std::string marker = fmt::format("/tmp/flatshard-fixed-restart-{}", ::getpid());
+  std::remove(marker.c_str());
+  const std::string script =
+      "echo \"env $RANK $WORLD_SIZE $TORCHELASTIC_RESTART_COUNT\"; "
+      "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then "
+      "  if [ \"$RANK\" = 1 ]; then exit 3; fi; "
+      "  touch " +
+      marker + "; sleep 2; rm -f " + marker +
+      "; exit 1; "
+      "fi; "
+      "if [ -e " +
+      marker + " ]; then echo overlap; exit 9; fi; echo done-$RANK";
+  std::vector<std::vector<std::string>> args;
+  for (int id = 0; id < 2; ++id) {
+    args.push_back({"-n", "1", "--nnodes", "2", "--node-rank", std::to_string(id), "--master-port", port,
+                    "--max-restarts", "1", "--grace-s", "0.5", "--deadline-s", "60"});
+  }
+  std::vector<RunOptions> options(2);
+  for (auto& o : options) o.env["FLATSHARD_JOB_SECRET"] = "fixed-test";
+  const auto r = run_nodes(args, options, script);
+  std::remove(marker.c_str());
+  for (int id = 0; id < 2; ++id) {
+    EXPECT_EQ(r[id].exit_code, 0) << "node " << id << ": " << r[id].output;
+    EXPECT_EQ(r[id].output.find("overlap"), std::string::npos) << r[id].output;
+    EXPECT_NE(r[id].output.find(fmt::format("[rank {0}] env {0} 2 1", id)), std::string::npos)
+        << r[id].output;
+    EXPECT_NE(r[id].output.find(fmt::format("[rank {0}] done-{0}", id)), std::string::npos) << r[id].output;
+    EXPECT_NE(r[id].output.find("restart 1 of 1"), std::string::npos) << r[id].output;
+    EXPECT_LT(r[id].seconds, 30.0) << r[id].output;
+  }
+}
+
+// The job's deadline holds while the nodes meet: a node alone (the host waiting for the
+// other, the other for a host that is not there; a fixed job with restarts meets too) ends
+// with the deadline's code within seconds, not after --rdzv-timeout-s.
+TEST(Launcher, TheDeadlineHoldsWhileTheNodesMeet) {
+  const std::string port = std::to_string(free_port());
+  RunOptions options;
+  options.env["FLATSHARD_JOB_SECRET"] = "deadline-test";
+  for (const auto& nodes :
+       {std::vector<std::string>{"--nnodes", "2:2", "--node-rank", "0"},
+        std::vector<std::string>{"--nnodes", "2:2", "--node-rank", "1"},
+        std::vector<std::string>{"--nnodes", "2", "--node-rank", "0", "--max-restarts", "2"}}) {
+    std::vector<std::string> args{"-n",           "1", "--master-port", port, "--rdzv-timeout-s", "60",
+                                  "--deadline-s", "1"};
+    args.insert(args.end(), nodes.begin(), nodes.end());
+    const auto r = run_command(launch(args, "echo started"), options);
+    EXPECT_EQ(r.exit_code, 124) << fmt::format("{}", fmt::join(nodes, " ")) << ": " << r.output;
+    EXPECT_LT(r.seconds, 10.0) << r.output;
+    EXPECT_NE(r.output.find("passed its deadline of 1.0 s while the nodes met"), std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("started"), std::string::npos) << r.output;
+  }
+}
+
 TEST(Launcher, FailedRankStopsTheOthersAndItsCodeIsTheJobs) {
   const auto r = run_command(
       launch({"-n", "3", "--grace-s", "0.5"}, "if [ \"$RANK\" = 1 ]; then sleep 0.2; exit 3; fi; sleep 60"));
@@ -429,6 +494,23 @@ TEST(Launcher, ForwardsSigtermToEveryRank) {
   EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
   EXPECT_NE(r.output.find("[rank 0] got-term-0"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[rank 1] got-term-1"), std::string::npos) << r.output;
+}
+
+// A terminal or ssh session that goes away sends SIGHUP: the ranks hear it as from the
+// launcher, and the job ends without a restart.
+TEST(Launcher, ForwardsSighupAndEndsTheJob) {
+  RunOptions options;
+  options.signal = SIGHUP;
+  options.signal_after = std::chrono::milliseconds(1500);
+  const auto r =
+      run_command(launch({"-n", "2", "--max-restarts", "2"},
+                         "echo start-$TORCHELASTIC_RESTART_COUNT; trap 'echo got-hup-$RANK; exit 7' HUP; "
+                         "sleep 30 & wait"),
+                  options);
+  EXPECT_EQ(r.exit_code, 128 + SIGHUP) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] got-hup-0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] got-hup-1"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("start-1"), std::string::npos) << "restarted after a signal: " << r.output;
 }
 
 TEST(Launcher, DeadlineStopsAHungJob) {
@@ -486,6 +568,17 @@ TEST(Launcher, MaxRestartsEndsWithTheLastFailureAndNeverAfterASignal) {
       << "restarted after a signal: " << stopped.output;
 }
 
+// Whether process `pid` runs: gone, or a zombie no one has reaped yet, it does not.
+bool running(int pid) {
+  FILE* stat = std::fopen(fmt::format("/proc/{}/stat", pid).c_str(), "r");
+  if (stat == nullptr) return false;
+  char line[512] = {};
+  const bool read = std::fgets(line, sizeof(line), stat) != nullptr;
+  std::fclose(stat);
+  const char* paren = read ? std::strrchr(line, ')') : nullptr;
+  return paren == nullptr || paren[2] != 'Z';
+}
+
 // A rank that exits with a code above 128 exited: the restart names its code, not a signal.
 // What it started and left running (a shell's background job, in its process group) is
 // stopped with the other ranks, not left behind.
@@ -505,21 +598,31 @@ TEST(Launcher, AHighExitCodeIsACodeAndAnExitedRanksChildrenStop) {
   ASSERT_EQ(std::fscanf(f, "%d", &pid), 1);
   std::fclose(f);
   std::remove(pid_file.c_str());
-  // Gone, or a zombie no one has reaped yet: either way not running.
-  const auto running = [pid] {
-    FILE* stat = std::fopen(fmt::format("/proc/{}/stat", pid).c_str(), "r");
-    if (stat == nullptr) return false;
-    char line[512] = {};
-    const bool read = std::fgets(line, sizeof(line), stat) != nullptr;
-    std::fclose(stat);
-    const char* paren = read ? std::strrchr(line, ')') : nullptr;
-    return paren == nullptr || paren[2] != 'Z';
-  };
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (running() && std::chrono::steady_clock::now() < deadline)
+  while (running(pid) && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_FALSE(running()) << "rank 1's background job (pid " << pid << ") outlived the launcher";
-  if (running()) ::kill(pid, SIGKILL);
+  EXPECT_FALSE(running(pid)) << "rank 1's background job (pid " << pid << ") outlived the launcher";
+  if (running(pid)) ::kill(pid, SIGKILL);
+}
+
+// Note [What a rank leaves running]: every rank exits by itself (successfully), one leaving
+// a background job; the launcher stops it before it returns.
+TEST(Launcher, WhatRanksLeaveRunningStopsWhenTheyAllExit) {
+  const std::string pid_file = fmt::format("/tmp/flatshard-launcher-leftover-{}", ::getpid());
+  std::remove(pid_file.c_str());
+  const auto r =
+      run_command(launch({"-n", "2"}, "if [ \"$RANK\" = 1 ]; then sleep 60 > /dev/null 2>&1 & echo $! > " +
+                                          pid_file + "; fi; echo done-$RANK"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 10.0) << r.output;
+  FILE* f = std::fopen(pid_file.c_str(), "r");
+  ASSERT_NE(f, nullptr) << "rank 1 did not start its helper";
+  int pid = 0;
+  ASSERT_EQ(std::fscanf(f, "%d", &pid), 1);
+  std::fclose(f);
+  std::remove(pid_file.c_str());
+  EXPECT_FALSE(running(pid)) << "rank 1's background job (pid " << pid << ") outlived the launcher";
+  if (running(pid)) ::kill(pid, SIGKILL);
 }
 
 TEST(Launcher, BadArgumentsPrintUsage) {
