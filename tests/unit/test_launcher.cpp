@@ -483,34 +483,23 @@ TEST(Launcher, FailedRankStopsTheOthersAndItsCodeIsTheJobs) {
   EXPECT_NE(r.output.find("rank 1 exited with code 3"), std::string::npos) << r.output;
 }
 
-TEST(Launcher, ForwardsSigtermToEveryRank) {
-  RunOptions options;
-  options.signal = SIGTERM;
-  options.signal_after = std::chrono::milliseconds(1500);
-  const auto r = run_command(launch({"-n", "2"},
-                                    "trap 'echo got-term-$RANK; exit 7' TERM; "
-                                    "sleep 30 & wait"),
-                             options);
-  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
-  EXPECT_NE(r.output.find("[rank 0] got-term-0"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("[rank 1] got-term-1"), std::string::npos) << r.output;
-}
-
-// A terminal or ssh session that goes away sends SIGHUP: the ranks hear it as from the
-// launcher, and the job ends without a restart.
-TEST(Launcher, ForwardsSighupAndEndsTheJob) {
-  RunOptions options;
-  options.signal = SIGHUP;
-  options.signal_after = std::chrono::milliseconds(1500);
-  const auto r =
-      run_command(launch({"-n", "2", "--max-restarts", "2"},
-                         "echo start-$TORCHELASTIC_RESTART_COUNT; trap 'echo got-hup-$RANK; exit 7' HUP; "
-                         "sleep 30 & wait"),
-                  options);
-  EXPECT_EQ(r.exit_code, 128 + SIGHUP) << r.output;
-  EXPECT_NE(r.output.find("[rank 0] got-hup-0"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("[rank 1] got-hup-1"), std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find("start-1"), std::string::npos) << "restarted after a signal: " << r.output;
+// SIGTERM, and SIGHUP (a terminal or ssh session that went away), reach every rank as
+// from the launcher, and end the job without a restart.
+TEST(Launcher, ForwardsSigtermAndSighupToEveryRank) {
+  for (const auto& [sig, name] : {std::pair{SIGTERM, "TERM"}, std::pair{SIGHUP, "HUP"}}) {
+    RunOptions options;
+    options.signal = sig;
+    options.signal_after = std::chrono::milliseconds(1500);
+    const auto r = run_command(launch({"-n", "2", "--max-restarts", "2"},
+                                      fmt::format("echo start-$TORCHELASTIC_RESTART_COUNT; "
+                                                  "trap 'echo got-{0}-$RANK; exit 7' {0}; sleep 30 & wait",
+                                                  name)),
+                               options);
+    EXPECT_EQ(r.exit_code, 128 + sig) << r.output;
+    EXPECT_NE(r.output.find(fmt::format("[rank 0] got-{}-0", name)), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(fmt::format("[rank 1] got-{}-1", name)), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("start-1"), std::string::npos) << "restarted after a signal: " << r.output;
+  }
 }
 
 TEST(Launcher, DeadlineStopsAHungJob) {
