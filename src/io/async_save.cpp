@@ -1,13 +1,17 @@
 // Asynchronous sharded checkpoints (checkpoint::AsyncSaver): a host copy of what this rank
 // writes, then save_sharded's writing and commit on a thread of the saver, over a
 // communicator of its own.
+#include <cerrno>
 #include <chrono>
+#include <functional>
+#include <system_error>
 #include <thread>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
 #include "flatshard/checkpoint.h"
+#include "src/io/files.h"
 #include "src/io/shard_files.h"
 #include "src/logging.h"
 
@@ -70,6 +74,18 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
   // Registered now, on this thread: a save or load under the root from here on is refused
   // until the writer is done (Note [One save at a time under a root]).
   auto underway = std::make_shared<const shards::SaveUnderway>(root);
+  // Starts the writer thread. Out of threads, this rank answers the save's first agreement
+  // here with the failure (the other ranks' writers wait in it), and throws what every rank
+  // throws.
+  const auto start_writer = [&](std::function<void()> work) {
+    try {
+      if (io::fault_injected("thread")) throw std::system_error(EAGAIN, std::generic_category());
+      s->writer = std::thread(std::move(work));
+    } catch (const std::system_error& e) {
+      shards::agree(*s->comm, root, shards::kStartingTheSave,
+                    fmt::format("starting the writer thread: {}; the process is out of threads", e.what()));
+    }
+  };
   shards::Holding copy;
   try {
     copy = shards::snapshot(shards::hold_for_save(*state_->fsdp, optimizer, options), rank, &state_->copies);
@@ -77,9 +93,9 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
     // The other ranks' writers are already at the save's first agreement: this rank's
     // writer answers it with the failure, which every rank then throws at its next call.
     const std::string why = "copying this rank's shard to the host: " + shards::reason_of(e);
-    s->writer = std::thread([s, root, why, underway] {
+    start_writer([s, root, why, underway] {
       try {
-        shards::agree(*s->comm, root, "creating the checkpoint directory", why);
+        shards::agree(*s->comm, root, shards::kStartingTheSave, why);
       } catch (const std::exception& failed) {
         s->failure = failed.what();
       }
@@ -94,9 +110,9 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
   background.scheduler = nullptr;
   background.scaler = nullptr;
   background.sampler = nullptr;
-  s->writer = std::thread([s, root, background, held = std::move(copy), underway] {
+  start_writer([s, root, background, held = std::make_shared<shards::Holding>(std::move(copy)), underway] {
     try {
-      s->info = shards::save(root, *s->comm, held, background, underway);
+      s->info = shards::save(root, *s->comm, *held, background, underway);
     } catch (const CommError& e) {  // a rank died, or did not answer within the timeout
       s->failure =
           std::string(e.what()) +

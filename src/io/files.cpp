@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -203,6 +204,7 @@ void SequentialFile::finish() {
     staged_ = 0;
   }
   if (written_ != size_ && ::ftruncate(fd_, size_) != 0) fail("setting the length of", errno);
+  if (fault_injected("fsync")) fail("flushing", EIO);  // Note [Injected checkpoint faults]
   if (::fsync(fd_) != 0) fail("flushing", errno);
   const int fd = fd_;
   fd_ = -1;
@@ -225,6 +227,18 @@ std::vector<char> read_file(const std::string& path) {
                                                         path, std::strerror(err), why));
   }
   return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+bool fault_injected(const char* site) {
+  const char* faults = std::getenv("FLATSHARD_CHECKPOINT_FAULT");
+  if (faults == nullptr) return false;
+  const std::string_view all(faults), want(site);
+  for (std::size_t at = 0; at <= all.size();) {
+    const std::size_t comma = std::min(all.find(',', at), all.size());
+    if (all.substr(at, comma - at) == want) return true;
+    at = comma + 1;
+  }
+  return false;
 }
 
 std::string errno_reason(int err) {

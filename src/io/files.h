@@ -9,6 +9,15 @@
 
 namespace flatshard::io {
 
+// Note [Injected checkpoint faults]
+// FLATSHARD_CHECKPOINT_FAULT=SITE[,SITE...] makes this process fail at each named site as
+// the system would there: `hold` (reading this rank's shards to save, an AsyncSaver's host
+// copy among them: out of memory), `thread` (an AsyncSaver's writer thread cannot start:
+// out of threads), `fsync` (a shard file's fsync: EIO). Tests set it on one rank to prove
+// that every rank hears the failure at once, that nothing is left half-written, and that
+// the next save works.
+bool fault_injected(const char* site);
+
 // Writes `bytes` to a temporary file beside `path`, fsyncs it, renames it over `path`
 // and fsyncs the directory. On failure the temporary file is removed, `path` keeps its
 // old content, and CheckpointError says why (a full disk, a file-size limit, no

@@ -127,6 +127,10 @@ std::vector<std::string> exchange_strings(Communicator& comm, const std::string&
 std::string reason_of(const std::exception& e);
 // Throws on every rank when any rank's `failure` is not empty.
 void agree(Communicator& comm, const std::string& path, const std::string& what, const std::string& failure);
+// The save's first agreement: the directory made on rank 0, and every rank's shards held
+// (a rank that could not read or copy them answers it with its failure, and save() is
+// not called there).
+inline constexpr const char* kStartingTheSave = "starting the save";
 
 // Writes `h` as step options.step under `root` (shard_save.cpp; Note [Checkpoint directories]).
 // `underway`: the root's registration, made by the caller when the save was asked for (an

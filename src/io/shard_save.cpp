@@ -356,7 +356,12 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
       failure = reason_of(e);
     }
   }
-  agree(comm, root, "creating the checkpoint directory", failure);
+  try {
+    agree(comm, root, kStartingTheSave, failure);
+  } catch (const std::exception&) {
+    if (rank == 0) remove_tree(tmp);  // made here while another rank failed
+    throw;
+  }
 
   std::string index;
   try {
@@ -444,19 +449,19 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
       io::write_file_atomically(root + "/latest", std::vector<char>(latest.begin(), latest.end()));
       reached(SaveStage::Published);
       if (!old.empty()) remove_tree(old);
-      if (options.keep_last > 0) {
-        // In step order, by number: names sort as text only up to nine digits.
-        std::vector<std::pair<std::int64_t, std::string>> found;
-        for (const auto& entry : list_dir(root)) {
-          if (entry.rfind("step-", 0) == 0 && entry != name) {
-            std::int64_t number = 0;
-            const char* digits = entry.c_str() + 5;
-            const auto [end, error] = std::from_chars(digits, entry.c_str() + entry.size(), number);
-            if (error == std::errc() && *end == '\0')
-              found.emplace_back(number, entry);  // others are not ours
-          }
-          if (entry.rfind(".step-", 0) == 0) remove_tree(root + "/" + entry);  // left by a killed save
+      // In step order, by number: names sort as text only up to nine digits.
+      std::vector<std::pair<std::int64_t, std::string>> found;
+      for (const auto& entry : list_dir(root)) {
+        if (entry.rfind("step-", 0) == 0 && entry != name) {
+          std::int64_t number = 0;
+          const char* digits = entry.c_str() + 5;
+          const auto [end, error] = std::from_chars(digits, entry.c_str() + entry.size(), number);
+          if (error == std::errc() && *end == '\0') found.emplace_back(number, entry);  // others are not ours
         }
+        // Left by a killed save, whatever keep_last: a checkpoint's worth of files each.
+        if (entry.rfind(".step-", 0) == 0) remove_tree(root + "/" + entry);
+      }
+      if (options.keep_last > 0) {
         std::sort(found.begin(), found.end());
         std::vector<std::string> steps;
         std::size_t earlier = 0;  // of this save's step

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <new>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -15,6 +16,7 @@
 #include "flatshard/checkpoint.h"
 #include "flatshard/data.h"
 #include "flatshard/shard.h"
+#include "src/io/files.h"
 #include "src/io/shard_files.h"
 
 namespace flatshard::checkpoint {
@@ -235,6 +237,7 @@ namespace shards {
 
 Holding hold_for_save(FullyShardBase& fsdp, const optim::ShardOptimizer* optimizer,
                       const SaveOptions& options) {
+  if (io::fault_injected("hold")) throw std::bad_alloc();  // Note [Injected checkpoint faults]
   auto h = hold_fully_shard(fsdp, const_cast<optim::ShardOptimizer*>(optimizer), false, {});
   if (fsdp.comm_hook()) hold_hook_state(h, fsdp.comm().rank(), fsdp.comm_hook()->state());
   h.training = training_state(optimizer, options, fsdp.synced_backwards());
@@ -245,7 +248,14 @@ Holding hold_for_save(FullyShardBase& fsdp, const optim::ShardOptimizer* optimiz
 
 CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
                             const optim::ShardOptimizer* optimizer, const SaveOptions& options) {
-  return save(root, fsdp.comm(), hold_for_save(fsdp, optimizer, options), options);
+  Holding h;
+  try {
+    h = hold_for_save(fsdp, optimizer, options);
+  } catch (const std::exception& e) {  // out of memory, say: the other ranks wait in the first agreement
+    shards::agree(fsdp.comm(), root, shards::kStartingTheSave,
+                  "reading this rank's shards to save: " + shards::reason_of(e));
+  }
+  return save(root, fsdp.comm(), h, options);
 }
 
 CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim::ShardOptimizer* optimizer,

@@ -4,6 +4,7 @@
 // every rank at the next call.
 #include <unistd.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
@@ -188,7 +189,8 @@ TEST(AsyncCheckpoint, ThePreviousStaysLatestUntilTheNewIsComplete) {
 }
 
 // A save that fails in the background (its root cannot be made: a file stands there) throws
-// at the next call, on every rank, naming the path; the saver goes on working.
+// at the next call, on every rank, naming the path; the saver goes on working, also after
+// a rank's host copy or writer thread failed.
 TEST(AsyncCheckpoint, AFailureSurfacesOnEveryRankAtTheNextCall) {
   FLATSHARD_RUN_RANKS({2});
   auto world = flatshard::init();
@@ -212,6 +214,30 @@ TEST(AsyncCheckpoint, AFailureSurfacesOnEveryRankAtTheNextCall) {
   }
   const std::string root = root_for(world, "after");
   if (world.rank() == 0) fs::remove_all(root);
+  // Rank 1's host copy fails (Note [Injected checkpoint faults]): every rank hears it at
+  // the next call, naming rank 1, and nothing is left under the root. Then its writer
+  // thread cannot start: rank 1 throws at the call, the others at their next.
+  for (const auto& [fault, said] : {std::pair{"hold", "copying this rank's shard to the host"},
+                                    std::pair{"thread", "starting the writer thread"}}) {
+    SCOPED_TRACE(fault);
+    if (world.rank() == 1) ::setenv("FLATSHARD_CHECKPOINT_FAULT", fault, 1);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      saver.save(root, t.shard_optimizer(), o);
+      saver.wait();
+      ADD_FAILURE() << "the failed save was not reported";
+    } catch (const ckpt::CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find("starting the save failed on rank 1 of 2"), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find(said), std::string::npos) << e.what();
+    }
+    ::unsetenv("FLATSHARD_CHECKPOINT_FAULT");
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20))
+        << "a rank waited out a deadline";
+    t.fully_shard().comm().barrier().wait();
+    EXPECT_FALSE(fs::exists(root + "/.step-000000001.tmp")) << "the failed save left its directory";
+    EXPECT_FALSE(fs::exists(root + "/latest"));
+  }
   saver.save(root, t.shard_optimizer(), o);
   EXPECT_EQ(saver.wait().step, 1);
   t.fully_shard().comm().barrier().wait();

@@ -456,9 +456,13 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
   if (world.rank() == 0) fs::remove_all(root);
 }
 
-// A save that cannot finish (rank 1 hits its file-size limit, as on a full disk) fails
-// on every rank with a CheckpointError, and the previous checkpoint stays the latest.
-TEST(Checkpoint, FullDiskFailsEveryRankAndKeepsThePrevious) {
+// A save that cannot finish on rank 1 fails on every rank at once with a CheckpointError
+// naming rank 1, leaves nothing under the root, and the previous checkpoint stays the
+// latest: rank 1 hits its file-size limit (as on a full disk), its shard file's fsync
+// fails (Note [Injected checkpoint faults]), or it cannot read its shards to save (out of
+// memory, before save() starts there). A save that goes through afterwards, with keep_last
+// 0, removes what a killed save left.
+TEST(Checkpoint, AFailedSaveFailsEveryRankAndKeepsThePrevious) {
   FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
   auto world = flatshard::init();
   const std::string root = fmt::format("/tmp/flatshard-fulldisk-{}", env("MASTER_PORT"));
@@ -467,33 +471,53 @@ TEST(Checkpoint, FullDiskFailsEveryRankAndKeepsThePrevious) {
   t.save(root, 1);
   const auto before = t.params();
   t.train(1, 1);
-  rlimit old{};
-  ::getrlimit(RLIMIT_FSIZE, &old);
-  if (world.rank() == 1) {
-    rlimit small = old;
-    small.rlim_cur = 4096;
-    ::setrlimit(RLIMIT_FSIZE, &small);
-  }
-  try {
-    t.save(root, 2);
-    ADD_FAILURE() << "the save succeeded";
-  } catch (const ckpt::CheckpointError& e) {
-    const std::string what = e.what();
-    EXPECT_NE(what.find("failed on rank 1 of 2"), std::string::npos) << what;  // on rank 1 too
+  struct Case {
+    const char* fault;  // FLATSHARD_CHECKPOINT_FAULT on rank 1; none: the file-size limit
+    const char* on_rank_1;
+  };
+  for (const Case& c :
+       {Case{nullptr, "ulimit -f"}, Case{"fsync", "flushing"},
+        Case{"hold", "reading this rank's shards to save: std::bad_alloc (this rank's host memory"}}) {
+    SCOPED_TRACE(c.fault ? c.fault : "file-size limit");
+    rlimit old{};
+    ::getrlimit(RLIMIT_FSIZE, &old);
     if (world.rank() == 1) {
-      EXPECT_NE(what.find("ulimit -f"), std::string::npos) << what;
-    } else {
-      EXPECT_NE(what.find("failed on rank 1"), std::string::npos) << what;
-      EXPECT_NE(what.find("previous checkpoint is intact"), std::string::npos) << what;
+      if (c.fault) {
+        ::setenv("FLATSHARD_CHECKPOINT_FAULT", c.fault, 1);
+      } else {
+        rlimit small = old;
+        small.rlim_cur = 4096;
+        ::setrlimit(RLIMIT_FSIZE, &small);
+      }
     }
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      t.save(root, 2);
+      ADD_FAILURE() << "the save succeeded";
+    } catch (const ckpt::CheckpointError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("failed on rank 1 of 2"), std::string::npos) << what;  // on rank 1 too
+      EXPECT_NE(what.find(c.on_rank_1), std::string::npos) << what;
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20))
+        << "a rank waited out a deadline";
+    ::setrlimit(RLIMIT_FSIZE, &old);
+    ::unsetenv("FLATSHARD_CHECKPOINT_FAULT");
+    t.comm().barrier().wait();
+    EXPECT_FALSE(fs::exists(root + "/step-000000002"));
+    EXPECT_FALSE(fs::exists(root + "/.step-000000002.tmp"));
+    Trainer fresh(world, Strategy::FullShard);
+    EXPECT_EQ(fresh.load(root).step, 1);
+    expect_identical(fresh.params(), before, "the previous checkpoint");
+    t.comm().barrier().wait();
   }
-  ::setrlimit(RLIMIT_FSIZE, &old);
+  if (world.rank() == 0) fs::create_directories(root + "/.step-000000007.tmp/debris");  // a killed save's
   t.comm().barrier().wait();
-  EXPECT_FALSE(fs::exists(root + "/step-000000002"));
-  EXPECT_FALSE(fs::exists(root + "/.step-000000002.tmp"));
-  Trainer fresh(world, Strategy::FullShard);
-  EXPECT_EQ(fresh.load(root).step, 1);
-  expect_identical(fresh.params(), before, "the previous checkpoint");
+  t.save(root, 3, /*keep_last=*/0);
+  t.comm().barrier().wait();
+  EXPECT_FALSE(fs::exists(root + "/.step-000000007.tmp")) << "a killed save's files stay with keep_last 0";
+  EXPECT_TRUE(fs::exists(root + "/step-000000001"));
+  EXPECT_TRUE(fs::exists(root + "/step-000000003"));
   t.comm().barrier().wait();
   if (world.rank() == 0) fs::remove_all(root);
 }
