@@ -65,27 +65,31 @@ void check_pieces(const std::string& meta_path, const std::string& key, const En
   }
 }
 
-Checkpoint open_checkpoint(const std::string& path) {
-  std::string dir = path;
-  if (!exists(dir + "/metadata.json")) {
-    if (!exists(dir + "/latest")) {
-      fail(path, fmt::format("no checkpoint at '{}': it holds neither metadata.json (a step directory) nor "
-                             "latest (a checkpoint root)",
-                             path));
-    }
-    const auto bytes = io::read_file(dir + "/latest");
-    const std::string name = trim(std::string(bytes.begin(), bytes.end()));
-    dir = path + "/" + name;
-    // Note [Saving a step again] (shard_save.cpp): a save killed while it moved the step it
-    // saved again aside leaves the complete older copy here.
-    const std::string aside = path + "/." + name + ".old";
-    if (!exists(dir + "/metadata.json") && exists(aside + "/metadata.json")) dir = aside;
-    if (!exists(dir + "/metadata.json")) {
-      fail(path,
-           fmt::format("'{}/latest' names '{}', which holds no metadata.json: the checkpoint was removed",
-                       path, dir));
-    }
+// The step directory to load under `path`, as a name within it: none when `path` is a step
+// directory, else the one its `latest` names.
+std::string step_under(const std::string& path) {
+  if (exists(path + "/metadata.json")) return {};
+  if (!exists(path + "/latest")) {
+    fail(path, fmt::format("no checkpoint at '{}': it holds neither metadata.json (a step directory) nor "
+                           "latest (a checkpoint root)",
+                           path));
   }
+  const auto bytes = io::read_file(path + "/latest");
+  const std::string name = trim(std::string(bytes.begin(), bytes.end()));
+  // Note [Saving a step again] (shard_save.cpp): a save killed while it moved the step it
+  // saved again aside leaves the complete older copy here.
+  const std::string aside = "." + name + ".old";
+  if (!exists(path + "/" + name + "/metadata.json") && exists(path + "/" + aside + "/metadata.json"))
+    return aside;
+  if (!exists(path + "/" + name + "/metadata.json")) {
+    fail(path,
+         fmt::format("'{}/latest' names '{}/{}', which holds no metadata.json: the checkpoint was removed",
+                     path, path, name));
+  }
+  return name;
+}
+
+Checkpoint open_checkpoint(const std::string& dir) {
   const std::string meta_path = dir + "/metadata.json";
   const auto bytes = io::read_file(meta_path);
   // Its CRC-32, where the checkpoint has one (those saved before it did not): a flipped bit
@@ -349,11 +353,26 @@ CheckpointInfo load(const std::string& path, Communicator& comm,
         path);
   }
   agree(comm, path, "loading", failure);
+  // Note [One step for every rank]: rank 0 reads `latest` and every rank loads the step it
+  // names, within its own `path` (a node may mount the checkpoints elsewhere): a save that
+  // publishes another step meanwhile (another job under the root, one that outlived its
+  // restart) cannot split the ranks between two steps.
+  std::string step;
+  if (comm.rank() == 0) {
+    try {
+      step = step_under(path);
+    } catch (const std::exception& e) {
+      failure = reason_of(e);
+    }
+  }
+  const std::string named = exchange_strings(comm, failure.empty() ? step : "!" + failure)[0];
+  if (!named.empty() && named[0] == '!')
+    fail(path, fmt::format("loading failed on rank 0 of {}: {}", comm.world_size(), named.substr(1)));
   CheckpointInfo info;
   std::optional<Checkpoint> c;
   bool reading = false;
   try {
-    c = open_checkpoint(path);
+    c = open_checkpoint(named.empty() ? path : path + "/" + named);
     auto h = hold(*c);
     check_names_and_shapes(*c, h);
     reading = true;

@@ -522,6 +522,37 @@ TEST(Checkpoint, AFailedSaveFailsEveryRankAndKeepsThePrevious) {
   if (world.rank() == 0) fs::remove_all(root);
 }
 
+// Note [One step for every rank]: rank 0's `latest` names the step every rank loads, within
+// each rank's own path. Here rank 0 loads a copy of the root whose `latest` names step 1,
+// rank 1 the root itself, whose `latest` names step 2 (as if a save published it between
+// the two reads): both load step 1.
+TEST(Checkpoint, EveryRankLoadsTheStepRankZerosLatestNames) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const std::string root = fmt::format("/tmp/flatshard-onestep-{}", env("MASTER_PORT"));
+  const std::string copy = root + "-copy";
+  Trainer t(world, Strategy::FullShard);
+  t.train(0, 1);
+  t.save(root, 1, /*keep_last=*/0);
+  const auto first = t.params();
+  t.train(1, 1);
+  t.save(root, 2, /*keep_last=*/0);
+  if (world.rank() == 0) {
+    fs::remove_all(copy);
+    fs::copy(root, copy, fs::copy_options::recursive);
+    std::ofstream(copy + "/latest") << "step-000000001\n";
+  }
+  t.comm().barrier().wait();
+  Trainer fresh(world, Strategy::FullShard);
+  EXPECT_EQ(fresh.load(world.rank() == 0 ? copy : root).step, 1);
+  expect_identical(fresh.params(), first, "step 1 on every rank");
+  t.comm().barrier().wait();
+  if (world.rank() == 0) {
+    fs::remove_all(root);
+    fs::remove_all(copy);
+  }
+}
+
 // Note [Saving a step again]: a job resumed at its last save saves that step again. The
 // step's directory is whole at every stage of the second save (swapped with the new one in
 // one rename where the file system can), the second save's values are what loads after
