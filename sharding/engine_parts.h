@@ -64,6 +64,11 @@ struct Engine::InputWatch {
 struct Engine::PendingReduce {
   int unit;
   std::optional<Work> work;
+  // HybridShard: the shard group's reduce-scatter, which `work` (the all-reduce across the
+  // groups) waits for on the device. Waited for too: a stream's wait does not carry the
+  // producer's failure (Stream::wait_event), so an all-reduce of a shard that a lost peer
+  // never filled would complete, and its garbage would be stepped.
+  std::optional<Work> scatter;
   at::Tensor input;   // what is being reduce-scattered (owned until the work completes)
   at::Tensor output;  // this rank's reduced shard, in the reduce dtype
   bool input_is_full_grad = false;

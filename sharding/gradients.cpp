@@ -69,6 +69,7 @@ void Engine::reduce(int index) {
     CollectiveOptions across;
     across.stream = StreamRole::AllReduce;
     if (scattered) across.wait_for.push_back(scattered->event());
+    pending->scatter = scattered;
     pending->work = replica_comm_->all_reduce(pending->output, ReduceOp::Avg, across);
   }
   in_flight_.push_back(std::move(pending));
@@ -93,6 +94,7 @@ void Engine::finish_reduces_starting_hooks() {
       }
       complete(first);
       first.work.reset();  // waited for
+      first.scatter.reset();
       first.input = at::Tensor();
       if (first.input_is_full_grad) {
         units_[first.unit]->group->free_full_grad();
@@ -116,6 +118,7 @@ void Engine::finish_reduces_starting_hooks() {
 
 bool Engine::completed(const PendingReduce& p) {
   if (p.work && !p.work->is_completed()) return false;
+  if (p.scatter && !p.scatter->is_completed()) return false;
   for (const Work& w : p.hook_works) {
     if (!w.is_completed()) return false;
   }
@@ -128,6 +131,7 @@ void Engine::finish_completed_reduces() {
 
 // Waits for `pending`'s collectives and leaves its average in `pending.output`.
 void Engine::complete(PendingReduce& pending) {
+  if (pending.scatter) pending.scatter->wait();
   if (pending.work) pending.work->wait();
   for (const Work& w : pending.hook_works) w.wait();  // Note [Communication hooks]
   if (pending.hook_finish) pending.hook_finish();
@@ -143,6 +147,7 @@ void Engine::complete(PendingReduce& pending) {
 
 void Engine::wait_for_collectives(const PendingReduce& pending) {
   for (const PendingReduce* p = &pending; p; p = p->stale.get()) {
+    if (p->scatter) p->scatter->wait();
     if (p->work) p->work->wait();
     for (const Work& w : p->hook_works) w.wait();
   }
