@@ -38,6 +38,9 @@ struct LlamaConfig {
   int max_positions = 2048;     // max_position_embeddings
   bool tie_embeddings = false;  // tie_word_embeddings: the output head is the embedding
   double init_std = 0.02;       // initializer_range: weights ~ N(0, init_std), norms 1
+  // pad_token_id (-1: none): its embedding row starts at zero and gets no gradient from the
+  // lookup, as transformers' nn.Embedding(padding_idx) (the tied head's use of it does).
+  int pad_token = -1;
   // Llama 3's rope scaling (rope_type "llama3"); factor 0: none.
   struct RopeScaling {
     double factor = 0;
@@ -175,9 +178,15 @@ TORCH_MODULE(LlamaDecoderLayer);
 struct LlamaEmbeddingImpl : torch::nn::Module {
   explicit LlamaEmbeddingImpl(const LlamaConfig& c) {
     weight = register_parameter("weight", torch::randn({c.vocab, c.dim}) * c.init_std);
+    if (c.pad_token >= 0 && c.pad_token < c.vocab) {
+      torch::NoGradGuard no_grad;
+      weight[c.pad_token].zero_();
+      pad_token = c.pad_token;
+    }
   }
-  at::Tensor forward(const at::Tensor& tokens) { return at::embedding(weight, tokens); }
+  at::Tensor forward(const at::Tensor& tokens) { return at::embedding(weight, tokens, pad_token); }
   at::Tensor weight;
+  int64_t pad_token = -1;
 };
 TORCH_MODULE(LlamaEmbedding);
 
@@ -238,7 +247,8 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
           "LlamaConfig: tie_embeddings with embedding_units would put one weight in two units; keep the "
           "tied embedding in the root (embedding_units = false)");
     }
-    if (c.heads % c.kv_heads != 0 || (c.head_dim == 0 && c.dim % c.heads != 0)) {
+    if (c.heads < 1 || c.kv_heads < 1 || c.heads % c.kv_heads != 0 ||
+        (c.head_dim == 0 && c.dim % c.heads != 0)) {
       throw flatshard::InvalidArgument(
           "LlamaConfig: heads must be a multiple of kv_heads, and dim of heads "
           "unless head_dim is given");
@@ -289,42 +299,72 @@ inline LlamaConfig LlamaConfig::from_hf_config(const std::string& path) {
                                      "', not \"llama\": its tensors may share Llama's names, but it computes "
                                      "something else (sliding windows, biases, norms of q and k)");
   }
+  if (j.contains("quantization_config") && !j.at("quantization_config").is_null()) {
+    throw flatshard::InvalidArgument(
+        "LlamaConfig: '" + file +
+        "' describes a quantized checkpoint (quantization_config): its weights are stored as integers or "
+        "8-bit floats beside scales, which FlatShard does not read; load the model's bf16 or fp32 release");
+  }
   LlamaConfig c;
   c.hf_source = j.dump();
-  c.vocab = need("vocab_size").get<int>();
-  c.dim = need("hidden_size").get<int>();
-  c.hidden = need("intermediate_size").get<int>();
-  c.layers = need("num_hidden_layers").get<int>();
-  c.heads = need("num_attention_heads").get<int>();
-  const bool grouped = j.contains("num_key_value_heads") && !j.at("num_key_value_heads").is_null();
-  c.kv_heads = grouped ? j.at("num_key_value_heads").get<int>() : c.heads;
-  if (j.contains("head_dim") && !j.at("head_dim").is_null()) c.head_dim = j.at("head_dim").get<int>();
-  if (c.head_dim * c.heads == c.dim) c.head_dim = 0;
-  c.rms_eps = j.value("rms_norm_eps", c.rms_eps);
-  c.max_positions = j.value("max_position_embeddings", c.max_positions);
-  c.tie_embeddings = j.value("tie_word_embeddings", false);
-  c.init_std = j.value("initializer_range", c.init_std);
-  for (const char* flag : {"attention_bias", "mlp_bias"}) {
-    if (j.value(flag, false))
-      throw flatshard::InvalidArgument(std::string("LlamaConfig: '") + file + "' sets " + flag +
-                                       ", which this model does not have");
+  // A key of the wrong type (a string where a number goes, a missing key of a rope scaling)
+  // is named with the file, as the keys that are missing.
+  try {
+    c.vocab = need("vocab_size").get<int>();
+    c.dim = need("hidden_size").get<int>();
+    c.hidden = need("intermediate_size").get<int>();
+    c.layers = need("num_hidden_layers").get<int>();
+    c.heads = need("num_attention_heads").get<int>();
+    const bool grouped = j.contains("num_key_value_heads") && !j.at("num_key_value_heads").is_null();
+    c.kv_heads = grouped ? j.at("num_key_value_heads").get<int>() : c.heads;
+    if (j.contains("head_dim") && !j.at("head_dim").is_null()) c.head_dim = j.at("head_dim").get<int>();
+    if (c.head_dim * c.heads == c.dim) c.head_dim = 0;
+    c.rms_eps = j.value("rms_norm_eps", c.rms_eps);
+    c.max_positions = j.value("max_position_embeddings", c.max_positions);
+    c.tie_embeddings = j.value("tie_word_embeddings", false);
+    c.init_std = j.value("initializer_range", c.init_std);
+    if (j.contains("pad_token_id") && j.at("pad_token_id").is_number_integer())
+      c.pad_token = j.at("pad_token_id").get<int>();
+    for (const char* flag : {"attention_bias", "mlp_bias"}) {
+      if (j.contains(flag) && !j.at(flag).is_null() && j.at(flag).get<bool>())
+        throw flatshard::InvalidArgument(std::string("LlamaConfig: '") + file + "' sets " + flag +
+                                         ", which this model does not have");
+    }
+    // transformers computes "swish" as "silu".
+    if (j.contains("hidden_act") && j.at("hidden_act") != "silu" && j.at("hidden_act") != "swish")
+      throw flatshard::InvalidArgument("LlamaConfig: '" + file + "': only hidden_act \"silu\" is supported");
+    // transformers 5 writes rope_parameters; earlier versions rope_theta and rope_scaling.
+    // The scaling's type is the one rope_scaling names ("rope_type", or "type" before
+    // transformers 4.45), else rope_parameters'.
+    nlohmann::json rope = nlohmann::json::object();
+    std::string type = "default";
+    for (const char* key : {"rope_parameters", "rope_scaling"}) {
+      if (!j.contains(key) || !j.at(key).is_object()) continue;
+      const auto& part = j.at(key);
+      rope.update(part);
+      type = part.value("rope_type", part.value("type", type));
+    }
+    c.rope_theta = rope.value("rope_theta", j.value("rope_theta", c.rope_theta));
+    if (type == "llama3") {
+      c.rope_scaling.factor = rope.at("factor").get<double>();
+      c.rope_scaling.low_freq_factor = rope.at("low_freq_factor").get<double>();
+      c.rope_scaling.high_freq_factor = rope.at("high_freq_factor").get<double>();
+      c.rope_scaling.original_max_positions = rope.at("original_max_position_embeddings").get<int>();
+    } else if (type != "default") {
+      throw flatshard::InvalidArgument("LlamaConfig: '" + file + "' uses rope type '" + type +
+                                       "'; FlatShard's Llama knows \"default\" and \"llama3\"");
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw flatshard::InvalidArgument("LlamaConfig: '" + file +
+                                     "' has a key FlatShard cannot read: " + e.what());
   }
-  if (j.contains("hidden_act") && j.at("hidden_act") != "silu")
-    throw flatshard::InvalidArgument("LlamaConfig: '" + file + "': only hidden_act \"silu\" is supported");
-  // transformers 5 writes rope_parameters; earlier versions rope_theta and rope_scaling.
-  nlohmann::json rope = nlohmann::json::object();
-  if (j.contains("rope_parameters") && j.at("rope_parameters").is_object()) rope = j.at("rope_parameters");
-  if (j.contains("rope_scaling") && j.at("rope_scaling").is_object()) rope.update(j.at("rope_scaling"));
-  c.rope_theta = rope.value("rope_theta", j.value("rope_theta", c.rope_theta));
-  const std::string type = rope.value("rope_type", rope.value("type", std::string("default")));
-  if (type == "llama3") {
-    c.rope_scaling.factor = rope.at("factor").get<double>();
-    c.rope_scaling.low_freq_factor = rope.at("low_freq_factor").get<double>();
-    c.rope_scaling.high_freq_factor = rope.at("high_freq_factor").get<double>();
-    c.rope_scaling.original_max_positions = rope.at("original_max_position_embeddings").get<int>();
-  } else if (type != "default") {
-    throw flatshard::InvalidArgument("LlamaConfig: '" + file + "' uses rope type '" + type +
-                                     "'; FlatShard's Llama knows \"default\" and \"llama3\"");
+  for (const auto& [key, value] :
+       {std::pair{"vocab_size", c.vocab}, std::pair{"hidden_size", c.dim},
+        std::pair{"intermediate_size", c.hidden}, std::pair{"num_hidden_layers", c.layers},
+        std::pair{"num_attention_heads", c.heads}, std::pair{"num_key_value_heads", c.kv_heads}}) {
+    if (value < 1)
+      throw flatshard::InvalidArgument("LlamaConfig: '" + file + "' sets " + key + " to " +
+                                       std::to_string(value) + "; it must be at least 1");
   }
   return c;
 }

@@ -26,6 +26,7 @@ using shards::Holding;
 struct Source {
   std::string where;  // for messages
   std::map<std::string, std::vector<std::int64_t>> shapes;
+  std::map<std::string, at::ScalarType> dtypes;
   // Elements [begin, begin + dst.numel()) of the flattened tensor into dst, converted.
   std::function<void(const std::string&, std::int64_t, const at::Tensor&)> read;
 };
@@ -95,6 +96,15 @@ void check(const Source& src, const Holding& h, const LoadModelOptions& options)
                                  "model's configuration differs from the file's",
                                  span.key, shape_str(span.shape), shape_str(it->second), src.where));
       }
+      // Integers or 8-bit floats are a quantized checkpoint's codes (beside scales the model
+      // lacks): converted as values, they would load as wrong weights.
+      const at::ScalarType stored = src.dtypes.at(span.key);
+      if (!at::isFloatingType(stored) || at::isFloat8Type(stored)) {
+        shards::fail(src.where,
+                     fmt::format("parameter '{}' is stored as {} in '{}': the file holds a quantized model, "
+                                 "which FlatShard does not read; load the model's bf16 or fp32 release",
+                                 span.key, c10::toString(stored), src.where));
+      }
     }
   }
   for (const auto& [name, t] : h.buffers) {
@@ -158,13 +168,19 @@ void load_hf(const std::string& path, FullyShardBase& fsdp, const LoadModelOptio
         src.where = path;
         if (ends_with(path, ".safetensors")) {
           file = std::make_shared<safetensors::File>(path);
-          for (const auto& [name, info] : file->tensors()) src.shapes[name] = info.shape;
+          for (const auto& [name, info] : file->tensors()) {
+            src.shapes[name] = info.shape;
+            src.dtypes[name] = info.dtype;
+          }
           src.read = [f = file](const std::string& name, std::int64_t begin, const at::Tensor& dst) {
             f->read_into(name, begin, dst);
           };
         } else {
           dir = std::make_shared<safetensors::Directory>(path);
-          for (const auto& [name, info] : dir->tensors()) src.shapes[name] = info.shape;
+          for (const auto& [name, info] : dir->tensors()) {
+            src.shapes[name] = info.shape;
+            src.dtypes[name] = info.dtype;
+          }
           src.read = [d = dir](const std::string& name, std::int64_t begin, const at::Tensor& dst) {
             d->file_of(name).read_into(name, begin, dst);
           };
@@ -180,7 +196,10 @@ void load_full_state_dict(const std::map<std::string, at::Tensor>& state, FullyS
       [&] {
         Source src;
         src.where = "the state dict";
-        for (const auto& [name, t] : state) src.shapes[name] = t.sizes().vec();
+        for (const auto& [name, t] : state) {
+          src.shapes[name] = t.sizes().vec();
+          src.dtypes[name] = t.scalar_type();
+        }
         src.read = [&state](const std::string& name, std::int64_t begin, const at::Tensor& dst) {
           dst.copy_(state.at(name).detach().reshape({-1}).narrow(0, begin, dst.numel()));
         };

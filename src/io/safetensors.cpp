@@ -15,6 +15,7 @@
 #include <limits>
 #include <optional>
 #include <set>
+#include <string_view>
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -137,6 +138,17 @@ File::File(const std::string& path) : path_(path) {
   const io::Mapping map = io::map_file(path);
   data_ = map.data;
   bytes_ = map.bytes;
+  // A clone made without git-lfs holds the pointer files in place of the weights.
+  constexpr std::string_view kLfsPointer = "version https://git-lfs";
+  if (bytes_ >= kLfsPointer.size() && std::memcmp(data_, kLfsPointer.data(), kLfsPointer.size()) == 0) {
+    io::unmap_file(map);
+    data_ = nullptr;
+    throw CheckpointError(path,
+                          fmt::format("'{}' is a Git LFS pointer, not the tensors: the model was cloned "
+                                      "without git-lfs; run `git lfs pull` in its directory (or download "
+                                      "it with huggingface-cli)",
+                                      path));
+  }
   if (bytes_ < 8) {
     io::unmap_file(map);
     data_ = nullptr;
@@ -275,7 +287,8 @@ void File::read_into(const std::string& name, std::int64_t begin, const at::Tens
 Directory::Directory(std::string dir) : dir_(std::move(dir)) {
   const std::string index = dir_ + "/model.safetensors.index.json";
   const std::string single = dir_ + "/model.safetensors";
-  if (io::exists(index)) {
+  // transformers' order: model.safetensors when there is one, else the index.
+  if (!io::exists(single) && io::exists(index)) {
     const auto bytes = io::read_file(index);
     try {
       const auto j = json::parse(bytes.begin(), bytes.end());

@@ -7,6 +7,8 @@
                                               # was tuned from): DIR's token ids, in its config
                                               # and its generation config, are SOURCE's
     python hf_check.py dtypes FILE               # FILE holds hf_reference.py's dtype tensors
+    python hf_check.py rope DIR OUT              # transformers' rotary inverse frequencies for
+                                              # DIR's config.json, into OUT (inv_freq)
 """
 import sys
 
@@ -51,5 +53,14 @@ elif what == "dtypes":
     assert torch.equal(tensors["bool"], (torch.arange(30) % 2).bool().reshape(2, 15))
     assert tensors["empty"].shape == (0, 4) and tensors["scalar"].item() == 2.5 and tensors["scalar"].dim() == 0
     print("dtypes ok", len(tensors))
+elif what == "rope":
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(AutoConfig.from_pretrained(sys.argv[2]))
+    assert rotary.attention_scaling == 1.0, rotary.attention_scaling
+    save_file({"inv_freq": rotary.inv_freq.float().contiguous()}, sys.argv[3])
+    print("rope", rotary.inv_freq.numel())
 else:
     sys.exit(f"unknown check {what}")

@@ -441,6 +441,60 @@ TEST(HuggingFace, ConfigsKeepWhatTheyDoNotHoldAndRefuseOtherModels) {
     j["head_dim"] = 62;
   }));
   EXPECT_EQ(odd.head_size(), 62);
+  // What FlatShard's Llama does not compute is refused by name: other rotary scalings,
+  // biases, other activations, quantized weights, impossible head counts, keys of the wrong
+  // type or missing from a llama3 scaling.
+  const std::vector<std::pair<std::function<void(nlohmann::json&)>, std::string>> refusals{
+      {[](nlohmann::json& j) {
+         j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 2.0}};
+       },
+       "rope type 'linear'"},
+      {[](nlohmann::json& j) {
+         j["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}};
+       },
+       "rope type 'dynamic'"},
+      {[](nlohmann::json& j) {
+         j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+       },
+       "rope type 'yarn'"},
+      {[](nlohmann::json& j) { j["attention_bias"] = true; }, "sets attention_bias"},
+      {[](nlohmann::json& j) { j["mlp_bias"] = true; }, "sets mlp_bias"},
+      {[](nlohmann::json& j) { j["hidden_act"] = "gelu"; }, "only hidden_act \"silu\""},
+      {[](nlohmann::json& j) {
+         j["quantization_config"] = {{"quant_method", "fbgemm_fp8"}};
+       },
+       "quantized checkpoint"},
+      {[](nlohmann::json& j) { j["num_key_value_heads"] = 0; }, "num_key_value_heads to 0"},
+      {[](nlohmann::json& j) { j["num_attention_heads"] = "four"; }, "has a key FlatShard cannot read"},
+      {[](nlohmann::json& j) {
+         j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+       },
+       "has a key FlatShard cannot read"},
+  };
+  for (const auto& [change, words] : refusals) {
+    try {
+      LlamaConfig::from_hf_config(with(change));
+      ADD_FAILURE() << "read; expected: " << words;
+    } catch (const flatshard::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_NO_THROW(LlamaConfig::from_hf_config(with([](nlohmann::json& j) { j["hidden_act"] = "swish"; })));
+  // The pad token's embedding row gets no gradient from the lookup (transformers'
+  // nn.Embedding(padding_idx)): an untied model, a batch holding the pad token.
+  {
+    const LlamaConfig padded = LlamaConfig::from_hf_config(reference("llama"));
+    ASSERT_EQ(padded.pad_token, 93);
+    ASSERT_FALSE(padded.tie_embeddings);
+    LlamaForCausalLM m(padded);
+    const auto tokens = at::tensor({5, 93, 7, 93, 11}, at::kLong).view({1, 5});
+    m->forward(tokens).pow(2).sum().backward();
+    const at::Tensor grad = m->model->embedding_weight().grad();
+    EXPECT_EQ(grad[93].abs().sum().item<float>(), 0.0f);
+    EXPECT_GT(grad[5].abs().sum().item<float>(), 0.0f);
+    EXPECT_EQ(m->model->embedding_weight()[93].abs().sum().item<float>(), 0.0f)
+        << "the pad row starts at zero";
+  }
   const auto exported =
       nlohmann::json::parse(LlamaConfig::from_hf_config(reference("llama")).hf_config_json());
   EXPECT_EQ(exported.at("bos_token_id"), 90);
@@ -448,6 +502,104 @@ TEST(HuggingFace, ConfigsKeepWhatTheyDoNotHoldAndRefuseOtherModels) {
   EXPECT_EQ(exported.at("pad_token_id"), 93);
   EXPECT_EQ(exported.at("model_type"), "llama");
   EXPECT_FALSE(exported.contains("rope_scaling")) << "the reference has no rope scaling";
+  fs::remove_all(d);
+}
+
+// A published config.json as transformers 4.x writes it (Llama 3.2 1B's, verbatim: rope_theta
+// at the top, rope_scaling of type llama3, an explicit head_dim, tied embeddings) reads as
+// that model, and its rotary frequencies are transformers' own for it, every band of the
+// llama3 scaling among them (kept, smoothed, divided by the factor).
+TEST(HuggingFace, APublishedLlama3ConfigReadsAsTransformersReadsIt) {
+  const fs::path d = temp_dir("llama32");
+  std::ofstream(d / "config.json") << R"({"architectures": ["LlamaForCausalLM"], "attention_bias": false,
+    "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "mlp_bias": false, "model_type": "llama", "num_attention_heads": 32,
+    "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "rope_theta": 500000.0,
+    "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.45.0.dev0",
+    "use_cache": true, "vocab_size": 128256})";
+  const LlamaConfig c = LlamaConfig::from_hf_config(d.string());
+  EXPECT_EQ(c.vocab, 128256);
+  EXPECT_EQ(c.dim, 2048);
+  EXPECT_EQ(c.hidden, 8192);
+  EXPECT_EQ(c.layers, 16);
+  EXPECT_EQ(c.heads, 32);
+  EXPECT_EQ(c.kv_heads, 8);
+  EXPECT_EQ(c.head_size(), 64);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.factor, 32.0);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.low_freq_factor, 1.0);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(c.rope_scaling.original_max_positions, 8192);
+  EXPECT_TRUE(c.tie_embeddings);
+  EXPECT_FLOAT_EQ(static_cast<float>(c.rms_eps), 1e-5f);
+  EXPECT_EQ(c.max_positions, 131072);
+  const std::string out = (d / "inv_freq.safetensors").string();
+  const auto r =
+      python({std::string(FLATSHARD_TESTS_DIR) + "/multirank/hf_check.py", "rope", d.string(), out});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const at::Tensor want = st::File(out).read("inv_freq");
+  const at::Tensor got = rope_inverse_frequencies(c, at::kCPU);
+  ASSERT_EQ(got.sizes(), want.sizes());
+  EXPECT_TRUE(at::allclose(got, want, 1e-6, 0)) << (got - want).abs().max().item<float>();
+  // The bands: the first frequencies kept as they are, the last divided by 32.
+  const at::Tensor plain = 1.0 / at::pow(500000.0, at::arange(0, 64, 2, at::kLong).to(at::kFloat) / 64);
+  EXPECT_TRUE(at::allclose(got.narrow(0, 0, 4), plain.narrow(0, 0, 4), 1e-6, 0));
+  EXPECT_TRUE(at::allclose(got.narrow(0, 28, 4), plain.narrow(0, 28, 4) / 32, 1e-6, 0));
+  fs::remove_all(d);
+}
+
+// A quantized checkpoint's weights (integers or 8-bit floats, whatever its config says) are
+// refused by name rather than converted as values; a Git LFS pointer in place of the file
+// says how to get the tensors; a directory holding model.safetensors and an index is read
+// as transformers reads it, from model.safetensors.
+TEST(HuggingFace, QuantizedWeightsAndLfsPointersAreRefused) {
+  FLATSHARD_RUN_RANKS({2});
+  require_reference();
+  auto world = flatshard::init();
+  const std::string dir = reference("llama");
+  const LlamaConfig base = LlamaConfig::from_hf_config(dir);
+  const fs::path d = temp_dir(fmt::format("quantized{}", world.rank()));
+  auto tensors = st::File(dir + "/model.safetensors");
+  std::map<std::string, at::Tensor> state;
+  for (const auto& [name, info] : tensors.tensors()) state[name] = tensors.read(name);
+  auto w = wrap(base, world, options_for(Strategy::FullShard, 2), false);
+  for (const at::ScalarType codes : {at::kChar, at::kFloat8_e4m3fn}) {
+    auto q = state;
+    const std::string name = "model.layers.0.self_attn.q_proj.weight";
+    q[name] = q[name].to(codes);
+    const std::string path = (d / "model.safetensors").string();
+    st::save(q, path);
+    try {
+      flatshard::checkpoint::load_hf(d.string(), *w.fsdp);
+      ADD_FAILURE() << "a quantized weight loaded";
+    } catch (const flatshard::checkpoint::CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find("'" + name + "' is stored as"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("quantized model"), std::string::npos) << e.what();
+    }
+  }
+  std::ofstream(d / "model.safetensors")
+      << "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n";
+  try {
+    flatshard::checkpoint::load_hf(d.string(), *w.fsdp);
+    ADD_FAILURE() << "a Git LFS pointer loaded";
+  } catch (const flatshard::checkpoint::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("git lfs pull"), std::string::npos) << e.what();
+  }
+  // Both: model.safetensors is read (the index's file holds other values).
+  st::save(state, (d / "model.safetensors").string());
+  auto other = state;
+  for (auto& [name, t] : other) t = t + 1;
+  st::save(other, (d / "other.safetensors").string());
+  nlohmann::json index;
+  for (const auto& [name, t] : other) index["weight_map"][name] = "other.safetensors";
+  std::ofstream(d / "model.safetensors.index.json") << index.dump();
+  flatshard::checkpoint::load_hf(d.string(), *w.fsdp);
+  for (const auto& [name, t] : flatshard::checkpoint::full_master_state_dict(*w.fsdp, -1))
+    EXPECT_TRUE(at::equal(t, state.at(name))) << name;
+  w.fsdp->comm().barrier().wait();
   fs::remove_all(d);
 }
 
