@@ -31,12 +31,15 @@ if(FLATSHARD_HAVE_CUDA)
   set(CMAKE_CUDA_STANDARD 17)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
   find_package(CUDAToolkit REQUIRED)
-  # NCCL: the toolkit's, else the one the pinned torch wheel brings (nvidia-nccl, whose
-  # directory holds only libnccl.so.2). The header is taken from beside the library.
+  # NCCL: the one the torch wheel brings (nvidia-nccl, whose directory holds only
+  # libnccl.so.2), which LibTorch loads: a process has one libnccl.so.2, so building
+  # against another (the toolkit's, a system package's) could compile against one version
+  # and run another. Else the toolkit's. The header is taken from beside the library.
   get_filename_component(_flatshard_pip_nccl "${TORCH_INSTALL_PREFIX}/../nvidia/nccl" ABSOLUTE)
+  find_library(FLATSHARD_NCCL_LIBRARY NAMES nccl libnccl.so.2 PATHS "${_flatshard_pip_nccl}/lib"
+               NO_DEFAULT_PATH)
   find_library(FLATSHARD_NCCL_LIBRARY NAMES nccl libnccl.so.2
-               HINTS ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_LIBRARY_ROOT}/lib
-               PATHS "${_flatshard_pip_nccl}/lib")
+               HINTS ${CUDAToolkit_LIBRARY_DIR} ${CUDAToolkit_LIBRARY_ROOT}/lib)
   if(FLATSHARD_NCCL_LIBRARY)
     get_filename_component(_flatshard_nccl_dir "${FLATSHARD_NCCL_LIBRARY}" DIRECTORY)
     find_path(FLATSHARD_NCCL_INCLUDE nccl.h NO_DEFAULT_PATH

@@ -418,32 +418,34 @@ class NcclTransport final : public comm::Backend {
     return dead;
   }
 
-  // Retires finished ops in order; aborts NCCL when one passes its deadline or NCCL
-  // reports an asynchronous error (a peer lost).
+  // Retires finished ops, wherever they are in the queue (the streams finish out of issue
+  // order); aborts NCCL when any op still running passes its deadline (ops may have
+  // shorter deadlines than older ones still running on another stream) or NCCL reports an
+  // asynchronous error (a peer lost).
   void watch() {
     cudaSetDevice(streams_.device());
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
       cv_.wait_for(lock, std::chrono::milliseconds(20));
       std::vector<ncclComm_t> dead;
-      while (!inflight_.empty()) {
-        auto& f = inflight_.front();
-        const cudaError_t q = cudaEventQuery(f.done->get());
+      const auto now = std::chrono::steady_clock::now();
+      for (auto it = inflight_.begin(); it != inflight_.end() && dead.empty();) {
+        const cudaError_t q = cudaEventQuery(it->done->get());
         if (q == cudaSuccess) {
-          inflight_.pop_front();
+          it = inflight_.erase(it);
           continue;
         }
         if (q != cudaErrorNotReady) {
           dead = fail_locked(CommError::Kind::Aborted,
-                             fmt::format("{} #{}: CUDA error {}", f.op, f.seq, cuda_string(q)));
-        } else if (std::chrono::steady_clock::now() > f.deadline && !aborted_) {
+                             fmt::format("{} #{}: CUDA error {}", it->op, it->seq, cuda_string(q)));
+        } else if (now > it->deadline && !aborted_) {
           dead = fail_locked(
               CommError::Kind::Timeout,
               fmt::format("{} #{} did not complete within its deadline (a peer died, is stuck, or issued "
                           "other collectives); NCCL was aborted",
-                          f.op, f.seq));
+                          it->op, it->seq));
         }
-        break;
+        ++it;
       }
       if (dead.empty()) dead = check_async_locked();
       if (!dead.empty()) {  // Note [Aborting the communicators together]: without the lock

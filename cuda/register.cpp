@@ -40,17 +40,32 @@ void* resolve(void* stream) {
   return c10::cuda::getCurrentCUDAStream().stream();
 }
 
+// The device that holds `ptr`: the step kernels run there, whatever device is current on
+// the calling thread (a rank that never called cudaSetDevice on a host of several GPUs
+// has device 0 current), as an ATen op runs on its tensors' device.
+c10::DeviceIndex device_of(const void* ptr) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, ptr) != cudaSuccess || a.type != cudaMemoryTypeDevice) {
+    cudaGetLastError();  // not device memory: the current device, as before
+    return c10::cuda::current_device();
+  }
+  return static_cast<c10::DeviceIndex>(a.device);
+}
+
 void sgd(float* param, const float* grad, float* momentum, std::int64_t numel,
          const optim::kernels::SgdHyper& h, void* stream) {
+  const c10::cuda::CUDAGuard guard(device_of(param));
   optim::kernels::cuda::sgd_step(param, grad, momentum, numel, h, resolve(stream));
 }
 
 void adam(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, std::int64_t numel,
           const optim::kernels::AdamHyper& h, void* stream) {
+  const c10::cuda::CUDAGuard guard(device_of(param));
   optim::kernels::cuda::adam_step(param, grad, exp_avg, exp_avg_sq, numel, h, resolve(stream));
 }
 
 double sum_of_squares(const float* x, std::int64_t numel, void* stream) {
+  const c10::cuda::CUDAGuard guard(device_of(x));
   return optim::kernels::cuda::sum_of_squares(x, numel, resolve(stream));
 }
 

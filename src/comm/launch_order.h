@@ -31,6 +31,21 @@ namespace flatshard::comm {
 // same on every rank, one at a time. Launching is asynchronous (a few microseconds), so
 // the streams still overlap on the device; only the host-side launches are serialized.
 //
+// The order the kernels then start in on the device is not the launch order: a collective
+// whose stream first waits on an event (a gather behind the compute that frees its buffer)
+// may start after a later launch on another stream on one rank and before it on another.
+// That cannot deadlock while the kernels of the device's communicators can all be resident
+// at once: each NCCL kernel occupies a few SMs per channel, so a kernel waiting for its
+// peers leaves room for the other communicators' kernels, and every collective completes
+// once each rank has started it. Two settings take that room away, and then the device
+// order must be the same on every rank: CUDA_DEVICE_MAX_CONNECTIONS=1 (every stream's
+// kernels in one hardware queue, which is then in launch order, the same on every rank:
+// safe) and communicators whose channels together exceed the SMs (many communicators, or
+// NCCL_MIN_NCHANNELS raised). For the latter NCCL 2.26 and later offer
+// NCCL_LAUNCH_ORDER_IMPLICIT=1, which starts the kernels of all communicators of a device
+// in their launch order (the order above), at the cost of their overlap; FlatShard does not
+// set it (docs/cuda.md says when to).
+//
 // A ticket that will never launch (its op failed, or its transport was aborted) is
 // finished all the same, so that later tickets are not held up by it.
 class LaunchOrder {
