@@ -44,7 +44,14 @@ torch_prefix="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)
 "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$out/gpu.txt"
 build="$root/build-gpu"
 prefix="$torch_prefix"
-[[ -d "$root/.gpu-deps/usr" ]] && prefix="$prefix;$root/.gpu-deps/usr"
+# fmt, nlohmann_json, GoogleTest and the rest come with the call (a lent machine has no
+# network): say so at once, not only as a find_package error at the configure log's end.
+if [[ -d "$root/.gpu-deps/usr" ]]; then
+  prefix="$prefix;$root/.gpu-deps/usr"
+else
+  echo "gpu.sh: no .gpu-deps/usr: unless this machine has fmt, nlohmann_json, GoogleTest, zlib and OpenSSL" \
+       "installed, run scripts/gpu_deps.sh where Debian's packages are and carry .gpu-deps with the call" >&2
+fi
 arch_list="$("$python" -c 'import torch; c = torch.cuda.get_device_capability(); print(f"{c[0]}.{c[1]}")')"
 # No compiler cache: a lent machine starts bare, so a cache would only cost its writes.
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
