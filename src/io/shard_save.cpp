@@ -363,24 +363,29 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
     throw;
   }
 
-  std::string index;
+  // Note [Indexes beside the shards]: each rank writes where its pieces lie (its index)
+  // beside its shard file, and only rank 0, which writes metadata.json, reads them; the
+  // ranks exchange only their failures. Exchanged, every rank would receive every rank's
+  // index (tens of kilobytes each for an 8B model): tens of megabytes per rank at a
+  // thousand ranks, growing with the square of the world.
+  const auto index_path = [&](int r) { return fmt::format("{}/{}.index.json", tmp, shard_file_name(r, n)); };
   try {
     const std::string file = shard_file_name(rank, n);
-    index = write_shard_file(pieces_to_write(h, rank), tmp + "/" + file, file).dump();
+    const std::string index = write_shard_file(pieces_to_write(h, rank), tmp + "/" + file, file).dump();
+    io::write_file_atomically(index_path(rank), std::vector<char>(index.begin(), index.end()));
   } catch (const std::exception& e) {  // an Error, or the host out of memory: every rank must hear
     failure = reason_of(e);
   }
-  if (!failure.empty()) index.clear();
   const auto reached = [&](SaveStage stage) {
     if (options.on_stage) options.on_stage(stage);
   };
   if (failure.empty()) reached(SaveStage::ShardWritten);
-  const auto indexes = exchange_strings(comm, failure.empty() ? index : "!" + failure);
+  const auto failures = exchange_strings(comm, failure.empty() ? std::string() : "!" + failure);
   for (int r = 0; r < n; ++r) {
-    if (!indexes[r].empty() && indexes[r][0] == '!') {
+    if (!failures[r].empty()) {
       if (rank == 0) remove_tree(tmp);
       fail(root, fmt::format("saving step {} failed on rank {} of {}: {}; the previous checkpoint is intact",
-                             options.step, r, n, indexes[r].substr(1)));
+                             options.step, r, n, failures[r].substr(1)));
     }
   }
 
@@ -398,7 +403,17 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
       if (!h.training.empty()) meta["training"] = json::parse(h.training);
       json tensors = json::object();
       for (int r = 0; r < n; ++r) {
-        for (auto& piece : json::parse(indexes[r])) {
+        const auto bytes = io::read_file(index_path(r));
+        json index;
+        try {
+          index = json::parse(bytes.begin(), bytes.end());
+        } catch (const json::exception& e) {
+          fail(index_path(r),
+               fmt::format("rank {}'s index '{}' cannot be read back ({}): is the root on a file "
+                           "system every rank shares?",
+                           r, index_path(r), e.what()));
+        }
+        for (auto& piece : index) {
           auto& t = tensors[piece["key"].get<std::string>()];
           if (t.is_null())
             t = {{"kind", piece["kind"]},
@@ -413,6 +428,7 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
         }
       }
       meta["tensors"] = std::move(tensors);
+      for (int r = 0; r < n; ++r) ::unlink(index_path(r).c_str());  // metadata.json holds them now
       const auto text = meta.dump(1);
       // Its CRC-32 first: metadata.json's presence is what marks the directory complete.
       const std::string crc = fmt::format("{}\n", crc32_of(text.data(), text.size()));

@@ -523,9 +523,9 @@ TEST(Checkpoint, AFailedSaveFailsEveryRankAndKeepsThePrevious) {
 }
 
 // Note [One step for every rank]: rank 0's `latest` names the step every rank loads, within
-// each rank's own path. Here rank 0 loads a copy of the root whose `latest` names step 1,
-// rank 1 the root itself, whose `latest` names step 2 (as if a save published it between
-// the two reads): both load step 1.
+// each rank's own path (and a save sends no rank's index to the others). Here rank 0 loads a copy of the root
+// whose `latest` names step 1, rank 1 the root itself, whose `latest` names step 2 (as if a save published it
+// between the two reads): both load step 1.
 TEST(Checkpoint, EveryRankLoadsTheStepRankZerosLatestNames) {
   FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
   auto world = flatshard::init();
@@ -536,7 +536,13 @@ TEST(Checkpoint, EveryRankLoadsTheStepRankZerosLatestNames) {
   t.save(root, 1, /*keep_last=*/0);
   const auto first = t.params();
   t.train(1, 1);
+  // Note [Indexes beside the shards]: the ranks exchange only their failures, whatever the
+  // size of their indexes (each several kilobytes here), and none is left beside the shards.
+  const std::uint64_t sent = t.comm().bytes_sent();
   t.save(root, 2, /*keep_last=*/0);
+  EXPECT_LT(t.comm().bytes_sent() - sent, 512u) << "the save sent its indexes to every rank";
+  for (const auto& entry : fs::directory_iterator(root + "/step-000000002"))
+    EXPECT_EQ(entry.path().string().find(".index.json"), std::string::npos) << entry.path();
   if (world.rank() == 0) {
     fs::remove_all(copy);
     fs::copy(root, copy, fs::copy_options::recursive);
