@@ -68,6 +68,9 @@ struct Entry {
     std::string file;
     std::int64_t byte_offset, begin, numel;
     std::uint32_t crc;
+    // Note [Checksums per chunk]: each kCrcChunkBytes of the piece's bytes, in order (none
+    // for a piece of one chunk, and in checkpoints written before them).
+    std::vector<std::uint32_t> chunk_crcs;
   };
   std::vector<Part> parts;  // by begin
 };
@@ -94,6 +97,19 @@ inline constexpr const char* kMetadataChecksum = "metadata.crc32";
 std::string dtype_name(at::ScalarType t);
 std::optional<at::ScalarType> dtype_of(const std::string& name);
 std::uint32_t crc32_of(const void* data, std::size_t n);
+
+// Note [Checksums per chunk]
+// A load at another world size needs parts of the pieces another world wrote: a rank of
+// 1,024 loading what 8 ranks saved needs 1/128 of each piece it touches. With one CRC per
+// piece it would read each piece whole to check it (12 GB per rank, 12 TB across the job,
+// for an 8B model's fp32 state). So each piece also lists the CRC-32 of every
+// kCrcChunkBytes of its bytes (the last chunk shorter), and a load reads only the chunks
+// that hold its elements, checking each: at most two chunks more than it needs per range.
+// A piece of one chunk has no list (its crc32 is its chunk's), and checkpoints written
+// before the lists load as before, a piece at a time.
+inline constexpr std::int64_t kCrcChunkBytes = std::int64_t{1} << 20;
+// Bytes this process has read from shard files (tests: Note [Checksums per chunk]).
+std::uint64_t shard_bytes_read();
 
 // Note [One save at a time under a root]
 // A save prunes what a killed save left under its root (.step-*.tmp) and may prune older

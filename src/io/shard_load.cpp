@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cstring>
@@ -143,7 +144,19 @@ Checkpoint open_checkpoint(const std::string& dir) {
       for (const auto& p : t.at("pieces")) {
         e.parts.push_back({p.at("file").get<std::string>(), p.at("byte_offset").get<std::int64_t>(),
                            p.at("begin").get<std::int64_t>(), p.at("numel").get<std::int64_t>(),
-                           p.at("crc32").get<std::uint32_t>()});
+                           p.at("crc32").get<std::uint32_t>(),
+                           p.value("chunk_crc32", std::vector<std::uint32_t>{})});
+        // Note [Checksums per chunk]: one CRC for each chunk of the piece's bytes.
+        const auto& part = e.parts.back();
+        const std::int64_t bytes = part.numel * static_cast<std::int64_t>(c10::elementSize(e.dtype));
+        if (!part.chunk_crcs.empty() &&
+            (part.numel < 0 || static_cast<std::int64_t>(part.chunk_crcs.size()) !=
+                                   (bytes + kCrcChunkBytes - 1) / kCrcChunkBytes)) {
+          fail(meta_path,
+               fmt::format("'{}': a piece of tensor '{}' lists {} chunk checksums for {} bytes: the "
+                           "file is corrupt; load an earlier checkpoint",
+                           meta_path, key, part.chunk_crcs.size(), bytes));
+        }
       }
       std::sort(e.parts.begin(), e.parts.end(),
                 [](const auto& a, const auto& b) { return a.begin < b.begin; });
@@ -195,6 +208,8 @@ void check_names_and_shapes(const Checkpoint& c, const Holding& h) {
   }
 }
 
+std::atomic<std::uint64_t> g_bytes_read{0};
+
 class Reader {
  public:
   explicit Reader(std::string dir) : dir_(std::move(dir)) {}
@@ -208,8 +223,12 @@ class Reader {
     for (const auto& part : e.parts) {
       const std::int64_t a = std::max(lo, part.begin), b = std::min(hi, part.begin + part.numel);
       if (a >= b) continue;
-      const at::Tensor& data = load_part(key, e, part);
-      dst.narrow(0, a - lo, b - a).copy_(data.narrow(0, a - part.begin, b - a));
+      if (part.chunk_crcs.empty()) {
+        const at::Tensor& data = load_part(key, e, part);
+        dst.narrow(0, a - lo, b - a).copy_(data.narrow(0, a - part.begin, b - a));
+      } else {
+        read_chunks(key, e, part, a, b, dst.narrow(0, a - lo, b - a));
+      }
       covered += b - a;
     }
     if (covered != hi - lo) {
@@ -220,32 +239,78 @@ class Reader {
   }
 
  private:
-  const at::Tensor& load_part(const std::string& key, const Entry& e, const Entry::Part& part) {
-    if (cached_key_ == key && cached_begin_ == part.begin && cached_file_ == part.file) return cached_;
-    const std::string path = dir_ + "/" + part.file;
-    auto it = fds_.find(part.file);
+  int fd_of(const std::string& file) {
+    auto it = fds_.find(file);
     if (it == fds_.end()) {
+      const std::string path = dir_ + "/" + file;
       const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd < 0)
         fail(path,
              fmt::format("cannot open '{}': {}; the checkpoint is incomplete", path, std::strerror(errno)));
-      it = fds_.emplace(part.file, fd).first;
+      it = fds_.emplace(file, fd).first;
     }
-    auto data = at::empty({part.numel}, at::TensorOptions().dtype(e.dtype));
-    auto* bytes = static_cast<char*>(data.data_ptr());
-    const std::size_t n = data.nbytes();
+    return it->second;
+  }
+
+  // n bytes of `part`'s file from byte `at` (the file's) into `out`.
+  void pread_all(const std::string& key, const Entry::Part& part, char* out, std::size_t n, std::int64_t at) {
+    const int fd = fd_of(part.file);
     std::size_t done = 0;
     while (done < n) {
-      const ssize_t r =
-          ::pread(it->second, bytes + done, n - done, part.byte_offset + static_cast<off_t>(done));
+      const ssize_t r = ::pread(fd, out + done, n - done, static_cast<off_t>(at) + static_cast<off_t>(done));
       if (r < 0 && errno == EINTR) continue;
       if (r <= 0) {
+        const std::string path = dir_ + "/" + part.file;
         fail(path,
              fmt::format("'{}' is truncated: piece of '{}' at byte {} is missing; load an earlier checkpoint",
                          path, key, part.byte_offset));
       }
       done += static_cast<std::size_t>(r);
     }
+    g_bytes_read.fetch_add(n, std::memory_order_relaxed);
+  }
+
+  // Note [Checksums per chunk]: elements [a, b) of `part` into dst, reading only the chunks
+  // that hold them, a window of chunks at a time, each chunk checked against its CRC.
+  void read_chunks(const std::string& key, const Entry& e, const Entry::Part& part, std::int64_t a,
+                   std::int64_t b, const at::Tensor& dst) {
+    const auto element = static_cast<std::int64_t>(c10::elementSize(e.dtype));
+    const std::int64_t piece_bytes = part.numel * element;
+    const std::int64_t first = (a - part.begin) * element / kCrcChunkBytes;
+    const std::int64_t last = ((b - part.begin) * element - 1) / kCrcChunkBytes;  // inclusive
+    constexpr std::int64_t kWindow = 64;                                          // chunks: 64 MiB
+    for (std::int64_t c0 = first; c0 <= last; c0 += kWindow) {
+      const std::int64_t c1 = std::min(last + 1, c0 + kWindow);
+      const std::int64_t from = c0 * kCrcChunkBytes, to = std::min(piece_bytes, c1 * kCrcChunkBytes);
+      auto window = at::empty({(to - from) / element}, at::TensorOptions().dtype(e.dtype));
+      auto* bytes = static_cast<char*>(window.data_ptr());
+      pread_all(key, part, bytes, static_cast<std::size_t>(to - from), part.byte_offset + from);
+      for (std::int64_t c = c0; c < c1; ++c) {
+        const std::int64_t begin = c * kCrcChunkBytes - from;
+        const std::int64_t n = std::min(piece_bytes - c * kCrcChunkBytes, kCrcChunkBytes);
+        if (crc32_of(bytes + begin, static_cast<std::size_t>(n)) !=
+            part.chunk_crcs[static_cast<std::size_t>(c)]) {
+          const std::string path = dir_ + "/" + part.file;
+          fail(path,
+               fmt::format("checksum mismatch in '{}' (bytes [{}, {}) of the piece of '{}' at element {}): "
+                           "the file is corrupt; load an earlier checkpoint",
+                           path, c * kCrcChunkBytes, c * kCrcChunkBytes + n, key, part.begin));
+        }
+      }
+      // The window's elements, as the piece numbers them, that [a, b) wants.
+      const std::int64_t w0 = part.begin + from / element, w1 = part.begin + to / element;
+      const std::int64_t x0 = std::max(a, w0), x1 = std::min(b, w1);
+      if (x0 < x1) dst.narrow(0, x0 - a, x1 - x0).copy_(window.narrow(0, x0 - w0, x1 - x0));
+    }
+  }
+
+  const at::Tensor& load_part(const std::string& key, const Entry& e, const Entry::Part& part) {
+    if (cached_key_ == key && cached_begin_ == part.begin && cached_file_ == part.file) return cached_;
+    const std::string path = dir_ + "/" + part.file;
+    auto data = at::empty({part.numel}, at::TensorOptions().dtype(e.dtype));
+    auto* bytes = static_cast<char*>(data.data_ptr());
+    const std::size_t n = data.nbytes();
+    pread_all(key, part, bytes, n, part.byte_offset);
     if (crc32_of(bytes, n) != part.crc) {
       fail(path,
            fmt::format("checksum mismatch in '{}' (elements [{}, {}) of '{}'): the file is corrupt; load "
@@ -287,6 +352,8 @@ void read_holding(const Checkpoint& c, Holding& h) {
 }
 
 }  // namespace
+
+std::uint64_t shard_bytes_read() { return g_bytes_read.load(std::memory_order_relaxed); }
 
 void for_each_piece(Holding& h, const std::function<void(const Span&, std::int64_t, const at::Tensor&)>& f) {
   for (auto& seg : h.segments) {

@@ -280,23 +280,29 @@ json write_shard_file(const std::vector<Piece>& pieces, const std::string& path,
     if (n >= (std::size_t{1} << 20)) out.align_with(bytes);
     const std::int64_t offset = out.size();
     // Each chunk is checksummed and then written: a few large writes per piece, each read
-    // soon after its checksum.
+    // soon after its checksum (Note [Checksums per chunk]); the piece's CRC combines them.
     uLong crc = ::crc32(0L, Z_NULL, 0);
+    json chunk_crcs = json::array();
     for (std::size_t done = 0; done < n;) {
-      const std::size_t chunk = std::min<std::size_t>(n - done, std::size_t{64} << 20);
-      crc = ::crc32(crc, reinterpret_cast<const Bytef*>(bytes + done), static_cast<uInt>(chunk));
+      const std::size_t chunk = std::min<std::size_t>(n - done, static_cast<std::size_t>(kCrcChunkBytes));
+      const uLong c = ::crc32(::crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(bytes + done),
+                              static_cast<uInt>(chunk));
+      crc = ::crc32_combine(crc, c, static_cast<z_off_t>(chunk));
+      chunk_crcs.push_back(static_cast<std::uint32_t>(c));
       out.append(bytes + done, chunk);
       done += chunk;
     }
-    index.push_back({{"key", p.key},
-                     {"kind", p.kind},
-                     {"shape", p.shape},
-                     {"dtype", dtype_name(p.data.scalar_type())},
-                     {"file", file},
-                     {"byte_offset", offset},
-                     {"begin", p.begin},
-                     {"numel", p.data.numel()},
-                     {"crc32", static_cast<std::uint32_t>(crc)}});
+    json entry = {{"key", p.key},
+                  {"kind", p.kind},
+                  {"shape", p.shape},
+                  {"dtype", dtype_name(p.data.scalar_type())},
+                  {"file", file},
+                  {"byte_offset", offset},
+                  {"begin", p.begin},
+                  {"numel", p.data.numel()},
+                  {"crc32", static_cast<std::uint32_t>(crc)}};
+    if (chunk_crcs.size() > 1) entry["chunk_crc32"] = std::move(chunk_crcs);
+    index.push_back(std::move(entry));
   }
   out.finish();
   return index;
@@ -420,11 +426,13 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
                  {"shape", piece["shape"]},
                  {"dtype", piece["dtype"]},
                  {"pieces", json::array()}};
-          t["pieces"].push_back({{"file", piece["file"]},
-                                 {"byte_offset", piece["byte_offset"]},
-                                 {"begin", piece["begin"]},
-                                 {"numel", piece["numel"]},
-                                 {"crc32", piece["crc32"]}});
+          json part = {{"file", piece["file"]},
+                       {"byte_offset", piece["byte_offset"]},
+                       {"begin", piece["begin"]},
+                       {"numel", piece["numel"]},
+                       {"crc32", piece["crc32"]}};
+          if (piece.contains("chunk_crc32")) part["chunk_crc32"] = piece["chunk_crc32"];
+          t["pieces"].push_back(std::move(part));
         }
       }
       meta["tensors"] = std::move(tensors);
