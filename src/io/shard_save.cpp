@@ -409,6 +409,14 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
       if (!h.training.empty()) meta["training"] = json::parse(h.training);
       json tensors = json::object();
       for (int r = 0; r < n; ++r) {
+        // Every rank's files must be where rank 0 renames the directory: a root on each
+        // node's own disk would publish a checkpoint without the other nodes' shards.
+        const std::string shard = tmp + "/" + shard_file_name(r, n);
+        if (!exists(index_path(r)) || !exists(shard)) {
+          fail(shard, fmt::format("rank {} wrote '{}', which rank 0 cannot see: is the root on a file system "
+                                  "every rank shares? (a directory on each node's own disk is not)",
+                                  r, shard));
+        }
         const auto bytes = io::read_file(index_path(r));
         json index;
         try {
@@ -418,6 +426,20 @@ CheckpointInfo save(const std::string& root, Communicator& comm, const Holding& 
                fmt::format("rank {}'s index '{}' cannot be read back ({}): is the root on a file "
                            "system every rank shares?",
                            r, index_path(r), e.what()));
+        }
+        std::int64_t end = 0;  // of the pieces' bytes in the file
+        for (const auto& piece : index) {
+          const auto dtype = dtype_of(piece["dtype"].get<std::string>());
+          const auto element = dtype ? static_cast<std::int64_t>(c10::elementSize(*dtype)) : 1;
+          end = std::max(
+              end, piece["byte_offset"].get<std::int64_t>() + piece["numel"].get<std::int64_t>() * element);
+        }
+        const auto size = static_cast<std::int64_t>(std::filesystem::file_size(shard));
+        if (size < end) {
+          fail(shard,
+               fmt::format("rank {}'s '{}' holds {} bytes where its pieces end at byte {}: its writes did "
+                           "not all reach the shared file system",
+                           r, shard, size, end));
         }
         for (auto& piece : index) {
           auto& t = tensors[piece["key"].get<std::string>()];

@@ -581,6 +581,33 @@ TEST(Checkpoint, AFailedSaveFailsEveryRankAndKeepsThePrevious) {
     expect_identical(fresh.params(), before, "the previous checkpoint");
     t.comm().barrier().wait();
   }
+  // Rank 1's shard file missing, or shorter than its pieces, where rank 0 looks (a root on
+  // each node's own disk, writes that did not reach a shared file system): rank 0 refuses to
+  // publish, naming rank 1's file, and the previous checkpoint stays the latest.
+  for (const bool truncate : {false, true}) {
+    ckpt::SaveOptions o;
+    o.step = 2;
+    o.on_stage = [&](ckpt::SaveStage stage) {
+      if (stage != ckpt::SaveStage::ShardWritten || world.rank() != 1) return;
+      const std::string mine = root + "/.step-000000002.tmp/shard-00001-of-00002.bin";
+      if (truncate) {
+        fs::resize_file(mine, fs::file_size(mine) / 2);
+      } else {
+        fs::remove(mine);
+      }
+    };
+    try {
+      ckpt::save_sharded(root, t.fully_shard(), t.shard_optimizer(), o);
+      ADD_FAILURE() << "published without rank 1's shard";
+    } catch (const ckpt::CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find(truncate ? "did not all reach" : "which rank 0 cannot see"),
+                std::string::npos)
+          << e.what();
+    }
+    t.comm().barrier().wait();
+    EXPECT_FALSE(fs::exists(root + "/step-000000002"));
+    EXPECT_EQ(Trainer(world, Strategy::FullShard).load(root).step, 1);
+  }
   if (world.rank() == 0) fs::create_directories(root + "/.step-000000007.tmp/debris");  // a killed save's
   t.comm().barrier().wait();
   t.save(root, 3, /*keep_last=*/0);
