@@ -94,7 +94,13 @@ bool GradScaler::step(ShardOptimizer& optimizer) {
 }
 
 void GradScaler::update() {
-  if (!unscaled_) return;  // no step since the last update
+  if (!unscaled_) {  // as torch.amp's "No inf checks were recorded prior to update"
+    throw InvalidArgument(fmt::format(
+        "flatshard::optim::GradScaler (rank {}/{}): update() found no unscale() or step() since the last "
+        "update(): step through the scaler (scaler.step(optimizer)); optimizer.step() alone steps gradients "
+        "still multiplied by the scale",
+        fsdp_.world().rank(), fsdp_.world().world_size()));
+  }
   if (found_inf_) {
     scale_ *= options_.backoff_factor;
     growth_tracker_ = 0;

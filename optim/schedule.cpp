@@ -91,7 +91,8 @@ LRScheduler::LRScheduler(ShardOptimizer& optimizer, std::vector<Schedule> schedu
                     "give one per group, or one for all",
                     schedules_.size(), optimizer_.num_groups()));
   }
-  for (std::size_t g = 0; g < optimizer_.num_groups(); ++g) base_lrs_.push_back(optimizer_.lr(g));
+  // Note [A schedule's base rate]
+  for (std::size_t g = 0; g < optimizer_.num_groups(); ++g) base_lrs_.push_back(optimizer_.initial_lr(g));
   apply();
 }
 

@@ -247,6 +247,22 @@ void ShardOptimizer::step_shard(std::size_t i) {
   }
 }
 
+double ShardOptimizer::initial_lr(std::size_t group) {
+  initial_lrs_.resize(num_groups());
+  auto& saved = initial_lrs_.at(group);
+  if (!saved) saved = lr(group);
+  return *saved;
+}
+
+std::optional<double> ShardOptimizer::saved_initial_lr(std::size_t group) const {
+  return group < initial_lrs_.size() ? initial_lrs_[group] : std::nullopt;
+}
+
+void ShardOptimizer::set_initial_lr(std::size_t group, double lr) {
+  initial_lrs_.resize(num_groups());
+  initial_lrs_.at(group) = lr;
+}
+
 void ShardOptimizer::zero_grad() {
   // Abandons a failed backward (Note [A backward that failed]) and drops what backwards
   // under no_sync accumulated (Note [zero_grad after no_sync]).
@@ -326,8 +342,17 @@ void check_lr(double lr, const char* who) {
     throw InvalidArgument(fmt::format("flatshard::optim::{}: lr must be >= 0 (got {})", who, lr));
 }
 
+// What torch.optim refuses with ValueError: a negative rate, momentum or weight decay; a
+// negative eps (Adam's). torch leaves dampening unchecked: so does this.
+void check_non_negative(double value, const char* name, const char* who) {
+  if (!(value >= 0))
+    throw InvalidArgument(fmt::format("flatshard::optim::{}: {} must be >= 0 (got {})", who, name, value));
+}
+
 void check_sgd(const SGDOptions& o) {
   check_lr(o.lr, "SGD");
+  check_non_negative(o.momentum, "momentum", "SGD");
+  check_non_negative(o.weight_decay, "weight_decay", "SGD");
   if (o.nesterov && (o.momentum <= 0 || o.dampening != 0)) {
     throw InvalidArgument("flatshard::optim::SGD: nesterov needs momentum > 0 and dampening == 0");
   }
@@ -441,6 +466,8 @@ std::vector<ParamGroup<AdamOptions>> as_adam(std::vector<ParamGroup<AdamWOptions
 
 void check_adam(const AdamOptions& o, const char* who) {
   check_lr(o.lr, who);
+  check_non_negative(o.eps, "eps", who);
+  check_non_negative(o.weight_decay, "weight_decay", who);
   if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1)) {
     throw InvalidArgument(
         fmt::format("flatshard::optim::{}: betas must be in [0, 1) (got {}, {})", who, o.beta1, o.beta2));

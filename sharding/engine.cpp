@@ -175,7 +175,7 @@ void Engine::pre_backward(int index) {
     auto token = std::make_shared<char>(0);
     backward_token_ = token;
     torch::autograd::Engine::get_default_engine().queue_callback([this, token] { end_of_backward(); });
-    if (step_begins_) {  // Note [Parameters without gradients]: a new step's first backward
+    if (step_begins_) {  // Note [Parameters without gradients]: the first backward since the gradients went
       for (auto& flags : got_grad_) std::fill(flags.begin(), flags.end(), 0);
       step_begins_ = false;
     }
@@ -579,9 +579,9 @@ void Engine::zero_grad() {
     }
     u->group->master().mutable_grad().reset();
   }
+  step_begins_ = true;  // Note [Parameters without gradients]: none has one now
   if (dropped) {
     accumulating_ = false;
-    step_begins_ = true;
     account();
   }
 }

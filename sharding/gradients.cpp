@@ -346,14 +346,17 @@ void Engine::abandon_backward() {
 // Note [Parameters without gradients]
 // torch::optim leaves a parameter whose .grad is undefined untouched: no weight decay, no
 // momentum, no step count. A flat shard has a gradient for every element, so the engine
-// records which parameters got one since the step began (the first backward after a
-// synced one) and the optimizer steps only theirs (ShardOptimizer::step_shard). With
+// records which parameters got one since the gradients were last cleared (zero_grad, or a
+// step in backward, which consumes them), over every backward since, synced or not, as
+// torch's .grad stays defined through backwards that accumulate into it (a head only the
+// first of two micro-batches used is stepped), and the optimizer steps only theirs
+// (ShardOptimizer::step_shard). With
 // find_unused_parameters the ranks' records are combined (a parameter any rank used got a
 // gradient), one small all-reduce per synced backward; without it each rank's own record
 // stands, which is right when every rank leaves the same parameters unused (as FSDP2
 // assumes; the replicated strategies refuse an unused parameter then).
 void Engine::find_params_with_grad() {
-  step_begins_ = true;
+  if (step_in_backward_) step_begins_ = true;  // stepped: the gradients are gone
   std::vector<int> units;
   for (int i = 0; i < static_cast<int>(units_.size()); ++i) {
     if (units_[i]->group) units.push_back(i);

@@ -3,7 +3,8 @@
 //
 //   flatshard::data::TokenFile tokens("train.bin");                 // nanoGPT / llm.c format
 //   flatshard::data::TokenDataset dataset(tokens, {.seq_len = 1024});
-//   flatshard::data::DistributedSampler sampler(dataset.size(), world, {.batch_size = 8, .seed = 0});
+//   flatshard::data::DistributedSampler sampler(dataset.size(), world,
+//                                               {.batch_size = 8, .seed = 0, .drop_last = true});
 //   while (true) {
 //     if (sampler.epoch_done()) { sampler.set_epoch(sampler.epoch() + 1); continue; }
 //     auto batch = sampler.next();            // this rank's sample indices
@@ -110,10 +111,12 @@ class DistributedSampler {
   // batch. Smaller, or empty, only in an epoch's last global batch without drop_last (train
   // through it under Join); empty too once the epoch is done.
   std::vector<std::int64_t> next();
-  // Starts epoch `epoch` from its beginning; except that, after restore() and before the
-  // next batch, naming the restored epoch keeps its restored position, so that a loop that
-  // calls set_epoch at the top of every epoch resumes where the checkpoint was saved (Note
-  // [set_epoch after restore]).
+  // Starts epoch `epoch` from its beginning, unless it names the current epoch while batches
+  // of it are left: then the position stays, as PyTorch's set_epoch changes nothing when
+  // called again (a loop may call it every step: Note [set_epoch names the epoch]); and
+  // after restore(), naming the restored epoch keeps its restored position, so that a loop
+  // that calls set_epoch at the top of every epoch resumes where the checkpoint was saved
+  // (Note [set_epoch after restore]).
   void set_epoch(std::int64_t epoch);
 
   std::int64_t epoch() const { return epoch_; }

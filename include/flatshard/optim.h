@@ -17,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -98,6 +99,10 @@ class ShardOptimizer {
   void zero_grad();
   // Bytes of optimizer state held by this rank.
   virtual std::int64_t state_bytes() const = 0;
+  // "SGD", "Adam" or "AdamW" ("" for an optimizer of the program's own): checkpoints record
+  // it, and a load into another refuses it (Adam and AdamW keep the same state under the
+  // same names, and differ in how weight decay applies).
+  virtual std::string kind() const { return {}; }
 
   // Groups: 0 is the default group ("default"), then the constructor's, in order.
   std::size_t num_groups() const { return group_names_.size(); }
@@ -111,6 +116,13 @@ class ShardOptimizer {
   // checkpoints; set_hyperparameters takes the names hyperparameters() gives.
   virtual std::map<std::string, double> hyperparameters(std::size_t group) const = 0;
   virtual void set_hyperparameters(std::size_t group, const std::map<std::string, double>& values) = 0;
+  // Note [A schedule's base rate]: a group's learning rate before any schedule scaled it
+  // (PyTorch's param_group["initial_lr"]): taken from lr() by the first LRScheduler made
+  // over the optimizer, and kept (checkpoints save it), so that a second scheduler, or one
+  // made after a load, scales the same base rather than a rate already scaled.
+  double initial_lr(std::size_t group);
+  std::optional<double> saved_initial_lr(std::size_t group) const;  // none until taken
+  void set_initial_lr(std::size_t group, double lr);
 
   // The state of shard i by name (momentum_buffer; exp_avg, exp_avg_sq); undefined
   // tensors before its first step.
@@ -165,6 +177,7 @@ class ShardOptimizer {
   struct Layout;
   void refresh_layout();
   std::vector<std::string> group_names_;
+  std::vector<std::optional<double>> initial_lrs_;  // by group; Note [A schedule's base rate]
   FullyShardBase* fsdp_ = nullptr;
   std::unique_ptr<Layout> layout_;
 };
@@ -174,6 +187,7 @@ class SGD final : public ShardOptimizer {
   SGD(std::vector<at::Tensor> shards, const SGDOptions& options);
   SGD(FullyShardBase& fsdp, const SGDOptions& options, std::vector<ParamGroup<SGDOptions>> groups = {});
   std::int64_t state_bytes() const override;
+  std::string kind() const override { return "SGD"; }
   double lr(std::size_t group) const override { return options_.at(group).lr; }
   void set_lr(std::size_t group, double lr) override;
   std::map<std::string, double> hyperparameters(std::size_t group) const override;
@@ -196,6 +210,7 @@ class Adam : public ShardOptimizer {
   Adam(std::vector<at::Tensor> shards, const AdamOptions& options);
   Adam(FullyShardBase& fsdp, const AdamOptions& options, std::vector<ParamGroup<AdamOptions>> groups = {});
   std::int64_t state_bytes() const override;
+  std::string kind() const override { return decoupled_ ? "AdamW" : "Adam"; }
   double lr(std::size_t group) const override { return options_.at(group).lr; }
   void set_lr(std::size_t group, double lr) override;
   std::map<std::string, double> hyperparameters(std::size_t group) const override;

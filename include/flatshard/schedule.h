@@ -4,7 +4,9 @@
 //   for (...) { ...; opt.step(); sched.step(); opt.zero_grad(); }
 //
 // A Schedule is a factor by step (counting from 0): each group's learning rate is its
-// base rate (its lr when the scheduler was made) times the factor, as torch's LambdaLR.
+// base rate times the factor, as torch's LambdaLR. The base rate is the group's lr when the
+// optimizer's first scheduler was made (ShardOptimizer::initial_lr, PyTorch's
+// initial_lr), also for a second scheduler or one made after a load.
 // The scheduler's state (its step and the base rates) is saved in checkpoints
 // (checkpoint::SaveOptions::scheduler). See docs/optimizers.md.
 #pragma once

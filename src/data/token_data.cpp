@@ -196,10 +196,13 @@ void DistributedSampler::set_epoch(std::int64_t epoch) {
   // calls set_epoch with the restored epoch right after a checkpoint restored the sampler.
   // Starting that epoch over would train again on every sample the saved run had already
   // seen in it; so from restore() until the next batch is dealt, set_epoch naming the
-  // restored epoch keeps the position, however often it is called (PyTorch's set_epoch
-  // changes nothing when called again). Another epoch, or any call once a batch has been
-  // dealt, starts from the beginning as always.
-  if (restored_ && epoch == epoch_) return;
+  // restored epoch keeps the position, however often it is called.
+  // Note [set_epoch names the epoch]: PyTorch's set_epoch changes nothing when called
+  // again with the same epoch, and loops that count in steps call it at every step
+  // (set_epoch(step / steps_per_epoch)). So naming the current epoch while batches of it
+  // are left keeps the position too; another epoch, or the current one once it is done,
+  // starts from the beginning.
+  if ((restored_ || batches_left() > 0) && epoch == epoch_) return;
   restored_ = false;
   epoch_ = epoch;
   consumed_ = 0;

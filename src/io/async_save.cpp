@@ -77,13 +77,18 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
   // Starts the writer thread. Out of threads, this rank answers the save's first agreement
   // here with the failure (the other ranks' writers wait in it), and throws what every rank
   // throws.
-  const auto start_writer = [&](std::function<void()> work) {
+  // `make` builds the thread's work (its captures allocate): out of memory there too, the
+  // rank answers the agreement rather than leave the others waiting in it.
+  const auto start_writer = [&](const std::function<std::function<void()>()>& make) {
     try {
       if (io::fault_injected("thread")) throw std::system_error(EAGAIN, std::generic_category());
-      s->writer = std::thread(std::move(work));
+      s->writer = std::thread(make());
     } catch (const std::system_error& e) {
       shards::agree(*s->comm, root, shards::kStartingTheSave,
                     fmt::format("starting the writer thread: {}; the process is out of threads", e.what()));
+    } catch (const std::exception& e) {
+      shards::agree(*s->comm, root, shards::kStartingTheSave,
+                    "starting the writer thread: " + shards::reason_of(e));
     }
   };
   shards::Holding copy;
@@ -93,12 +98,14 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
     // The other ranks' writers are already at the save's first agreement: this rank's
     // writer answers it with the failure, which every rank then throws at its next call.
     const std::string why = "copying this rank's shard to the host: " + shards::reason_of(e);
-    start_writer([s, root, why, underway] {
-      try {
-        shards::agree(*s->comm, root, shards::kStartingTheSave, why);
-      } catch (const std::exception& failed) {
-        s->failure = failed.what();
-      }
+    start_writer([&] {
+      return std::function<void()>([s, root, why, underway] {
+        try {
+          shards::agree(*s->comm, root, shards::kStartingTheSave, why);
+        } catch (const std::exception& failed) {
+          s->failure = failed.what();
+        }
+      });
     });
     return;
   }
@@ -106,21 +113,24 @@ void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* opti
   for (const auto& seg : copy.segments) bytes += static_cast<std::int64_t>(seg.values.nbytes());
   for (const auto& [name, t] : copy.buffers) bytes += static_cast<std::int64_t>(t.nbytes());
   state_->copy_bytes = bytes;
-  SaveOptions background = options;  // the pointers were read into the copy's training state
-  background.scheduler = nullptr;
-  background.scaler = nullptr;
-  background.sampler = nullptr;
-  start_writer([s, root, background, held = std::make_shared<shards::Holding>(std::move(copy)), underway] {
-    try {
-      s->info = shards::save(root, *s->comm, *held, background, underway);
-    } catch (const CommError& e) {  // a rank died, or did not answer within the timeout
-      s->failure =
-          std::string(e.what()) +
-          "; this saver's communicator is closed: build a new AsyncSaver on every rank (or restart the "
-          "job)";
-    } catch (const std::exception& e) {  // CheckpointError
-      s->failure = e.what();
-    }
+  start_writer([&] {
+    SaveOptions background = options;  // the pointers were read into the copy's training state
+    background.scheduler = nullptr;
+    background.scaler = nullptr;
+    background.sampler = nullptr;
+    return std::function<void()>(
+        [s, root, background, held = std::make_shared<shards::Holding>(std::move(copy)), underway] {
+          try {
+            s->info = shards::save(root, *s->comm, *held, background, underway);
+          } catch (const CommError& e) {  // a rank died, or did not answer within the timeout
+            s->failure =
+                std::string(e.what()) +
+                "; this saver's communicator is closed: build a new AsyncSaver on every rank (or restart the "
+                "job)";
+          } catch (const std::exception& e) {  // CheckpointError
+            s->failure = e.what();
+          }
+        });
   });
   state_->blocking_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();

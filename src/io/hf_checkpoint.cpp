@@ -307,6 +307,10 @@ void save_hf(const std::string& dir, FullyShardBase& fsdp, const SaveModelOption
     // previous export's files as they were.
     for (auto& w : writers) w->sync();
     for (auto& w : writers) w->publish();
+    // An earlier single file goes before the index comes: a reader takes model.safetensors
+    // over an index (as transformers does), so a save killed between the two would
+    // otherwise leave the earlier weights to be read in silence.
+    if (plan.files.size() > 1) io::remove_tree(dir + "/model.safetensors");
     if (plan.files.size() > 1) {
       nlohmann::json index;
       index["metadata"] = {{"total_size", plan.total_bytes}};

@@ -53,9 +53,14 @@ std::string training_state(const optim::ShardOptimizer* opt, const SaveOptions& 
   out["synced_backwards"] = synced_backwards;
   if (opt) {
     json groups = json::array();
-    for (std::size_t g = 0; g < opt->num_groups(); ++g)
-      groups.push_back({{"name", opt->group_name(g)}, {"hyperparameters", opt->hyperparameters(g)}});
+    for (std::size_t g = 0; g < opt->num_groups(); ++g) {
+      json group = {{"name", opt->group_name(g)}, {"hyperparameters", opt->hyperparameters(g)}};
+      if (const auto initial = opt->saved_initial_lr(g))
+        group["initial_lr"] = *initial;  // Note [A schedule's base rate]
+      groups.push_back(std::move(group));
+    }
     out["param_groups"] = std::move(groups);
+    if (!opt->kind().empty()) out["optimizer"] = opt->kind();
   }
   if (options.scheduler)
     out["scheduler"] = {{"steps", options.scheduler->steps()}, {"base_lrs", options.scheduler->base_lrs()}};
@@ -81,6 +86,14 @@ void restore_training_state(const Checkpoint& c, optim::ShardOptimizer* opt, con
                                              "starts fresh), or from a checkpoint saved with SaveOptions::{}",
                                              c.dir, what, option, option));
   };
+  if (opt && c.has_optimizer && !opt->kind().empty() && state.contains("optimizer") &&
+      state.at("optimizer").get<std::string>() != opt->kind()) {
+    throw CheckpointError(
+        c.dir, fmt::format("the checkpoint at '{}' holds the state of {}; this optimizer is {}, which "
+                           "applies weight decay otherwise: make the optimizer it was saved with, or "
+                           "load without the optimizer to start one afresh",
+                           c.dir, state.at("optimizer").get<std::string>(), opt->kind()));
+  }
   if (opt && c.has_optimizer && state.contains("param_groups")) {
     const auto& groups = state.at("param_groups");
     std::vector<std::string> saved;
@@ -93,8 +106,10 @@ void restore_training_state(const Checkpoint& c, optim::ShardOptimizer* opt, con
                                         "this optimizer has [{}]: make the optimizer with the same groups",
                                         c.dir, fmt::join(saved, ", "), fmt::join(ours, ", ")));
     }
-    for (std::size_t g = 0; g < ours.size(); ++g)
+    for (std::size_t g = 0; g < ours.size(); ++g) {
       opt->set_hyperparameters(g, groups[g].at("hyperparameters").get<std::map<std::string, double>>());
+      if (groups[g].contains("initial_lr")) opt->set_initial_lr(g, groups[g].at("initial_lr").get<double>());
+    }
   }
   if (options.scheduler) {
     if (!state.contains("scheduler")) missing("learning-rate scheduler", "scheduler");

@@ -257,6 +257,9 @@ LaunchOptions parse_args(int argc, char** argv) {
     throw std::invalid_argument("--master-port must be in 1..65535");
   if (o.nnodes > 1 && o.master_port == 0)
     throw std::invalid_argument("--master-port is required when --nnodes > 1");
+  if (!o.elastic && o.nnodes > 1 && o.max_restarts > 0 && o.master_port == 65535)
+    throw std::invalid_argument(
+        "--master-port 65535 leaves no port above it, where the launchers of a job with --max-restarts meet");
   if (o.max_restarts < 0) throw std::invalid_argument("--max-restarts must be at least 0");
   if (o.elastic && (o.min_nodes < 1 || o.max_nodes < o.min_nodes))
     throw std::invalid_argument("--nnodes MIN:MAX needs 1 <= MIN <= MAX");
@@ -341,15 +344,19 @@ bool group_has_others(pid_t pgid) {
 // Note [What a rank leaves running]
 // A rank's children (a shell's background jobs, a helper process it started) are in its
 // process group, which the rank's zombie keeps reserved until the start ends. Once every
-// rank has exited, whatever is left in their groups is stopped as the ranks would have
-// been: SIGTERM, and SIGKILL after a second. Left running, it would outlive the job, and
-// a restart's ranks would meet it (a port, a file, device memory).
+// rank of a start that failed (or was stopped, or regroups) has exited, whatever is left
+// in their groups is stopped as the ranks would have been: SIGTERM, and SIGKILL after a
+// second, each named in the log. Left running, it would meet a restart's ranks (a port,
+// a file, device memory) or outlive a failed job. After a start whose ranks all succeeded
+// it is left alone: an upload a rank started to finish after training is the program's.
 void stop_leftovers(const std::vector<Rank>& ranks) {
   std::vector<pid_t> groups;
   for (const Rank& r : ranks) {
     if (r.pid > 0 && group_has_others(r.pid)) groups.push_back(r.pid);
   }
   if (groups.empty()) return;
+  fmt::print(stderr, "flatshard-run: stopping what the ranks left running (process groups {})\n",
+             fmt::join(groups, ", "));
   for (pid_t g : groups) ::kill(-g, SIGTERM);
   const auto give_up = Clock::now() + std::chrono::seconds(1);
   while (Clock::now() < give_up &&
@@ -542,7 +549,10 @@ Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_star
       signal_all(SIGKILL);
     }
   }
-  stop_leftovers(ranks);
+  // Note [What a rank leaves running]: after a start that failed, was stopped or regroups.
+  const bool succeeded = !regrouping && result_override < 0 &&
+                         std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) { return r.code == 0; });
+  if (!succeeded) stop_leftovers(ranks);
   Outcome out;
   // Once the job grows, a rank that failed failed on the stop or on a peer stopped for it.
   // On node 0, ranks that all finished before its stop leave a finished job.
@@ -645,6 +655,7 @@ int run_elastic(const LaunchOptions& o) {
   }
   std::vector<int> before;  // the node ids of the previous start
   int restart = 0;          // starts after a failure: a regroup is none
+  int last_failure = 0;     // this node's last start's code when its ranks failed
   for (;;) {
     Membership m;
     try {
@@ -665,10 +676,14 @@ int run_elastic(const LaunchOptions& o) {
       return 1;
     }
     if (m.job_over) {
+      // A node whose own ranks failed last says so, even where the others finished: a
+      // scheduler reading its code must not take its failure for a success.
+      const int code = *m.job_over == 0 && last_failure != 0 ? last_failure : *m.job_over;
       fmt::print(stderr,
-                 "flatshard-run: node {}: the job ended (code {}) while this node waited to rejoin it\n",
-                 o.node_rank, *m.job_over);
-      return *m.job_over;
+                 "flatshard-run: node {}: the job ended (code {}) while this node waited to rejoin it{}\n",
+                 o.node_rank, *m.job_over,
+                 code != *m.job_over ? fmt::format("; this node's ranks failed (code {})", code) : "");
+      return code;
     }
     std::vector<int> gone;
     for (int id : before) {
@@ -688,7 +703,7 @@ int run_elastic(const LaunchOptions& o) {
     LaunchOptions start = o;
     start.node_rank = m.node_rank;
     start.nnodes = m.nnodes;
-    start.master_port = m.port;
+    start.master_port = o.ranks_port != 0 ? o.ranks_port : m.port;
     // Note [Growing an elastic job]: the host asks its rendezvous, and stops its own ranks
     // half a second after telling the others; the others listen on their last round's
     // connection.
@@ -711,6 +726,7 @@ int run_elastic(const LaunchOptions& o) {
     // once, before any rank stops for it), which a failure of its own also waits.
     if (!out.regrouped && out.restartable && !host && node.await_regroup(std::chrono::milliseconds(300)))
       out.regrouped = true;
+    last_failure = out.regrouped ? 0 : out.code;
     if (out.regrouped) {
       // Not a failure: the next start's ranks are told of none.
       ::unsetenv("FLATSHARD_FAILURE_CAUSE");
@@ -748,9 +764,10 @@ int run_elastic(const LaunchOptions& o) {
 // within a second, while a peer's old rank 0 still serves that port, and its new ranks
 // join the old start (and fail: the ranks are claimed), spending its restarts one after
 // another; the nodes' counts drift apart, and one node may give up while the others wait.
-// In rounds, every node starts again together, at a port the host picks for each start
-// (--master-port is where the launchers meet), and the host's count of restarts is the
-// one every node's ranks are told and every node gives up at.
+// In rounds, every node starts again together (each start's ranks at --master-port, as
+// without restarts: every rank of the last start has stopped when the next begins; the
+// launchers meet one port above it), and the host's count of restarts is the one every
+// node's ranks are told and every node gives up at.
 int run(const LaunchOptions& o) {
   if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
     std::fprintf(stderr, "flatshard-run: pipe: %s\n", std::strerror(errno));
@@ -759,9 +776,15 @@ int run(const LaunchOptions& o) {
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGHUP, &sa, nullptr);  // the terminal or ssh session that ran it went away
+  // SIGINT and SIGHUP (the terminal or ssh session that ran it went away) unless the
+  // launcher was started ignoring them (`nohup`, a shell's background job): then they stay
+  // ignored, and the ranks inherit that as before.
+  for (const int sig : {SIGINT, SIGHUP}) {
+    struct sigaction inherited {};
+    if (sigaction(sig, nullptr, &inherited) == 0 && inherited.sa_handler == SIG_IGN) continue;
+    sigaction(sig, &sa, nullptr);
+  }
   ::signal(SIGPIPE, SIG_IGN);
   // Inherited as ignored, SIGCHLD would have the kernel reap the ranks itself, and waitpid
   // would never see one exit.
@@ -784,6 +807,8 @@ int run(const LaunchOptions& o) {
     LaunchOptions rounds = o;
     rounds.elastic = true;
     rounds.min_nodes = rounds.max_nodes = o.nnodes;
+    rounds.ranks_port = o.master_port;
+    rounds.master_port = o.master_port + 1;
     return run_elastic(rounds);
   }
   const auto job_start = Clock::now();

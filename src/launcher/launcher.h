@@ -23,8 +23,12 @@ struct LaunchOptions {
   // and a start goes on with the nodes present (at least min_nodes).
   bool elastic = false;
   int min_nodes = 1, max_nodes = 1;
-  double rdzv_wait_s = 10;           // how long a round waits for nodes beyond MIN
-  double rdzv_timeout_s = 600;       // how long a round waits for MIN nodes
+  double rdzv_wait_s = 10;      // how long a round waits for nodes beyond MIN
+  double rdzv_timeout_s = 600;  // how long a round waits for MIN nodes
+  // The ranks' MASTER_PORT in every start of a job with rounds (0: one node 0 picks per
+  // start): a fixed job with --max-restarts keeps --master-port (Note [Restarting a job of
+  // several nodes]).
+  int ranks_port = 0;
   std::vector<std::string> command;  // PROGRAM ARGS...
 };
 

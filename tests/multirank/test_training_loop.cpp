@@ -178,6 +178,38 @@ TEST(UnusedParameters, AreLeftUntouchedAsTorchOptimLeavesThem) {
   }
 }
 
+// Note [Parameters without gradients]: gradients accumulated over two micro-batches,
+// each backward reduced (no no_sync), where only the first micro-batch opens the gate: b's
+// gradient is in its accumulated .grad when the optimizer steps, so torch::optim steps it,
+// and so must every strategy. A record that began again at the second backward would leave
+// b out of the step (and with AdamW out of its weight decay).
+TEST(UnusedParameters, AParameterOnlyAnEarlierMicroBatchUsedIsStepped) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(300));
+  auto world = flatshard::init();
+  const auto make = [] {
+    torch::manual_seed(5);
+    return GatedNet();
+  };
+  for (Strategy strategy : every_strategy(world.world_size())) {
+    TrainSpec spec;
+    spec.strategy = strategy;
+    spec.shard_group_size = hybrid_group_size(world.world_size());
+    spec.optimizer = OptKind::AdamW;
+    spec.find_unused_parameters = true;
+    spec.micro_batches = 2;
+    spec.reduce_every_micro_batch = true;
+    spec.steps = 2;
+    const at::Tensor b_initial = make()->gate->b->weight.detach().clone();
+    // Step 0's first row (rank 0's, in the first micro-batch) opens the gate; step 1 opens none.
+    const auto r = train_and_compare<GatedNet>(
+        world, make, [](int s) { return gated_batch(s == 0 ? 0 : 1, 12); }, mse, spec);
+    SCOPED_TRACE(to_string(strategy));
+    EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+    EXPECT_GT((r.weights.at("gate.b.weight") - b_initial).abs().max().item<double>(), 1e-3)
+        << "b must have moved";
+  }
+}
+
 // Two units of one shape, the second gated (Note [Reductions in one order]): its b only
 // sees rows whose first column (passed through the units unchanged) is positive.
 struct StageImpl : torch::nn::Module {
@@ -503,6 +535,18 @@ TEST(Schedules, ResumedRunContinuesTheScheduleBitForBit) {
     EXPECT_EQ(second.scaler->scale(), 512.0) << "grown once after two clean steps";
     EXPECT_EQ(second.scaler->growth_tracker(), 1);
     EXPECT_EQ(second.opt->lr(0), first.opt->lr(0));
+    {
+      // Note [A schedule's base rate]: a scheduler made after a load (not restored from it)
+      // scales the saved initial rate, not the rate the saved schedule had reached.
+      optim::AdamW bare(*second.fsdp, optim::AdamWOptions{3e-3, 0.9, 0.95, 1e-8, 0.1},
+                        std::vector<optim::ParamGroup<optim::AdamWOptions>>{
+                            {"no_decay", optim::biases_norms_embeddings(), {3e-3, 0.9, 0.95, 1e-8, 0.0}}});
+      flatshard::checkpoint::load_sharded(dir.string(), *second.fsdp, &bare);
+      EXPECT_NE(bare.lr(0), 3e-3);
+      optim::LRScheduler late(bare, optim::constant());
+      EXPECT_DOUBLE_EQ(late.base_lrs()[0], 3e-3);
+      EXPECT_DOUBLE_EQ(late.base_lrs()[1], 3e-3);
+    }
     train(second, 3, 6);
     for (int k = 0; k < 3; ++k) EXPECT_EQ(second.lrs[k], whole.lrs[3 + k]) << "step " << 3 + k;
     EXPECT_EQ(whole.opt->lr(1), whole.opt->lr(0)) << "both groups follow the schedule";
@@ -530,6 +574,18 @@ TEST(Schedules, ResumedRunContinuesTheScheduleBitForBit) {
     optim::AdamW ungrouped(*second.fsdp, optim::AdamWOptions{});
     EXPECT_THROW(flatshard::checkpoint::load_sharded(dir.string(), *second.fsdp, &ungrouped),
                  flatshard::checkpoint::CheckpointError);
+    // Nor AdamW's state into Adam, whose weight decay is an L2 term (the same state names).
+    optim::Adam adam(*second.fsdp, optim::AdamOptions{3e-3, 0.9, 0.95, 1e-8, 0.1},
+                     std::vector<optim::ParamGroup<optim::AdamOptions>>{
+                         {"no_decay", optim::biases_norms_embeddings(), {3e-3, 0.9, 0.95, 1e-8, 0.0}}});
+    try {
+      flatshard::checkpoint::load_sharded(dir.string(), *second.fsdp, &adam);
+      ADD_FAILURE() << "AdamW's state loaded into Adam";
+    } catch (const flatshard::checkpoint::CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find("holds the state of AdamW; this optimizer is Adam"),
+                std::string::npos)
+          << e.what();
+    }
     second.fsdp->comm().barrier().wait();
     if (world.rank() == 0) fs::remove_all(dir);
     second.fsdp->comm().barrier().wait();
@@ -578,6 +634,11 @@ TEST(ParamGroups, BadGroupsAndSchedulesAreRefused) {
   s.step();
   EXPECT_DOUBLE_EQ(opt.lr(0), 0.1 * 0.75);
   EXPECT_DOUBLE_EQ(opt.lr(1), 0.2 * 0.75);
+  // Note [A schedule's base rate]: a second scheduler scales the groups' initial rates, not
+  // the rates the first one left (PyTorch's initial_lr).
+  optim::LRScheduler second(opt, optim::constant(0.5));
+  EXPECT_DOUBLE_EQ(second.base_lrs()[0], 0.1);
+  EXPECT_DOUBLE_EQ(opt.lr(1), 0.2 * 0.5);
 }
 
 // fp16 compute with dynamic loss scaling against a single-process run of the same
@@ -687,6 +748,9 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
     }
     EXPECT_EQ(scaler.skipped_steps(), 1);
     EXPECT_EQ(fsdp.skipped_steps(), wrapper_skips ? 1 : 0);
+    // An update() with no step through the scaler since the last (the optimizer stepped on
+    // its own, on scaled gradients) is refused, as torch.amp refuses it.
+    EXPECT_THROW(scaler.update(), flatshard::InvalidArgument);
     if (strategy == Strategy::FullShard &&
         !wrapper_skips) {  // stepping in backward would step scaled gradients
       fsdp.step_in_backward(&opt);

@@ -191,7 +191,8 @@ TEST(Sampler, ResumesAtTheSameOrAnotherWorldSize) {
 }
 
 // A loop that calls set_epoch at the top of every epoch, as PyTorch's do, resumes where the
-// checkpoint was saved (Note [set_epoch after restore]); set_epoch otherwise starts over.
+// checkpoint was saved (Note [set_epoch after restore]); one that names the epoch at every
+// step goes on through it (Note [set_epoch names the epoch]).
 TEST(Sampler, SetEpochRightAfterRestoreKeepsThePosition) {
   SamplerOptions o;
   o.batch_size = 2;
@@ -218,14 +219,15 @@ TEST(Sampler, SetEpochRightAfterRestoreKeepsThePosition) {
   before.insert(before.end(), after.begin(), after.end());
   EXPECT_EQ(before, uninterrupted) << "no batch of the restored epoch is seen twice or skipped";
 
-  // Once a batch has been dealt, or for another epoch, set_epoch starts from the beginning.
+  // Once a batch has been dealt, naming the same epoch still keeps the position (Note
+  // [set_epoch names the epoch]); another epoch starts from its beginning.
   DistributedSampler again(20, 1, 2, o);
   again.restore(saved.state());
   const auto third = again.next();
   EXPECT_EQ(third, uninterrupted[7]);
   again.set_epoch(1);
-  EXPECT_EQ(again.consumed(), 0);
-  EXPECT_EQ(again.next(), uninterrupted[5]);
+  EXPECT_EQ(again.consumed(), 12);
+  EXPECT_EQ(again.next(), uninterrupted[8]);
   DistributedSampler other(20, 1, 2, o);
   other.restore(saved.state());
   other.set_epoch(2);
@@ -238,6 +240,15 @@ TEST(Sampler, SetEpochRightAfterRestoreKeepsThePosition) {
   twice.set_epoch(1);
   EXPECT_EQ(twice.consumed(), 8);
   EXPECT_EQ(twice.next(), uninterrupted[7]);
+  // A loop that counts in steps and names the epoch at every step, as PyTorch's set_epoch
+  // allows, sees every epoch's batches once, in order.
+  DistributedSampler stepwise(20, 1, 2, o);
+  std::vector<std::vector<std::int64_t>> by_step;
+  for (int step = 0; step < 15; ++step) {
+    stepwise.set_epoch(step / 5);
+    by_step.push_back(stepwise.next());
+  }
+  EXPECT_EQ(by_step, uninterrupted);
   DistributedSampler ended(20, 1, 2, o);
   ended.set_epoch(1);
   while (!ended.epoch_done()) ended.next();

@@ -423,7 +423,7 @@ TEST(Launcher, AFixedJobOfSeveralNodesRestartsTogether) {
   const std::string marker = fmt::format("/tmp/flatshard-fixed-restart-{}", ::getpid());
   std::remove(marker.c_str());
   const std::string script =
-      "echo \"env $RANK $WORLD_SIZE $TORCHELASTIC_RESTART_COUNT\"; "
+      "echo \"env $RANK $WORLD_SIZE $TORCHELASTIC_RESTART_COUNT $MASTER_PORT\"; "
       "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then "
       "  if [ \"$RANK\" = 1 ]; then exit 3; fi; "
       "  touch " +
@@ -444,7 +444,8 @@ TEST(Launcher, AFixedJobOfSeveralNodesRestartsTogether) {
   for (int id = 0; id < 2; ++id) {
     EXPECT_EQ(r[id].exit_code, 0) << "node " << id << ": " << r[id].output;
     EXPECT_EQ(r[id].output.find("overlap"), std::string::npos) << r[id].output;
-    EXPECT_NE(r[id].output.find(fmt::format("[rank {0}] env {0} 2 1", id)), std::string::npos)
+    // Every start's ranks at --master-port, as without restarts.
+    EXPECT_NE(r[id].output.find(fmt::format("[rank {0}] env {0} 2 1 {1}\n", id, port)), std::string::npos)
         << r[id].output;
     EXPECT_NE(r[id].output.find(fmt::format("[rank {0}] done-{0}", id)), std::string::npos) << r[id].output;
     EXPECT_NE(r[id].output.find("restart 1 of 1"), std::string::npos) << r[id].output;
@@ -500,6 +501,20 @@ TEST(Launcher, ForwardsSigtermAndSighupToEveryRank) {
     EXPECT_NE(r.output.find(fmt::format("[rank 1] got-{}-1", name)), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("start-1"), std::string::npos) << "restarted after a signal: " << r.output;
   }
+}
+
+// Started ignoring SIGHUP (`nohup`), the launcher keeps ignoring it, and so do its ranks:
+// the job outlives the session that started it.
+TEST(Launcher, AnIgnoredSighupStaysIgnored) {
+  RunOptions options;
+  options.signal = SIGHUP;
+  options.signal_after = std::chrono::milliseconds(500);
+  const auto r = run_command(
+      {"sh", "-c", "trap '' HUP; exec " + launcher_path() + " -n 2 sh -c 'sleep 2; echo survived-$RANK'"},
+      options);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] survived-0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1] survived-1"), std::string::npos) << r.output;
 }
 
 TEST(Launcher, DeadlineStopsAHungJob) {
@@ -568,6 +583,17 @@ bool running(int pid) {
   return paren == nullptr || paren[2] != 'Z';
 }
 
+// The process id a rank wrote to `file` (0 when it wrote none); the file goes.
+int take_pid(const std::string& file) {
+  int pid = 0;
+  if (FILE* f = std::fopen(file.c_str(), "r")) {
+    if (std::fscanf(f, "%d", &pid) != 1) pid = 0;
+    std::fclose(f);
+  }
+  std::remove(file.c_str());
+  return pid;
+}
+
 // A rank that exits with a code above 128 exited: the restart names its code, not a signal.
 // What it started and left running (a shell's background job, in its process group) is
 // stopped with the other ranks, not left behind.
@@ -581,12 +607,8 @@ TEST(Launcher, AHighExitCodeIsACodeAndAnExitedRanksChildrenStop) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 1 exited with code 200; restart 1 of 1"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("killed by signal"), std::string::npos) << r.output;
-  FILE* f = std::fopen(pid_file.c_str(), "r");
-  ASSERT_NE(f, nullptr) << "rank 1 did not start its helper";
-  int pid = 0;
-  ASSERT_EQ(std::fscanf(f, "%d", &pid), 1);
-  std::fclose(f);
-  std::remove(pid_file.c_str());
+  const int pid = take_pid(pid_file);
+  ASSERT_GT(pid, 0) << "rank 1 did not start its helper";
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (running(pid) && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -594,24 +616,29 @@ TEST(Launcher, AHighExitCodeIsACodeAndAnExitedRanksChildrenStop) {
   if (running(pid)) ::kill(pid, SIGKILL);
 }
 
-// Note [What a rank leaves running]: every rank exits by itself (successfully), one leaving
-// a background job; the launcher stops it before it returns.
-TEST(Launcher, WhatRanksLeaveRunningStopsWhenTheyAllExit) {
-  const std::string pid_file = fmt::format("/tmp/flatshard-launcher-leftover-{}", ::getpid());
-  std::remove(pid_file.c_str());
-  const auto r =
-      run_command(launch({"-n", "2"}, "if [ \"$RANK\" = 1 ]; then sleep 60 > /dev/null 2>&1 & echo $! > " +
-                                          pid_file + "; fi; echo done-$RANK"));
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_LT(r.seconds, 10.0) << r.output;
-  FILE* f = std::fopen(pid_file.c_str(), "r");
-  ASSERT_NE(f, nullptr) << "rank 1 did not start its helper";
-  int pid = 0;
-  ASSERT_EQ(std::fscanf(f, "%d", &pid), 1);
-  std::fclose(f);
-  std::remove(pid_file.c_str());
-  EXPECT_FALSE(running(pid)) << "rank 1's background job (pid " << pid << ") outlived the launcher";
-  if (running(pid)) ::kill(pid, SIGKILL);
+// Note [What a rank leaves running]: every rank exits by itself, one leaving a background
+// job. After a failed start (no rank left to stop) the launcher stops it before it returns;
+// after a successful one it is the program's, and runs on.
+TEST(Launcher, WhatRanksLeaveRunningStopsAfterAFailure) {
+  for (const int code : {3, 0}) {
+    const std::string pid_file = fmt::format("/tmp/flatshard-launcher-leftover-{}", ::getpid());
+    std::remove(pid_file.c_str());
+    const auto r =
+        run_command(launch({"-n", "2"}, fmt::format("if [ \"$RANK\" = 1 ]; then sleep 60 > /dev/null "
+                                                    "2>&1 & echo $! > {}; fi; exit {}",
+                                                    pid_file, code)));
+    EXPECT_EQ(r.exit_code, code) << r.output;
+    EXPECT_LT(r.seconds, 10.0) << r.output;
+    const int pid = take_pid(pid_file);
+    ASSERT_GT(pid, 0) << "rank 1 did not start its helper";
+    if (code != 0) {
+      EXPECT_FALSE(running(pid)) << "rank 1's background job (pid " << pid << ") outlived a failed job";
+      EXPECT_NE(r.output.find("stopping what the ranks left running"), std::string::npos) << r.output;
+    } else {
+      EXPECT_TRUE(running(pid)) << "a successful job's background work was stopped";
+    }
+    if (running(pid)) ::kill(pid, SIGKILL);
+  }
 }
 
 TEST(Launcher, BadArgumentsPrintUsage) {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -15,6 +16,7 @@
 #include <limits>
 
 #include "flatshard/errors.h"
+#include "flatshard/optim.h"
 #include "optim/clip.h"
 #include "optim/step_kernels_cpu.h"
 
@@ -286,3 +288,32 @@ TEST(CpuStepKernels, TheWidestRunnableBuildIsPickedUnlessOneIsNamed) {
 
 }  // namespace
 }  // namespace flatshard::optim::kernels::cpu
+
+// What torch.optim refuses with ValueError is refused when the optimizer is made: a
+// negative rate, momentum, weight decay or eps, betas outside [0, 1), nesterov without
+// momentum or with dampening.
+TEST(OptimizerOptions, RefuseWhatTorchOptimRefuses) {
+  namespace optim = flatshard::optim;
+  const auto shards = [] { return std::vector<at::Tensor>{at::zeros({4})}; };
+  const auto refused = [](const std::function<void()>& make, const std::string& words) {
+    try {
+      make();
+      ADD_FAILURE() << "accepted; expected: " << words;
+    } catch (const flatshard::InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  refused([&] { optim::SGD(shards(), optim::SGDOptions{-0.1}); }, "lr must be >= 0");
+  refused([&] { optim::SGD(shards(), optim::SGDOptions{0.1, -0.9}); }, "momentum must be >= 0");
+  refused([&] { optim::SGD(shards(), optim::SGDOptions{0.1, 0.9, 0, -1e-4}); }, "weight_decay must be >= 0");
+  refused([&] { optim::SGD(shards(), optim::SGDOptions{0.1, 0.9, 0.1, 0, true}); }, "nesterov needs");
+  refused([&] { optim::Adam(shards(), optim::AdamOptions{1e-3, 0.9, 0.999, -1e-8}); }, "eps must be >= 0");
+  refused([&] { optim::Adam(shards(), optim::AdamOptions{1e-3, 0.9, 1.0}); }, "betas must be in [0, 1)");
+  refused(
+      [&] {
+        optim::AdamW(shards(), optim::AdamWOptions{1e-3, 0.9, 0.999, 1e-8, -0.1});
+      },
+      "weight_decay must be >= 0");
+  EXPECT_NO_THROW(optim::AdamW(shards(), optim::AdamWOptions{}));
+  EXPECT_NO_THROW(optim::SGD(shards(), optim::SGDOptions{0.1, 0.9, 0.5}));
+}
