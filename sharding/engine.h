@@ -253,11 +253,11 @@ class Engine {
   // bucket of the step under way.
   std::vector<Work> early_gathers_;
   // Note [Parameters without gradients]: by unit, by parameter id: got a gradient since
-  // the step began; by shard, in layout order: which got one in the last synced backward
-  // (empty: every one).
+  // the gradients were last cleared; by shard, in layout order: which had, as of the last
+  // synced backward (empty: every one).
   std::vector<std::vector<char>> got_grad_;
   std::vector<std::vector<char>> params_with_grad_;
-  bool step_begins_ = true;           // the next backward is a new step's first
+  bool step_begins_ = true;           // the gradients were cleared: the next backward starts the record
   std::int64_t layout_version_ = 0;   // changes when layout() does
   std::vector<int> shard_of_unit_;    // unit -> index in shards(), -1 without parameters
   std::recursive_mutex hooks_mutex_;  // forward and backward hooks (see Engine::Unit)

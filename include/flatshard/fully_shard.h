@@ -224,10 +224,10 @@ class FullyShardBase {
   // Changes whenever layout() does (NoShard and ShardOptimizerState lay their buckets out
   // again in the first backward).
   std::int64_t layout_version() const;
-  // Which parameters of shard i (in layout() order) got a gradient in the step that ended
-  // with the last synced backward: on any rank with find_unused_parameters, else on this
-  // rank. Empty when every one did. Optimizers step only those (Note [Parameters without
-  // gradients] in sharding/gradients.cpp).
+  // Which parameters of shard i (in layout() order) got a gradient since the gradients
+  // were last cleared (zero_grad, a failed backward, a step in backward), as of the last
+  // synced backward: on any rank with find_unused_parameters, else on this rank. Empty when every one did.
+  // Optimizers step only those (Note [Parameters without gradients] in sharding/gradients.cpp).
   const std::vector<char>& params_with_grad(std::size_t shard) const;
   // Optimizers over shards call it after stepping each segment of shard i, in order
   // (ShardOptimizerState then gathers that bucket while the next ones step).

@@ -78,6 +78,34 @@ std::string training_state(const optim::ShardOptimizer* opt, const SaveOptions& 
   return out.empty() ? std::string() : out.dump();
 }
 
+// Whether the checkpoint's optimizer state fits `opt`: the same kind (Adam's and AdamW's
+// state share their names) and the same groups. Checked before any value is read, so that a
+// refusal leaves the model and the optimizer as they were.
+void check_optimizer_fits(const Checkpoint& c, const optim::ShardOptimizer& opt) {
+  using json = nlohmann::json;
+  if (!c.has_optimizer || c.training.empty()) return;
+  const json state = json::parse(c.training);
+  if (!opt.kind().empty() && state.contains("optimizer") &&
+      state.at("optimizer").get<std::string>() != opt.kind()) {
+    throw CheckpointError(
+        c.dir, fmt::format("the checkpoint at '{}' holds the state of {}; this optimizer is {}, which "
+                           "applies weight decay otherwise: make the optimizer it was saved with, or "
+                           "load without the optimizer to start one afresh",
+                           c.dir, state.at("optimizer").get<std::string>(), opt.kind()));
+  }
+  if (!state.contains("param_groups")) return;
+  std::vector<std::string> saved;
+  for (const auto& g : state.at("param_groups")) saved.push_back(g.at("name").get<std::string>());
+  std::vector<std::string> ours;
+  for (std::size_t g = 0; g < opt.num_groups(); ++g) ours.push_back(opt.group_name(g));
+  if (saved != ours) {
+    throw CheckpointError(c.dir,
+                          fmt::format("the checkpoint at '{}' was saved with parameter groups [{}]; "
+                                      "this optimizer has [{}]: make the optimizer with the same groups",
+                                      c.dir, fmt::join(saved, ", "), fmt::join(ours, ", ")));
+  }
+}
+
 void restore_training_state(const Checkpoint& c, optim::ShardOptimizer* opt, const LoadOptions& options) {
   using json = nlohmann::json;
   const json state = c.training.empty() ? json::object() : json::parse(c.training);
@@ -86,29 +114,17 @@ void restore_training_state(const Checkpoint& c, optim::ShardOptimizer* opt, con
                                              "starts fresh), or from a checkpoint saved with SaveOptions::{}",
                                              c.dir, what, option, option));
   };
-  if (opt && c.has_optimizer && !opt->kind().empty() && state.contains("optimizer") &&
-      state.at("optimizer").get<std::string>() != opt->kind()) {
-    throw CheckpointError(
-        c.dir, fmt::format("the checkpoint at '{}' holds the state of {}; this optimizer is {}, which "
-                           "applies weight decay otherwise: make the optimizer it was saved with, or "
-                           "load without the optimizer to start one afresh",
-                           c.dir, state.at("optimizer").get<std::string>(), opt->kind()));
-  }
   if (opt && c.has_optimizer && state.contains("param_groups")) {
     const auto& groups = state.at("param_groups");
-    std::vector<std::string> saved;
-    for (const auto& g : groups) saved.push_back(g.at("name").get<std::string>());
-    std::vector<std::string> ours;
-    for (std::size_t g = 0; g < opt->num_groups(); ++g) ours.push_back(opt->group_name(g));
-    if (saved != ours) {
-      throw CheckpointError(c.dir,
-                            fmt::format("the checkpoint at '{}' was saved with parameter groups [{}]; "
-                                        "this optimizer has [{}]: make the optimizer with the same groups",
-                                        c.dir, fmt::join(saved, ", "), fmt::join(ours, ", ")));
-    }
-    for (std::size_t g = 0; g < ours.size(); ++g) {
+    // Saved before initial rates were: the scheduler's base rates stand for them.
+    const bool scheduled = state.contains("scheduler") && state.at("scheduler").contains("base_lrs");
+    for (std::size_t g = 0; g < opt->num_groups(); ++g) {
       opt->set_hyperparameters(g, groups[g].at("hyperparameters").get<std::map<std::string, double>>());
-      if (groups[g].contains("initial_lr")) opt->set_initial_lr(g, groups[g].at("initial_lr").get<double>());
+      if (groups[g].contains("initial_lr")) {  // Note [A schedule's base rate]
+        opt->set_initial_lr(g, groups[g].at("initial_lr").get<double>());
+      } else if (scheduled && g < state.at("scheduler").at("base_lrs").size()) {
+        opt->set_initial_lr(g, state.at("scheduler").at("base_lrs")[g].get<double>());
+      }
     }
   }
   if (options.scheduler) {
@@ -281,6 +297,7 @@ CheckpointInfo load_sharded(const std::string& path, FullyShardBase& fsdp, optim
       path, fsdp.comm(),
       [&](const Checkpoint& c) {
         if (options.sampler) sampler_state = saved_sampler_state(c, *options.sampler);
+        if (optimizer) check_optimizer_fits(c, *optimizer);
         fsdp.restore_bucket_order(c.bucket_order);
         const auto states =
             optimizer ? states_to_load(c, optimizer->state_names()) : std::vector<std::string>{};

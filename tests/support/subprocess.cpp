@@ -22,6 +22,10 @@ RunResult run_command(const std::vector<std::string>& argv, const RunOptions& op
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::setpgid(0, 0);
+    // Whatever the test run was started ignoring (`nohup ctest`), the program starts with
+    // the default actions, as from a shell.
+    ::signal(SIGHUP, SIG_DFL);
+    ::signal(SIGINT, SIG_DFL);
     ::dup2(pipe_fd[1], STDOUT_FILENO);
     ::dup2(pipe_fd[1], STDERR_FILENO);
     for (const auto& name : options.unset_env) ::unsetenv(name.c_str());

@@ -174,6 +174,22 @@ int free_port() {
   }
 }
 
+// A free port whose next is free too (a fixed job with restarts meets one port above
+// --master-port: Note [Restarting a job of several nodes]).
+int free_port_pair() {
+  for (;;) {
+    const int port = free_port();
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<std::uint16_t>(port + 1));
+    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    ::close(fd);
+    if (free) return port;
+  }
+}
+
 // Runs one flatshard-run per node of an elastic job on this machine, side by side:
 // node_args[k] are node k's options before the program.
 std::vector<flatshard::testing::RunResult> run_nodes(const std::vector<std::vector<std::string>>& node_args,
@@ -419,7 +435,7 @@ TEST(Launcher, ASignalEndsAnElasticRoundAtOnce) {
 // with one restart. Each launcher restarting on its own would start node 1's ranks beside
 // node 0's first start, which spends node 1's restart on the marker.
 TEST(Launcher, AFixedJobOfSeveralNodesRestartsTogether) {
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(free_port_pair());
   const std::string marker = fmt::format("/tmp/flatshard-fixed-restart-{}", ::getpid());
   std::remove(marker.c_str());
   const std::string script =
@@ -457,7 +473,7 @@ TEST(Launcher, AFixedJobOfSeveralNodesRestartsTogether) {
 // other, the other for a host that is not there; a fixed job with restarts meets too) ends
 // with the deadline's code within seconds, not after --rdzv-timeout-s.
 TEST(Launcher, TheDeadlineHoldsWhileTheNodesMeet) {
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(free_port_pair());
   RunOptions options;
   options.env["FLATSHARD_JOB_SECRET"] = "deadline-test";
   for (const auto& nodes :
