@@ -146,16 +146,21 @@ Checkpoint open_checkpoint(const std::string& dir) {
                            p.at("begin").get<std::int64_t>(), p.at("numel").get<std::int64_t>(),
                            p.at("crc32").get<std::uint32_t>(),
                            p.value("chunk_crc32", std::vector<std::uint32_t>{})});
-        // Note [Checksums per chunk]: one CRC for each chunk of the piece's bytes.
+        // Note [Checksums per chunk]: one CRC for each chunk of the piece's bytes (a count
+        // checked before it is multiplied: a damaged index may hold any number).
         const auto& part = e.parts.back();
-        const std::int64_t bytes = part.numel * static_cast<std::int64_t>(c10::elementSize(e.dtype));
-        if (!part.chunk_crcs.empty() &&
-            (part.numel < 0 || static_cast<std::int64_t>(part.chunk_crcs.size()) !=
-                                   (bytes + kCrcChunkBytes - 1) / kCrcChunkBytes)) {
-          fail(meta_path,
-               fmt::format("'{}': a piece of tensor '{}' lists {} chunk checksums for {} bytes: the "
-                           "file is corrupt; load an earlier checkpoint",
-                           meta_path, key, part.chunk_crcs.size(), bytes));
+        if (!part.chunk_crcs.empty()) {
+          const auto element = static_cast<std::int64_t>(c10::elementSize(e.dtype));
+          const bool counted =
+              part.numel >= 0 && part.numel <= std::numeric_limits<std::int64_t>::max() / element;
+          const std::int64_t bytes = counted ? part.numel * element : -1;
+          if (!counted || static_cast<std::int64_t>(part.chunk_crcs.size()) !=
+                              bytes / kCrcChunkBytes + (bytes % kCrcChunkBytes != 0 ? 1 : 0)) {
+            fail(meta_path,
+                 fmt::format("'{}': a piece of tensor '{}' lists {} chunk checksums for {} elements: "
+                             "the file is corrupt; load an earlier checkpoint",
+                             meta_path, key, part.chunk_crcs.size(), part.numel));
+          }
         }
       }
       std::sort(e.parts.begin(), e.parts.end(),
@@ -255,6 +260,13 @@ class Reader {
   // n bytes of `part`'s file from byte `at` (the file's) into `out`.
   void pread_all(const std::string& key, const Entry::Part& part, char* out, std::size_t n, std::int64_t at) {
     const int fd = fd_of(part.file);
+    if (at < 0 || at > std::numeric_limits<std::int64_t>::max() - static_cast<std::int64_t>(n)) {
+      const std::string path = dir_ + "/" + part.file;
+      fail(path,
+           fmt::format("'{}': a piece of '{}' lies at byte {}, past any file: the index is corrupt; load "
+                       "an earlier checkpoint",
+                       path, key, part.byte_offset));
+    }
     std::size_t done = 0;
     while (done < n) {
       const ssize_t r = ::pread(fd, out + done, n - done, static_cast<off_t>(at) + static_cast<off_t>(done));
