@@ -154,6 +154,18 @@ TEST(Launcher, ARestartedJobIsToldWhatFailedAndWhen) {
   EXPECT_NE(line.find("[rank 1 exited with code 4]"), std::string::npos) << line;
 }
 
+// Whether nobody listens on loopback `port` now.
+bool port_free(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  ::close(fd);
+  return free;
+}
+
 // A port nobody listens on now, below the kernel's range of ephemeral ports (32768 and up
 // by default), so that no process binding port 0 (another test's ranks, its launcher's
 // picks) takes it between this call and the test's bind.
@@ -163,14 +175,7 @@ int free_port() {
       static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
   for (;;) {
     const int port = 20000 + static_cast<int>(pick() % 12000);
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = htons(static_cast<std::uint16_t>(port));
-    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-    ::close(fd);
-    if (free) return port;
+    if (port_free(port)) return port;
   }
 }
 
@@ -179,14 +184,7 @@ int free_port() {
 int free_port_pair() {
   for (;;) {
     const int port = free_port();
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = htons(static_cast<std::uint16_t>(port + 1));
-    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-    ::close(fd);
-    if (free) return port;
+    if (port_free(port + 1)) return port;
   }
 }
 
