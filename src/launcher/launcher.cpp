@@ -311,16 +311,17 @@ void remove_file_store(const LaunchOptions& o) {
   }
 }
 
-// Whether a process other than `pgid` itself (a rank, exited or not) is in process group
-// `pgid`: what the rank started and left running.
-bool group_has_others(pid_t pgid) {
+// Of `groups` (the ranks' process groups, each led by its rank, exited or not), those that
+// hold a live process other than their leader: what the ranks started and left running.
+// One pass over /proc for all of them.
+std::vector<pid_t> groups_with_others(const std::vector<pid_t>& groups) {
+  std::vector<pid_t> found;
   DIR* proc = ::opendir("/proc");
-  if (proc == nullptr) return false;
-  bool found = false;
+  if (proc == nullptr) return found;
   while (const dirent* e = ::readdir(proc)) {
     char* end = nullptr;
     const long pid = std::strtol(e->d_name, &end, 10);
-    if (*end != '\0' || pid <= 0 || pid == pgid) continue;
+    if (*end != '\0' || pid <= 0) continue;
     const std::string path = fmt::format("/proc/{}/stat", pid);
     FILE* f = std::fopen(path.c_str(), "re");
     if (f == nullptr) continue;  // gone meanwhile
@@ -331,11 +332,13 @@ bool group_has_others(pid_t pgid) {
     const char* close = read ? std::strrchr(line, ')') : nullptr;
     char state = 0;
     long ppid = 0, pgrp = 0;
-    if (close != nullptr && std::sscanf(close + 1, " %c %ld %ld", &state, &ppid, &pgrp) == 3 &&
-        pgrp == pgid && state != 'Z') {
-      found = true;
-      break;
-    }
+    if (close == nullptr || std::sscanf(close + 1, " %c %ld %ld", &state, &ppid, &pgrp) != 3 ||
+        state == 'Z' || pid == pgrp)
+      continue;
+    const auto g = static_cast<pid_t>(pgrp);
+    if (std::find(groups.begin(), groups.end(), g) != groups.end() &&
+        std::find(found.begin(), found.end(), g) == found.end())
+      found.push_back(g);
   }
   ::closedir(proc);
   return found;
@@ -350,22 +353,18 @@ bool group_has_others(pid_t pgid) {
 // a file, device memory) or outlive a failed job. After a start whose ranks all succeeded
 // it is left alone: an upload a rank started to finish after training is the program's.
 void stop_leftovers(const std::vector<Rank>& ranks) {
-  std::vector<pid_t> groups;
+  std::vector<pid_t> leaders;
   for (const Rank& r : ranks) {
-    if (r.pid > 0 && group_has_others(r.pid)) groups.push_back(r.pid);
+    if (r.pid > 0) leaders.push_back(r.pid);
   }
+  std::vector<pid_t> groups = groups_with_others(leaders);
   if (groups.empty()) return;
   fmt::print(stderr, "flatshard-run: stopping what the ranks left running (process groups {})\n",
              fmt::join(groups, ", "));
   for (pid_t g : groups) ::kill(-g, SIGTERM);
   const auto give_up = Clock::now() + std::chrono::seconds(1);
-  while (Clock::now() < give_up &&
-         std::any_of(groups.begin(), groups.end(), [](pid_t g) { return group_has_others(g); })) {
-    ::usleep(20000);
-  }
-  for (pid_t g : groups) {
-    if (group_has_others(g)) ::kill(-g, SIGKILL);
-  }
+  while (!(groups = groups_with_others(groups)).empty() && Clock::now() < give_up) ::usleep(20000);
+  for (pid_t g : groups) ::kill(-g, SIGKILL);
 }
 
 Outcome run_once(const LaunchOptions& o, int restart, Clock::time_point job_start,
