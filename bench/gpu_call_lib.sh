@@ -1,7 +1,7 @@
-# Sourced by the dated device-call scripts under bench/results/: builds the GPU targets
-# unless the machine kept them, prints the GPU and software, and defines fs and py (one
-# budgeted run of FlatShard's bench and of the PyTorch peer, appending to $OUT's CSV) and
-# print_table (medians with min and max per CSV row name).
+# Sourced by the dated GPU run scripts under bench/results/: builds the GPU targets
+# unless an earlier run's build is still there, prints the GPU and software, and defines
+# fs and py (one budgeted run of FlatShard's bench and of the PyTorch peer, appending to
+# $OUT's CSV) and print_table (medians with min and max per CSV row name).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

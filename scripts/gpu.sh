@@ -22,11 +22,11 @@
 #      against PyTorch DDP (FLATSHARD_GPU_DDP=0 skips it); and at batch 1, where the model's
 #      states set the peak at the end of backward, FlatShard's full shard with and without
 #      stepping in backward against FSDP2 (FLATSHARD_GPU_STATES=0 skips it).
-# Logs and the CSV go to $OUT (the device tool's) or out/gpu. Extra arguments go to both
+# Logs and the CSV go to $OUT (when set) or out/gpu. Extra arguments go to both
 # benchmarks (e.g. --layers 18 --batch 4). FLATSHARD_GPU_BUILD_ONLY=1 stops after the build
 # (scripts/gpu_profile.sh uses it); FLATSHARD_GPU_BENCH=0 stops after the tests, and
-# FLATSHARD_GPU_TESTS=0 skips them, so that one device call can build and test and the
-# next (the build kept) benchmark, each within a call's time limit.
+# FLATSHARD_GPU_TESTS=0 skips them, so that one run can build and test and a later
+# one (the build kept) benchmark.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$root/out/gpu}"
@@ -44,16 +44,18 @@ torch_prefix="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)
 "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$out/gpu.txt"
 build="$root/build-gpu"
 prefix="$torch_prefix"
-# fmt, nlohmann_json, GoogleTest and the rest come with the call (a lent machine has no
-# network): say so at once, not only as a find_package error at the configure log's end.
+# fmt, nlohmann_json, GoogleTest and the rest come from .gpu-deps, copied along with the
+# tree (a GPU machine without network access cannot fetch them): say so at once, not
+# only as a find_package error at the configure log's end.
 if [[ -d "$root/.gpu-deps/usr" ]]; then
   prefix="$prefix;$root/.gpu-deps/usr"
 else
   echo "gpu.sh: no .gpu-deps/usr: unless this machine has fmt, nlohmann_json, GoogleTest, zlib and OpenSSL" \
-       "installed, run scripts/gpu_deps.sh where Debian's packages are and carry .gpu-deps with the call" >&2
+       "installed, run scripts/gpu_deps.sh where Debian's packages are and copy .gpu-deps along with the tree" >&2
 fi
 arch_list="$("$python" -c 'import torch; c = torch.cuda.get_device_capability(); print(f"{c[0]}.{c[1]}")')"
-# No compiler cache: a lent machine starts bare, so a cache would only cost its writes.
+# No compiler cache: on a GPU machine that starts with no build state, a cache would only
+# cost its writes.
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
       -DFLATSHARD_WITH_CUDA=ON -DFLATSHARD_GPU_TESTS=ON -DFLATSHARD_WITH_MPI=OFF -DFLATSHARD_BUILD_BENCH=OFF -DFLATSHARD_CCACHE=OFF \
       -DFLATSHARD_BUILD_EXAMPLES=OFF -DCMAKE_CUDA_ARCHITECTURES="${arch_list/./}" \

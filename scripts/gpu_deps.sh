@@ -5,7 +5,7 @@
 # (the CPU step kernels; the toolkit's own Thrust serves the CUDA ones) from Debian's packages,
 # and OpenSSL's libcrypto, laid out under .gpu-deps/usr as under /usr (so their CMake files
 # find themselves).
-# Carry .gpu-deps with the call (about 10 MB).
+# Copy .gpu-deps to the GPU machine along with the tree (about 10 MB).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup.sh" >/dev/null

@@ -4,7 +4,7 @@
 # shard and under PyTorch FSDP2 (Chrome traces, summarised by bench/trace_summary.py: time
 # per kernel kind, GPU idle share, share of the step in which only communication runs), then
 # times both at the batch sizes in FLATSHARD_GPU_BATCHES (default "8 16"). Extra arguments go
-# to every run. Output goes to $OUT (the device tool's) or out/gpu.
+# to every run. Output goes to $OUT (when set) or out/gpu.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-$root/out/gpu}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (run twice on a warm machine: the second finds the build kept and runs
+# One GPU run (run twice: the second, with the build kept, runs
 # what the environment selects: STUCK, W1_ROUNDS_A, W4, COMPILED, W1_ROUNDS_B, SWEEP): build; the stuck-rank test over NCCL
 # at world 2; at world 1 FlatShard full shard against plain PyTorch (no wrapper, eager)
 # and FSDP2, alternating, 5 warm-up and 50 timed steps; at world 4 over NCCL (each rank

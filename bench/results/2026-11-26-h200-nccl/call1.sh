@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device call 1: build, every GPU test at worlds 1-4 over NCCL (freed buffers poisoned),
-# then, while time remains, world 2 over NCCL: FlatShard full shard and DDP against FSDP2 and DDP.
+# First run: build, every GPU test at worlds 1-4 over NCCL (freed buffers poisoned),
+# then, if under BENCH_BEFORE_S seconds so far, world 2 over NCCL: FlatShard full shard and DDP against FSDP2 and DDP.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call 2: rebuild, the stuck-rank test with NCCL's warnings, then a second world-2 pair.
+# Second run: rebuild, the stuck-rank test with NCCL's warnings, then a second world-2 pair.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (a second on the warm machine finds the build kept and runs what the
+# One GPU run (a rerun with the build kept runs what the
 # environment selects: W1_ROUNDS, W3, W3_ROUNDS, B1, W2C, SWEEP): build; at world 1 FlatShard full
 # shard against plain PyTorch (no wrapper, eager) and FSDP2, alternating, 5 warm-up and
 # 50 timed steps; at world 3 over NCCL (each rank its own NCCL host id) full shard against

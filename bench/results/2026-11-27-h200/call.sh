@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on an H200 (a second on the warm machine finds the build kept and runs
+# One GPU run on an H200 (a rerun with the build kept runs
 # what the environment selects): build; every GPU test at worlds 1-4 over NCCL with freed
 # buffers poisoned (TESTS=0 skips it); over NCCL at world 2 (each rank its own NCCL host
 # id) on the six-block model: FlatShard full shard against FSDP2 eager and with compiled

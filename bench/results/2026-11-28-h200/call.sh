@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on an H200 (a second on the warm machine finds the build kept and runs
+# One GPU run on an H200 (a rerun with the build kept runs
 # what the environment selects): build; every GPU test at worlds 1-4 over NCCL with freed
 # buffers poisoned, HybridShard with a bf16 hook among them (TESTS=0 skips it); then
 # ROUNDS alternating rounds (default 5) at world 2 over NCCL (each rank its own NCCL host
