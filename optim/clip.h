@@ -12,11 +12,13 @@ class Communicator;
 
 namespace flatshard::optim {
 
-// `grads` (any floating dtype; undefined ones are skipped) are scaled in place. Squares
-// are summed in fp64; with `comm`, the sum is all-reduced first, for gradients that
-// partition the parameters across ranks (shards, owned slices). Returns the norm before
-// clipping. A collective when `comm` is given.
-double clip_by_global_norm(const std::vector<at::Tensor>& grads, double max_norm, Communicator* comm);
+// `grads` (any floating dtype; undefined ones are skipped) are scaled in place. The p-th
+// powers (squares for norm_type 2) are summed in fp64, or the largest magnitude taken
+// for norm_type infinity; with `comm`, that is combined across ranks first, for gradients
+// that partition the parameters across ranks (shards, owned slices). Returns the norm
+// before clipping. A collective when `comm` is given. norm_type must be > 0 (callers check).
+double clip_by_global_norm(const std::vector<at::Tensor>& grads, double max_norm, Communicator* comm,
+                           double norm_type = 2.0);
 
 // The ranks whose `grads` hold a NaN or Inf (empty when none): every rank learns every
 // rank's answer. A collective.

@@ -45,7 +45,18 @@ GradScaler::GradScaler(FullyShardBase& fsdp, const GradScalerOptions& options)
 at::Tensor GradScaler::scale(const at::Tensor& loss) const { return loss * scale_; }
 
 void GradScaler::unscale(ShardOptimizer& optimizer) {
-  if (unscaled_) return;
+  if (unscaled_) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::optim::GradScaler (rank {}/{}): unscale() {} since the last update(): this step's "
+        "gradients are already unscaled; call unscale() at most once per step, before step(), and update() "
+        "after each step()",
+        fsdp_.world().rank(), fsdp_.world().world_size(),
+        stepped_ ? "is called after step()" : "was already called"));
+  }
+  unscale_gradients(optimizer);
+}
+
+void GradScaler::unscale_gradients(ShardOptimizer& optimizer) {
   if (fsdp_.steps_in_backward()) {
     throw InvalidArgument(fmt::format(
         "flatshard::optim::GradScaler (rank {}/{}): the optimizer steps inside backward (step_in_backward), "
@@ -81,7 +92,7 @@ bool GradScaler::step(ShardOptimizer& optimizer) {
         "update() after each step()",
         fsdp_.world().rank(), fsdp_.world().world_size()));
   }
-  unscale(optimizer);
+  if (!unscaled_) unscale_gradients(optimizer);
   if (found_inf_) {
     stepped_ = true;
     ++skipped_steps_;

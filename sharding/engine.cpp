@@ -519,7 +519,14 @@ void Engine::step_now(int unit) {
   units_[unit]->group->master().mutable_grad().reset();
 }
 
-double Engine::clip_grad_norm(double max_norm) {
+double Engine::clip_grad_norm(double max_norm, double norm_type) {
+  if (!(norm_type > 0) || !(max_norm >= 0)) {  // NaN too
+    throw InvalidArgument(fmt::format(
+        "flatshard::FullyShard::clip_grad_norm (rank {}/{}): needs max_norm >= 0 and norm_type > 0 "
+        "(2 for the Euclidean norm, infinity for the largest magnitude); got max_norm {} and "
+        "norm_type {}",
+        rank_, world_size_, max_norm, norm_type));
+  }
   if (backward_failed()) {
     throw InvalidArgument(fmt::format(
         "flatshard::FullyShard::clip_grad_norm (rank {}/{}): the last backward failed midway and its "
@@ -533,13 +540,25 @@ double Engine::clip_grad_norm(double max_norm) {
                     "(step_in_backward), so no gradient is left to clip; clip without stepping in backward",
                     rank_, world_size_));
   }
+  // Note [zero_grad after no_sync]: what backwards under no_sync left is not reduced yet,
+  // and the shard gradients do not hold it: there would be nothing (or an older step's
+  // gradient) to clip.
+  const bool unreduced = !backward_active_ && std::any_of(units_.begin(), units_.end(), [&](const auto& u) {
+    return u->group && (replicated_ ? accumulating_ : u->group->full_grad_allocated());
+  });
+  if (unreduced) {
+    throw InvalidArgument(fmt::format(
+        "flatshard::FullyShard::clip_grad_norm (rank {}/{}): the gradients accumulated under no_sync() are "
+        "not reduced yet; clip after the backward that synchronizes (the first one outside no_sync())",
+        rank_, world_size_));
+  }
   std::vector<at::Tensor> grads;
   for (auto& u : units_) {
     if (u->group) grads.push_back(u->group->master().grad());
   }
   // One group's shards make the whole model once (the other groups hold the same); a
   // group of one rank (NoShard) holds all of it.
-  return optim::clip_by_global_norm(grads, max_norm, shard_.size > 1 ? &shard_comm() : nullptr);
+  return optim::clip_by_global_norm(grads, max_norm, shard_.size > 1 ? &shard_comm() : nullptr, norm_type);
 }
 
 bool Engine::backward_failed() const {

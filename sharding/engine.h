@@ -2,6 +2,7 @@
 // reshards and gradient reductions around forward and backward.
 #pragma once
 
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -53,11 +54,16 @@ class Engine {
   at::Tensor bf16_copy_for_step(std::size_t shard);
   void wait_for_shard_reads();  // FullyShardBase::wait_for_shard_reads
   void bf16_copy_written(std::size_t shard);
-  double clip_grad_norm(double max_norm);
+  double clip_grad_norm(double max_norm, double norm_type);
   // Note [Step in backward]; nullptr: step after backward, as usual.
   void set_step_in_backward(optim::ShardOptimizer* optimizer);
   bool steps_in_backward() const { return step_in_backward_ != nullptr; }
-  void set_no_sync(bool on) { no_sync_ = on; }
+  // NoSync guards nest: syncing resumes when the outermost ends (as DDP's no_sync restores
+  // the state it found).
+  void set_no_sync(bool on) {
+    no_sync_depth_ = on ? no_sync_depth_ + 1 : std::max(0, no_sync_depth_ - 1);
+    no_sync_ = no_sync_depth_ > 0;
+  }
   // Note [Communication hooks]
   void set_comm_hook(std::shared_ptr<CommHook> hook);
   const std::shared_ptr<CommHook>& comm_hook() const { return comm_hook_; }
@@ -123,6 +129,9 @@ class Engine {
   // Note [Reductions in one order]
   bool orders_reductions() const;
   void reduce_in_order();
+  // Note [Units a backward did not reach]
+  void reduce_units_not_reached();
+  void agree_on_units_reached();
   void reduce(int unit);
   void finish_pending_reduce();     // every one, waiting for each
   void finish_completed_reduces();  // those that have completed, without waiting
@@ -195,6 +204,7 @@ class Engine {
   bool backward_active_ = false;        // between the first backward hook and the end callback
   std::weak_ptr<void> backward_token_;  // ... held by its end callback (Note [A backward that failed])
   bool no_sync_ = false;
+  int no_sync_depth_ = 0;          // NoSync guards alive
   c10::Device device_{c10::kCPU};  // the compute device: gathered units, collectives
   std::shared_ptr<BufferPool> host_buffers_;
   std::shared_ptr<CommHook> comm_hook_;  // null: the engine's own average

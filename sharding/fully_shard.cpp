@@ -83,7 +83,9 @@ void FullyShardBase::wait_for_shard_reads() { engine_->wait_for_shard_reads(); }
 const std::vector<char>& FullyShardBase::params_with_grad(std::size_t shard) const {
   return engine_->params_with_grad(shard);
 }
-double FullyShardBase::clip_grad_norm(double max_norm) { return engine_->clip_grad_norm(max_norm); }
+double FullyShardBase::clip_grad_norm(double max_norm, double norm_type) {
+  return engine_->clip_grad_norm(max_norm, norm_type);
+}
 void FullyShardBase::zero_grad() { engine_->zero_grad(); }
 bool FullyShardBase::backward_failed() const { return engine_->backward_failed(); }
 void FullyShardBase::step_in_backward(optim::ShardOptimizer* optimizer) {

@@ -234,6 +234,11 @@ void Engine::end_of_backward() {
   for (int i = static_cast<int>(units_.size()) - 1; i >= 0; --i) {
     if (units_[i]->pre_backward_done && !units_[i]->post_backward_done) post_backward(i);
   }
+  if (orders_reductions()) {
+    agree_on_units_reached();
+  } else if (!no_sync_) {
+    reduce_units_not_reached();
+  }
   if (!deferred_reduces_.empty()) reduce_in_order();  // Note [Reductions in one order]
   finish_pending_reduce();
   // A failed step (Note [Offloaded steps beside backward]) is rethrown once backward's
@@ -258,6 +263,69 @@ void Engine::end_of_backward() {
   find_params_with_grad();
   if (failed_step) std::rethrow_exception(failed_step);
   check_nonfinite();
+}
+
+// Note [Units a backward did not reach]
+// A unit's backward starts from its outputs' or its parameters' hooks, so a unit that the
+// synced backward does not reach (a block skipped in the last micro-batch, a LayerDrop)
+// runs none; yet backwards under no_sync before it may have left a gradient in its full
+// gradient, which torch would step (its .grad stays defined). The synced end of backward
+// reduces every unit that holds one, in unit order, so that the sum reaches the shards.
+// Without find_unused_parameters every rank is taken to reach the same units (as FSDP2
+// takes it); with it, the ranks count which units each reached and which hold a
+// gradient (one small all-reduce per backward, beside the one that combines the
+// parameters' records) and every rank reduces the units any rank holds a gradient for, a
+// rank that holds none with zeros, in the one order of Note [Reductions in one order].
+// A unit whose backward ran on some ranks only and gathers its parameters there
+// (FullShard's and HybridShard's non-root units) has issued a gather the other ranks did
+// not: their gathers are out of step from there on, which nothing after the fact can
+// repair; every rank then throws InvalidArgument naming the unit, and the job must be
+// restarted (with ShardGradOp, which gathers nothing in backward, or a replicated
+// strategy, or a loss that reaches the same units on every rank).
+void Engine::reduce_units_not_reached() {
+  for (int i = static_cast<int>(units_.size()) - 1; i >= 0; --i) {
+    Unit& u = *units_[i];
+    if (u.pre_backward_done || !u.group || !u.group->trains() || !u.group->full_grad_allocated()) continue;
+    reduce(i);
+  }
+}
+
+void Engine::agree_on_units_reached() {
+  const int n = static_cast<int>(units_.size());
+  std::vector<float> counts(2 * static_cast<std::size_t>(n), 0.0f);  // reached; holds a gradient
+  for (int i = 0; i < n; ++i) {
+    const Unit& u = *units_[i];
+    if (!u.group) continue;
+    counts[2 * i] = u.pre_backward_done ? 1.0f : 0.0f;
+    counts[2 * i + 1] =
+        u.group->trains() && (u.pre_backward_done || u.group->full_grad_allocated()) ? 1.0f : 0.0f;
+  }
+  auto t = at::tensor(counts, at::kFloat).to(device_);
+  comm_->all_reduce(t, ReduceOp::Sum).wait();
+  t = t.cpu();
+  const float* all = t.data_ptr<float>();
+  for (int i = 0; i < n; ++i) {
+    const float reached = all[2 * i];
+    if (reached > 0 && reached < world_size_ && reshard_after_forward_ && i != kRoot) {
+      throw InvalidArgument(fmt::format(
+          "flatshard::FullyShard (rank {}/{}): the backward reached {} on {} of {} ranks ({} here): under {} "
+          "a "
+          "unit's backward gathers its parameters, so the ranks' gathers are out of step from here on and "
+          "this "
+          "job cannot go on; restart it with a loss that reaches the same units on every rank, or with "
+          "ShardGradOp (which gathers nothing in backward) or a replicated strategy (NoShard, "
+          "ShardOptimizerState) (Note [Units a backward did not reach])",
+          rank_, world_size_, units_[i]->name, static_cast<int>(reached), world_size_,
+          units_[i]->pre_backward_done ? "reached" : "not reached", to_string(options_.strategy)));
+    }
+  }
+  if (no_sync_) return;
+  for (int i = n - 1; i >= 0; --i) {
+    Unit& u = *units_[i];
+    if (all[2 * i + 1] == 0 || u.post_backward_done || !u.group || !u.group->trains()) continue;
+    u.group->allocate_full_grad();  // zeros where this rank has none
+    deferred_reduces_.push_back(i);
+  }
 }
 
 // Note [A backward that failed]

@@ -152,8 +152,10 @@ CheckpointInfo save_sharded(const std::string& root, FullyShardBase& fsdp,
 // rank naming the file. SaveOptions::on_stage runs on the writing thread. See
 // docs/checkpoints.md#asynchronous-saves.
 struct AsyncSaverOptions {
-  // The deadline of the saver's collectives (a rank that dies mid-save).
-  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  // The deadline of the saver's collectives: how long a rank waits for the other ranks'
+  // files (one that hangs mid-save). At least 30 minutes unless FLATSHARD_IO_TIMEOUT_S
+  // says otherwise (Note [Waiting for the other ranks' files] in src/io/shard_save.cpp).
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
 };
 
 class AsyncSaver {

@@ -159,6 +159,8 @@ class Communicator {
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   c10::Device device() const { return options_.device; }
+  // The default deadline of its collectives (CommunicatorOptions::timeout).
+  std::chrono::milliseconds timeout() const { return options_.timeout; }
   Stream& stream(StreamRole role);
 
   // all_gather: output.numel() == N; input is this rank's slot of it

@@ -246,8 +246,11 @@ class FullyShardBase {
   void wait_for_shard_reads();
 
   // Scales every shard gradient so that the global norm over all ranks is at most
-  // max_norm; returns the norm before clipping. A collective: every rank calls it.
-  double clip_grad_norm(double max_norm);
+  // max_norm; returns the norm before clipping (torch.nn.utils.clip_grad_norm_'s rule;
+  // norm_type 2 is the Euclidean norm, INFINITY the largest magnitude, any p > 0 the
+  // p-norm). A collective: every rank calls it, after the backward that reduces (not
+  // between backwards under no_sync(): InvalidArgument).
+  double clip_grad_norm(double max_norm, double norm_type = 2.0);
 
   // While the guard lives, backward accumulates unsharded gradients locally and
   // communicates nothing; the first backward after it ends reduces the sum.

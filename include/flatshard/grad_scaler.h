@@ -44,7 +44,9 @@ class GradScaler {
   // loss * scale.
   at::Tensor scale(const at::Tensor& loss) const;
   // Divides the optimizer's shard gradients by the scale and finds, on every rank, whether
-  // any rank's hold NaN or Inf. A collective; once per step (later calls do nothing).
+  // any rank's hold NaN or Inf. A collective; at most once between two update()s, and not
+  // after step() (InvalidArgument, as torch.amp refuses it: a second call would divide the
+  // gradients by the scale twice).
   void unscale(ShardOptimizer& optimizer);
   // Unscales (if not yet) and steps the optimizer unless gradients overflowed. Returns
   // whether it stepped. Called again before update(), it throws InvalidArgument.
@@ -60,6 +62,8 @@ class GradScaler {
   void restore(double scale, std::int64_t growth_tracker);
 
  private:
+  void unscale_gradients(ShardOptimizer& optimizer);
+
   FullyShardBase& fsdp_;
   GradScalerOptions options_;
   double scale_;

@@ -100,16 +100,20 @@ std::string next_rendezvous_prefix(const World& world, const std::string& name) 
   return fmt::format("flatshard/comm/{}/{}/", name, n);
 }
 
+// By element, as the rings move bytes: the ops take tensors of any shapes whose element
+// counts fit (a [4, 5] gradient reduce-scattered into a [20] output), and both are contiguous.
 void run_on_one_rank(const Collective& op) {
   switch (op.kind) {
     case OpKind::AllGather:
     case OpKind::ReduceScatter:
-      if (op.output.data_ptr() != op.input.data_ptr()) op.output.copy_(op.input);
+      if (op.output.data_ptr() != op.input.data_ptr()) op.output.view(-1).copy_(op.input.view(-1));
       break;
-    case OpKind::NeighborExchange:  // this rank is both its neighbours
-      op.output.narrow(0, 0, op.input.numel()).copy_(op.input);
-      op.output.narrow(0, op.input.numel(), op.input.numel()).copy_(op.input);
+    case OpKind::NeighborExchange: {  // this rank is both its neighbours
+      const auto out = op.output.view(-1), in = op.input.view(-1);
+      out.narrow(0, 0, in.numel()).copy_(in);
+      out.narrow(0, in.numel(), in.numel()).copy_(in);
       break;
+    }
     default: break;  // all_reduce, broadcast and barrier are identities for one rank
   }
 }

@@ -67,7 +67,13 @@ AsyncSaver::~AsyncSaver() {
 void AsyncSaver::save(const std::string& root, const optim::ShardOptimizer* optimizer,
                       const SaveOptions& options) {
   const auto start = std::chrono::steady_clock::now();
-  state_->join();
+  try {
+    state_->join();
+  } catch (const CheckpointError& e) {  // the save before this one failed in the background
+    throw CheckpointError(e.path(), fmt::format("{}; the save of step {} under '{}' was not started: call "
+                                                "save() again (on every rank) once the cause is dealt with",
+                                                e.what(), options.step, root));
+  }
   const int rank = state_->comm->rank();
   State* s = state_.get();
   s->failed_root = root;

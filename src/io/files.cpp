@@ -9,11 +9,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string_view>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -205,6 +207,7 @@ void SequentialFile::finish() {
   }
   if (written_ != size_ && ::ftruncate(fd_, size_) != 0) fail("setting the length of", errno);
   if (fault_injected("fsync")) fail("flushing", EIO);  // Note [Injected checkpoint faults]
+  if (fault_injected("slow")) std::this_thread::sleep_for(std::chrono::seconds(5));
   if (::fsync(fd_) != 0) fail("flushing", errno);
   const int fd = fd_;
   fd_ = -1;

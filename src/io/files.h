@@ -13,9 +13,10 @@ namespace flatshard::io {
 // FLATSHARD_CHECKPOINT_FAULT=SITE[,SITE...] makes this process fail at each named site as
 // the system would there: `hold` (reading this rank's shards to save, an AsyncSaver's host
 // copy among them: out of memory), `thread` (an AsyncSaver's writer thread cannot start:
-// out of threads), `fsync` (a shard file's fsync: EIO). Tests set it on one rank to prove
-// that every rank hears the failure at once, that nothing is left half-written, and that
-// the next save works.
+// out of threads), `fsync` (a shard file's fsync: EIO), `slow` (a shard file's fsync
+// takes 5 seconds more: a slow disk). Tests set it on one rank to prove that every rank
+// hears the failure at once, that nothing is left half-written, that the next save works,
+// and that the others wait for a slow rank (Note [Waiting for the other ranks' files]).
 bool fault_injected(const char* site);
 
 // Writes `bytes` to a temporary file beside `path`, fsyncs it, renames it over `path`

@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
@@ -89,23 +91,49 @@ std::string shard_file_name(int rank, int world_size) {
 
 // --- agreement ---------------------------------------------------------------------------
 
+// Note [Waiting for the other ranks' files]
+// The agreements of a save or a load follow each rank's writing or reading of its files,
+// and on a large model over a slow shared file system one rank can take minutes longer
+// than another: the others wait for it there. Those waits have a deadline of their own,
+// 30 minutes (or the communicator's deadline where that is longer; the environment
+// variable FLATSHARD_IO_TIMEOUT_S sets it), not the training collectives' (5 minutes by
+// default, sized for one step): a save is not failed for being slow, and a rank that hangs
+// or dies is still found.
+std::chrono::milliseconds file_wait(const Communicator& comm) {
+  std::chrono::milliseconds wait = std::chrono::minutes(30);
+  if (const char* set = std::getenv("FLATSHARD_IO_TIMEOUT_S"); set != nullptr && *set != '\0') {
+    double seconds = 0;
+    const auto [end, error] = std::from_chars(set, set + std::strlen(set), seconds);
+    if (error != std::errc() || *end != '\0' || !(seconds > 0) || seconds > 1e9) {
+      throw InvalidArgument(fmt::format(
+          "flatshard::checkpoint (rank {}/{}): FLATSHARD_IO_TIMEOUT_S='{}' is not a positive number of "
+          "seconds; set it to how long a rank may wait for the other ranks' checkpoint files (default 1800)",
+          comm.rank(), comm.world_size(), set));
+    }
+    return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0));
+  }
+  return std::max(wait, comm.timeout());
+}
+
 // Every rank's string, on every rank (a collective). Carries indexes and failures, so
 // that one rank's error reaches all of them instead of leaving them waiting.
 // The bytes travel through tensors of the communicator's device (a GPU's, for a model
-// sharded there) and are read back on the host.
+// sharded there) and are read back on the host. Each wait is file_wait's.
 std::vector<std::string> exchange_strings(Communicator& comm, const std::string& mine) {
+  CollectiveOptions waiting;
+  waiting.timeout = file_wait(comm);
   const int n = comm.world_size();
   const auto on_device = at::TensorOptions().device(comm.device());
   auto lengths = at::empty({n}, on_device.dtype(at::kLong));
   auto my_length = at::full({1}, static_cast<std::int64_t>(mine.size()), on_device.dtype(at::kLong));
-  comm.all_gather(lengths, my_length).wait();
+  comm.all_gather(lengths, my_length, waiting).wait();
   lengths = lengths.cpu();
   std::int64_t most = 1;
   for (int r = 0; r < n; ++r) most = std::max(most, lengths[r].item<std::int64_t>());
   auto slot = at::zeros({most}, at::kByte);
   std::memcpy(slot.data_ptr(), mine.data(), mine.size());
   auto all = at::zeros({n * most}, on_device.dtype(at::kByte));
-  comm.all_gather(all, slot.to(comm.device())).wait();
+  comm.all_gather(all, slot.to(comm.device()), waiting).wait();
   all = all.cpu();
   std::vector<std::string> out;
   const auto* bytes = reinterpret_cast<const char*>(all.data_ptr());

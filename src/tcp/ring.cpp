@@ -180,6 +180,14 @@ class TcpRingBackend final : public Backend {
             CommError::Kind::Mismatch, first->first,
             fmt::format("{}; rank {} then aborted and {}", first->second, e.peer, e.detail));
       }
+      if (first && kind != CommError::Kind::Timeout &&
+          first->second.rfind(to_string(CommError::Kind::Timeout), 0) == 0) {
+        // Our neighbour closed because a rank timed out first, waiting for one that is alive
+        // but stuck or slow: the cascade is that timeout, not a lost peer.
+        throw TransportFailure(
+            CommError::Kind::Timeout, first->first,
+            fmt::format("{}; rank {} then aborted and {}", first->second, e.peer, e.detail));
+      }
       if (first && first->first != e.peer && first->first != rank_) {
         // Our neighbour closed because it had lost another rank: name that one.
         throw TransportFailure(kind, first->first,

@@ -212,6 +212,20 @@ TEST(AsyncCheckpoint, AFailureSurfacesOnEveryRankAtTheNextCall) {
   } catch (const ckpt::CheckpointError& e) {
     EXPECT_NE(std::string(e.what()).find(blocker), std::string::npos) << e.what();
   }
+  // A save() that meets the failure of the one before it says that its own did not start.
+  saver.save(blocker + "/ckpt", t.shard_optimizer(), o);
+  ckpt::SaveOptions next = o;
+  next.step = 2;
+  try {
+    saver.save(blocker + "/next", t.shard_optimizer(), next);
+    ADD_FAILURE() << "the failed save was not reported";
+  } catch (const ckpt::CheckpointError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(blocker + "/ckpt"), std::string::npos) << what;
+    EXPECT_NE(what.find("the save of step 2 under '" + blocker + "/next' was not started"), std::string::npos)
+        << what;
+  }
+  EXPECT_FALSE(saver.in_flight());
   const std::string root = root_for(world, "after");
   if (world.rank() == 0) fs::remove_all(root);
   // Rank 1's host copy fails (Note [Injected checkpoint faults]): every rank hears it at

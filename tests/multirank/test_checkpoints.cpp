@@ -526,6 +526,50 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
   if (world.rank() == 0) fs::remove_all(root);
 }
 
+// Note [Waiting for the other ranks' files]: rank 1 writes its shard 5 seconds slower than
+// rank 0 (a slow disk: Note [Injected checkpoint faults]), longer than the training
+// collectives' 3-second deadline; the save waits for it and succeeds on both. With
+// FLATSHARD_IO_TIMEOUT_S=1 that wait is one second: rank 0 fails with a timeout well before
+// rank 1 is done.
+TEST(Checkpoint, ASaveWaitsForASlowRankPastTheTrainingDeadline) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const std::string root = fmt::format("/tmp/flatshard-slow-{}", env("MASTER_PORT"));
+  auto options = test_options();
+  options.fully_shard.comm.timeout = std::chrono::seconds(3);
+  Wrapped<GPT> t(seeded_gpt(checkpoint_config(), kSeed), world, Strategy::FullShard, options);
+  if (world.rank() == 0) fs::remove_all(root);
+  if (world.rank() == 1) ::setenv("FLATSHARD_CHECKPOINT_FAULT", "slow", 1);
+  ckpt::SaveOptions o;
+  o.step = 1;
+  t.comm().barrier().wait();
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(ckpt::save_sharded(root, t.fully_shard(), t.shard_optimizer(), o).path, root + "/step-000000001");
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::seconds(5)) << "rank 1 was not slow";
+  EXPECT_TRUE(fs::exists(root + "/step-000000001/metadata.json"));
+
+  ::setenv("FLATSHARD_IO_TIMEOUT_S", "1", 1);
+  o.step = 2;
+  t.comm().barrier().wait();
+  start = std::chrono::steady_clock::now();
+  try {
+    ckpt::save_sharded(root, t.fully_shard(), t.shard_optimizer(), o);
+    ADD_FAILURE() << "the save succeeded";
+  } catch (const flatshard::CommError& e) {  // the communicator is closed from here on
+    if (world.rank() == 0) {
+      EXPECT_EQ(e.kind(), flatshard::CommError::Kind::Timeout) << e.what();
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4)) << e.what();
+    }
+  }
+  ::unsetenv("FLATSHARD_IO_TIMEOUT_S");
+  ::unsetenv("FLATSHARD_CHECKPOINT_FAULT");
+  EXPECT_FALSE(fs::exists(root + "/step-000000002"));
+  if (world.rank() == 1) {  // the last to finish
+    std::error_code ignored;
+    fs::remove_all(root, ignored);
+  }
+}
+
 // A save that cannot finish on rank 1 fails on every rank at once with a CheckpointError
 // naming rank 1, leaves nothing under the root, and the previous checkpoint stays the
 // latest: rank 1 hits its file-size limit (as on a full disk), its shard file's fsync

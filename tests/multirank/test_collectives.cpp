@@ -135,6 +135,30 @@ TEST(Collectives, AllReduceSumAndAvgEverySize) {
   }
 }
 
+// Ops move elements: tensors of any shapes whose element counts fit give the results of
+// their flat forms, at every world size (one rank too, where nothing is sent).
+TEST(Collectives, TensorsOfAnyShapeWhoseCountsFit) {
+  FLATSHARD_RUN_RANKS({1, 2});
+  Rank r = join();
+  const int n = r.size(), rank = r.rank();
+  const auto values = [n](int q) { return at::arange(6 * n, at::kFloat) + 100 * q; };
+  // reduce_scatter: an [n, 6] input into a [2, 3] output.
+  auto output = at::empty({2, 3});
+  r.comm->reduce_scatter(output, values(rank).view({n, 6}), ReduceOp::Sum).wait();
+  auto want = at::zeros({6});
+  for (int q = 0; q < n; ++q) want += values(q).narrow(0, 6 * rank, 6);
+  EXPECT_TRUE(at::equal(output.view(-1), want)) << output;
+  // all_gather: a [1, 6] input into an [n, 6] output.
+  auto gathered = at::empty({n, 6});
+  r.comm->all_gather(gathered, at::full({1, 6}, static_cast<float>(rank))).wait();
+  for (int q = 0; q < n; ++q) EXPECT_TRUE(at::equal(gathered[q], at::full({6}, static_cast<float>(q)))) << q;
+  // neighbor_exchange: a [3] input into a [2, 3] output.
+  auto both = at::empty({2, 3});
+  r.comm->neighbor_exchange(both, at::full({3}, static_cast<float>(rank))).wait();
+  EXPECT_TRUE(at::equal(both[0], at::full({3}, static_cast<float>((rank + n - 1) % n)))) << both;
+  EXPECT_TRUE(at::equal(both[1], at::full({3}, static_cast<float>((rank + 1) % n)))) << both;
+}
+
 TEST(Collectives, BroadcastFromEveryRoot) {
   FLATSHARD_RUN_RANKS({1, 2, 3, 4});
   Rank r = join();

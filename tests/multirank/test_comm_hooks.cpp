@@ -295,9 +295,11 @@ TEST(CommHooks, PowerSgdMatchesASingleProcessSimulation) {
       bucket.step = step;
       bucket.buffer = grad(world.rank(), step);
       for (const auto& [offset, shape] : params) bucket.params.push_back({"p", shape, offset});
+      const std::uint64_t sent_before = comm->bytes_sent();
       auto work = hook->reduce(*comm, bucket);
       for (auto& w : work.works) w.wait();
       if (work.finish) work.finish();
+      const std::uint64_t sent = comm->bytes_sent() - sent_before;
       auto mean = at::zeros({numel});
       for (int r = 0; r < n; ++r) mean += grad(r, step) / n;
       if (step == 0) {  // before start_step: the plain average
@@ -338,8 +340,13 @@ TEST(CommHooks, PowerSgdMatchesASingleProcessSimulation) {
         residual[r].narrow(0, 2000, 40).zero_();
         residual[r].narrow(0, numel - 8, 8).zero_();
       }
-      // It compresses: what a rank sent is far less than the bucket.
-      EXPECT_LT((50 + 30 + 40 + 8) * rank_r + (40 + 100) * rank_r, numel / 5);
+      // It compresses: a rank sends P (50x3, 30x3) and Q (40x3, 100x3) and the 48 elements
+      // averaged whole, in fp32, each all-reduce under twice its bytes; the whole bucket's
+      // all-reduce would send 2 (n-1)/n of its 20 kB.
+      const std::uint64_t most = 2 * 4 * ((50 + 30) * rank_r + (40 + 100) * rank_r + 48);
+      EXPECT_GT(sent, 0u);
+      EXPECT_LE(sent, most) << "step " << step << ": the whole bucket would be "
+                            << 2 * 4 * numel * (n - 1) / n;
     }
     EXPECT_TRUE(at::allclose(hook->state().at("residual.0"), residual[world.rank()], 1e-4, 1e-4));
     EXPECT_EQ(hook->state().count("q.0.0"), warm ? 1u : 0u) << "only a warm start keeps Q";
@@ -534,23 +541,42 @@ TEST(CommHooks, HybridShardAveragesAcrossGroupsThroughTheHook) {
   TrainSpec spec;
   spec.strategy = Strategy::HybridShard;
   spec.shard_group_size = 2;
-  spec.optimizer = OptKind::AdamW;
+  spec.optimizer = OptKind::PlainSGD;  // moves by the gradient: a wrong divisor across groups shows
   spec.steps = 4;
   spec.hook = checking;
   auto r = train_and_compare<GPT>(
       world, gpt_factory(), [&](int s) { return gpt_batch(s, spec.global_batch); }, token_loss, spec);
   EXPECT_LE(r.max_rel_weight_diff, 1e-5) << r.worst_param;
   EXPECT_GT(checking->calls, 0);
+  // How far plain training moves the weights (over all of them, as global_rel_weight_diff
+  // measures): what a hook that dropped the gradients would be off by.
+  const auto moved_from_start = [](const std::map<std::string, at::Tensor>& weights) {
+    double moved_sq = 0, start_sq = 0;
+    const GPT start = gpt_factory()();
+    for (const auto& item : start->named_parameters()) {
+      moved_sq += (weights.at(item.key()).to(at::kFloat) - item.value()).pow(2).sum().item<double>();
+      start_sq += item.value().pow(2).sum().item<double>();
+    }
+    return std::sqrt(moved_sq / start_sq);
+  };
+  const double moved = moved_from_start(r.weights);
+  ASSERT_GT(moved, 1e-3) << "the weights hardly moved";
   spec.optimizer = OptKind::SGD;
   spec.hook = hooks::low_precision();
   r = train_and_compare<GPT>(
       world, gpt_factory(), [&](int s) { return gpt_batch(s, spec.global_batch); }, token_loss, spec);
+  // bf16 rounding of the averaged gradients moves the model by about 1e-5 of its norm; a
+  // wrong divisor across the groups would move it by about what training moves it (2e-3).
+  EXPECT_LE(r.global_rel_weight_diff, 1e-4);
   EXPECT_LE(r.max_rel_weight_diff, 1e-2) << r.worst_param;
   EXPECT_GT(r.max_rel_weight_diff, 0.0) << "nothing was rounded: the bf16 hook did not run";
   spec.hook = hooks::power_sgd({2, 0});
   r = train_and_compare<GPT>(
       world, gpt_factory(), [&](int s) { return gpt_batch(s, spec.global_batch); }, token_loss, spec);
   EXPECT_TRUE(std::isfinite(r.max_rel_weight_diff));
+  // Compressed to rank 2 the updates differ from the exact ones, but they are applied: a hook
+  // that delivered zeros (or nothing) would leave the weights where they started.
+  EXPECT_GT(moved_from_start(r.weights), 0.3 * moved);
   // Compressed or not, every rank ends with the same model: the groups' replicas agree.
   auto comm = make_comm(world);
   for (const auto& [name, w] : r.weights) {

@@ -15,6 +15,22 @@ using namespace flatshard::testing;
 using flatshard::Strategy;
 namespace hooks = flatshard::hooks;
 
+// This rank's fp32 masters by name: a NoShard replica's shard is its whole flat buffer.
+std::map<std::string, at::Tensor> own_masters(flatshard::FullyShardBase& f) {
+  std::map<std::string, at::Tensor> out;
+  const auto shards = f.shards();
+  const auto layout = f.layout();
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    for (const auto& seg : layout[i].segments) {
+      EXPECT_EQ(seg.slice, seg.padded_numel) << "not a whole replica";
+      EXPECT_EQ(seg.shard_offset, seg.offset) << "not a whole replica";
+    }
+    for (const auto& p : layout[i].params)
+      out[p.name] = shards[i].detach().narrow(0, p.offset, p.numel).view(p.shape).clone();
+  }
+  return out;
+}
+
 // Every rank sends a tensor only it could have made and gets both neighbours', through
 // direct copies, through sockets (the step against the ring always uses them), and
 // mixed; bytes_sent counts one send per neighbour.
@@ -124,23 +140,27 @@ TEST(Decentralized, EachRanksWeightsFollowTheNeighbourAveragingFormula) {
         token_loss(ddp.forward(b.input).to(at::kFloat), b.target).backward();
         opt.step();
         opt.zero_grad();
-        auto full = ddp.summon_full_params();
-        auto ours = model->named_parameters();
+        // The fp32 masters (under bf16 parameters, what the averaging and the step write;
+        // the parameters are their rounding).
+        const auto masters = own_masters(ddp);
         for (std::size_t k = 0; k < names.size(); ++k) {
           const auto& expected = weights[rank][k];
-          const auto got = ours[names[k].key()].to(at::kFloat);
+          ASSERT_TRUE(masters.count(names[k].key())) << names[k].key();
+          const auto& got = masters.at(names[k].key());
           const double scale = std::max(1.0, expected.abs().max().item<double>());
-          const double tolerance = bf16 ? 1e-2 : kFp32Tolerance;  // bf16 parameters: their rounding
+          // bf16 compute: the gradients differ by bf16 rounding in the order of operations
+          // (about 2.5e-5 after four steps), far below the replicas' spread (about 1e-2).
+          const double tolerance = bf16 ? 1e-4 : kFp32Tolerance;
           EXPECT_LE((got - expected).abs().max().item<double>(), tolerance * scale)
               << "step " << step << " " << names[k].key();
         }
       }
       // The replicas differ (no gradient was averaged), by exactly what the formula says.
-      if (rank == 0 && !bf16) {
+      if (rank == 0) {
         double spread = 0;
         for (std::size_t k = 0; k < names.size(); ++k)
           spread = std::max(spread, (weights[0][k] - weights[1][k]).abs().max().item<double>());
-        EXPECT_GT(spread, 1e-4) << "the ranks' weights should differ after decentralized steps";
+        EXPECT_GT(spread, 1e-3) << "the ranks' weights should differ after decentralized steps";
       }
     }
   }

@@ -124,16 +124,21 @@ TEST(FullyShard, AccumulationClippingAndUnusedUnit) {
       EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance) << name << " accumulation";
       expect_no_sync_sends_no_reduction(r, spec, world.world_size());
     }
-    {
+    // The Euclidean norm, and another (torch's clip_grad_norm_ with its norm_type): the
+    // largest magnitude under full shard, the 1.5-norm under shard-grad-op.
+    const double other_norm = strategy == Strategy::FullShard ? INFINITY : 1.5;
+    for (const double norm_type : {2.0, other_norm}) {
       TrainSpec spec;
       spec.strategy = strategy;
       spec.optimizer = OptKind::SGD;
-      spec.clip = 0.25;
+      spec.clip = std::isinf(norm_type) ? 0.005 : 0.25;
+      spec.clip_norm_type = norm_type;
       const auto r = train_and_compare<GPT>(
           world, gpt_factory(), [&](int s) { return gpt_batch(s, 12); }, token_loss, spec);
       EXPECT_GT(r.max_grad_norm, spec.clip) << "the test must actually clip";
-      EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << name << " clipping: " << r.worst_param;
-      EXPECT_LE(r.max_elementwise_diff, kFp32Tolerance) << name << " clipping";
+      EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance)
+          << name << " clipping, norm " << norm_type << ": " << r.worst_param;
+      EXPECT_LE(r.max_elementwise_diff, kFp32Tolerance) << name << " clipping, norm " << norm_type;
     }
     for (OptKind opt : {OptKind::SGD, OptKind::AdamW}) {
       TrainSpec spec;
@@ -149,6 +154,37 @@ TEST(FullyShard, AccumulationClippingAndUnusedUnit) {
       EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance)
           << name << " unused unit " << to_string(opt) << ": " << r.worst_param;
     }
+  }
+}
+
+// Clipping between backwards under no_sync() would clip shard gradients that do not hold
+// the accumulated sum (nothing, or an older step's): refused in every strategy, as are a
+// norm_type of 0 or less and a negative bound; after the backward that reduces, it clips.
+TEST(FullyShard, ClippingBeforeTheReducingBackwardIsRefused) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp, Strategy::HybridShard,
+                            Strategy::NoShard, Strategy::ShardOptimizerState}) {
+    SCOPED_TRACE(to_string(strategy));
+    flatshard::FullyShardOptions options;
+    options.strategy = strategy;
+    if (strategy == Strategy::HybridShard) options.shard_group_size = 1;
+    flatshard::FullyShard<GPT> fsdp(gpt_factory()(), world, options);
+    const auto b = gpt_batch(0, 4 * world.world_size());
+    const auto rows = [&](const at::Tensor& t) { return t.narrow(0, 4 * world.rank(), 4); };
+    {
+      auto guard = fsdp.no_sync();
+      token_loss(fsdp.forward(rows(b.input)), rows(b.target)).backward();
+    }
+    EXPECT_THROW(fsdp.clip_grad_norm(1.0), flatshard::InvalidArgument);
+    token_loss(fsdp.forward(rows(b.input)), rows(b.target)).backward();
+    EXPECT_THROW(fsdp.clip_grad_norm(1.0, 0.0), flatshard::InvalidArgument);
+    EXPECT_THROW(fsdp.clip_grad_norm(-1.0), flatshard::InvalidArgument);
+    const double norm = fsdp.clip_grad_norm(1e30);
+    EXPECT_GT(norm, 0.0);
+    EXPECT_GT(fsdp.clip_grad_norm(1e30, 1.0), norm) << "the 1-norm is at least the 2-norm";
+    EXPECT_LT(fsdp.clip_grad_norm(1e30, INFINITY), norm) << "the largest magnitude is at most the 2-norm";
+    fsdp.zero_grad();
   }
 }
 
@@ -870,14 +906,18 @@ TEST(FullyShard, FrozenUnitsGetNoGradientReductionOrState) {
   auto frozen = [](const std::string& name) { return name.rfind("h0.", 0) == 0; };
   for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
     SCOPED_TRACE(to_string(strategy));
-    TrainSpec spec;
-    spec.strategy = strategy;
-    spec.optimizer = OptKind::AdamW;
-    spec.frozen = frozen;
-    const auto r = train_and_compare<GPT>(
-        world, gpt_factory(), [&](int s) { return gpt_batch(s, spec.global_batch); }, token_loss, spec);
-    EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
-    EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance);
+    // AdamW (its state), and plain SGD, which moves by the gradient itself: a frozen
+    // layout that reduced with Sum instead of Avg would show there.
+    for (OptKind opt : {OptKind::AdamW, OptKind::PlainSGD}) {
+      TrainSpec spec;
+      spec.strategy = strategy;
+      spec.optimizer = opt;
+      spec.frozen = frozen;
+      const auto r = train_and_compare<GPT>(
+          world, gpt_factory(), [&](int s) { return gpt_batch(s, spec.global_batch); }, token_loss, spec);
+      EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << to_string(opt) << ": " << r.worst_param;
+      EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance) << to_string(opt);
+    }
 
     struct Step {
       std::uint64_t bytes_sent = 0;
@@ -987,7 +1027,7 @@ void expect_fine_tuning_matches(const flatshard::World& world, const std::functi
                                 bool recompute = false) {
   TrainSpec spec;
   spec.strategy = strategy;
-  spec.optimizer = OptKind::AdamW;
+  spec.optimizer = OptKind::PlainSGD;  // moves by the gradient: a wrong divisor shows
   spec.frozen = frozen;
   spec.recompute = recompute;
   const auto r = train_and_compare<Net>(

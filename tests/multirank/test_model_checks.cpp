@@ -247,4 +247,51 @@ TEST(OddModels, TiedWeightsInTwoUnitsAreRefused) {
   EXPECT_EQ(wrap(Strategy::NoShard, true, true), "");
 }
 
+// The accepted layouts train a tied weight as one tensor: its gradient is the sum of both
+// uses' (averaged over the ranks), it is stepped once, and both names read the same values.
+// Plain SGD against a single process whose optimizer holds the tensor once: a weight laid
+// out twice (stepped twice, or with one use's gradient) moves by another amount.
+TEST(OddModels, TiedWeightsTrainAsOneTensor) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(60));
+  auto world = flatshard::init();
+  const int n = world.world_size(), rank = world.rank();
+  constexpr double lr = 0.1;
+  for (const auto& [strategy, units] :
+       {std::pair{Strategy::FullShard, false}, std::pair{Strategy::ShardGradOp, false},
+        std::pair{Strategy::NoShard, true}, std::pair{Strategy::ShardOptimizerState, true}}) {
+    SCOPED_TRACE(to_string(strategy));
+    torch::manual_seed(3);
+    Tied reference(false, false);
+    torch::manual_seed(3);
+    Tied model(units, units);
+    ASSERT_TRUE(reference->first->weight.is_same(reference->second->weight));
+    torch::optim::SGD ref_opt(std::vector<at::Tensor>{reference->first->weight},
+                              torch::optim::SGDOptions(lr));
+    flatshard::FullyShard<Tied> fsdp(model, world, options_for(strategy, n));
+    flatshard::optim::SGD opt(fsdp, flatshard::optim::SGDOptions{lr});
+    const at::Tensor start = reference->first->weight.detach().clone();
+    for (int step = 0; step < 3; ++step) {
+      auto g = at::make_generator<at::CPUGeneratorImpl>(100 + step);
+      const auto x = at::randn({4 * n, 8}, g), target = at::randn({4 * n, 8}, g);
+      ref_opt.zero_grad();
+      torch::mse_loss(reference->forward(x), target).backward();
+      ref_opt.step();
+      torch::mse_loss(fsdp.forward(x.narrow(0, 4 * rank, 4)), target.narrow(0, 4 * rank, 4)).backward();
+      opt.step();
+      opt.zero_grad();
+    }
+    const at::Tensor want = reference->first->weight.detach();
+    ASSERT_GT((want - start).abs().max().item<double>(), 1e-3) << "the reference did not train";
+    const auto full = flatshard::checkpoint::full_state_dict(fsdp, *model, -1);
+    // A tied weight is one tensor of the state dict, under its first name (as safetensors
+    // saves it), so that the dict loads back into the same model.
+    EXPECT_EQ(full.size(), 1u);
+    EXPECT_TRUE(full.count("first.weight"));
+    for (const auto& [key, got] : full) {
+      EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-6))
+          << key << ": max diff " << (got - want).abs().max().item<double>();
+    }
+  }
+}
+
 }  // namespace

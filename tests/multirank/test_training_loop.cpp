@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <limits>
+#include <optional>
 
 #include "tests/support/cases.h"
 #include "tests/support/models.h"
@@ -274,6 +275,146 @@ TEST(UnusedParameters, UnitsDoneAtOtherTimesOnOtherRanksReduceInOneOrder) {
     const auto r = train_and_compare<TwoStages>(world, make, batch, mse, spec);
     SCOPED_TRACE(::testing::Message() << to_string(strategy) << " world " << world.world_size());
     EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+  }
+}
+
+// Two units side by side on the input; the loss reaches each only while its flag is set
+// (a branch whose output is dropped: an auxiliary head, a LayerDrop), though both run
+// forward on every rank.
+struct BranchesImpl : torch::nn::Module {
+  BranchesImpl() {
+    left = register_module("left", flatshard::Unit<Stage>(false));
+    right = register_module("right", flatshard::Unit<Stage>(false));
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const auto a = left(x), b = right(x);
+    return head((use_left ? a : a.detach() * 0) + (use_right ? b : b.detach() * 0));
+  }
+  bool use_left = true, use_right = true;
+  flatshard::Unit<Stage> left{nullptr}, right{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Branches);
+
+at::Tensor mse_of(const at::Tensor& out, const at::Tensor& target) { return torch::mse_loss(out, target); }
+
+// Note [Units a backward did not reach]: two micro-batches, the first under no_sync()
+// reaching both branches, the second (the synced backward) only the left one. The right
+// unit's gradient from the first stays in its full gradient with no hook of the synced
+// backward to reduce it; single-process training steps it all the same (its .grad stays
+// defined), and so must every strategy, with or without find_unused_parameters. Plain SGD:
+// a gradient lost or counted twice moves the right unit by another amount.
+TEST(UnusedParameters, AUnitOnlyAMicroBatchUnderNoSyncReachedIsStepped) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(240));
+  auto world = flatshard::init();
+  const int n = world.world_size(), rank = world.rank();
+  constexpr int kRows = 4;  // per rank and micro-batch
+  constexpr double lr = 0.1;
+  for (Strategy strategy : every_strategy(n)) {
+    for (bool find_unused : {false, true}) {
+      const bool replicated = strategy == Strategy::NoShard || strategy == Strategy::ShardOptimizerState;
+      if (replicated && !find_unused) continue;  // they refuse a parameter the synced backward leaves out
+      SCOPED_TRACE(::testing::Message()
+                   << to_string(strategy) << (find_unused ? ", find_unused_parameters" : ""));
+      torch::manual_seed(11);
+      Branches reference;
+      torch::manual_seed(11);
+      Branches model;
+      const at::Tensor right_start = reference->right->a->weight.detach().clone();
+      torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(lr));
+      auto options = options_for(strategy, n);
+      options.find_unused_parameters = find_unused;
+      flatshard::FullyShard<Branches> fsdp(model, world, options);
+      optim::SGD opt(fsdp, optim::SGDOptions{lr});
+      for (int step = 0; step < 2; ++step) {
+        auto g = at::make_generator<at::CPUGeneratorImpl>(700 + step);
+        const auto x = at::randn({2, kRows * n, 6}, g), target = at::randn({2, kRows * n, 3}, g);
+        ref_opt.zero_grad();
+        for (int m = 0; m < 2; ++m) {
+          reference->use_right = m == 0;
+          (mse_of(reference->forward(x[m]), target[m]) / 2).backward();
+        }
+        ref_opt.step();
+        for (int m = 0; m < 2; ++m) {
+          model->use_right = m == 0;
+          std::optional<flatshard::FullyShardBase::NoSync> guard;
+          if (m == 0) guard.emplace(fsdp);
+          (mse_of(fsdp.forward(x[m].narrow(0, kRows * rank, kRows)),
+                  target[m].narrow(0, kRows * rank, kRows)) /
+           2)
+              .backward();
+        }
+        EXPECT_NO_THROW(fsdp.clip_grad_norm(1e30)) << "the synced backward reduced everything";
+        opt.step();
+        opt.zero_grad();
+      }
+      ASSERT_GT((reference->right->a->weight.detach() - right_start).abs().max().item<double>(), 1e-3);
+      expect_weights_match(flatshard::checkpoint::full_state_dict(fsdp, *model, -1), *reference);
+    }
+  }
+}
+
+// With find_unused_parameters, a unit the backward reaches on some ranks only: under
+// ShardGradOp (no gather in backward) the ranks that did not reach it reduce zeros, and
+// training matches a single process whose loss is the ranks' losses averaged. Under
+// FullShard the ranks' backward gathers went out of step (each rank gathered one branch the
+// other did not): every rank throws InvalidArgument naming a unit, rather than step on
+// gradients made from another unit's parameters.
+TEST(UnusedParameters, AUnitSomeRanksBackwardsDidNotReach) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const int n = world.world_size(), rank = world.rank();
+  constexpr int kRows = 4;
+  constexpr double lr = 0.1;
+  {
+    SCOPED_TRACE("ShardGradOp");
+    torch::manual_seed(13);
+    Branches reference;
+    torch::manual_seed(13);
+    Branches model;
+    torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(lr));
+    auto options = options_for(Strategy::ShardGradOp, n);
+    options.find_unused_parameters = true;
+    flatshard::FullyShard<Branches> fsdp(model, world, options);
+    optim::SGD opt(fsdp, optim::SGDOptions{lr});
+    model->use_right = rank == 0;  // only rank 0's loss reaches the right branch
+    for (int step = 0; step < 2; ++step) {
+      auto g = at::make_generator<at::CPUGeneratorImpl>(900 + step);
+      const auto x = at::randn({kRows * n, 6}, g), target = at::randn({kRows * n, 3}, g);
+      ref_opt.zero_grad();
+      for (int r = 0; r < n; ++r) {
+        reference->use_right = r == 0;
+        (mse_of(reference->forward(x.narrow(0, kRows * r, kRows)), target.narrow(0, kRows * r, kRows)) / n)
+            .backward();
+      }
+      ref_opt.step();
+      mse_of(fsdp.forward(x.narrow(0, kRows * rank, kRows)), target.narrow(0, kRows * rank, kRows))
+          .backward();
+      opt.step();
+      opt.zero_grad();
+    }
+    expect_weights_match(flatshard::checkpoint::full_state_dict(fsdp, *model, -1), *reference);
+  }
+  {
+    SCOPED_TRACE("FullShard");
+    torch::manual_seed(13);
+    Branches model;
+    auto options = options_for(Strategy::FullShard, n);
+    options.find_unused_parameters = true;
+    options.comm.timeout = std::chrono::seconds(10);
+    flatshard::FullyShard<Branches> fsdp(model, world, options);
+    model->use_left = rank != 0;
+    model->use_right = rank == 0;
+    const auto x = at::randn({kRows, 6}), target = at::randn({kRows, 3});
+    try {
+      mse_of(fsdp.forward(x), target).backward();
+      ADD_FAILURE() << "the backward went on";
+    } catch (const flatshard::InvalidArgument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("on 1 of 2 ranks"), std::string::npos) << what;
+      EXPECT_NE(what.find("restart"), std::string::npos) << what;
+    }
   }
 }
 
@@ -733,10 +874,13 @@ TEST(GradScaler, Fp16MatchesSingleProcessAndSkipsOverflowsEverywhere) {
       };
       if (s % 2 == 0) {
         scaler.unscale(opt);
+        // A second unscale() would divide by the scale twice: refused, as torch.amp does.
+        EXPECT_THROW(scaler.unscale(opt), flatshard::InvalidArgument);
         expect_unscaled();
       }
       const bool stepped = scaler.step(opt);
       if (s % 2 == 1) expect_unscaled();
+      if (s == 1) EXPECT_THROW(scaler.unscale(opt), flatshard::InvalidArgument) << "unscale() after step()";
       EXPECT_EQ(stepped, s != overflow_step) << "step " << s;
       // A second step before update() would step gradients it never unscaled (or, after a
       // skipped step, scaled ones).

@@ -55,7 +55,8 @@ struct TrainSpec {
   // Every micro-batch's forward runs on the sharded side before the first backward (their
   // graphs held together, as a pipeline's schedule holds them); then the backwards, in order.
   bool forwards_first = false;
-  double clip = 0;  // > 0: clip the global gradient norm to this
+  double clip = 0;              // > 0: clip the global gradient norm to this
+  double clip_norm_type = 2.0;  // ... this norm (clip_grad_norm_'s norm_type)
   std::optional<at::ScalarType> param_dtype;
   std::optional<at::ScalarType> reduce_dtype;
   std::optional<at::ScalarType> output_dtype;  // MixedPrecision::output

@@ -212,7 +212,7 @@ void expect_adamw_state_matches(const std::map<std::string, at::Tensor>& state, 
 struct DistributedSide {
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::function<std::shared_ptr<void>()> no_sync;      // a guard for all but the last micro-batch
-  std::function<double(double)> clip;                  // clip to the bound; returns the norm
+  std::function<double(double, double)> clip;          // clip to the bound in a norm; returns the norm
   std::function<void()> step;                          // optimizer step and zero_grad
   Communicator* comm = nullptr;                        // to average the ranks' losses
   std::function<std::uint64_t()> bytes_sent;           // what the wrapper's communicators sent
@@ -260,7 +260,8 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
       }
     }
     if (ref_steps) {
-      if (spec.clip > 0) torch::nn::utils::clip_grad_norm_(reference->parameters(), spec.clip);
+      if (spec.clip > 0)
+        torch::nn::utils::clip_grad_norm_(reference->parameters(), spec.clip, spec.clip_norm_type);
       ref_opt.step();
     }
 
@@ -309,7 +310,8 @@ void run_steps(const World& world, Holder& reference, torch::optim::Optimizer& r
       counted_backward(losses[m], guard != nullptr);
       my_loss += losses[m].template item<double>();
     }
-    if (spec.clip > 0) result.max_grad_norm = std::max(result.max_grad_norm, side.clip(spec.clip));
+    if (spec.clip > 0)
+      result.max_grad_norm = std::max(result.max_grad_norm, side.clip(spec.clip, spec.clip_norm_type));
     side.step();
 
     loss_sum.fill_(my_loss);
@@ -385,7 +387,7 @@ std::unique_ptr<ShardedSide<Holder>> make_sharded_side(const World& world,
   };
   if (!spec.reduce_every_micro_batch)
     side.no_sync = [&fsdp] { return std::make_shared<typename FullyShardBase::NoSync>(fsdp); };
-  side.clip = [&fsdp](double bound) { return fsdp.clip_grad_norm(bound); };
+  side.clip = [&fsdp](double bound, double norm_type) { return fsdp.clip_grad_norm(bound, norm_type); };
   ShardedOptimizer* opt = &s->opt;
   side.step = [opt] {
     opt->step();
