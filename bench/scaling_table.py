@@ -13,9 +13,9 @@ build = sys.argv[1] if len(sys.argv) > 1 else "build"
 table = sys.argv[2] if len(sys.argv) > 2 else "strategies"
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 MODELS = [
-    ("gpt-1b", ["--model", "gpt-1b", "--seq", "1024", "--batch", "16"], 80,
+    ("gpt-1b", ["--model", "gpt-1b", "--seq", "1024", "--batch", "16"], 78,
      "the 1.04B GPT, 16 sequences of 1,024 tokens per GPU, no recomputation"),
-    ("llama3-8b", ["--model", "llama3-8b", "--seq", "8192", "--batch", "2", "--recompute", "selective"], 80,
+    ("llama3-8b", ["--model", "llama3-8b", "--seq", "8192", "--batch", "2", "--recompute", "selective"], 78,
      "Llama 3.1 8B, 2 sequences of 8,192 tokens per GPU, selective recomputation (torchtitan's settings)"),
 ]
 STRATEGIES = ["full shard", "shard-grad-op", "hybrid (groups of 8)", "ZeRO-1", "DDP"]

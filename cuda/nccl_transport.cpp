@@ -57,14 +57,14 @@ class NcclTransport final : public comm::Backend {
   NcclTransport(const World& world, const CommunicatorOptions& options, int channels)
       : rank_(world.rank()),
         n_(world.world_size()),
+        prefix_(comm::next_rendezvous_prefix(world, options.name)),
         options_(options),
         streams_(options.device.index() < 0 ? 0 : options.device.index(), channels),
         order_(comm::LaunchOrder::for_device(streams_.device())),
         health_(std::make_shared<Health>(world.rank(), world.world_size())),
         device_(comm::one_per_device<DeviceNccl>(streams_.device())),
         mutex_(device_.mutex) {
-    const std::string prefix =
-        comm::next_rendezvous_prefix(world, options.name);  // Note [Rendezvous keys per creation]
+    const std::string& prefix = prefix_;
     const int device = streams_.device();
     barrier_buffer_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));
     comms_.resize(static_cast<std::size_t>(channels), nullptr);
@@ -490,6 +490,10 @@ class NcclTransport final : public comm::Backend {
   }
 
   int rank_, n_;
+  // Taken before anything else is made (Note [Rendezvous keys per creation]): a creation
+  // that fails later on one rank has still counted there as on the others, so that the
+  // next communicator of this name meets under one key on every rank.
+  std::string prefix_;
   CommunicatorOptions options_;
   RoleStreams streams_;
   comm::LaunchOrder& order_;  // this device's (Note [One launch order per device])

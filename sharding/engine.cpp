@@ -50,6 +50,7 @@ void Engine::issue_gather(int index) {
   CollectiveOptions opts;
   opts.stream = StreamRole::AllGather;
   u.gather = shard_comm().all_gather(g.full(), g.full_slot(), opts);
+  if (backward_active_) backward_gathers_.push_back(index);  // Note [Units a backward did not reach]
   beside.reset();
   account();
 }

@@ -197,11 +197,14 @@ class Engine {
   std::vector<std::unique_ptr<Unit>> units_;  // [0] is the root unit
   // The replicated strategies' declared units: hooks that only cast their inputs.
   std::vector<std::pair<UnitBase*, std::unique_ptr<UnitHooks>>> input_casts_;
-  std::vector<int> forward_order_;      // non-root units in the order the first forward ran them
-  std::vector<int> reduce_order_;       // Note [Reductions in one order]: every unit, in that order
-  std::vector<int> deferred_reduces_;   // ... and those done in this backward, not yet reduced
-  bool order_recorded_ = false;         // set after the first forward
-  bool backward_active_ = false;        // between the first backward hook and the end callback
+  std::vector<int> forward_order_;     // non-root units in the order the first forward ran them
+  std::vector<int> reduce_order_;      // Note [Reductions in one order]: every unit, in that order
+  std::vector<int> deferred_reduces_;  // ... and those done in this backward, not yet reduced
+  bool order_recorded_ = false;        // set after the first forward
+  bool backward_active_ = false;       // between the first backward hook and the end callback
+  // The units this backward gathered, in the order their gathers were issued (Note [Units a
+  // backward did not reach]).
+  std::vector<int> backward_gathers_;
   std::weak_ptr<void> backward_token_;  // ... held by its end callback (Note [A backward that failed])
   bool no_sync_ = false;
   int no_sync_depth_ = 0;          // NoSync guards alive

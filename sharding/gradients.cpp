@@ -250,6 +250,7 @@ void Engine::end_of_backward() {
     failed_step = std::current_exception();
   }
   land_offloaded_grads();
+  backward_gathers_.clear();
   for (int i = 0; i < static_cast<int>(units_.size()); ++i) {
     reshard(i);
     units_[i]->pre_backward_done = false;
@@ -272,16 +273,18 @@ void Engine::end_of_backward() {
 // gradient, which torch would step (its .grad stays defined). The synced end of backward
 // reduces every unit that holds one, in unit order, so that the sum reaches the shards.
 // Without find_unused_parameters every rank is taken to reach the same units (as FSDP2
-// takes it); with it, the ranks count which units each reached and which hold a
-// gradient (one small all-reduce per backward, beside the one that combines the
-// parameters' records) and every rank reduces the units any rank holds a gradient for, a
-// rank that holds none with zeros, in the one order of Note [Reductions in one order].
-// A unit whose backward ran on some ranks only and gathers its parameters there
-// (FullShard's and HybridShard's non-root units) has issued a gather the other ranks did
-// not: their gathers are out of step from there on, which nothing after the fact can
-// repair; every rank then throws InvalidArgument naming the unit, and the job must be
-// restarted (with ShardGradOp, which gathers nothing in backward, or a replicated
-// strategy, or a loss that reaches the same units on every rank).
+// takes it). With it, the ranks may reach different units: every rank then reduces the
+// units any rank holds a gradient for, a rank that holds none with zeros, in the one order
+// of Note [Reductions in one order], which one small all-gather per backward (beside the
+// all-reduce that combines the parameters' records) tells them. The same all-gather
+// compares the gathers each rank's backward issued (FullShard's and HybridShard's units
+// are gathered again for backward, by their own backward or a later unit's prefetch): in
+// other numbers or orders they paired one unit's parameters with another's, and the
+// gradients of this backward are not to be trusted; every rank throws InvalidArgument
+// listing the units it gathered, and the job must restart (with a loss that reaches the
+// same units on every rank, ShardGradOp, which gathers nothing in backward, or a
+// replicated strategy). Where a rank waits for a gather that no other rank issued, the
+// backward ends earlier, in a CommError (timeout or mismatch) naming that gather.
 void Engine::reduce_units_not_reached() {
   for (int i = static_cast<int>(units_.size()) - 1; i >= 0; --i) {
     Unit& u = *units_[i];
@@ -291,41 +294,62 @@ void Engine::reduce_units_not_reached() {
 }
 
 void Engine::agree_on_units_reached() {
+  // ShardGradOp under no_sync: nothing is gathered in backward and nothing reduced.
+  if (no_sync_ && !reshard_after_forward_) return;
   const int n = static_cast<int>(units_.size());
-  std::vector<float> counts(2 * static_cast<std::size_t>(n), 0.0f);  // reached; holds a gradient
+  // Per rank: a trace of its backward's gathers (their count, then a hash of their order),
+  // then which units hold a gradient to reduce.
+  std::vector<std::int64_t> mine(2 + static_cast<std::size_t>(n), 0);
+  std::uint64_t trace = 1469598103934665603ull;  // FNV-1a over the units' indices
+  for (int g : backward_gathers_) {
+    trace ^= static_cast<std::uint64_t>(g) + 1;
+    trace *= 1099511628211ull;
+  }
+  mine[0] = static_cast<std::int64_t>(backward_gathers_.size());
+  mine[1] = static_cast<std::int64_t>(trace >> 1);
   for (int i = 0; i < n; ++i) {
     const Unit& u = *units_[i];
-    if (!u.group) continue;
-    counts[2 * i] = u.pre_backward_done ? 1.0f : 0.0f;
-    counts[2 * i + 1] =
-        u.group->trains() && (u.pre_backward_done || u.group->full_grad_allocated()) ? 1.0f : 0.0f;
+    mine[2 + i] =
+        u.group && u.group->trains() && (u.pre_backward_done || u.group->full_grad_allocated()) ? 1 : 0;
   }
-  auto t = at::tensor(counts, at::kFloat).to(device_);
-  comm_->all_reduce(t, ReduceOp::Sum).wait();
-  t = t.cpu();
-  const float* all = t.data_ptr<float>();
-  for (int i = 0; i < n; ++i) {
-    const float reached = all[2 * i];
-    if (reached > 0 && reached < world_size_ && reshard_after_forward_ && i != kRoot) {
-      throw InvalidArgument(fmt::format(
-          "flatshard::FullyShard (rank {}/{}): the backward reached {} on {} of {} ranks ({} here): under {} "
-          "a "
-          "unit's backward gathers its parameters, so the ranks' gathers are out of step from here on and "
-          "this "
-          "job cannot go on; restart it with a loss that reaches the same units on every rank, or with "
-          "ShardGradOp (which gathers nothing in backward) or a replicated strategy (NoShard, "
-          "ShardOptimizerState) (Note [Units a backward did not reach])",
-          rank_, world_size_, units_[i]->name, static_cast<int>(reached), world_size_,
-          units_[i]->pre_backward_done ? "reached" : "not reached", to_string(options_.strategy)));
-    }
+  const auto width = static_cast<std::int64_t>(mine.size());
+  auto all = at::empty({world_size_ * width}, at::TensorOptions().dtype(at::kLong).device(device_));
+  // On the all-reduce stream: a gather left unmatched on the gathers' stream would hold it.
+  CollectiveOptions beside;
+  beside.stream = StreamRole::AllReduce;
+  comm_->all_gather(all, at::tensor(mine, at::kLong).to(device_), beside).wait();
+  all = all.cpu();
+  const std::int64_t* rows = all.data_ptr<std::int64_t>();
+  std::vector<char> holds(static_cast<std::size_t>(n), 0);
+  bool in_step = true;
+  for (int r = 0; r < world_size_; ++r) {
+    const std::int64_t* row = rows + r * width;
+    in_step = in_step && row[0] == mine[0] && row[1] == mine[1];
+    for (int i = 0; i < n; ++i) holds[static_cast<std::size_t>(i)] |= row[2 + i] != 0 ? 1 : 0;
+  }
+  if (!in_step) {
+    std::vector<std::string> names;
+    for (int g : backward_gathers_) names.push_back(units_[g]->name);
+    throw InvalidArgument(fmt::format(
+        "flatshard::FullyShard (rank {}/{}): the ranks' backwards gathered different units (this rank: {} "
+        "gathers, of [{}]): the loss reached other units on other ranks, and under {} a unit's backward "
+        "gathers its parameters, so the gathers paired one unit's parameters with another's; this job "
+        "cannot go on: restart it with a loss that reaches the same units on every rank, or with "
+        "ShardGradOp (which gathers nothing in backward) or a replicated strategy (NoShard, "
+        "ShardOptimizerState) (Note [Units a backward did not reach])",
+        rank_, world_size_, backward_gathers_.size(), fmt::join(names, ", "), to_string(options_.strategy)));
   }
   if (no_sync_) return;
+  bool zeros = false;
   for (int i = n - 1; i >= 0; --i) {
     Unit& u = *units_[i];
-    if (all[2 * i + 1] == 0 || u.post_backward_done || !u.group || !u.group->trains()) continue;
+    if (!holds[static_cast<std::size_t>(i)] || u.post_backward_done || !u.group || !u.group->trains())
+      continue;
+    zeros = zeros || !u.group->full_grad_allocated();
     u.group->allocate_full_grad();  // zeros where this rank has none
     deferred_reduces_.push_back(i);
   }
+  if (zeros) account();
 }
 
 // Note [A backward that failed]
@@ -354,6 +378,7 @@ void Engine::agree_on_units_reached() {
 void Engine::abandon_backward() {
   backward_active_ = false;
   deferred_reduces_.clear();
+  backward_gathers_.clear();
   std::exception_ptr failed;
   const auto keep_first = [&failed] {
     if (!failed) failed = std::current_exception();

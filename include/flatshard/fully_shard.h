@@ -119,7 +119,10 @@ struct FullyShardOptions {
   // leaves untouched (DDP's find_unused_parameters). Off: NoShard and ShardOptimizerState
   // refuse a parameter without a gradient (an error naming it); the sharded strategies
   // leave untouched the parameters this rank gave none, which is right when every rank
-  // leaves the same ones unused (as FSDP2 assumes).
+  // leaves the same ones unused (as FSDP2 assumes). A whole unit some ranks' backward does
+  // not reach is reduced with zeros there; under FullShard and HybridShard, where backward
+  // gathers units again, ranks whose backwards gathered different units throw
+  // InvalidArgument (Note [Units a backward did not reach] in sharding/gradients.cpp).
   bool find_unused_parameters = false;
   // NoShard and ShardOptimizerState: rank 0's buffers (batch-norm statistics, ...) are
   // broadcast before each forward (DDP's broadcast_buffers).
@@ -253,11 +256,14 @@ class FullyShardBase {
   double clip_grad_norm(double max_norm, double norm_type = 2.0);
 
   // While the guard lives, backward accumulates unsharded gradients locally and
-  // communicates nothing; the first backward after it ends reduces the sum.
+  // communicates nothing; the first backward after it ends reduces the sum. Guards nest:
+  // syncing resumes when the outermost ends.
   class NoSync {
    public:
     explicit NoSync(FullyShardBase& owner);
     ~NoSync();
+    NoSync(const NoSync&) = delete;  // each guard ends syncing's pause once
+    NoSync& operator=(const NoSync&) = delete;
 
    private:
     FullyShardBase& owner_;

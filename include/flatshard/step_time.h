@@ -140,7 +140,8 @@ struct TimeOptions {
   int sequences = 1;         // per rank per step
   std::int64_t sequence_length = 1024;
   int param_bytes = 2;   // the compute dtype's (gathers move these)
-  int reduce_bytes = 4;  // the gradients' reduction dtype (FSDP2's default: fp32)
+  int reduce_bytes = 4;  // the gradients' reduction dtype: fp32, as torchtitan sets it (FSDP2's and
+                         // FullyShardOptions' default reduce in the compute dtype: 2 for bf16)
   int prefetch = 1;
   Recompute recompute = Recompute::None;
   int optimizer_state_bytes = 8;

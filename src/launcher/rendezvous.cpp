@@ -63,16 +63,9 @@ Clock::time_point after(double seconds) {
 }
 
 // A connection that waits for an answer as long as the other launcher is there (a node
-// through a whole start) probes it: TCP keepalive after 10 s idle, every 5 s, 3 unanswered
-// probes and the connection fails. A machine that lost power or its network then ends the
-// wait within about 25 s, as a closed connection does, instead of never.
-void keep_alive(const tcp::Socket& s) {
-  int on = 1, idle = 10, interval = 5, count = 3;
-  ::setsockopt(s.fd(), SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on));
-  ::setsockopt(s.fd(), IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
-  ::setsockopt(s.fd(), IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
-  ::setsockopt(s.fd(), IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
-}
+// through a whole start) probes it (Socket::keep_alive): a machine that lost power or its
+// network then ends the wait within about 25 s, as a closed connection does, instead of never.
+void keep_alive(const tcp::Socket& s) { s.keep_alive(); }
 
 // Waits until `s` has bytes to read (or is closed) or `until` passes, asking `o.stop` every
 // 200 ms; false when `until` passed.

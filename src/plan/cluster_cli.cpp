@@ -56,7 +56,8 @@ int usage(const char* why) {
       "                      on one device take T ms)] [--csv 1]\n"
       "Predicts each strategy's step (docs/scaling.md): tokens/s per device, MFU, the share of\n"
       "the step spent waiting for communication, what limits it, and per-device peak memory;\n"
-      "names the fastest strategy that fits --device-gib (80). With --hook, --staleness or\n"
+      "names the fastest strategy that fits --device-gib (78: an H100 80GB holds 79.6 GiB, less\n"
+      "the CUDA context's and NCCL's buffers). With --dtype fp32 give --tflops. With --hook, --staleness or\n"
       "--decentralized only the strategies that take it are listed.\n");
   return why ? 2 : 0;
 }
@@ -81,8 +82,8 @@ int cluster_main(int argc, char** argv) {
   TimeOptions base;
   base.sequences = 4;
   base.sequence_length = 1024;
-  double device_gib = 80;
-  double host_gib = 0;  // offloaded: each node's host memory (0: not checked)
+  double device_gib = 78;  // an H100 80GB's 79.6 GiB, less the CUDA context and NCCL's buffers
+  double host_gib = 0;     // offloaded: each node's host memory (0: not checked)
   double tflops = 0, intra = 0, intra_us = -1, inter = 0, inter_us = -1, intra_ar = 0, inter_ar = 0,
          memory_gbs = 0, calibrate_ms = 0;
   double pcie = 0, host_gbs = 0, collective_share = -1, beside = 0, beside_us = -1;
@@ -249,6 +250,17 @@ int cluster_main(int argc, char** argv) {
   if (base.decentralized_every > 0 && base.offload)
     return usage("--decentralized and --offload 1 do not combine (the engine refuses them)");
   Cluster c = h100_cluster(nodes, per_node);
+  if (base.param_bytes == 4) {
+    // The preset's throughput and peak are bf16's: fp32 compute runs on TF32 tensor cores at
+    // best (half bf16's dense peak, 495 TFLOP/s), or plain FP32 (67).
+    if (!(tflops > 0)) {
+      return usage(
+          "--dtype fp32: the H100 preset's throughput (530 TFLOP/s sustained) is bf16's; give --tflops, the "
+          "sustained fp32 throughput (TF32 tensor cores: about half of bf16's; MFU is then against TF32's "
+          "dense peak, 495 TFLOP/s)");
+    }
+    c.peak_flops = 495e12;
+  }
   if (tflops > 0) c.flops = tflops * 1e12;
   if (intra > 0) c.intra.bus_bandwidth = intra * 1e9;
   if (intra_us >= 0) c.intra.latency = intra_us * 1e-6;

@@ -170,8 +170,9 @@ int main(int argc, char** argv) {
   if (params <= 0 && fit_mib <= 0) return usage("--params is required (a count, e.g. 1.3e9), or --fit-mib");
   for (int w : worlds)
     if (w < 1) return usage("--world sizes must be at least 1");
-  if (units < 1) return usage("--units must be at least 1");
-  if (prefetch < 0) return usage("--prefetch must be at least 0");
+  if (units < 1 || units > 1000000) return usage("--units is from 1 to 1,000,000");
+  if (prefetch < 0 || prefetch > 1024) return usage("--prefetch is from 0 to 1,024");
+  if (params > 1e15 || root > 1e15) return usage("--params and --root are at most 1e15");
   if (shard_group_size < 0) return usage("--shard-group-size must be at least 0 (0: no hybrid groups)");
   for (int w : worlds) {
     if (shard_group_size > 0 && shard_group_size < w && w % shard_group_size != 0)
@@ -245,6 +246,9 @@ int main(int argc, char** argv) {
   }
   ModelShape shape = uniform_shape(static_cast<std::int64_t>(params - root), units, frozen);
   shape.root_numel = static_cast<std::int64_t>(root);
+  // The root's parameters (an embedding, a head) may be the largest tensor of all: taken as
+  // one tensor, as a unit is.
+  shape.largest_param_numel = std::max(shape.largest_param_numel, shape.root_numel);
   shape.root_frozen = static_cast<std::int64_t>(frozen * static_cast<double>(shape.root_numel));
   std::printf(
       "%s\n",

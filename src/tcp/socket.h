@@ -47,6 +47,13 @@ class Socket {
   // Wakes every thread blocked on this socket; they fail with Closed. Thread-safe.
   void shutdown();
 
+  // For a connection that may sit idle while its peer is still needed (a launcher waiting
+  // through a start, the store serving a rank between requests): TCP keepalive probes
+  // after idle_s seconds without traffic, every interval_s, and the connection fails after
+  // `count` unanswered ones. A machine that lost power or its network is then seen as gone
+  // (about 25 s with the defaults) instead of never.
+  void keep_alive(int idle_s = 10, int interval_s = 5, int count = 3) const;
+
  private:
   int fd_ = -1;
   int peer_ = -1;

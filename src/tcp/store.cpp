@@ -184,6 +184,9 @@ class Server {
       connections_.emplace_back();
       Connection& c = connections_.back();
       c.socket = Socket(fd, -1);
+      // A rank's connection idles between requests for the whole job: a rank whose machine
+      // vanished would keep its serving thread until the job ends without probes.
+      c.socket.keep_alive();
       ++unproven_;
       try {
         c.thread = std::thread([this, &c] {

@@ -3,9 +3,11 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -53,6 +55,64 @@ void expect_working_world(const flatshard::World& world) {
   comm->all_reduce(t, flatshard::ReduceOp::Sum).wait();
   const int n = world.world_size();
   EXPECT_TRUE(at::equal(t, at::full({17}, n * (n + 1) / 2.0f)));
+}
+
+// The TCP states of this process's IPv4 connections whose local port is `port`: the timer
+// column of /proc/net/tcp ("tr", 2 while a keepalive timer is pending) of each established one.
+std::vector<int> established_timers(int port) {
+  std::ifstream in("/proc/net/tcp");
+  std::string line;
+  std::getline(in, line);  // the header
+  std::vector<int> timers;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string slot, local, remote, state, queues, timer;
+    fields >> slot >> local >> remote >> state >> queues >> timer;
+    if (state != "01") continue;  // ESTABLISHED
+    if (std::stoi(local.substr(local.find(':') + 1), nullptr, 16) != port) continue;
+    timers.push_back(std::stoi(timer.substr(0, timer.find(':')), nullptr, 16));
+  }
+  return timers;
+}
+
+// Socket::keep_alive sets the probes it promises, and the rendezvous store keeps them on
+// every rank's connection, which idles between requests for the whole job: a rank whose
+// machine vanished is found gone instead of holding a serving thread until the job ends.
+TEST(Sockets, KeepAliveProbesIdleConnections) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  flatshard::tcp::Socket s(fd, -1);
+  s.keep_alive(10, 5, 3);
+  const auto option = [&](int level, int name) {
+    int value = -1;
+    socklen_t len = sizeof(value);
+    ::getsockopt(fd, level, name, &value, &len);
+    return value;
+  };
+  EXPECT_EQ(option(SOL_SOCKET, SO_KEEPALIVE), 1);
+  EXPECT_EQ(option(IPPROTO_TCP, TCP_KEEPIDLE), 10);
+  EXPECT_EQ(option(IPPROTO_TCP, TCP_KEEPINTVL), 5);
+  EXPECT_EQ(option(IPPROTO_TCP, TCP_KEEPCNT), 3);
+
+  int port = 0;
+  {
+    HeldPort probe(false);
+    port = probe.port;
+  }
+  auto store =
+      flatshard::tcp::make_job_store("127.0.0.1", port, /*serve=*/true, "", std::chrono::seconds(10));
+  store->set("k", std::vector<std::uint8_t>{1});
+  // The server's end of the client's connection, once idle: while a reply is not yet
+  // acknowledged its retransmit timer (1) shows instead.
+  std::vector<int> timers;
+  for (int i = 0; i < 100; ++i) {
+    timers = established_timers(port);
+    if (!timers.empty() && std::find(timers.begin(), timers.end(), 1) == timers.end()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_FALSE(timers.empty()) << "no connection to the store";
+  for (int timer : timers)
+    EXPECT_EQ(timer, 2) << "no keepalive timer on the store's end of a rank's connection";
 }
 
 TEST(InitMethods, TcpUrl) {

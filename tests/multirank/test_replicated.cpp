@@ -366,6 +366,14 @@ TEST(Replicated, FrozenParametersAreInNoBucketAndGetNoState) {
     EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
     EXPECT_LE(r.max_rel_loss_diff, kFp32Tolerance);
     EXPECT_GT(r.max_grad_norm, spec.clip);
+    // Plain SGD without clipping moves each weight by its gradient: a frozen layout that
+    // summed the ranks' gradients instead of averaging them (which AdamW and a clip that
+    // always clips would hide) shows.
+    spec.optimizer = OptKind::PlainSGD;
+    spec.clip = 0;
+    const auto plain = train_and_compare<GPT>(
+        world, gpt_factory(), [&](int s) { return gpt_batch(s, spec.global_batch); }, token_loss, spec);
+    EXPECT_LE(plain.max_rel_weight_diff, kFp32Tolerance) << "plain SGD: " << plain.worst_param;
 
     auto model = gpt_factory()();
     std::int64_t trained = 0, held_frozen = 0;
