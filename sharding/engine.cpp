@@ -99,7 +99,12 @@ int Engine::num_units() const {
 void Engine::prefetch(int index) {
   Unit& u = *units_[index];
   if (!u.group || u.gathered || u.gather) return;
-  if (reshard_after_forward_ && gathered_non_root_units() >= options_.prefetch + 1) return;
+  // With find_unused_parameters a unit whose parameter some ranks left unused stays gathered
+  // on those ranks until backward ends, so in backward the count differs across ranks: the
+  // bound would prefetch on some and not on others, and their gathers would go out of step
+  // (Note [Units a backward did not reach]). There every rank prefetches.
+  const bool bounded = !(backward_active_ && orders_reductions());
+  if (bounded && reshard_after_forward_ && gathered_non_root_units() >= options_.prefetch + 1) return;
   issue_gather(index);
   const int frozen = u.frozen_part;
   if (frozen >= 0 && !units_[frozen]->gathered && !units_[frozen]->gather) issue_gather(frozen);

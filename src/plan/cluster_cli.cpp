@@ -253,11 +253,11 @@ int cluster_main(int argc, char** argv) {
   if (base.param_bytes == 4) {
     // The preset's throughput and peak are bf16's: fp32 compute runs on TF32 tensor cores at
     // best (half bf16's dense peak, 495 TFLOP/s), or plain FP32 (67).
-    if (!(tflops > 0)) {
+    if (!(tflops > 0) && !(calibrate_ms > 0)) {
       return usage(
           "--dtype fp32: the H100 preset's throughput (530 TFLOP/s sustained) is bf16's; give --tflops, the "
           "sustained fp32 throughput (TF32 tensor cores: about half of bf16's; MFU is then against TF32's "
-          "dense peak, 495 TFLOP/s)");
+          "dense peak, 495 TFLOP/s), or --calibrate-ms");
     }
     c.peak_flops = 495e12;
   }

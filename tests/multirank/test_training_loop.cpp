@@ -278,6 +278,51 @@ TEST(UnusedParameters, UnitsDoneAtOtherTimesOnOtherRanksReduceInOneOrder) {
   }
 }
 
+// A frozen unit first (its backward is never reached: its input and parameters need no
+// gradient), then the two stages, the second gated as above.
+struct FrozenLeadImpl : torch::nn::Module {
+  FrozenLeadImpl() {
+    lead = register_module("lead", flatshard::Unit<Stage>(false));
+    first = register_module("first", flatshard::Unit<Stage>(false));
+    second = register_module("second", flatshard::Unit<Stage>(true));
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return head(second(first(lead(x)))); }
+  flatshard::Unit<Stage> lead{nullptr}, first{nullptr}, second{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(FrozenLead);
+
+// With find_unused_parameters the gated unit stays gathered until backward ends on the
+// ranks whose rows leave its b unused, and is resharded early on rank 0. The next unit's
+// backward then prefetches the frozen lead unit: were that prefetch bounded by the units
+// gathered, rank 0 would issue it and the others not, and the gathers would go out of step
+// (Note [Units a backward did not reach]); every rank prefetches, and training matches a
+// single process.
+TEST(UnusedParameters, APrefetchInBackwardIsTheSameOnEveryRank) {
+  FLATSHARD_RUN_RANKS({2}, std::chrono::seconds(120));
+  auto world = flatshard::init();
+  const auto make = [] {
+    torch::manual_seed(17);
+    return FrozenLead();
+  };
+  const auto batch = [](int s) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(6000 + s);
+    auto x = at::randn({12, 6}, g);
+    x.select(1, 0).fill_(-1.0);
+    x[0][0] = 1.0;  // rank 0's first row opens the gate
+    return Batch{x, at::randn({12, 3}, g)};
+  };
+  TrainSpec spec;
+  spec.strategy = Strategy::FullShard;
+  spec.find_unused_parameters = true;
+  spec.optimizer = OptKind::PlainSGD;
+  spec.steps = 3;
+  spec.frozen = [](const std::string& name) { return name.rfind("lead.", 0) == 0; };
+  const auto r = train_and_compare<FrozenLead>(world, make, batch, mse, spec);
+  EXPECT_LE(r.max_rel_weight_diff, kFp32Tolerance) << r.worst_param;
+}
+
 // Two units side by side on the input; the loss reaches each only while its flag is set
 // (a branch whose output is dropped: an auxiliary head, a LayerDrop), though both run
 // forward on every rank.
