@@ -432,7 +432,8 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
   on_rank0(restore);
   {
     Trainer fresh(world, Strategy::FullShard);
-    EXPECT_NO_THROW(fresh.load(root));  // restored: loads again
+    EXPECT_NO_THROW(fresh.load(root));  // restored: loads again, the values saved
+    expect_identical(fresh.params(), t.params(), "the restored checkpoint");
   }
 
   std::string meta_text;
@@ -478,6 +479,7 @@ TEST(Checkpoint, CorruptionAndMismatchesAreNamed) {
   {
     Trainer fresh(world, Strategy::FullShard);
     EXPECT_NO_THROW(fresh.load(root)) << "a version-1 checkpoint has no checksum to check";
+    expect_identical(fresh.params(), t.params(), "the version-1 checkpoint");
   }
   with_meta([](nlohmann::json& j) {
     auto& pieces = j["tensors"]["wte.weight"]["pieces"];
