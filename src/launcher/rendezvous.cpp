@@ -62,11 +62,6 @@ Clock::time_point after(double seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(Seconds(seconds));
 }
 
-// A connection that waits for an answer as long as the other launcher is there (a node
-// through a whole start) probes it (Socket::keep_alive): a machine that lost power or its
-// network then ends the wait within about 25 s, as a closed connection does, instead of never.
-void keep_alive(const tcp::Socket& s) { s.keep_alive(); }
-
 // Waits until `s` has bytes to read (or is closed) or `until` passes, asking `o.stop` every
 // 200 ms; false when `until` passed.
 bool wait_readable(tcp::Socket& s, Clock::time_point until, const RendezvousOptions& o) {
@@ -133,7 +128,7 @@ struct RendezvousHost::State {
     } catch (const tcp::IoError&) {
       return std::nullopt;  // none before `until`
     }
-    keep_alive(s);  // a node that vanishes while it waits is then seen as gone
+    s.keep_alive();  // a node that vanishes while it waits is then seen as gone (Socket::keep_alive)
     if (auto refused = tcp::check_secret(s, options.secret, kPurpose, Clock::now() + handshake)) {
       std::fprintf(stderr, "flatshard-run: refused a connection to the launchers' rendezvous from %s: %s\n",
                    tcp::peer_address(s).c_str(), refused->c_str());
@@ -343,7 +338,7 @@ Membership RendezvousNode::join() {
     try {
       if (o.stop && o.stop()) throw RendezvousStopped{};
       tcp::Socket s = tcp::Socket::connect(o.host, o.port, 0, std::min(give_up, after(1)));
-      keep_alive(s);
+      s.keep_alive();
       // The host answers once it opens a round: while a start runs, not before it ends, so
       // a node that arrives then waits as long as the host is there; once it is gone, the
       // timeout counts from then.

@@ -245,6 +245,15 @@ struct TwoStagesImpl : torch::nn::Module {
 };
 TORCH_MODULE(TwoStages);
 
+// 12 rows for the gated stages: only the first (rank 0's) opens the gate.
+Batch rank0_opens_the_gate(std::uint64_t seed) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto x = at::randn({12, 6}, g);
+  x.select(1, 0).fill_(-1.0);
+  x[0][0] = 1.0;
+  return Batch{x, at::randn({12, 3}, g)};
+}
+
 // Only rank 0's rows open the second unit's gate, so on the other ranks that unit's b gets
 // no gradient and the unit is not done when its backward is: with find_unused_parameters
 // the sharded strategies still reduce the units in one order on every rank (Note
@@ -259,13 +268,7 @@ TEST(UnusedParameters, UnitsDoneAtOtherTimesOnOtherRanksReduceInOneOrder) {
     torch::manual_seed(7);
     return TwoStages();
   };
-  const auto batch = [](int s) {
-    auto g = at::make_generator<at::CPUGeneratorImpl>(5000 + s);
-    auto x = at::randn({12, 6}, g);
-    x.select(1, 0).fill_(-1.0);
-    x[0][0] = 1.0;  // rank 0's first row
-    return Batch{x, at::randn({12, 3}, g)};
-  };
+  const auto batch = [](int s) { return rank0_opens_the_gate(5000 + s); };
   for (Strategy strategy : {Strategy::FullShard, Strategy::ShardGradOp}) {
     TrainSpec spec;
     spec.strategy = strategy;
@@ -306,13 +309,7 @@ TEST(UnusedParameters, APrefetchInBackwardIsTheSameOnEveryRank) {
     torch::manual_seed(17);
     return FrozenLead();
   };
-  const auto batch = [](int s) {
-    auto g = at::make_generator<at::CPUGeneratorImpl>(6000 + s);
-    auto x = at::randn({12, 6}, g);
-    x.select(1, 0).fill_(-1.0);
-    x[0][0] = 1.0;  // rank 0's first row opens the gate
-    return Batch{x, at::randn({12, 3}, g)};
-  };
+  const auto batch = [](int s) { return rank0_opens_the_gate(6000 + s); };
   TrainSpec spec;
   spec.strategy = Strategy::FullShard;
   spec.find_unused_parameters = true;
